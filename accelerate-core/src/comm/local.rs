@@ -1,0 +1,68 @@
+//! The communicator of a job with one rank: every collective is the identity.
+
+use std::cell::Cell;
+
+use candle_core::Tensor;
+
+use super::{CommStats, Communicator, ReduceOp};
+use crate::error::Result;
+
+/// Communicator for a single process. Collectives return at once and send nothing, but are still
+/// counted, so code that checks how many all-reduces it issued behaves the same at any world size.
+#[derive(Debug, Default)]
+pub struct LocalCommunicator {
+    stats: Cell<CommStats>,
+}
+
+impl LocalCommunicator {
+    /// A communicator for world size 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn count(&self, f: impl FnOnce(&mut CommStats)) {
+        let mut s = self.stats.get();
+        f(&mut s);
+        self.stats.set(s);
+    }
+}
+
+impl Communicator for LocalCommunicator {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn all_reduce(&self, _tensor: &Tensor, _op: ReduceOp) -> Result<()> {
+        // Sum, mean and max over one rank are all the identity.
+        self.count(|s| s.all_reduces += 1);
+        Ok(())
+    }
+
+    fn broadcast(&self, _tensor: &Tensor, root: usize) -> Result<()> {
+        if root != 0 {
+            return Err(crate::Error::Config(format!(
+                "broadcast from rank {root} in a job of 1 process; the only rank is 0"
+            )));
+        }
+        self.count(|s| s.broadcasts += 1);
+        Ok(())
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.count(|s| s.all_gathers += 1);
+        Ok(tensor.clone())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.count(|s| s.barriers += 1);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.get()
+    }
+}

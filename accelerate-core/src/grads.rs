@@ -1,0 +1,341 @@
+//! Gradient buffers keyed by parameter name, laid out in flat buckets.
+//!
+//! candle's `GradStore` is keyed by `TensorId`, a process-local counter that means nothing to another
+//! rank, and it is rebuilt by every backward pass. [`GradientBuffers`] instead owns one flat tensor per
+//! bucket (parameters in sorted-name order, a bucket closed when it would exceed the size cap) and
+//! hands out each parameter's gradient as a view into its bucket. Gradients of micro-steps are added
+//! into those views in place; on the sync micro-step the buckets go to the communicator as they are,
+//! and the optimizer reads the same views. The memory is allocated once and reused every step.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+
+use crate::cpu_slices::{with_f32, with_f32_mut};
+use crate::error::{Error, Result};
+
+/// Default bucket cap, as in PyTorch DDP.
+pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
+
+/// One flat buffer holding the gradients of consecutive parameters (in sorted-name order).
+#[derive(Debug)]
+pub struct GradientBucket {
+    flat: Tensor,
+    params: std::ops::Range<usize>,
+}
+
+impl GradientBucket {
+    /// The flat 1-D tensor of this bucket, to be all-reduced in place.
+    pub fn flat(&self) -> &Tensor {
+        &self.flat
+    }
+
+    /// Indices (into [`GradientBuffers::names`]) of the parameters stored in this bucket.
+    pub fn params(&self) -> std::ops::Range<usize> {
+        self.params.clone()
+    }
+
+    /// Size of the bucket's data in bytes.
+    pub fn size_in_bytes(&self) -> usize {
+        self.flat.elem_count() * self.flat.dtype().size_in_bytes()
+    }
+}
+
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    view: Tensor,
+    /// Whether the view holds data of the current accumulation window; lazily zeroed otherwise.
+    written: bool,
+}
+
+/// Accumulated gradients of a set of named parameters.
+#[derive(Debug)]
+pub struct GradientBuffers {
+    slots: Vec<Slot>,
+    index: HashMap<String, usize>,
+    buckets: Vec<GradientBucket>,
+}
+
+impl GradientBuffers {
+    /// Allocates buffers for `params`, which must be sorted by name and unique. Consecutive
+    /// parameters of the same dtype and device share a bucket of at most `bucket_cap_bytes`
+    /// (a larger parameter gets a bucket of its own).
+    pub fn new(params: &[(String, Var)], bucket_cap_bytes: usize) -> Result<Self> {
+        for pair in params.windows(2) {
+            if pair[0].0 >= pair[1].0 {
+                return Err(Error::Parameters(format!(
+                    "parameters must be sorted by name and unique, found {:?} before {:?}",
+                    pair[0].0, pair[1].0
+                )));
+            }
+        }
+        let mut slots = Vec::with_capacity(params.len());
+        let mut buckets = Vec::new();
+        let mut start = 0;
+        while start < params.len() {
+            let (dtype, device) = (params[start].1.dtype(), params[start].1.device().clone());
+            let mut end = start;
+            let mut elems = 0usize;
+            while end < params.len() {
+                let v = &params[end].1;
+                let n = v.elem_count();
+                let same_kind = v.dtype() == dtype && v.device().same_device(&device);
+                let fits = (elems + n) * dtype.size_in_bytes() <= bucket_cap_bytes;
+                if end > start && (!same_kind || !fits) {
+                    break;
+                }
+                elems += n;
+                end += 1;
+            }
+            let flat = Tensor::zeros(elems, dtype, &device)?;
+            let mut offset = 0;
+            for (name, var) in &params[start..end] {
+                let n = var.elem_count();
+                let view = flat.narrow(0, offset, n)?.reshape(var.shape())?;
+                offset += n;
+                slots.push(Slot {
+                    name: name.clone(),
+                    view,
+                    written: false,
+                });
+            }
+            buckets.push(GradientBucket {
+                flat,
+                params: start..end,
+            });
+            start = end;
+        }
+        let index = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), i))
+            .collect();
+        Ok(Self {
+            slots,
+            index,
+            buckets,
+        })
+    }
+
+    /// Buffers filled once from a candle `GradStore` (for a plain loop without an `Accelerator`).
+    pub fn from_grad_store(params: &[(String, Var)], grads: &GradStore) -> Result<Self> {
+        let mut buffers = Self::new(params, DEFAULT_BUCKET_CAP_BYTES)?;
+        buffers.accumulate(params, grads, 1.0)?;
+        Ok(buffers)
+    }
+
+    /// Parameter names in bucket order (sorted).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.slots.iter().map(|s| s.name.as_str())
+    }
+
+    /// The buckets, in order.
+    pub fn buckets(&self) -> &[GradientBucket] {
+        &self.buckets
+    }
+
+    /// The accumulated gradient of `name`, or `None` if it has not received one since the last
+    /// [`zero`](Self::zero) (PyTorch's `grad is None`: optimizers skip such parameters).
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        let slot = &self.slots[*self.index.get(name)?];
+        slot.written.then_some(&slot.view)
+    }
+
+    /// Adds `scale * grad(p)` into the buffer of every parameter `p` that has a gradient in `grads`.
+    /// `params` must be the same (sorted) list the buffers were built from.
+    pub fn accumulate(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &GradStore,
+        scale: f64,
+    ) -> Result<()> {
+        if params.len() != self.slots.len() {
+            return Err(Error::Parameters(format!(
+                "gradient buffers hold {} parameters but {} were given",
+                self.slots.len(),
+                params.len()
+            )));
+        }
+        for (slot, (name, var)) in self.slots.iter_mut().zip(params) {
+            debug_assert_eq!(&slot.name, name);
+            if let Some(grad) = grads.get(var.as_tensor()) {
+                add_scaled(slot, grad, scale)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `scale * grad` into the buffer of the parameter `name`.
+    pub fn accumulate_one(&mut self, name: &str, grad: &Tensor, scale: f64) -> Result<()> {
+        let i = *self.index.get(name).ok_or_else(|| {
+            Error::Parameters(format!("no gradient buffer for parameter {name:?}"))
+        })?;
+        add_scaled(&mut self.slots[i], grad, scale)
+    }
+
+    /// Writes zeros into buffers that received no gradient this window and marks every buffer as
+    /// holding a gradient, so whole buckets can be reduced across ranks (unused parameters get a
+    /// zero gradient, as under DDP's `find_unused_parameters`).
+    pub fn fill_missing_with_zeros(&mut self) -> Result<()> {
+        for slot in self.slots.iter_mut().filter(|s| !s.written) {
+            fill(&slot.view, 0.0)?;
+            slot.written = true;
+        }
+        Ok(())
+    }
+
+    /// Whether any parameter has received a gradient since the last [`zero`](Self::zero).
+    pub fn any_written(&self) -> bool {
+        self.slots.iter().any(|s| s.written)
+    }
+
+    /// Forgets the accumulated gradients. The memory is kept and overwritten (not added to) by the
+    /// next accumulation, so zeroing costs nothing.
+    pub fn zero(&mut self) {
+        for slot in &mut self.slots {
+            slot.written = false;
+        }
+    }
+
+    /// L2 norm of all accumulated gradients together.
+    pub fn global_norm(&self) -> Result<f64> {
+        let mut sum_sq = 0f64;
+        for slot in self.slots.iter().filter(|s| s.written) {
+            let fast = with_f32(&slot.view, |xs| {
+                xs.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
+            })?;
+            sum_sq += match fast {
+                Some(s) => s,
+                None => slot
+                    .view
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?,
+            };
+        }
+        Ok(sum_sq.sqrt())
+    }
+
+    /// Multiplies every accumulated gradient by `factor`, in place.
+    pub fn scale(&mut self, factor: f64) -> Result<()> {
+        for slot in self.slots.iter().filter(|s| s.written) {
+            scale_in_place(&slot.view, factor)?;
+        }
+        Ok(())
+    }
+
+    /// Whether every accumulated gradient is finite (no inf or NaN): the fp16 overflow check.
+    pub fn all_finite(&self) -> Result<bool> {
+        for slot in self.slots.iter().filter(|s| s.written) {
+            let fast = with_f32(&slot.view, |xs| xs.iter().all(|x| x.is_finite()))?;
+            let finite = match fast {
+                Some(f) => f,
+                None => {
+                    let s = slot.view.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                    s.is_finite()
+                }
+            };
+            if !finite {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// `slot += scale * grad` (or `slot = scale * grad` when the slot is not yet written), in one pass
+/// over the data on the CPU.
+fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
+    if grad.shape() != slot.view.shape() {
+        return Err(Error::Parameters(format!(
+            "gradient of {:?} has shape {:?}, the parameter has {:?}",
+            slot.name,
+            grad.shape(),
+            slot.view.shape()
+        )));
+    }
+    let grad = if grad.dtype() != slot.view.dtype() {
+        grad.to_dtype(slot.view.dtype())?
+    } else {
+        grad.clone()
+    };
+    // Gradients of transposed uses (every `Linear` weight) come back as strided views.
+    let grad = grad.contiguous()?;
+    let overwrite = !slot.written;
+    let s = scale as f32;
+    let fused = with_f32(&grad, |g| {
+        with_f32_mut(&slot.view, |dst| {
+            if overwrite {
+                if s == 1.0 {
+                    dst.copy_from_slice(g);
+                } else {
+                    dst.iter_mut().zip(g).for_each(|(d, &x)| *d = x * s);
+                }
+            } else {
+                dst.iter_mut().zip(g).for_each(|(d, &x)| *d += x * s);
+            }
+        })
+    })?;
+    match fused {
+        Some(Ok(Some(()))) => {}
+        Some(Err(e)) => return Err(e),
+        _ => {
+            let scaled = (grad * scale)?;
+            let new = if overwrite {
+                scaled
+            } else {
+                (slot.view.clone() + scaled)?
+            };
+            overwrite_view(&slot.view, &new)?;
+        }
+    }
+    slot.written = true;
+    Ok(())
+}
+
+/// Copies `src` into the storage behind `view` (device-generic path).
+fn overwrite_view(view: &Tensor, src: &Tensor) -> Result<()> {
+    // `slice_set` writes through to the storage shared with the bucket.
+    let flat_view = view.flatten_all()?;
+    flat_view.slice_set(&src.flatten_all()?.contiguous()?, 0, 0)?;
+    Ok(())
+}
+
+fn fill(view: &Tensor, value: f32) -> Result<()> {
+    if with_f32_mut(view, |xs| xs.fill(value))?.is_none() {
+        let z = (Tensor::ones(view.shape(), view.dtype(), view.device())? * value as f64)?;
+        overwrite_view(view, &z)?;
+    }
+    Ok(())
+}
+
+fn scale_in_place(view: &Tensor, factor: f64) -> Result<()> {
+    let f = factor as f32;
+    if with_f32_mut(view, |xs| xs.iter_mut().for_each(|x| *x *= f))?.is_none() {
+        let scaled = (view.clone() * factor)?;
+        overwrite_view(view, &scaled)?;
+    }
+    Ok(())
+}
+
+/// Sorted, uniqueness-checked `(name, Var)` pairs.
+pub(crate) fn sorted_named_vars(mut vars: Vec<(String, Var)>) -> Result<Vec<(String, Var)>> {
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for pair in vars.windows(2) {
+        if pair[0].0 == pair[1].0 {
+            return Err(Error::Parameters(format!(
+                "parameter name {:?} appears twice; every parameter needs a unique name",
+                pair[0].0
+            )));
+        }
+    }
+    Ok(vars)
+}
+
+/// Shape and device description used in error messages.
+pub(crate) fn describe(shape: &Shape, device: &Device) -> String {
+    format!("{:?} on {:?}", shape.dims(), device.location())
+}

@@ -1,0 +1,7 @@
+//! accelerate-core: everything a training process links.
+pub mod comm;
+pub mod cpu_slices;
+pub mod error;
+pub mod grads;
+
+pub use error::{Error, Result};
