@@ -1,0 +1,295 @@
+//! Who this process is in the job: rank, world size, local rank, where the rendezvous store is.
+//!
+//! Parsed once from the environment. Our launcher's `ACCELERATE_*` variables come first, then
+//! torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`),
+//! then SLURM's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, ...). With none of them set the
+//! process is alone: rank 0 of 1, no store, no sockets.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+
+/// Who started this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// Nobody: a plain single process.
+    None,
+    /// `accelerate-launch` (it hosts the store and sets a job token).
+    Accelerate,
+    /// torchrun or anything else that sets `RANK`/`WORLD_SIZE` (rank 0 hosts the store).
+    Torchrun,
+    /// SLURM's `srun` (rank 0 hosts the store).
+    Slurm,
+}
+
+/// The identity of this process within its job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessState {
+    /// Global rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// Rank among the processes of this machine; selects the GPU.
+    pub local_rank: usize,
+    /// Number of processes on this machine.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of the rendezvous store (`MASTER_PORT`).
+    pub master_port: u16,
+    /// Secret every store client presents (`ACCELERATE_JOB_TOKEN`); empty outside our launcher.
+    pub job_token: String,
+    /// How many times the launcher has restarted the group (`ACCELERATE_RESTART_COUNT`).
+    pub restart_count: u32,
+    /// Who started the process.
+    pub launcher: Launcher,
+}
+
+/// Default rendezvous port, as torchrun and Accelerate.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+impl ProcessState {
+    /// A lone process: rank 0 of 1.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            job_token: String::new(),
+            restart_count: 0,
+            launcher: Launcher::None,
+        }
+    }
+
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_vars(&std::env::vars().collect())
+    }
+
+    /// Parses the given environment (for tests and embedding).
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<Self> {
+        let get = |k: &str| vars.get(k).filter(|v| !v.is_empty());
+        let (launcher, rank_var, world_var, local_var, local_world_var) =
+            if get("ACCELERATE_RANK").is_some() {
+                (
+                    Launcher::Accelerate,
+                    "ACCELERATE_RANK",
+                    "ACCELERATE_WORLD_SIZE",
+                    "ACCELERATE_LOCAL_RANK",
+                    "ACCELERATE_LOCAL_WORLD_SIZE",
+                )
+            } else if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+                (
+                    Launcher::Torchrun,
+                    "RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                )
+            } else if get("SLURM_PROCID").is_some() && get("SLURM_NTASKS").is_some() {
+                (
+                    Launcher::Slurm,
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "SLURM_LOCALID",
+                    "SLURM_NTASKS_PER_NODE",
+                )
+            } else {
+                return Ok(Self::single());
+            };
+        let number = |name: &str, default: Option<usize>| -> Result<usize> {
+            match get(name) {
+                Some(v) => v.trim().parse::<usize>().map_err(|_| Error::Env {
+                    name: name.into(),
+                    value: v.clone(),
+                    problem: "expected a non-negative integer".into(),
+                }),
+                None => default.ok_or_else(|| Error::Env {
+                    name: name.into(),
+                    value: String::new(),
+                    problem: format!(
+                        "it is unset although {rank_var} is set; a launcher sets both \
+                         (run under accelerate-launch or torchrun, or unset {rank_var})"
+                    ),
+                }),
+            }
+        };
+        let rank = number(rank_var, None)?;
+        let world_size = number(world_var, None)?;
+        if world_size == 0 {
+            return Err(Error::Env {
+                name: world_var.into(),
+                value: "0".into(),
+                problem: "a job has at least one process".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(Error::Env {
+                name: rank_var.into(),
+                value: rank.to_string(),
+                problem: format!("rank must be below the world size {world_size} ({world_var})"),
+            });
+        }
+        let local_rank = number(local_var, Some(rank))?;
+        // SLURM_NTASKS_PER_NODE may read "4(x2)"; take the leading count.
+        let local_world_size = match get(local_world_var) {
+            Some(v) if launcher == Launcher::Slurm => v
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(world_size),
+            _ => number(local_world_var, Some(world_size))?,
+        };
+        if local_rank >= local_world_size {
+            return Err(Error::Env {
+                name: local_var.into(),
+                value: local_rank.to_string(),
+                problem: format!(
+                    "local rank must be below the local world size {local_world_size} ({local_world_var})"
+                ),
+            });
+        }
+        let master_addr = get("MASTER_ADDR")
+            .cloned()
+            .unwrap_or_else(|| "127.0.0.1".into());
+        let master_port = match get("MASTER_PORT") {
+            Some(p) => p.trim().parse::<u16>().map_err(|_| Error::Env {
+                name: "MASTER_PORT".into(),
+                value: p.clone(),
+                problem: "expected a TCP port number (1-65535)".into(),
+            })?,
+            None => DEFAULT_MASTER_PORT,
+        };
+        let restart_count = match get("ACCELERATE_RESTART_COUNT") {
+            Some(v) => v.trim().parse::<u32>().map_err(|_| Error::Env {
+                name: "ACCELERATE_RESTART_COUNT".into(),
+                value: v.clone(),
+                problem: "expected a non-negative integer".into(),
+            })?,
+            None => 0,
+        };
+        Ok(Self {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            job_token: get("ACCELERATE_JOB_TOKEN").cloned().unwrap_or_default(),
+            restart_count,
+            launcher,
+        })
+    }
+
+    /// Whether this is global rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Whether this is rank 0 of its machine.
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+
+    /// Whether more than one process takes part.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn empty_environment_is_a_single_process() {
+        assert_eq!(
+            ProcessState::from_vars(&vars(&[])).unwrap(),
+            ProcessState::single()
+        );
+    }
+
+    #[test]
+    fn torchrun_variables_are_read() {
+        let s = ProcessState::from_vars(&vars(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (s.rank, s.world_size, s.local_rank, s.local_world_size),
+            (3, 4, 1, 2)
+        );
+        assert_eq!((s.master_addr.as_str(), s.master_port), ("10.0.0.1", 1234));
+        assert_eq!(s.launcher, Launcher::Torchrun);
+        assert!(!s.is_main_process() && !s.is_local_main_process());
+    }
+
+    #[test]
+    fn our_variables_win_over_torchruns() {
+        let s = ProcessState::from_vars(&vars(&[
+            ("ACCELERATE_RANK", "1"),
+            ("ACCELERATE_WORLD_SIZE", "2"),
+            ("ACCELERATE_JOB_TOKEN", "secret"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "9"),
+        ]))
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank), (1, 2, 1));
+        assert_eq!(s.job_token, "secret");
+        assert_eq!(s.launcher, Launcher::Accelerate);
+    }
+
+    #[test]
+    fn slurm_task_counts_with_repeat_suffix() {
+        let s = ProcessState::from_vars(&vars(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (s.rank, s.world_size, s.local_rank, s.local_world_size),
+            (5, 8, 1, 4)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let e = ProcessState::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RANK") && e.contains("below the world size 2"), "{e}");
+        let e = ProcessState::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RANK=\"x\""), "{e}");
+        let e = ProcessState::from_vars(&vars(&[("RANK", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("WORLD_SIZE"), "{e}");
+        let e = ProcessState::from_vars(&vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_PORT", "99999"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_PORT"), "{e}");
+    }
+}
