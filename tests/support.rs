@@ -1,1 +1,196 @@
-//! Test support.
+//! Shared pieces of the integration tests: a tiny model, seeded data, and reference optimizers
+//! written directly from the published update rules with plain candle tensor ops — independent of
+//! the fused kernels, gradient buffers and accumulation logic under test.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::{Linear, Module, VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Inputs of the tiny model.
+pub const TINY_IN: usize = 6;
+/// Classes of the tiny model.
+pub const TINY_CLASSES: usize = 3;
+
+/// A two-layer tanh MLP, 6 → 8 → 3.
+#[derive(Debug)]
+pub struct TinyMlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl TinyMlp {
+    /// Logits.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.tanh()?)
+    }
+}
+
+/// The tiny model with seeded weights (same seed, same weights).
+pub fn tiny_mlp(seed: u64) -> Result<(VarMap, TinyMlp)> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = TinyMlp {
+        l1: candle_nn::linear(TINY_IN, 8, vb.pp("l1"))?,
+        l2: candle_nn::linear(8, TINY_CLASSES, vb.pp("l2"))?,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for (_, var) in named_vars(&varmap) {
+        let v: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu)?)?;
+    }
+    Ok((varmap, model))
+}
+
+/// The parameters of a `VarMap`, sorted by name.
+pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let mut v: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Seeded classification data: x `[n, 6]`, y `[n]` (u32, in 0..3).
+pub fn tiny_data(n: usize, seed: u64) -> Result<(Tensor, Tensor)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<f32> = (0..n * TINY_IN).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..TINY_CLASSES as u32)).collect();
+    Ok((
+        Tensor::from_vec(x, (n, TINY_IN), &Device::Cpu)?,
+        Tensor::from_vec(y, n, &Device::Cpu)?,
+    ))
+}
+
+/// Largest absolute difference between two parameter sets with the same names.
+pub fn max_abs_diff(a: &[(String, Var)], b: &[(String, Var)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, va), (nb, vb))| {
+            assert_eq!(na, nb);
+            let d = (va.as_tensor() - vb.as_tensor()).unwrap().abs().unwrap();
+            d.flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Copies parameter values (to compare before/after).
+pub fn snapshot(params: &[(String, Var)]) -> Vec<Vec<f32>> {
+    params
+        .iter()
+        .map(|(_, v)| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+/// PyTorch's SGD and AdamW, written from their documented update rules with tensor ops.
+#[derive(Debug)]
+pub enum ReferenceOptimizer {
+    /// `torch.optim.SGD(lr, momentum)` (no dampening, no Nesterov, no weight decay).
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum factor.
+        momentum: f64,
+        /// Momentum buffers by name.
+        bufs: HashMap<String, Tensor>,
+    },
+    /// `torch.optim.AdamW(lr, betas, eps, weight_decay)`.
+    AdamW {
+        /// Learning rate.
+        lr: f64,
+        /// β1, β2.
+        betas: (f64, f64),
+        /// ε, added outside the square root.
+        eps: f64,
+        /// Decoupled weight decay.
+        weight_decay: f64,
+        /// Step count.
+        t: i32,
+        /// First and second moments by name.
+        moments: HashMap<String, (Tensor, Tensor)>,
+    },
+}
+
+impl ReferenceOptimizer {
+    /// SGD with momentum.
+    pub fn sgd(lr: f64, momentum: f64) -> Self {
+        Self::Sgd {
+            lr,
+            momentum,
+            bufs: HashMap::new(),
+        }
+    }
+
+    /// AdamW with PyTorch's default betas and eps.
+    pub fn adamw(lr: f64, weight_decay: f64) -> Self {
+        Self::AdamW {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay,
+            t: 0,
+            moments: HashMap::new(),
+        }
+    }
+
+    /// Sets the learning rate (for schedules).
+    pub fn set_lr(&mut self, new: f64) {
+        match self {
+            Self::Sgd { lr, .. } | Self::AdamW { lr, .. } => *lr = new,
+        }
+    }
+
+    /// One update from candle's gradients.
+    pub fn step(&mut self, params: &[(String, Var)], grads: &GradStore) -> Result<()> {
+        match self {
+            Self::Sgd { lr, momentum, bufs } => {
+                for (name, var) in params {
+                    let Some(g) = grads.get(var.as_tensor()) else { continue };
+                    let buf = match bufs.get(name) {
+                        None => g.clone(),
+                        Some(b) => ((b * *momentum)? + g)?,
+                    };
+                    var.set(&(var.as_tensor() - (&buf * *lr)?)?)?;
+                    bufs.insert(name.clone(), buf);
+                }
+            }
+            Self::AdamW {
+                lr,
+                betas,
+                eps,
+                weight_decay,
+                t,
+                moments,
+            } => {
+                *t += 1;
+                let (b1, b2) = *betas;
+                for (name, var) in params {
+                    let Some(g) = grads.get(var.as_tensor()) else { continue };
+                    let (m, v) = match moments.get(name) {
+                        Some(mv) => mv.clone(),
+                        None => (g.zeros_like()?, g.zeros_like()?),
+                    };
+                    let m = ((m * b1)? + (g * (1.0 - b1))?)?;
+                    let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+                    let m_hat = (&m / (1.0 - b1.powi(*t)))?;
+                    let v_hat = (&v / (1.0 - b2.powi(*t)))?;
+                    let p = (var.as_tensor() * (1.0 - *lr * *weight_decay))?;
+                    let update = (m_hat / (v_hat.sqrt()? + *eps)?)?;
+                    var.set(&(p - (update * *lr)?)?)?;
+                    moments.insert(name.clone(), (m, v));
+                }
+            }
+        }
+        Ok(())
+    }
+}

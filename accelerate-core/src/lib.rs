@@ -1,7 +1,72 @@
-//! accelerate-core: everything a training process links.
+//! # accelerate-core
+//!
+//! Everything a training process links to train with the same loop on one process (one GPU or the
+//! CPU) or as one rank of many: [`Accelerator::prepare`] for the parameters, optimizer, data loader
+//! and LR scheduler; [`Accelerator::accumulate`] to begin a micro-step of gradient accumulation;
+//! [`Accelerator::backward`], which accumulates gradients by parameter name and averages them across
+//! ranks on the micro-step where the optimizer steps.
+//!
+//! ## The canonical loop
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use accelerate_core::data::{DataLoader, TensorDataset};
+//! use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler, Schedule};
+//! use accelerate_core::Accelerator;
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, loss, Module, VarBuilder, VarMap};
+//!
+//! # fn main() -> accelerate_core::Result<()> {
+//! let mut acc = Accelerator::builder().gradient_accumulation_steps(4).build()?;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, acc.device());
+//! let model = linear(8, 2, vb.pp("l1"))?;
+//! let x = Tensor::randn(0f32, 1.0, (256, 8), &Device::Cpu)?;
+//! let y = Tensor::zeros(256, DType::U32, &Device::Cpu)?;
+//! let dataset = Arc::new(TensorDataset::new(x, y)?);
+//!
+//! let params = acc.prepare(&varmap)?;
+//! let mut opt = acc.prepare(AdamW::new(params, AdamWConfig::default())?)?;
+//! let mut loader = acc.prepare(DataLoader::new(dataset, 16).shuffle(true).seed(42))?;
+//! let total = acc.num_update_steps(loader.len()) * 3;
+//! let schedule = Schedule::CosineWithWarmup { warmup_steps: 2, total_steps: total };
+//! let mut sched = acc.prepare(LrScheduler::new(opt.inner().learning_rate().clone(), schedule)?)?;
+//!
+//! for _epoch in 0..3 {
+//!     for batch in loader.iter() {
+//!         let (x, y) = batch?;
+//!         let _step = acc.accumulate();          // one micro-step
+//!         let logits = model.forward(&x)?;
+//!         let loss = loss::cross_entropy(&logits, &y)?;
+//!         acc.backward(&loss)?;                   // scaled by 1/k; averaged across ranks on sync
+//!         if acc.sync_gradients() {
+//!             acc.clip_grad_norm(1.0)?;
+//!         }
+//!         opt.step()?;                            // no-ops unless this micro-step syncs
+//!         sched.step();
+//!         opt.zero_grad();
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+pub mod accelerator;
+pub mod accumulate;
 pub mod comm;
 pub mod cpu_slices;
+pub mod data;
 pub mod error;
+pub mod files;
 pub mod grads;
+pub mod optim;
+pub mod prepared;
+pub mod state;
 
+pub use accelerator::{Accelerator, AcceleratorBuilder, Prepare};
+pub use accumulate::MicroStep;
+pub use comm::ReduceOp;
 pub use error::{Error, Result};
+pub use prepared::{PreparedOptimizer, PreparedScheduler};
+pub use state::ProcessState;

@@ -1,1 +1,196 @@
-fn main() {}
+//! `accelerate-launch`: starts a training program as the processes of one job, hosts the
+//! rendezvous store, and supervises the workers (rank-prefixed output, signal forwarding, the
+//! whole group stopped when one rank fails).
+
+mod cli;
+mod supervise;
+mod worker_env;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use accelerate_core::comm::store::StoreServer;
+use clap::Parser;
+use rand::Rng;
+
+use supervise::{GroupConfig, Outcome, WorkerSpec};
+use worker_env::JobLayout;
+
+/// Environment variable that carries the job token to every machine of a multi-machine job.
+const JOB_TOKEN_ENV: &str = "ACCELERATE_JOB_TOKEN";
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    match launch(args) {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("accelerate-launch: error: {msg}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Number of CUDA devices this build can use.
+fn gpu_count() -> usize {
+    0
+}
+
+fn launch(args: cli::Args) -> Result<ExitCode, String> {
+    args.validate()?;
+    let gpus = gpu_count();
+    let (world_size, cpu) = match (args.num_gpus, args.num_processes) {
+        (Some(n), _) if args.cpu => {
+            return Err(format!(
+                "--num-gpus {n} together with --cpu; use --cpu --num-processes {n} for CPU workers"
+            ))
+        }
+        (Some(n), Some(p)) if n != p => {
+            return Err(format!(
+                "--num-gpus {n} and --num-processes {p} disagree; give one of them"
+            ))
+        }
+        (Some(n), _) if n > gpus => {
+            return Err(format!(
+                "--num-gpus {n}: found {gpus} usable GPU(s) (this build has no CUDA support); use \
+                 --cpu --num-processes {n} to train on the CPU"
+            ))
+        }
+        (Some(n), _) => (n, false),
+        (None, Some(p)) => (p, args.cpu || gpus == 0),
+        (None, None) => {
+            if args.cpu || gpus == 0 {
+                (1, true)
+            } else {
+                (gpus, false)
+            }
+        }
+    };
+    if world_size % args.num_machines != 0 {
+        return Err(format!(
+            "--num-processes {world_size} is not divisible by --num-machines {}; every machine \
+             runs the same number of processes",
+            args.num_machines
+        ));
+    }
+    let local_world_size = world_size / args.num_machines;
+    let multi_machine = args.num_machines > 1;
+
+    let job_token = match std::env::var(JOB_TOKEN_ENV) {
+        Ok(t) if !t.is_empty() => t,
+        _ if multi_machine => {
+            return Err(format!(
+                "a job on several machines needs the same secret on every machine: set \
+                 {JOB_TOKEN_ENV} to one random string (e.g. `openssl rand -hex 16`) before \
+                 running accelerate-launch on each machine"
+            ))
+        }
+        _ => {
+            let bytes: [u8; 16] = rand::rng().random();
+            bytes.iter().map(|b| format!("{b:02x}")).collect()
+        }
+    };
+
+    // The store lives on machine rank 0; single-machine jobs keep it on loopback.
+    let (master_addr, master_port, _store) = if args.machine_rank == 0 {
+        let ip = if multi_machine {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        } else {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        };
+        let port = choose_port(ip, args.main_process_port, multi_machine)?;
+        let server = StoreServer::start(SocketAddr::new(ip, port), job_token.clone(), 0)
+            .map_err(|e| format!("cannot start the rendezvous store on port {port}: {e}"))?;
+        let addr = if multi_machine {
+            args.main_process_ip.clone().unwrap_or_default()
+        } else {
+            "127.0.0.1".to_string()
+        };
+        (addr, server.local_addr().port(), Some(server))
+    } else {
+        (
+            args.main_process_ip.clone().unwrap_or_default(),
+            args.main_process_port,
+            None,
+        )
+    };
+
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let layout = JobLayout {
+        world_size,
+        local_world_size,
+        machine_rank: args.machine_rank,
+        master_addr,
+        master_port,
+        job_token,
+        restart_count: 0,
+        gradient_accumulation_steps: args.gradient_accumulation_steps,
+        cpu,
+        threads_per_worker: (cores / local_world_size).max(1),
+    };
+    let inherited = |v: &str| std::env::var_os(v).is_some();
+    let workers = (0..local_world_size)
+        .map(|local| WorkerSpec {
+            rank: layout.global_rank(local),
+            env: layout.worker_env(local, &inherited),
+        })
+        .collect();
+    use std::io::IsTerminal;
+    let config = GroupConfig {
+        program: args.program.clone(),
+        args: args.program_args.clone(),
+        workers,
+        quiet: args.quiet,
+        tee_dir: args.tee.clone(),
+        grace: Duration::from_secs(5),
+        rank0_stderr_direct: std::io::stderr().is_terminal(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    let outcome = runtime.block_on(supervise::run_group(&config))?;
+    match outcome {
+        Outcome::Success => Ok(ExitCode::SUCCESS),
+        Outcome::Failed { rank, pid, exit } => {
+            eprintln!(
+                "accelerate-launch: rank {rank} (pid {pid}) {exit}; stopped the other ranks"
+            );
+            Ok(ExitCode::from(1))
+        }
+        Outcome::Interrupted { signal } => {
+            eprintln!(
+                "accelerate-launch: received {}; stopped every rank",
+                supervise::signal_name(signal)
+            );
+            Ok(ExitCode::from((128 + signal) as u8))
+        }
+    }
+}
+
+/// The store's port: the requested one if free; 0 picks a free one; a taken port is an error on
+/// several machines (the others expect that port) and falls back to a free one with a warning on
+/// one machine.
+fn choose_port(ip: IpAddr, requested: u16, multi_machine: bool) -> Result<u16, String> {
+    if requested == 0 {
+        return Ok(0);
+    }
+    match TcpListener::bind(SocketAddr::new(ip, requested)) {
+        Ok(listener) => {
+            drop(listener);
+            Ok(requested)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && !multi_machine => {
+            eprintln!(
+                "accelerate-launch: warning: --main-process-port {requested} is in use; using a \
+                 free port instead"
+            );
+            Ok(0)
+        }
+        Err(e) => Err(format!(
+            "--main-process-port {requested}: cannot listen on it ({e}); pick another port, or 0 \
+             for any free port"
+        )),
+    }
+}

@@ -1,0 +1,242 @@
+//! The micro-step counter and the sync decision of gradient accumulation.
+//!
+//! A window is K consecutive micro-steps whose gradients are summed locally and reduced across ranks
+//! once, on the window's last micro-step, where the optimizer steps. The decision follows Accelerate
+//! with one correction:
+//! - a window closes after K micro-steps, and always at the end of the data loader (the loader's
+//!   [`LoaderProgress`] says how many batches remain), so a final partial window still syncs;
+//! - each micro-step's loss is scaled by 1/k, where k is the window's *true* length (K, or fewer for
+//!   the last window of an epoch) — Accelerate divides by K always, under-weighting that window;
+//! - in item-weighted mode the scale is `world_size / global_items`, where `global_items` is the item
+//!   count (e.g. tokens) of the whole window on all ranks, so the gradient equals that of one batch
+//!   holding the whole window (transformers' `num_items_in_batch` fix). The mean all-reduce then
+//!   divides by `world_size` again.
+//!
+//! The counter resets when the loader starts a new epoch.
+
+use std::sync::Arc;
+
+use crate::data::LoaderProgress;
+use crate::error::{Error, Result};
+
+/// What one micro-step is: its place in the window and whether it syncs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[must_use = "the micro-step says whether gradients sync; `let _step = accelerator.accumulate();`"]
+pub struct MicroStep {
+    /// Whether gradients are reduced and the optimizer steps at the end of this micro-step.
+    pub sync: bool,
+    /// Position of this micro-step in its window, `0..window_len`.
+    pub index: usize,
+    /// Number of micro-steps in this window (K, or fewer for the last window of an epoch).
+    pub window_len: usize,
+    /// Factor applied to this micro-step's gradient before it is added to the window's sum.
+    pub loss_scale: f64,
+}
+
+/// The accumulation state machine (one per `Accelerator`).
+#[derive(Debug)]
+pub(crate) struct Accumulation {
+    steps: usize,
+    /// Micro-steps already begun in the current window.
+    taken: usize,
+    window_len: usize,
+    current: Option<MicroStep>,
+    /// `world_size / global_items` of the current window, in item-weighted mode.
+    item_scale: Option<f64>,
+    /// Generation of the loader epoch the current window belongs to.
+    loader_generation: Option<u64>,
+    /// Whether a backward pass has run for the current micro-step.
+    backward_done: bool,
+    /// Whether the current micro-step was begun by `accumulate()` (not implicitly by `backward`).
+    explicit: bool,
+    /// Optimizer steps taken (not skipped).
+    pub optimizer_steps: u64,
+    /// Whether the last sync micro-step's optimizer step was skipped (fp16 overflow).
+    pub step_was_skipped: bool,
+}
+
+impl Accumulation {
+    pub fn new(steps: usize) -> Result<Self> {
+        if steps == 0 {
+            return Err(Error::Config(
+                "gradient accumulation steps must be at least 1 (1 means no accumulation)".into(),
+            ));
+        }
+        Ok(Self {
+            steps,
+            taken: 0,
+            window_len: steps,
+            current: None,
+            item_scale: None,
+            loader_generation: None,
+            backward_done: false,
+            explicit: false,
+            optimizer_steps: 0,
+            step_was_skipped: false,
+        })
+    }
+
+    /// K, the configured number of micro-steps per window.
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Whether the current window has not begun yet (no micro-step taken in it).
+    pub fn at_window_start(&self, loader: Option<&Arc<LoaderProgress>>) -> bool {
+        self.taken == 0 || self.new_epoch(loader)
+    }
+
+    fn new_epoch(&self, loader: Option<&Arc<LoaderProgress>>) -> bool {
+        match (loader, self.loader_generation) {
+            (Some(p), Some(g)) => p.generation() != g,
+            _ => false,
+        }
+    }
+
+    /// Begins a micro-step. `loader` is the training loader, if one was prepared; it has already
+    /// handed out this micro-step's batch.
+    pub fn begin(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
+        if self.new_epoch(loader) && self.taken != 0 {
+            // The previous epoch ended inside a window; its last window was synced when the loader
+            // ran out, so only a counter left over from a loop without a loader lands here.
+            self.taken = 0;
+            self.item_scale = None;
+        }
+        if self.taken == 0 {
+            self.window_len = self.steps;
+            if let Some(p) = loader {
+                self.loader_generation = Some(p.generation());
+                let per_epoch = p.batches_per_epoch();
+                let yielded = p.batches_yielded();
+                if per_epoch > 0 && yielded > 0 && yielded <= per_epoch {
+                    // The current batch is already counted in `yielded`.
+                    let remaining = per_epoch - yielded + 1;
+                    self.window_len = self.steps.min(remaining);
+                }
+            }
+        }
+        let index = self.taken;
+        let sync = index + 1 >= self.window_len;
+        let loss_scale = self
+            .item_scale
+            .unwrap_or(1.0 / self.window_len as f64);
+        let step = MicroStep {
+            sync,
+            index,
+            window_len: self.window_len,
+            loss_scale,
+        };
+        self.taken = if sync { 0 } else { index + 1 };
+        self.current = Some(step);
+        self.backward_done = false;
+        if sync {
+            self.step_was_skipped = false;
+        }
+        step
+    }
+
+    /// Begins a micro-step on the loop's request (`accumulate()`).
+    pub fn begin_explicit(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
+        let step = self.begin(loader);
+        self.explicit = true;
+        step
+    }
+
+    /// The micro-step a backward pass belongs to. A loop that never calls `accumulate()` gets a
+    /// new micro-step per backward; one that does gets exactly one backward per micro-step.
+    pub fn current_for_backward(
+        &mut self,
+        loader: Option<&Arc<LoaderProgress>>,
+    ) -> Result<MicroStep> {
+        match self.current {
+            Some(step) if !self.backward_done => Ok(step),
+            Some(_) if self.explicit => Err(Error::Config(
+                "backward was called twice in one micro-step; add the losses and call backward                  once, or call accelerator.accumulate() before each backward"
+                    .into(),
+            )),
+            _ => {
+                let step = self.begin(loader);
+                self.explicit = false;
+                Ok(step)
+            }
+        }
+    }
+
+    /// Records that the current micro-step's backward pass ran; closes the item window on sync.
+    pub fn backward_finished(&mut self) {
+        self.backward_done = true;
+        if self.current.is_some_and(|s| s.sync) {
+            self.item_scale = None;
+        }
+    }
+
+    /// The current micro-step, if one has begun.
+    pub fn current(&self) -> Option<MicroStep> {
+        self.current
+    }
+
+    /// Whether the current micro-step syncs (true before any micro-step: a loop without
+    /// accumulation steps every time).
+    pub fn sync_gradients(&self) -> bool {
+        self.current.is_none_or(|s| s.sync)
+    }
+
+    /// Switches the window about to begin to item-weighted mode with `global_items` items over all
+    /// ranks.
+    pub fn set_window_items(
+        &mut self,
+        global_items: f64,
+        world_size: usize,
+        loader: Option<&Arc<LoaderProgress>>,
+    ) -> Result<()> {
+        if !self.at_window_start(loader) {
+            return Err(Error::Config(format!(
+                "set_window_items was called in the middle of an accumulation window (after \
+                 micro-step {} of {}); call it once per window, before the window's first \
+                 `accumulate()`",
+                self.taken, self.window_len
+            )));
+        }
+        if global_items <= 0.0 || !global_items.is_finite() {
+            return Err(Error::Config(format!(
+                "an accumulation window holds {global_items} items over all ranks; item-weighted \
+                 accumulation needs at least one item (skip empty windows, or count padding out \
+                 only where real items remain)"
+            )));
+        }
+        self.item_scale = Some(world_size as f64 / global_items);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn syncs(acc: &mut Accumulation, n: usize) -> Vec<(bool, usize)> {
+        (0..n)
+            .map(|_| {
+                let s = acc.begin(None);
+                (s.sync, s.window_len)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_a_loader_every_kth_micro_step_syncs() {
+        let mut acc = Accumulation::new(3).unwrap();
+        let got: Vec<bool> = syncs(&mut acc, 7).into_iter().map(|s| s.0).collect();
+        assert_eq!(got, [false, false, true, false, false, true, false]);
+        assert!(Accumulation::new(0).is_err());
+    }
+
+    #[test]
+    fn k_one_always_syncs_with_unit_scale() {
+        let mut acc = Accumulation::new(1).unwrap();
+        for _ in 0..4 {
+            let s = acc.begin(None);
+            assert!(s.sync);
+            assert_eq!(s.loss_scale, 1.0);
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The command line of `accelerate-launch`, Accelerate's flag names in kebab case with the
+//! underscore spellings as aliases.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// Launch a training program as one process per GPU, or per `--num-processes` on the CPU.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "accelerate-launch", version, trailing_var_arg = true)]
+pub struct Args {
+    /// Total number of processes (over all machines).
+    #[arg(long, alias = "num_processes", value_name = "N")]
+    pub num_processes: Option<usize>,
+
+    /// One process per GPU, N GPUs.
+    #[arg(long, alias = "num_gpus", value_name = "N")]
+    pub num_gpus: Option<usize>,
+
+    /// Train on the CPU even if GPUs are present.
+    #[arg(long)]
+    pub cpu: bool,
+
+    /// Number of machines taking part.
+    #[arg(long, alias = "num_machines", default_value_t = 1, value_name = "N")]
+    pub num_machines: usize,
+
+    /// This machine's rank among the machines (0 hosts the rendezvous store).
+    #[arg(long, alias = "machine_rank", default_value_t = 0, value_name = "R")]
+    pub machine_rank: usize,
+
+    /// Address of machine rank 0 (several machines).
+    #[arg(long, alias = "main_process_ip", value_name = "IP")]
+    pub main_process_ip: Option<String>,
+
+    /// Port of the rendezvous store on machine rank 0; 0 picks a free port.
+    #[arg(long, alias = "main_process_port", default_value_t = 29500, value_name = "PORT")]
+    pub main_process_port: u16,
+
+    /// Gradient accumulation steps, exported as ACCELERATE_GRADIENT_ACCUMULATION_STEPS.
+    #[arg(long, alias = "gradient_accumulation_steps", value_name = "K")]
+    pub gradient_accumulation_steps: Option<usize>,
+
+    /// Print only the main process's output.
+    #[arg(long)]
+    pub quiet: bool,
+
+    /// Also write each rank's output to DIR/rank_<r>.log.
+    #[arg(long, alias = "log_dir", value_name = "DIR")]
+    pub tee: Option<PathBuf>,
+
+    /// The training program.
+    #[arg(required = true, value_name = "PROGRAM")]
+    pub program: PathBuf,
+
+    /// Arguments passed to the program.
+    #[arg(allow_hyphen_values = true, value_name = "ARGS")]
+    pub program_args: Vec<String>,
+}
+
+impl Args {
+    /// Checks the flags against each other; the message names the flag and the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.num_processes == Some(0) {
+            return Err("--num-processes 0: a job needs at least one process".into());
+        }
+        if self.num_gpus == Some(0) {
+            return Err("--num-gpus 0: pass --cpu --num-processes N to train on the CPU".into());
+        }
+        if self.num_machines == 0 {
+            return Err("--num-machines 0: a job runs on at least one machine".into());
+        }
+        if self.machine_rank >= self.num_machines {
+            return Err(format!(
+                "--machine-rank {} with --num-machines {}: machine ranks run from 0 to {}",
+                self.machine_rank,
+                self.num_machines,
+                self.num_machines - 1
+            ));
+        }
+        if self.num_machines > 1 && self.main_process_ip.is_none() {
+            return Err(
+                "--num-machines > 1 needs --main-process-ip (the address of machine rank 0)".into(),
+            );
+        }
+        if self.gradient_accumulation_steps == Some(0) {
+            return Err("--gradient-accumulation-steps 0: use 1 for no accumulation".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn underscore_aliases_and_trailing_program_args() {
+        let a = Args::try_parse_from([
+            "accelerate-launch",
+            "--num_processes",
+            "2",
+            "--cpu",
+            "prog",
+            "--grad-accum",
+            "4",
+        ])
+        .unwrap();
+        assert_eq!(a.num_processes, Some(2));
+        assert!(a.cpu);
+        assert_eq!(a.program, PathBuf::from("prog"));
+        assert_eq!(a.program_args, ["--grad-accum", "4"]);
+        assert!(a.validate().is_ok());
+    }
+
+    #[test]
+    fn bad_combinations_name_the_flag() {
+        let parse = |v: &[&str]| Args::try_parse_from(v).unwrap().validate().unwrap_err();
+        assert!(parse(&["l", "--num-processes", "0", "p"]).contains("--num-processes 0"));
+        assert!(parse(&["l", "--num-machines", "2", "p"]).contains("--main-process-ip"));
+        assert!(parse(&["l", "--machine-rank", "1", "p"]).contains("--machine-rank 1"));
+        assert!(Args::try_parse_from(["l", "--main-process-port", "70000", "p"]).is_err());
+    }
+}

@@ -1,0 +1,130 @@
+//! The environment each worker process starts with: torchrun's variables, so programs written for
+//! torchrun work unchanged, plus our own `ACCELERATE_*` ones (the job token among them).
+
+use std::collections::BTreeMap;
+
+/// What the launcher knows about the job, enough to build every worker's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobLayout {
+    /// Processes over all machines.
+    pub world_size: usize,
+    /// Processes on this machine.
+    pub local_world_size: usize,
+    /// This machine's rank.
+    pub machine_rank: usize,
+    /// Host of the rendezvous store.
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// Secret the store requires from every client.
+    pub job_token: String,
+    /// How many times the group has been restarted.
+    pub restart_count: u32,
+    /// Gradient accumulation steps to export, if given.
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Whether to train on the CPU.
+    pub cpu: bool,
+    /// Threads each worker may use for compute (cores shared among local workers).
+    pub threads_per_worker: usize,
+}
+
+impl JobLayout {
+    /// Global rank of local rank `local_rank` on this machine.
+    pub fn global_rank(&self, local_rank: usize) -> usize {
+        self.machine_rank * self.local_world_size + local_rank
+    }
+
+    /// The variables set for the worker with `local_rank` (added to the inherited environment).
+    /// `inherited` decides whether a thread-count variable the user set is kept.
+    pub fn worker_env(
+        &self,
+        local_rank: usize,
+        inherited: &dyn Fn(&str) -> bool,
+    ) -> BTreeMap<String, String> {
+        let rank = self.global_rank(local_rank);
+        let mut env = BTreeMap::new();
+        let mut set = |k: &str, v: String| {
+            env.insert(k.to_string(), v);
+        };
+        for (prefix, r, w, lr, lw) in [
+            ("", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+            (
+                "ACCELERATE_",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+            ),
+        ] {
+            set(&format!("{prefix}{r}"), rank.to_string());
+            set(&format!("{prefix}{w}"), self.world_size.to_string());
+            set(&format!("{prefix}{lr}"), local_rank.to_string());
+            set(&format!("{prefix}{lw}"), self.local_world_size.to_string());
+        }
+        set("GROUP_RANK", self.machine_rank.to_string());
+        set("MASTER_ADDR", self.master_addr.clone());
+        set("MASTER_PORT", self.master_port.to_string());
+        set("ACCELERATE_JOB_TOKEN", self.job_token.clone());
+        set("ACCELERATE_RESTART_COUNT", self.restart_count.to_string());
+        set("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string());
+        if let Some(k) = self.gradient_accumulation_steps {
+            set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", k.to_string());
+        }
+        if self.cpu {
+            set("ACCELERATE_USE_CPU", "1".into());
+        }
+        // As torchrun sets OMP_NUM_THREADS=1 for several workers per node: workers that each use
+        // every core oversubscribe the machine. candle's CPU kernels follow RAYON_NUM_THREADS.
+        if self.local_world_size > 1 {
+            for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
+                if !inherited(var) {
+                    set(var, self.threads_per_worker.to_string());
+                }
+            }
+        }
+        env
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> JobLayout {
+        JobLayout {
+            world_size: 4,
+            local_world_size: 2,
+            machine_rank: 1,
+            master_addr: "10.1.2.3".into(),
+            master_port: 29500,
+            job_token: "t0k3n".into(),
+            restart_count: 2,
+            gradient_accumulation_steps: Some(4),
+            cpu: true,
+            threads_per_worker: 3,
+        }
+    }
+
+    #[test]
+    fn torchrun_and_accelerate_variables_for_the_second_machine() {
+        let env = layout().worker_env(1, &|_| false);
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(get("RANK"), Some("3"));
+        assert_eq!(get("ACCELERATE_RANK"), Some("3"));
+        assert_eq!(get("LOCAL_RANK"), Some("1"));
+        assert_eq!(get("WORLD_SIZE"), Some("4"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("2"));
+        assert_eq!(get("MASTER_ADDR"), Some("10.1.2.3"));
+        assert_eq!(get("ACCELERATE_JOB_TOKEN"), Some("t0k3n"));
+        assert_eq!(get("ACCELERATE_RESTART_COUNT"), Some("2"));
+        assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
+        assert_eq!(get("RAYON_NUM_THREADS"), Some("3"));
+    }
+
+    #[test]
+    fn a_thread_count_the_user_set_is_kept() {
+        let env = layout().worker_env(0, &|v| v == "RAYON_NUM_THREADS");
+        assert!(!env.contains_key("RAYON_NUM_THREADS"));
+        assert_eq!(env.get("OMP_NUM_THREADS").map(String::as_str), Some("3"));
+    }
+}

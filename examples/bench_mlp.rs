@@ -1,0 +1,134 @@
+//! Side-by-side throughput of the MLP workload, one process, CPU:
+//! 1. a plain candle loop with candle-nn's AdamW, batch B;
+//! 2. the Accelerator loop with our AdamW, K = 1, batch B;
+//! 3. the Accelerator loop with our AdamW, K = 4, batch B/4 (the same samples per optimizer step).
+//!
+//! The configurations run in interleaved rounds so that machine noise hits all of them alike;
+//! the median round is reported. `cargo run --release --example bench_mlp`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use accelerate_core::data::{DataLoader, TensorDataset};
+use accelerate_core::optim::{AdamW, AdamWConfig};
+use accelerate_core::{Accelerator, ProcessState};
+use accelerate_examples::mlp;
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use candle_nn::Optimizer as _;
+use clap::Parser;
+
+/// Benchmark the MLP training step.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Samples per optimizer step.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Hidden width.
+    #[arg(long, default_value_t = 1024)]
+    hidden: usize,
+    /// Optimizer steps measured per configuration per round.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Rounds (each runs every configuration once).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let samples = args.batch_size * (args.steps + 2);
+    let (x, y) = mlp::synthetic_data(samples, 0)?;
+    let dataset = Arc::new(TensorDataset::new(x.clone(), y.clone())?);
+    let names = [
+        "plain candle loop, candle-nn AdamW, K=1".to_string(),
+        "Accelerator, our AdamW, K=1".to_string(),
+        format!("Accelerator, our AdamW, K=4 (batch {})", args.batch_size / 4),
+    ];
+    let mut results: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    for round in 0..args.rounds {
+        results[0].push(plain_candle(&args, &x, &y)?);
+        results[1].push(accelerated(&args, &dataset, 1)?);
+        results[2].push(accelerated(&args, &dataset, 4)?);
+        eprintln!("round {} of {} done", round + 1, args.rounds);
+    }
+    println!(
+        "MLP 784-{h}-{h}-10, {} samples per optimizer step, {} steps x {} rounds, {} threads",
+        args.batch_size,
+        args.steps,
+        args.rounds,
+        candle_core::utils::get_num_threads(),
+        h = args.hidden
+    );
+    println!("{:<48} {:>12} {:>12} {:>8}", "configuration", "ms/step", "samples/s", "ratio");
+    let base = median(&results[0]);
+    for (name, r) in names.iter().zip(&results) {
+        let ms = median(r);
+        println!(
+            "{name:<48} {ms:>12.2} {:>12.0} {:>8.2}",
+            args.batch_size as f64 / ms * 1e3,
+            base / ms
+        );
+    }
+    Ok(())
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Milliseconds per optimizer step of a plain candle loop.
+fn plain_candle(args: &Args, x: &Tensor, y: &Tensor) -> Result<f64> {
+    let (varmap, model) = mlp::build(args.hidden, 0, &Device::Cpu)?;
+    let mut opt = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: 1e-3,
+            ..Default::default()
+        },
+    )?;
+    let b = args.batch_size;
+    let mut run = |i: usize| -> Result<()> {
+        let xb = x.narrow(0, i * b, b)?;
+        let yb = y.narrow(0, i * b, b)?;
+        let loss = candle_nn::loss::cross_entropy(&model.forward(&xb)?, &yb)?;
+        opt.backward_step(&loss)?;
+        Ok(())
+    };
+    run(0)?;
+    run(1)?;
+    let start = Instant::now();
+    for i in 2..args.steps + 2 {
+        run(i)?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / args.steps as f64)
+}
+
+/// Milliseconds per optimizer step of the Accelerator loop with K micro-batches of batch/K.
+fn accelerated(args: &Args, dataset: &Arc<TensorDataset>, k: usize) -> Result<f64> {
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(k)
+        .process_state(ProcessState::single())
+        .build()?;
+    let (varmap, model) = mlp::build(args.hidden, 0, acc.device())?;
+    let params = acc.prepare(&varmap)?;
+    let mut opt = acc.prepare(AdamW::new(params, AdamWConfig::default())?)?;
+    let mut loader = acc.prepare(DataLoader::new(dataset.clone(), args.batch_size / k))?;
+    let mut start = Instant::now();
+    for batch in loader.iter() {
+        let (x, y) = batch?;
+        let _step = acc.accumulate();
+        let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+        acc.backward(&loss)?;
+        opt.step()?;
+        opt.zero_grad();
+        if acc.sync_gradients() && acc.optimizer_steps() == 2 {
+            // Two warm-up steps, as for the plain loop.
+            start = Instant::now();
+        }
+    }
+    let measured = acc.optimizer_steps() - 2;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / measured as f64)
+}

@@ -1,0 +1,144 @@
+//! The MLP workload: 784 → H → H → 10 with ReLU, trained with cross-entropy on a synthetic
+//! classification task whose labels are `argmax(x · W)` for a fixed random `W`.
+//!
+//! Parameter names and layouts are PyTorch's `nn.Sequential`-of-`nn.Linear` ones (`l1.weight` is
+//! `[H, 784]`), so weights move between this model and PyTorch unchanged.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::{Linear, Module, VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Input features.
+pub const INPUTS: usize = 784;
+/// Classes.
+pub const CLASSES: usize = 10;
+
+/// The model.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    l1: Linear,
+    l2: Linear,
+    l3: Linear,
+}
+
+impl Mlp {
+    /// Creates the three layers under `vb` (names `l1`, `l2`, `l3`).
+    pub fn new(vb: VarBuilder, hidden: usize) -> Result<Self> {
+        Ok(Self {
+            l1: candle_nn::linear(INPUTS, hidden, vb.pp("l1"))?,
+            l2: candle_nn::linear(hidden, hidden, vb.pp("l2"))?,
+            l3: candle_nn::linear(hidden, CLASSES, vb.pp("l3"))?,
+        })
+    }
+
+    /// Logits `[batch, 10]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.l1.forward(x)?.relu()?;
+        let h = self.l2.forward(&h)?.relu()?;
+        self.l3.forward(&h)
+    }
+}
+
+/// Builds the model in a fresh `VarMap` with seeded PyTorch-default initial weights
+/// (`U(-1/sqrt(fan_in), 1/sqrt(fan_in))` for weights and biases, as `nn.Linear`).
+pub fn build(hidden: usize, seed: u64, device: &Device) -> Result<(VarMap, Mlp)> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let model = Mlp::new(vb, hidden)?;
+    init_weights(&varmap, seed)?;
+    Ok((varmap, model))
+}
+
+/// Overwrites every parameter of `varmap` with seeded `U(-1/sqrt(fan_in), 1/sqrt(fan_in))` values,
+/// visiting parameters in sorted-name order (so the result does not depend on hash-map order).
+pub fn init_weights(varmap: &VarMap, seed: u64) -> Result<()> {
+    let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x1417);
+    for name in names {
+        let var = &data[name];
+        let dims = var.dims().to_vec();
+        // A weight is [out, in]; its bias [out] shares the layer's fan-in, found from the weight.
+        let fan_in = if dims.len() == 2 {
+            dims[1]
+        } else {
+            let weight = name.replace(".bias", ".weight");
+            data.get(&weight).map(|w| w.dims()[1]).unwrap_or(dims[0])
+        };
+        let bound = 1.0 / (fan_in as f32).sqrt();
+        let values: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        var.set(&Tensor::from_vec(values, dims.as_slice(), var.device())?)?;
+    }
+    Ok(())
+}
+
+/// The synthetic dataset: `x` `[samples, 784]` uniform in [-1, 1), `y` `[samples]` (u32) the
+/// argmax of `x · W` for a fixed seeded `W` `[784, 10]`.
+pub fn synthetic_data(samples: usize, seed: u64) -> Result<(Tensor, Tensor)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xDA7A);
+    let w: Vec<f32> = (0..INPUTS * CLASSES)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut x = Vec::with_capacity(samples * INPUTS);
+    let mut y = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let row: Vec<f32> = (0..INPUTS).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let mut scores = [0f32; CLASSES];
+        for (i, &xi) in row.iter().enumerate() {
+            for (c, s) in scores.iter_mut().enumerate() {
+                *s += xi * w[i * CLASSES + c];
+            }
+        }
+        let label = (0..CLASSES)
+            .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
+            .unwrap_or(0);
+        y.push(label as u32);
+        x.extend_from_slice(&row);
+    }
+    Ok((
+        Tensor::from_vec(x, (samples, INPUTS), &Device::Cpu)?,
+        Tensor::from_vec(y, samples, &Device::Cpu)?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_the_argmax_of_a_linear_map_and_use_every_class() {
+        let (x, y) = synthetic_data(2000, 3).unwrap();
+        assert_eq!(x.dims(), &[2000, INPUTS]);
+        let y = y.to_vec1::<u32>().unwrap();
+        let mut counts = [0usize; CLASSES];
+        for &l in &y {
+            counts[l as usize] += 1;
+        }
+        assert!(counts.iter().all(|&c| c > 50), "{counts:?}");
+        let (x2, y2) = synthetic_data(2000, 3).unwrap();
+        assert_eq!(y, y2.to_vec1::<u32>().unwrap());
+        assert_eq!(x.to_vec2::<f32>().unwrap(), x2.to_vec2::<f32>().unwrap());
+    }
+
+    #[test]
+    fn init_is_seeded_and_bounded_like_torch_linear() {
+        let (a, _) = build(16, 7, &Device::Cpu).unwrap();
+        let (b, _) = build(16, 7, &Device::Cpu).unwrap();
+        let get = |m: &VarMap, n: &str| {
+            m.data().lock().unwrap()[n]
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(get(&a, "l1.weight"), get(&b, "l1.weight"));
+        let bound = 1.0 / (INPUTS as f32).sqrt();
+        assert!(get(&a, "l1.bias").iter().all(|v| v.abs() <= bound));
+        let l3 = get(&a, "l3.weight");
+        assert!(l3.iter().all(|v| v.abs() <= 0.25) && l3.iter().any(|v| v.abs() > 0.2));
+    }
+}
