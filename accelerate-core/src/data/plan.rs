@@ -1,0 +1,417 @@
+//! The batch plan of an epoch: which samples form which batch, and which rank gets it.
+//!
+//! Semantics of HF Accelerate's `BatchSamplerShard` (non-split, `even_batches=True`), the default of
+//! `Accelerator.prepare`:
+//!
+//! - The epoch's order is `0..len`, or a permutation fixed by `(seed, epoch)` when shuffling.
+//! - Global batch `i` holds positions `i*B .. (i+1)*B` of that order and goes to rank `i mod N`.
+//! - Without `drop_last`, on more than one rank, the global batch list is extended to a whole number
+//!   of rounds of `N` full batches: the positions past the end of the order wrap around to its start
+//!   (as often as needed when `len < B*N`). Every rank then steps the same number of times on full
+//!   batches; the wrapped samples are duplicates that metrics must drop.
+//! - With `drop_last`, a final partial batch is dropped and, on more than one rank, so is an
+//!   incomplete last round (Accelerate's `len(batch_sampler) // num_processes`), so no sample is seen
+//!   twice.
+//! - On a single rank nothing is wrapped: without `drop_last` the last batch keeps its partial size
+//!   (Accelerate does not shard the loader of a single process).
+
+use super::shuffle::shuffled_indices;
+use crate::error::{Error, Result};
+
+/// Everything that determines the batches of an epoch, except the dataset's contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// Number of samples in the dataset.
+    pub len: usize,
+    /// Samples per batch (per rank).
+    pub batch_size: usize,
+    /// Whether the order is a seeded permutation instead of `0..len`.
+    pub shuffle: bool,
+    /// Seed of the permutation; combined with the epoch.
+    pub seed: u64,
+    /// Whether a final partial batch (and, on several ranks, an incomplete last round) is dropped.
+    pub drop_last: bool,
+    /// Number of ranks the batches are dealt to.
+    pub world_size: usize,
+}
+
+impl BatchPlan {
+    /// Checks that the plan can produce batches: a positive batch size and world size.
+    pub fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::Config(
+                "the data loader's batch size is 0; pass a positive batch size to DataLoader::new"
+                    .into(),
+            ));
+        }
+        if self.world_size == 0 {
+            return Err(Error::Config(
+                "the data loader is sharded over 0 ranks; DataLoader::shard takes a world size of \
+                 at least 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn is_degenerate(&self) -> bool {
+        self.len == 0 || self.batch_size == 0 || self.world_size == 0
+    }
+
+    /// The sample order of `epoch`: `0..len`, or its permutation by `(seed, epoch)`.
+    pub fn order(&self, epoch: u64) -> Vec<usize> {
+        if self.shuffle {
+            shuffled_indices(self.len, self.seed, epoch)
+        } else {
+            (0..self.len).collect()
+        }
+    }
+
+    /// Number of batches made of real samples before any wrap-around or dropped round:
+    /// `ceil(len / B)`, or `floor(len / B)` with `drop_last`.
+    pub fn real_batches(&self) -> usize {
+        if self.is_degenerate() {
+            0
+        } else if self.drop_last {
+            self.len / self.batch_size
+        } else {
+            self.len.div_ceil(self.batch_size)
+        }
+    }
+
+    /// Number of global batches handed out per epoch, over all ranks: a multiple of the world size.
+    pub fn global_batches(&self) -> usize {
+        let real = self.real_batches();
+        if self.world_size <= 1 {
+            real
+        } else if self.drop_last {
+            real / self.world_size * self.world_size
+        } else {
+            real.div_ceil(self.world_size) * self.world_size
+        }
+    }
+
+    /// Number of batches each rank gets per epoch.
+    pub fn batches_per_rank(&self) -> usize {
+        self.global_batches()
+            .checked_div(self.world_size)
+            .unwrap_or(0)
+    }
+
+    /// Number of real (not wrapped-around) samples handed out per epoch, over all ranks: `len`, or
+    /// fewer with `drop_last`. They are the first positions of the epoch's order.
+    pub fn real_samples(&self) -> usize {
+        if self.is_degenerate() {
+            0
+        } else if self.drop_last {
+            self.global_batches() * self.batch_size
+        } else {
+            self.len
+        }
+    }
+
+    /// Number of sample slots handed out per epoch, over all ranks, wrapped duplicates included.
+    fn slots(&self) -> usize {
+        if self.world_size == 1 {
+            self.real_samples()
+        } else {
+            self.global_batches() * self.batch_size
+        }
+    }
+
+    /// Number of wrapped-around duplicates handed out per epoch, over all ranks (they come last).
+    pub fn wrapped_samples(&self) -> usize {
+        self.slots() - self.real_samples()
+    }
+
+    /// Global batch `index` of an epoch whose order is `order`.
+    fn batch(&self, order: &[usize], index: usize) -> Vec<usize> {
+        let start = index * self.batch_size;
+        let end = ((index + 1) * self.batch_size).min(self.slots());
+        (start..end).map(|pos| order[pos % order.len()]).collect()
+    }
+
+    /// Every global batch of `epoch`, in order; rank `r` gets entries `r, r+N, r+2N, ...`.
+    pub fn epoch_batches(&self, epoch: u64) -> Vec<Vec<usize>> {
+        let order = self.order(epoch);
+        (0..self.global_batches())
+            .map(|i| self.batch(&order, i))
+            .collect()
+    }
+
+    /// The batches of `epoch` that go to `rank`, in order.
+    pub fn rank_batches(&self, epoch: u64, rank: usize) -> Vec<Vec<usize>> {
+        if self.world_size == 0 || rank >= self.world_size {
+            return Vec::new();
+        }
+        let order = self.order(epoch);
+        (rank..self.global_batches())
+            .step_by(self.world_size)
+            .map(|i| self.batch(&order, i))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(len: usize, batch_size: usize, world_size: usize, drop_last: bool) -> BatchPlan {
+        BatchPlan {
+            len,
+            batch_size,
+            shuffle: false,
+            seed: 0,
+            drop_last,
+            world_size,
+        }
+    }
+
+    /// The batches of each rank, for comparison with tables of expected shards.
+    fn shards(p: &BatchPlan) -> Vec<Vec<Vec<usize>>> {
+        (0..p.world_size).map(|r| p.rank_batches(0, r)).collect()
+    }
+
+    /// Expected shards of two ranks for `range(len)` and batch size 3, as listed in HF Accelerate's
+    /// `test_batch_sampler_shards_with_no_splits`.
+    #[test]
+    fn two_ranks_match_accelerates_batch_sampler_shard_tables() {
+        let full = vec![
+            vec![
+                vec![0, 1, 2],
+                vec![6, 7, 8],
+                vec![12, 13, 14],
+                vec![18, 19, 20],
+            ],
+            vec![
+                vec![3, 4, 5],
+                vec![9, 10, 11],
+                vec![15, 16, 17],
+                vec![21, 22, 23],
+            ],
+        ];
+        assert_eq!(shards(&plan(24, 3, 2, false)), full);
+        assert_eq!(shards(&plan(24, 3, 2, true)), full);
+
+        let three_rounds = vec![
+            vec![vec![0, 1, 2], vec![6, 7, 8], vec![12, 13, 14]],
+            vec![vec![3, 4, 5], vec![9, 10, 11], vec![15, 16, 17]],
+        ];
+        assert_eq!(
+            shards(&plan(21, 3, 2, false)),
+            vec![
+                vec![
+                    vec![0, 1, 2],
+                    vec![6, 7, 8],
+                    vec![12, 13, 14],
+                    vec![18, 19, 20]
+                ],
+                vec![
+                    vec![3, 4, 5],
+                    vec![9, 10, 11],
+                    vec![15, 16, 17],
+                    vec![0, 1, 2]
+                ],
+            ]
+        );
+        assert_eq!(shards(&plan(21, 3, 2, true)), three_rounds);
+        assert_eq!(
+            shards(&plan(22, 3, 2, false)),
+            vec![
+                vec![
+                    vec![0, 1, 2],
+                    vec![6, 7, 8],
+                    vec![12, 13, 14],
+                    vec![18, 19, 20]
+                ],
+                vec![
+                    vec![3, 4, 5],
+                    vec![9, 10, 11],
+                    vec![15, 16, 17],
+                    vec![21, 0, 1]
+                ],
+            ]
+        );
+        assert_eq!(shards(&plan(22, 3, 2, true)), three_rounds);
+        assert_eq!(
+            shards(&plan(20, 3, 2, false)),
+            vec![
+                vec![
+                    vec![0, 1, 2],
+                    vec![6, 7, 8],
+                    vec![12, 13, 14],
+                    vec![18, 19, 0]
+                ],
+                vec![
+                    vec![3, 4, 5],
+                    vec![9, 10, 11],
+                    vec![15, 16, 17],
+                    vec![1, 2, 3]
+                ],
+            ]
+        );
+        assert_eq!(shards(&plan(20, 3, 2, true)), three_rounds);
+        assert_eq!(
+            shards(&plan(2, 3, 2, false)),
+            vec![vec![vec![0, 1, 0]], vec![vec![1, 0, 1]]]
+        );
+        assert_eq!(
+            shards(&plan(2, 3, 2, true)),
+            vec![Vec::<Vec<usize>>::new(), vec![]]
+        );
+    }
+
+    #[test]
+    fn a_single_rank_keeps_the_partial_last_batch_unless_dropped() {
+        assert_eq!(
+            plan(7, 3, 1, false).epoch_batches(0),
+            vec![vec![0, 1, 2], vec![3, 4, 5], vec![6]]
+        );
+        assert_eq!(
+            plan(7, 3, 1, true).epoch_batches(0),
+            vec![vec![0, 1, 2], vec![3, 4, 5]]
+        );
+        assert_eq!(plan(2, 3, 1, false).epoch_batches(0), vec![vec![0, 1]]);
+        assert!(plan(2, 3, 1, true).epoch_batches(0).is_empty());
+    }
+
+    #[test]
+    fn a_tiny_dataset_is_cycled_as_often_as_needed() {
+        // len 2 < B*N = 12: one real batch, completed and extended to one round of 3 full batches
+        // of 4, reading the order 0, 1 cyclically.
+        assert_eq!(
+            plan(2, 4, 3, false).epoch_batches(0),
+            vec![vec![0, 1, 0, 1], vec![0, 1, 0, 1], vec![0, 1, 0, 1]]
+        );
+        assert_eq!(
+            plan(5, 2, 4, false).epoch_batches(0),
+            vec![vec![0, 1], vec![2, 3], vec![4, 0], vec![1, 2]]
+        );
+    }
+
+    /// For many shapes: every sample appears exactly once among the real slots, and the duplicates
+    /// are exactly the documented wrap-around, counted by the closed-form formula.
+    #[test]
+    fn every_sample_once_plus_exactly_the_wrapped_extras() {
+        for len in [1, 2, 5, 7, 12, 13, 24, 31, 100] {
+            for batch_size in [1, 2, 3, 4, 8] {
+                for world_size in [1, 2, 3, 4, 8] {
+                    for drop_last in [false, true] {
+                        for shuffle in [false, true] {
+                            let p = BatchPlan {
+                                shuffle,
+                                seed: 11,
+                                ..plan(len, batch_size, world_size, drop_last)
+                            };
+                            check_counts(&p);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_counts(p: &BatchPlan) {
+        let (n, b, w) = (p.len, p.batch_size, p.world_size);
+        let what = format!("{p:?}");
+        // Closed forms, written independently of the plan's own arithmetic.
+        let real_batches = n / b + usize::from(!p.drop_last && n % b != 0);
+        let per_rank = if w == 1 {
+            real_batches
+        } else if p.drop_last {
+            real_batches / w
+        } else {
+            real_batches / w + usize::from(real_batches % w != 0)
+        };
+        let (real, extras) = if w == 1 {
+            (if p.drop_last { real_batches * b } else { n }, 0)
+        } else if p.drop_last {
+            (per_rank * w * b, 0)
+        } else {
+            (n, per_rank * w * b - n)
+        };
+
+        let order = p.order(3);
+        let ranks: Vec<_> = (0..w).map(|r| p.rank_batches(3, r)).collect();
+        for (r, batches) in ranks.iter().enumerate() {
+            assert_eq!(batches.len(), per_rank, "{what}: rank {r}");
+            if w > 1 {
+                assert!(batches.iter().all(|x| x.len() == b), "{what}: rank {r}");
+            }
+        }
+        let mut counts = vec![0usize; n];
+        for batch in ranks.iter().flatten() {
+            for &s in batch {
+                counts[s] += 1;
+            }
+        }
+        assert_eq!(counts.iter().sum::<usize>(), real + extras, "{what}");
+        assert_eq!(p.real_samples(), real, "{what}");
+        assert_eq!(p.wrapped_samples(), extras, "{what}");
+        // The k-th sample of the order appears once if real, plus once per wrap that reaches it.
+        for (k, &s) in order.iter().enumerate() {
+            let once = usize::from(k < real);
+            let wraps = extras / n + usize::from(k < extras % n);
+            assert_eq!(
+                counts[s],
+                once + wraps,
+                "{what}: sample {s} at position {k}"
+            );
+        }
+    }
+
+    #[test]
+    fn ranks_deal_the_global_batches_round_robin() {
+        let p = BatchPlan {
+            shuffle: true,
+            seed: 5,
+            ..plan(29, 3, 4, false)
+        };
+        let global = p.epoch_batches(2);
+        for rank in 0..4 {
+            let expected: Vec<_> = global.iter().skip(rank).step_by(4).cloned().collect();
+            assert_eq!(p.rank_batches(2, rank), expected, "rank {rank}");
+        }
+        assert!(p.rank_batches(2, 4).is_empty());
+    }
+
+    #[test]
+    fn shuffled_orders_change_with_epoch_and_seed_and_no_shuffle_is_identity() {
+        let p = BatchPlan {
+            shuffle: true,
+            seed: 9,
+            ..plan(50, 5, 2, false)
+        };
+        assert_ne!(p.order(1), p.order(2));
+        assert_ne!(p.order(1), BatchPlan { seed: 10, ..p }.order(1));
+        assert_eq!(
+            BatchPlan {
+                shuffle: false,
+                ..p
+            }
+            .order(1),
+            (0..50).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn zero_batch_or_world_size_is_rejected_and_plans_nothing() {
+        let zero_batch = plan(10, 0, 1, false);
+        assert!(zero_batch
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("batch size is 0"));
+        assert!(zero_batch.epoch_batches(0).is_empty());
+        let zero_world = plan(10, 2, 0, false);
+        assert!(zero_world
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("DataLoader::shard"));
+        assert_eq!(zero_world.batches_per_rank(), 0);
+        let empty = plan(0, 2, 2, false);
+        assert!(empty.check().is_ok());
+        assert!(empty.epoch_batches(0).is_empty());
+    }
+}

@@ -1,0 +1,99 @@
+//! Where a rank's iteration over its data loader stands, readable from anywhere.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Per-rank view of where iteration stands, shared (`Arc`) between a
+/// [`DataLoader`](super::DataLoader) and whoever needs to know, such as the accelerator's
+/// gradient-accumulation logic: the end of the loader always syncs gradients, and the accumulation
+/// counter resets when an epoch starts.
+///
+/// The iterator updates it on the consumer side, as each batch is handed out, so it describes what
+/// the training loop has received, not what the prefetch thread has prepared.
+#[derive(Debug, Default)]
+pub struct LoaderProgress {
+    epoch: AtomicU64,
+    batches_yielded: AtomicUsize,
+    batches_per_epoch: AtomicUsize,
+    generation: AtomicU64,
+}
+
+impl LoaderProgress {
+    /// Progress of a loader that has not started iterating and hands out `batches_per_epoch`
+    /// batches per epoch on this rank.
+    pub fn new(batches_per_epoch: usize) -> Self {
+        Self {
+            batches_per_epoch: AtomicUsize::new(batches_per_epoch),
+            ..Self::default()
+        }
+    }
+
+    /// Epoch of the batch last handed out (set when that epoch's iteration starts).
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Batches this rank has handed out in the current epoch, including those skipped to resume.
+    pub fn batches_yielded(&self) -> usize {
+        self.batches_yielded.load(Ordering::Acquire)
+    }
+
+    /// Batches this rank hands out per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.batches_per_epoch.load(Ordering::Acquire)
+    }
+
+    /// Number of epoch iterations started so far; incremented every time one starts.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Batches of the current epoch not handed out yet.
+    pub fn remaining(&self) -> usize {
+        self.batches_per_epoch()
+            .saturating_sub(self.batches_yielded())
+    }
+
+    /// Whether an epoch has started and all its batches have been handed out: the batch last handed
+    /// out was the epoch's last.
+    pub fn at_end(&self) -> bool {
+        self.generation() > 0 && self.remaining() == 0
+    }
+
+    pub(crate) fn set_batches_per_epoch(&self, batches: usize) {
+        self.batches_per_epoch.store(batches, Ordering::Release);
+    }
+
+    /// Records the start of `epoch`'s iteration at batch `skip`.
+    pub(crate) fn start_epoch(&self, epoch: u64, skip: usize, batches_per_epoch: usize) {
+        self.epoch.store(epoch, Ordering::Release);
+        self.batches_per_epoch
+            .store(batches_per_epoch, Ordering::Release);
+        self.batches_yielded.store(skip, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Records that the `count`-th batch of the current epoch has been handed out.
+    pub(crate) fn record_yielded(&self, count: usize) {
+        self.batches_yielded.store(count, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_move_with_epoch_starts_and_hand_outs() {
+        let p = LoaderProgress::new(4);
+        assert_eq!((p.generation(), p.batches_per_epoch()), (0, 4));
+        assert!(!p.at_end(), "nothing has started yet");
+        p.start_epoch(2, 1, 4);
+        assert_eq!((p.epoch(), p.batches_yielded(), p.generation()), (2, 1, 1));
+        assert_eq!(p.remaining(), 3);
+        p.record_yielded(4);
+        assert!(p.at_end());
+        p.start_epoch(3, 0, 4);
+        assert_eq!((p.epoch(), p.batches_yielded(), p.generation()), (3, 0, 2));
+        assert!(!p.at_end());
+    }
+}
