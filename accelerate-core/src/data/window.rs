@@ -51,6 +51,7 @@ impl<D: Dataset> Iterator for WindowIter<D> {
                     .into(),
             )));
         }
+        let start = self.batches.position();
         let mut window = Vec::with_capacity(self.size);
         while window.len() < self.size {
             match self.batches.next() {
@@ -66,6 +67,10 @@ impl<D: Dataset> Iterator for WindowIter<D> {
             self.finished = true;
             None
         } else {
+            // The loop consumes the window's batches after this returns: report progress as if only
+            // the window's first batch were handed out, so the accelerator sees the window start
+            // (and how many batches remain from there) when the window's first micro-step begins.
+            self.batches.progress_handle().record_yielded(start + 1);
             Some(Ok(window))
         }
     }
