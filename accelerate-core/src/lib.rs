@@ -3,5 +3,6 @@ pub mod comm;
 pub mod cpu_slices;
 pub mod error;
 pub mod grads;
+pub mod optim;
 
 pub use error::{Error, Result};
