@@ -43,7 +43,10 @@ fn main() -> Result<()> {
     let names = [
         "plain candle loop, candle-nn AdamW, K=1".to_string(),
         "Accelerator, our AdamW, K=1".to_string(),
-        format!("Accelerator, our AdamW, K=4 (batch {})", args.batch_size / 4),
+        format!(
+            "Accelerator, our AdamW, K=4 (batch {})",
+            args.batch_size / 4
+        ),
     ];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for round in 0..args.rounds {
@@ -60,7 +63,10 @@ fn main() -> Result<()> {
         candle_core::utils::get_num_threads(),
         h = args.hidden
     );
-    println!("{:<48} {:>12} {:>12} {:>8}", "configuration", "ms/step", "samples/s", "ratio");
+    println!(
+        "{:<48} {:>12} {:>12} {:>8}",
+        "configuration", "ms/step", "samples/s", "ratio"
+    );
     let base = median(&results[0]);
     for (name, r) in names.iter().zip(&results) {
         let ms = median(r);

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use accelerate_core::data::{DataLoader, TensorDataset};
-use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig};
+use accelerate_core::optim::{
+    AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
+};
 use accelerate_core::{Accelerator, PreparedOptimizer, ReduceOp};
 use accelerate_examples::mlp;
 use anyhow::{bail, Context, Result};
@@ -182,7 +184,16 @@ fn run(args: &Args) -> Result<()> {
                 },
             )?;
             let opt = acc.prepare(opt)?;
-            train(args, &mut acc, &model, &mut loader, opt, schedule, samples, &varmap)
+            train(
+                args,
+                &mut acc,
+                &model,
+                &mut loader,
+                opt,
+                schedule,
+                samples,
+                &varmap,
+            )
         }
         OptimizerKind::Sgd => {
             let opt = Sgd::new(
@@ -195,7 +206,16 @@ fn run(args: &Args) -> Result<()> {
                 },
             )?;
             let opt = acc.prepare(opt)?;
-            train(args, &mut acc, &model, &mut loader, opt, schedule, samples, &varmap)
+            train(
+                args,
+                &mut acc,
+                &model,
+                &mut loader,
+                opt,
+                schedule,
+                samples,
+                &varmap,
+            )
         }
     }
 }

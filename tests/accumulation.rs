@@ -31,7 +31,13 @@ enum Opt {
 }
 
 /// Trains with the Accelerator (K micro-batches of `b`) and returns the final parameters.
-fn train_accumulated(opt: Opt, samples: usize, b: usize, k: usize, epochs: usize) -> Vec<(String, Var)> {
+fn train_accumulated(
+    opt: Opt,
+    samples: usize,
+    b: usize,
+    k: usize,
+    epochs: usize,
+) -> Vec<(String, Var)> {
     let mut acc = accelerator(k);
     let (varmap, model) = tiny_mlp(1).unwrap();
     let (x, y) = tiny_data(samples, 2).unwrap();
@@ -40,14 +46,18 @@ fn train_accumulated(opt: Opt, samples: usize, b: usize, k: usize, epochs: usize
         .shuffle(true)
         .seed(5);
     let mut loader = acc.prepare(loader).unwrap();
-    let mut step = |acc: &Accelerator, x: &Tensor, y: &Tensor| {
+    let step = |acc: &Accelerator, x: &Tensor, y: &Tensor| {
         let _s = acc.accumulate();
         let loss = candle_nn::loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
         acc.backward(&loss).unwrap();
     };
     match opt {
         Opt::SgdMomentum => {
-            let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..SgdConfig::default() };
+            let cfg = SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..SgdConfig::default()
+            };
             let mut o = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
             for _ in 0..epochs {
                 for batch in loader.iter() {
@@ -59,8 +69,14 @@ fn train_accumulated(opt: Opt, samples: usize, b: usize, k: usize, epochs: usize
             }
         }
         Opt::AdamW => {
-            let cfg = AdamWConfig { lr: 0.01, weight_decay: 0.1, ..AdamWConfig::default() };
-            let mut o = acc.prepare(AdamW::new(params.clone(), cfg).unwrap()).unwrap();
+            let cfg = AdamWConfig {
+                lr: 0.01,
+                weight_decay: 0.1,
+                ..AdamWConfig::default()
+            };
+            let mut o = acc
+                .prepare(AdamW::new(params.clone(), cfg).unwrap())
+                .unwrap();
             for _ in 0..epochs {
                 for batch in loader.iter() {
                     let (x, y) = batch.unwrap();
@@ -75,7 +91,12 @@ fn train_accumulated(opt: Opt, samples: usize, b: usize, k: usize, epochs: usize
 }
 
 /// The reference: plain candle, batches of `big` in the same shuffled order, reference optimizer.
-fn train_reference(opt: Opt, samples: usize, big: usize, epochs: usize) -> (Vec<(String, Var)>, usize) {
+fn train_reference(
+    opt: Opt,
+    samples: usize,
+    big: usize,
+    epochs: usize,
+) -> (Vec<(String, Var)>, usize) {
     let (varmap, model) = tiny_mlp(1).unwrap();
     let (x, y) = tiny_data(samples, 2).unwrap();
     let params = named_vars(&varmap);
@@ -157,7 +178,11 @@ fn sequence_data(n: usize) -> (Tensor, Tensor) {
 
 /// Summed squared error over valid positions, and the number of valid positions.
 fn summed_loss(w: &Var, x: &Tensor, y: &Tensor) -> (Tensor, f64) {
-    let pred = x.broadcast_matmul(&w.as_tensor().t().unwrap()).unwrap().squeeze(2).unwrap();
+    let pred = x
+        .broadcast_matmul(&w.as_tensor().t().unwrap())
+        .unwrap()
+        .squeeze(2)
+        .unwrap();
     let target = y.narrow(2, 0, 1).unwrap().squeeze(2).unwrap();
     let mask = y.narrow(2, 1, 1).unwrap().squeeze(2).unwrap();
     let err = ((pred - target).unwrap().sqr().unwrap() * &mask).unwrap();
@@ -168,21 +193,35 @@ fn summed_loss(w: &Var, x: &Tensor, y: &Tensor) -> (Tensor, f64) {
 #[test]
 fn item_weighted_windows_equal_one_batch_of_all_items() {
     let (x, y) = sequence_data(48);
-    let w0 = Tensor::from_vec(vec![0.1f32, -0.2, 0.3, 0.0, 0.05, -0.1], (1, TINY_IN), &Device::Cpu).unwrap();
+    let w0 = Tensor::from_vec(
+        vec![0.1f32, -0.2, 0.3, 0.0, 0.05, -0.1],
+        (1, TINY_IN),
+        &Device::Cpu,
+    )
+    .unwrap();
     let lr = 0.05;
 
     // Ours: micro-batches of 4, K = 3 (windows of 12 sequences with uneven token counts).
     let mut acc = accelerator(3);
     let w = Var::from_tensor(&w0).unwrap();
     let params = acc.prepare(vec![("w".to_string(), w.clone())]).unwrap();
-    let cfg = SgdConfig { lr, ..SgdConfig::default() };
+    let cfg = SgdConfig {
+        lr,
+        ..SgdConfig::default()
+    };
     let mut opt = acc.prepare(Sgd::new(params, cfg).unwrap()).unwrap();
-    let loader = DataLoader::new(Arc::new(TensorDataset::new(x.clone(), y.clone()).unwrap()), 4);
+    let loader = DataLoader::new(
+        Arc::new(TensorDataset::new(x.clone(), y.clone()).unwrap()),
+        4,
+    );
     let mut loader = acc.prepare(loader).unwrap();
     let mut window_items = Vec::new();
     for window in loader.windows(3) {
         let window = window.unwrap();
-        let per_batch: Vec<f64> = window.iter().map(|(x, y)| summed_loss(&w, x, y).1).collect();
+        let per_batch: Vec<f64> = window
+            .iter()
+            .map(|(x, y)| summed_loss(&w, x, y).1)
+            .collect();
         let items: f64 = per_batch.iter().sum();
         window_items.push(per_batch);
         acc.set_window_items(items as usize).unwrap();
@@ -206,7 +245,8 @@ fn item_weighted_windows_equal_one_batch_of_all_items() {
         let loss = (sum / items).unwrap();
         let g = loss.backward().unwrap();
         let grad = g.get(r.as_tensor()).unwrap();
-        r.set(&(r.as_tensor() - (grad * lr).unwrap()).unwrap()).unwrap();
+        r.set(&(r.as_tensor() - (grad * lr).unwrap()).unwrap())
+            .unwrap();
     }
     let d = max_abs_diff(&[("w".into(), w)], &[("w".into(), r)]);
     assert!(d < 1e-6, "max |Δw| = {d}");
@@ -219,13 +259,27 @@ fn optimizer_and_scheduler_do_nothing_on_non_sync_micro_steps() {
     let (varmap, model) = tiny_mlp(4).unwrap();
     let (x, y) = tiny_data(8 * 9, 3).unwrap();
     let params = acc.prepare(&varmap).unwrap();
-    let cfg = SgdConfig { lr: 0.5, momentum: 0.9, ..SgdConfig::default() };
+    let cfg = SgdConfig {
+        lr: 0.5,
+        momentum: 0.9,
+        ..SgdConfig::default()
+    };
     let opt = Sgd::new(params.clone(), cfg).unwrap();
     let lr = opt.learning_rate().clone();
     let mut opt = acc.prepare(opt).unwrap();
-    let schedule = Schedule::LinearWarmupDecay { warmup_steps: 1, total_steps: 3 };
-    let mut sched = acc.prepare(LrScheduler::new(lr, schedule).unwrap()).unwrap();
-    let mut loader = acc.prepare(DataLoader::new(Arc::new(TensorDataset::new(x, y).unwrap()), 8)).unwrap();
+    let schedule = Schedule::LinearWarmupDecay {
+        warmup_steps: 0,
+        total_steps: 3,
+    };
+    let mut sched = acc
+        .prepare(LrScheduler::new(lr, schedule).unwrap())
+        .unwrap();
+    let mut loader = acc
+        .prepare(DataLoader::new(
+            Arc::new(TensorDataset::new(x, y).unwrap()),
+            8,
+        ))
+        .unwrap();
     let mut lrs = Vec::new();
     for (i, batch) in loader.iter().enumerate() {
         let (x, y) = batch.unwrap();
@@ -241,15 +295,16 @@ fn optimizer_and_scheduler_do_nothing_on_non_sync_micro_steps() {
         opt.zero_grad();
         let changed = snapshot(&params) != before;
         assert_eq!(changed, step.sync, "parameters changed on micro-step {i}");
-        if !step.sync {
-            assert_eq!(opt.learning_rate(), lr_before);
+        if step.sync {
+            lrs.push(lr_before);
         } else {
-            lrs.push(opt.learning_rate());
+            assert_eq!(opt.learning_rate(), lr_before);
         }
     }
     assert_eq!(acc.optimizer_steps(), 3);
-    // transformers' linear schedule, warmup 1, total 3: factor(s) = s/1 for s < 1, else (3-s)/2.
-    let expected: Vec<f64> = (1..=3).map(|s: usize| 0.5 * (3 - s) as f64 / 2.0).collect();
+    // transformers' linear schedule without warmup: optimizer step s (0-based) uses
+    // lr = 0.5 * (3 - s) / 3.
+    let expected: Vec<f64> = (0..3).map(|s: usize| 0.5 * (3 - s) as f64 / 3.0).collect();
     assert_eq!(lrs.len(), 3);
     for (got, want) in lrs.iter().zip(&expected) {
         assert!((got - want).abs() < 1e-12, "{lrs:?} vs {expected:?}");
@@ -267,8 +322,24 @@ fn clipping_acts_on_the_whole_window() {
     let (varmap, model) = tiny_mlp(6).unwrap();
     let (x, y) = tiny_data(16, 8).unwrap();
     let params = acc.prepare(&varmap).unwrap();
-    let mut opt = acc.prepare(Sgd::new(params.clone(), SgdConfig { lr: 1.0, ..SgdConfig::default() }).unwrap()).unwrap();
-    let mut loader = acc.prepare(DataLoader::new(Arc::new(TensorDataset::new(x.clone(), y.clone()).unwrap()), 8)).unwrap();
+    let mut opt = acc
+        .prepare(
+            Sgd::new(
+                params.clone(),
+                SgdConfig {
+                    lr: 1.0,
+                    ..SgdConfig::default()
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let mut loader = acc
+        .prepare(DataLoader::new(
+            Arc::new(TensorDataset::new(x.clone(), y.clone()).unwrap()),
+            8,
+        ))
+        .unwrap();
     let mut norms = Vec::new();
     for batch in loader.iter() {
         let (x, y) = batch.unwrap();
@@ -288,8 +359,17 @@ fn clipping_acts_on_the_whole_window() {
     let norm: f64 = rparams
         .iter()
         .map(|(_, v)| {
-            let g = grads.get(v.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
-            g.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+            let g = grads
+                .get(v.as_tensor())
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap();
+            g.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
         })
         .sum::<f64>()
         .sqrt();
@@ -299,7 +379,8 @@ fn clipping_acts_on_the_whole_window() {
     let coef = max_norm / (norm + 1e-6);
     for (_, v) in &rparams {
         let g = grads.get(v.as_tensor()).unwrap();
-        v.set(&(v.as_tensor() - (g * coef).unwrap()).unwrap()).unwrap();
+        v.set(&(v.as_tensor() - (g * coef).unwrap()).unwrap())
+            .unwrap();
     }
     let d = max_abs_diff(&params, &rparams);
     assert!(d < 1e-6, "max |Δθ| = {d}");
@@ -311,7 +392,18 @@ fn a_plain_loop_without_accumulate_steps_every_backward() {
     let (varmap, model) = tiny_mlp(2).unwrap();
     let (x, y) = tiny_data(8, 1).unwrap();
     let params = acc.prepare(&varmap).unwrap();
-    let mut opt = acc.prepare(Sgd::new(params.clone(), SgdConfig { lr: 0.1, ..SgdConfig::default() }).unwrap()).unwrap();
+    let mut opt = acc
+        .prepare(
+            Sgd::new(
+                params.clone(),
+                SgdConfig {
+                    lr: 0.1,
+                    ..SgdConfig::default()
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
     let (rmap, rmodel) = tiny_mlp(2).unwrap();
     let rparams = named_vars(&rmap);
     let mut reference = ReferenceOptimizer::sgd(0.1, 0.0);
@@ -321,7 +413,9 @@ fn a_plain_loop_without_accumulate_steps_every_backward() {
         opt.step().unwrap();
         opt.zero_grad();
         let rloss = candle_nn::loss::cross_entropy(&rmodel.forward(&x).unwrap(), &y).unwrap();
-        reference.step(&rparams, &rloss.backward().unwrap()).unwrap();
+        reference
+            .step(&rparams, &rloss.backward().unwrap())
+            .unwrap();
     }
     assert!(max_abs_diff(&params, &rparams) < 1e-6);
     // A second backward in an explicit micro-step is refused rather than double-counted.

@@ -63,8 +63,12 @@ pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
 /// Seeded classification data: x `[n, 6]`, y `[n]` (u32, in 0..3).
 pub fn tiny_data(n: usize, seed: u64) -> Result<(Tensor, Tensor)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let x: Vec<f32> = (0..n * TINY_IN).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..TINY_CLASSES as u32)).collect();
+    let x: Vec<f32> = (0..n * TINY_IN)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let y: Vec<u32> = (0..n)
+        .map(|_| rng.random_range(0..TINY_CLASSES as u32))
+        .collect();
     Ok((
         Tensor::from_vec(x, (n, TINY_IN), &Device::Cpu)?,
         Tensor::from_vec(y, n, &Device::Cpu)?,
@@ -79,7 +83,12 @@ pub fn max_abs_diff(a: &[(String, Var)], b: &[(String, Var)]) -> f32 {
         .map(|((na, va), (nb, vb))| {
             assert_eq!(na, nb);
             let d = (va.as_tensor() - vb.as_tensor()).unwrap().abs().unwrap();
-            d.flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+            d.flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
         })
         .fold(0.0, f32::max)
 }
@@ -155,7 +164,9 @@ impl ReferenceOptimizer {
         match self {
             Self::Sgd { lr, momentum, bufs } => {
                 for (name, var) in params {
-                    let Some(g) = grads.get(var.as_tensor()) else { continue };
+                    let Some(g) = grads.get(var.as_tensor()) else {
+                        continue;
+                    };
                     let buf = match bufs.get(name) {
                         None => g.clone(),
                         Some(b) => ((b * *momentum)? + g)?,
@@ -175,7 +186,9 @@ impl ReferenceOptimizer {
                 *t += 1;
                 let (b1, b2) = *betas;
                 for (name, var) in params {
-                    let Some(g) = grads.get(var.as_tensor()) else { continue };
+                    let Some(g) = grads.get(var.as_tensor()) else {
+                        continue;
+                    };
                     let (m, v) = match moments.get(name) {
                         Some(mv) => mv.clone(),
                         None => (g.zeros_like()?, g.zeros_like()?),

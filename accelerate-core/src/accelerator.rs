@@ -214,10 +214,7 @@ impl Accelerator {
 
     /// Registers the model's parameters (sorted by name) and allocates their gradient buffers.
     /// Returns the sorted `(name, Var)` pairs, to build the optimizer from.
-    pub fn prepare_parameters(
-        &mut self,
-        vars: Vec<(String, Var)>,
-    ) -> Result<Vec<(String, Var)>> {
+    pub fn prepare_parameters(&mut self, vars: Vec<(String, Var)>) -> Result<Vec<(String, Var)>> {
         if !self.params.is_empty() {
             return Err(Error::Parameters(
                 "parameters were already prepared; prepare all of the model's parameters at once \
@@ -254,7 +251,10 @@ impl Accelerator {
 
     /// Wraps an optimizer so that it steps only when gradients sync. Its parameters must be the
     /// prepared ones.
-    pub fn prepare_optimizer<O: Optimizer>(&mut self, optimizer: O) -> Result<PreparedOptimizer<O>> {
+    pub fn prepare_optimizer<O: Optimizer>(
+        &mut self,
+        optimizer: O,
+    ) -> Result<PreparedOptimizer<O>> {
         if self.params.is_empty() {
             return Err(Error::Optimizer(
                 "prepare the model's parameters before the optimizer (prepare_parameters)".into(),

@@ -117,9 +117,7 @@ impl Accumulation {
         }
         let index = self.taken;
         let sync = index + 1 >= self.window_len;
-        let loss_scale = self
-            .item_scale
-            .unwrap_or(1.0 / self.window_len as f64);
+        let loss_scale = self.item_scale.unwrap_or(1.0 / self.window_len as f64);
         let step = MicroStep {
             sync,
             index,
@@ -168,11 +166,6 @@ impl Accumulation {
         if self.current.is_some_and(|s| s.sync) {
             self.item_scale = None;
         }
-    }
-
-    /// The current micro-step, if one has begun.
-    pub fn current(&self) -> Option<MicroStep> {
-        self.current
     }
 
     /// Whether the current micro-step syncs (true before any micro-step: a loop without

@@ -57,7 +57,10 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) ->
 }
 
 /// Loads every tensor of a safetensors file onto `device`.
-pub fn load_safetensors(path: impl AsRef<Path>, device: &Device) -> Result<HashMap<String, Tensor>> {
+pub fn load_safetensors(
+    path: impl AsRef<Path>,
+    device: &Device,
+) -> Result<HashMap<String, Tensor>> {
     let path = path.as_ref();
     if !path.exists() {
         return Err(Error::io(
@@ -76,10 +79,7 @@ pub fn load_safetensors(path: impl AsRef<Path>, device: &Device) -> Result<HashM
 /// Overwrites the given parameters with the tensors of a safetensors file. The file must hold
 /// exactly these names with these shapes; any difference is an error listing every mismatch, and
 /// nothing is modified unless everything matches.
-pub fn load_into_vars(
-    path: impl AsRef<Path>,
-    params: &[(String, candle_core::Var)],
-) -> Result<()> {
+pub fn load_into_vars(path: impl AsRef<Path>, params: &[(String, candle_core::Var)]) -> Result<()> {
     let path = path.as_ref();
     let Some(first) = params.first() else {
         return Ok(());
@@ -88,7 +88,10 @@ pub fn load_into_vars(
     let mut problems = Vec::new();
     for (name, var) in params {
         match tensors.get(name) {
-            None => problems.push(format!("missing {name:?} (expected shape {:?})", var.dims())),
+            None => problems.push(format!(
+                "missing {name:?} (expected shape {:?})",
+                var.dims()
+            )),
             Some(t) if t.dims() != var.dims() => problems.push(format!(
                 "{name:?} has shape {:?}, the model expects {:?}",
                 t.dims(),
@@ -103,7 +106,9 @@ pub fn load_into_vars(
         .collect();
     extra.sort();
     for name in extra {
-        problems.push(format!("unexpected tensor {name:?} (not a parameter of this model)"));
+        problems.push(format!(
+            "unexpected tensor {name:?} (not a parameter of this model)"
+        ));
     }
     if !problems.is_empty() {
         return Err(Error::Parameters(format!(
@@ -167,7 +172,10 @@ mod tests {
         let a2 = Var::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
         let b2 = Var::zeros(1, candle_core::DType::F32, &Device::Cpu).unwrap();
         load_into_vars(&p, &[("a".into(), a2.clone()), ("b".into(), b2.clone())]).unwrap();
-        assert_eq!(a2.to_vec2::<f32>().unwrap(), vec![vec![1., 2.], vec![3., 4.]]);
+        assert_eq!(
+            a2.to_vec2::<f32>().unwrap(),
+            vec![vec![1., 2.], vec![3., 4.]]
+        );
         assert_eq!(b2.to_vec1::<f32>().unwrap(), vec![5.]);
 
         let wrong = Var::zeros((3, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -175,8 +183,14 @@ mod tests {
         let e = load_into_vars(&p, &[("a".into(), wrong.clone()), ("c".into(), c)])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("\"a\" has shape [2, 2], the model expects [3, 2]"), "{e}");
-        assert!(e.contains("missing \"c\"") && e.contains("unexpected tensor \"b\""), "{e}");
+        assert!(
+            e.contains("\"a\" has shape [2, 2], the model expects [3, 2]"),
+            "{e}"
+        );
+        assert!(
+            e.contains("missing \"c\"") && e.contains("unexpected tensor \"b\""),
+            "{e}"
+        );
         assert_eq!(wrong.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
         let e = load_into_vars(dir.path().join("nope"), &[("a".into(), a2)])
             .unwrap_err()

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use crate::cpu_slices::{with_f32, with_f32_mut};
 use crate::error::{Error, Result};
@@ -234,7 +234,11 @@ impl GradientBuffers {
             let finite = match fast {
                 Some(f) => f,
                 None => {
-                    let s = slot.view.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                    let s = slot
+                        .view
+                        .to_dtype(DType::F64)?
+                        .sum_all()?
+                        .to_scalar::<f64>()?;
                     s.is_finite()
                 }
             };
@@ -333,9 +337,4 @@ pub(crate) fn sorted_named_vars(mut vars: Vec<(String, Var)>) -> Result<Vec<(Str
         }
     }
     Ok(vars)
-}
-
-/// Shape and device description used in error messages.
-pub(crate) fn describe(shape: &Shape, device: &Device) -> String {
-    format!("{:?} on {:?}", shape.dims(), device.location())
 }

@@ -47,7 +47,8 @@ impl<O: Optimizer> PreparedOptimizer<O> {
         let grads = lock(&self.shared.grads);
         let grads = grads.as_ref().ok_or_else(|| {
             Error::Optimizer(
-                "optimizer.step() before any gradient: call accelerator.backward(loss) first".into(),
+                "optimizer.step() before any gradient: call accelerator.backward(loss) first"
+                    .into(),
             )
         })?;
         self.inner.step(grads)?;

@@ -274,7 +274,10 @@ mod tests {
         let e = ProcessState::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("RANK") && e.contains("below the world size 2"), "{e}");
+        assert!(
+            e.contains("RANK") && e.contains("below the world size 2"),
+            "{e}"
+        );
         let e = ProcessState::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")]))
             .unwrap_err()
             .to_string();

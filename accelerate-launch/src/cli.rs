@@ -34,7 +34,12 @@ pub struct Args {
     pub main_process_ip: Option<String>,
 
     /// Port of the rendezvous store on machine rank 0; 0 picks a free port.
-    #[arg(long, alias = "main_process_port", default_value_t = 29500, value_name = "PORT")]
+    #[arg(
+        long,
+        alias = "main_process_port",
+        default_value_t = 29500,
+        value_name = "PORT"
+    )]
     pub main_process_port: u16,
 
     /// Gradient accumulation steps, exported as ACCELERATE_GRADIENT_ACCUMULATION_STEPS.

@@ -154,9 +154,7 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
     match outcome {
         Outcome::Success => Ok(ExitCode::SUCCESS),
         Outcome::Failed { rank, pid, exit } => {
-            eprintln!(
-                "accelerate-launch: rank {rank} (pid {pid}) {exit}; stopped the other ranks"
-            );
+            eprintln!("accelerate-launch: rank {rank} (pid {pid}) {exit}; stopped the other ranks");
             Ok(ExitCode::from(1))
         }
         Outcome::Interrupted { signal } => {

@@ -179,10 +179,22 @@ pub async fn run_group(config: &GroupConfig) -> Result<Outcome, String> {
             None => None,
         };
         if let Some(out) = child.stdout.take() {
-            forwarders.push(tokio::spawn(forward(out, worker.rank, false, show, tee.clone())));
+            forwarders.push(tokio::spawn(forward(
+                out,
+                worker.rank,
+                false,
+                show,
+                tee.clone(),
+            )));
         }
         if let Some(err) = child.stderr.take() {
-            forwarders.push(tokio::spawn(forward(err, worker.rank, true, show, tee.clone())));
+            forwarders.push(tokio::spawn(forward(
+                err,
+                worker.rank,
+                true,
+                show,
+                tee.clone(),
+            )));
         }
         let tx = exit_tx.clone();
         tokio::spawn(async move {
@@ -202,17 +214,14 @@ pub async fn run_group(config: &GroupConfig) -> Result<Outcome, String> {
         SignalKind::hangup(),
         SignalKind::quit(),
     ] {
-        signals.push(
-            signal(kind).map_err(|e| format!("cannot install a signal handler: {e}"))?,
-        );
+        signals.push(signal(kind).map_err(|e| format!("cannot install a signal handler: {e}"))?);
     }
     let (sig_tx, mut sig_rx) = mpsc::unbounded_channel::<i32>();
-    for (mut s, num) in signals.into_iter().zip([
-        libc::SIGINT,
-        libc::SIGTERM,
-        libc::SIGHUP,
-        libc::SIGQUIT,
-    ]) {
+    for (mut s, num) in
+        signals
+            .into_iter()
+            .zip([libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT])
+    {
         let tx = sig_tx.clone();
         tokio::spawn(async move {
             while s.recv().await.is_some() {

@@ -86,7 +86,9 @@ pub fn synthetic_data(samples: usize, seed: u64) -> Result<(Tensor, Tensor)> {
     let mut x = Vec::with_capacity(samples * INPUTS);
     let mut y = Vec::with_capacity(samples);
     for _ in 0..samples {
-        let row: Vec<f32> = (0..INPUTS).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let row: Vec<f32> = (0..INPUTS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
         let mut scores = [0f32; CLASSES];
         for (i, &xi) in row.iter().enumerate() {
             for (c, s) in scores.iter_mut().enumerate() {
