@@ -1,7 +1,9 @@
 //! Side-by-side throughput of the MLP workload, one process, CPU:
 //! 1. a plain candle loop with candle-nn's AdamW, batch B;
 //! 2. the Accelerator loop with our AdamW, K = 1, batch B;
-//! 3. the Accelerator loop with our AdamW, K = 4, batch B/4 (the same samples per optimizer step).
+//! 3. the Accelerator loop with our AdamW, K = 4, batch B/4 (the same samples per optimizer step);
+//! 4. a hand-written candle loop doing what 3 does without the runtime: K = 4 backward passes of
+//!    B/4, gradients summed with tensor ops, then our AdamW — the cost of the smaller batches alone.
 //!
 //! The configurations run in interleaved rounds so that machine noise hits all of them alike;
 //! the median round is reported. `cargo run --release --example bench_mlp`.
@@ -47,12 +49,17 @@ fn main() -> Result<()> {
             "Accelerator, our AdamW, K=4 (batch {})",
             args.batch_size / 4
         ),
+        format!(
+            "plain candle loop, our AdamW, K=4 by hand (batch {})",
+            args.batch_size / 4
+        ),
     ];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for round in 0..args.rounds {
         results[0].push(plain_candle(&args, &x, &y)?);
         results[1].push(accelerated(&args, &dataset, 1)?);
         results[2].push(accelerated(&args, &dataset, 4)?);
+        results[3].push(hand_accumulated(&args, &x, &y, 4)?);
         eprintln!("round {} of {} done", round + 1, args.rounds);
     }
     println!(
@@ -101,6 +108,55 @@ fn plain_candle(args: &Args, x: &Tensor, y: &Tensor) -> Result<f64> {
         let yb = y.narrow(0, i * b, b)?;
         let loss = candle_nn::loss::cross_entropy(&model.forward(&xb)?, &yb)?;
         opt.backward_step(&loss)?;
+        Ok(())
+    };
+    run(0)?;
+    run(1)?;
+    let start = Instant::now();
+    for i in 2..args.steps + 2 {
+        run(i)?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / args.steps as f64)
+}
+
+/// Milliseconds per optimizer step of a hand-written accumulation loop: K backward passes, the
+/// gradients summed with candle ops, our AdamW applied to the sum.
+fn hand_accumulated(args: &Args, x: &Tensor, y: &Tensor, k: usize) -> Result<f64> {
+    use accelerate_core::grads::GradientBuffers;
+    use accelerate_core::optim::Optimizer;
+    let (varmap, model) = mlp::build(args.hidden, 0, &Device::Cpu)?;
+    let mut params: Vec<(String, candle_core::Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut opt = AdamW::new(params.clone(), AdamWConfig::default())?;
+    let b = args.batch_size / k;
+    let mut run = |i: usize| -> Result<()> {
+        let mut sums: Vec<Option<Tensor>> = vec![None; params.len()];
+        for j in 0..k {
+            let xb = x.narrow(0, (i * k + j) * b, b)?;
+            let yb = y.narrow(0, (i * k + j) * b, b)?;
+            let loss = (candle_nn::loss::cross_entropy(&model.forward(&xb)?, &yb)? / k as f64)?;
+            let grads = loss.backward()?;
+            for ((_, var), sum) in params.iter().zip(sums.iter_mut()) {
+                let g = grads
+                    .get(var.as_tensor())
+                    .expect("every parameter has a gradient");
+                *sum = Some(match sum.take() {
+                    None => g.clone(),
+                    Some(s) => (s + g)?,
+                });
+            }
+        }
+        let mut buffers = GradientBuffers::new(&params, usize::MAX)?;
+        for ((name, _), sum) in params.iter().zip(&sums) {
+            buffers.accumulate_one(name, sum.as_ref().expect("summed"), 1.0)?;
+        }
+        opt.step(&buffers)?;
         Ok(())
     };
     run(0)?;
