@@ -8,7 +8,10 @@ use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::accumulate::{Accumulation, MicroStep};
-use crate::comm::{CommStats, Communicator, LocalCommunicator, ReduceOp};
+use crate::comm::join::join;
+use crate::comm::store::{Store, StoreServer};
+use crate::comm::{CommStats, Communicator, ReduceOp};
+use crate::data::LoaderProgress;
 use crate::data::{DataLoader, Dataset};
 use crate::error::{Error, Result};
 use crate::grads::{sorted_named_vars, GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
@@ -82,15 +85,7 @@ impl AcceleratorBuilder {
             Some(s) => s,
             None => ProcessState::from_env()?,
         };
-        let comm: Box<dyn Communicator> = if state.world_size == 1 {
-            Box::new(LocalCommunicator::new())
-        } else {
-            return Err(Error::Config(format!(
-                "this process is rank {} of {} ({:?} launcher), but this build has no \
-                 multi-process communicator yet; run a single process",
-                state.rank, state.world_size, state.launcher
-            )));
-        };
+        let membership = join(&state)?;
         let device = self.device.unwrap_or(Device::Cpu);
         let seed = self.seed.unwrap_or(0);
         if !device.is_cpu() {
@@ -102,12 +97,15 @@ impl AcceleratorBuilder {
             device,
             seed,
             bucket_cap_bytes: self.bucket_cap_bytes.unwrap_or(DEFAULT_BUCKET_CAP_BYTES),
-            comm,
+            comm: membership.comm,
+            store: membership.store,
+            _hosted_store: membership.hosted,
             params: Vec::new(),
+            grad_sync: std::cell::Cell::new(GradientSyncStats::default()),
             shared: Arc::new(TrainingState {
                 accumulation: Mutex::new(accumulation),
                 grads: Mutex::new(None),
-                loader: Mutex::new(None),
+                loaders: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -122,9 +120,23 @@ pub struct Accelerator {
     seed: u64,
     bucket_cap_bytes: usize,
     comm: Box<dyn Communicator>,
+    store: Option<Arc<dyn Store>>,
+    /// The store this process hosts (rank 0 under torchrun or SLURM); serves until dropped.
+    _hosted_store: Option<StoreServer>,
     /// The prepared parameters, sorted by name.
     params: Vec<(String, Var)>,
+    grad_sync: std::cell::Cell<GradientSyncStats>,
     shared: Arc<TrainingState>,
+}
+
+/// Traffic of gradient synchronization alone (the communicator's counters also include metrics,
+/// item counts and user collectives).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GradientSyncStats {
+    /// Bucket all-reduces issued.
+    pub all_reduces: u64,
+    /// Bytes of gradient buckets reduced.
+    pub bytes: u64,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -238,10 +250,53 @@ impl Accelerator {
                 )));
             }
         }
+        if self.state.world_size > 1 {
+            self.check_same_parameters_everywhere(&vars)?;
+            // Same start everywhere: rank 0's values, in sorted-name order.
+            for (_, var) in &vars {
+                self.comm.broadcast(var.as_tensor(), 0)?;
+            }
+        }
         let buffers = GradientBuffers::new(&vars, self.bucket_cap_bytes)?;
         *lock(&self.shared.grads) = Some(buffers);
         self.params = vars.clone();
         Ok(vars)
+    }
+
+    /// Compares this rank's parameter names, shapes and dtypes with every other rank's, through
+    /// the store; every rank reports the same first difference.
+    fn check_same_parameters_everywhere(&self, vars: &[(String, Var)]) -> Result<()> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let signature: String = vars
+            .iter()
+            .map(|(n, v)| format!("{n} {:?} {:?}\n", v.dims(), v.dtype()))
+            .collect();
+        let key = |r: usize| format!("accelerate/parameters/{r}");
+        store.set(&key(self.state.rank), signature.as_bytes())?;
+        let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
+        let reference = String::from_utf8_lossy(&store.get(&key(0), timeout)?).into_owned();
+        for r in 1..self.state.world_size {
+            let theirs = String::from_utf8_lossy(&store.get(&key(r), timeout)?).into_owned();
+            if theirs != reference {
+                let ours_lines: Vec<&str> = reference.lines().collect();
+                let their_lines: Vec<&str> = theirs.lines().collect();
+                let first = (0..ours_lines.len().max(their_lines.len()))
+                    .find(|&i| ours_lines.get(i) != their_lines.get(i))
+                    .unwrap_or(0);
+                return Err(Error::Parameters(format!(
+                    "rank {r} has different parameters than rank 0 (first difference: rank 0 has \
+                     {:?}, rank {r} has {:?}; {} vs {} parameters); every rank must build the \
+                     same model",
+                    ours_lines.get(first).unwrap_or(&"nothing"),
+                    their_lines.get(first).unwrap_or(&"nothing"),
+                    ours_lines.len(),
+                    their_lines.len()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The prepared parameters, sorted by name.
@@ -285,14 +340,14 @@ impl Accelerator {
         let loader = loader
             .shard(self.state.rank, self.state.world_size)
             .device(self.device.clone());
-        *lock(&self.shared.loader) = Some(loader.progress());
+        lock(&self.shared.loaders).push(loader.progress());
         loader
     }
 
     /// Begins a micro-step: decides whether it syncs and how its loss is scaled. Call it once per
     /// batch, after taking the batch from the prepared loader.
     pub fn accumulate(&self) -> MicroStep {
-        let loader = lock(&self.shared.loader).clone();
+        let loader = self.active_loader();
         lock(&self.shared.accumulation).begin_explicit(loader.as_ref())
     }
 
@@ -310,7 +365,7 @@ impl Accelerator {
     /// summed over ranks.
     pub fn set_window_items(&self, local_items: usize) -> Result<()> {
         let global = self.reduce_scalar(local_items as f64, ReduceOp::Sum)?;
-        let loader = lock(&self.shared.loader).clone();
+        let loader = self.active_loader();
         lock(&self.shared.accumulation).set_window_items(
             global,
             self.state.world_size,
@@ -327,7 +382,7 @@ impl Accelerator {
                 loss.dims()
             )));
         }
-        let loader = lock(&self.shared.loader).clone();
+        let loader = self.active_loader();
         let mut acc = lock(&self.shared.accumulation);
         let step = acc.current_for_backward(loader.as_ref())?;
         let grad_store = loss.backward()?;
@@ -344,9 +399,13 @@ impl Accelerator {
             buffers.fill_missing_with_zeros()?;
             // At world size 1 the reduction is the identity, but it is still counted, so the
             // traffic accounting reads the same at any size.
+            let mut stats = self.grad_sync.get();
             for bucket in buffers.buckets() {
                 self.comm.all_reduce(bucket.flat(), ReduceOp::Mean)?;
+                stats.all_reduces += 1;
+                stats.bytes += bucket.size_in_bytes() as u64;
             }
+            self.grad_sync.set(stats);
         }
         acc.backward_finished();
         Ok(())
@@ -382,6 +441,19 @@ impl Accelerator {
         self.comm.stats()
     }
 
+    /// Gradient all-reduces issued so far (one per bucket per optimizer step) and their bytes.
+    pub fn gradient_sync_stats(&self) -> GradientSyncStats {
+        self.grad_sync.get()
+    }
+
+    /// The prepared loader a loop is iterating: the one that handed out a batch last.
+    fn active_loader(&self) -> Option<Arc<LoaderProgress>> {
+        lock(&self.shared.loaders)
+            .iter()
+            .max_by_key(|p| p.last_activity())
+            .cloned()
+    }
+
     /// Reduces a tensor over all ranks (a copy; the argument is untouched).
     pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let out = tensor.contiguous()?.copy()?;
@@ -401,6 +473,66 @@ impl Accelerator {
     /// Concatenates `tensor` of every rank along dimension 0, in rank order.
     pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
         self.comm.all_gather(tensor)
+    }
+
+    /// [`gather`](Self::gather) for evaluation metrics: at the end of an epoch of a prepared
+    /// loader, the rows of the wrap-around samples (which complete the last round so that every
+    /// rank steps equally) are dropped, so an epoch gathers exactly the dataset's samples. Pass
+    /// one row per sample of the current batch.
+    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
+        let gathered = self.gather(tensor)?;
+        let Some(loader) = self.active_loader() else {
+            return Ok(gathered);
+        };
+        if !loader.at_end() {
+            return Ok(gathered);
+        }
+        let (samples, batch_size, world) = loader.sample_layout();
+        let before_last_round = (loader.batches_per_epoch().saturating_sub(1)) * batch_size * world;
+        let remainder = samples.saturating_sub(before_last_round);
+        let rows = gathered.dim(0)?;
+        if remainder < rows {
+            Ok(gathered.narrow(0, 0, remainder)?)
+        } else {
+            Ok(gathered)
+        }
+    }
+
+    /// Pads `tensor` along `dim` with `value` up to the largest size any rank has there, so that
+    /// ragged tensors can be gathered.
+    pub fn pad_across_processes(&self, tensor: &Tensor, dim: usize, value: f64) -> Result<Tensor> {
+        let size = tensor.dim(dim)?;
+        let max = self.reduce_scalar(size as f64, ReduceOp::Max)? as usize;
+        if max == size {
+            return Ok(tensor.clone());
+        }
+        let mut pad_shape = tensor.dims().to_vec();
+        pad_shape[dim] = max - size;
+        let pad = (Tensor::ones(pad_shape, tensor.dtype(), tensor.device())? * value)?;
+        Ok(Tensor::cat(&[tensor, &pad], dim)?)
+    }
+
+    /// This rank's contiguous share of `items`: the shares are as equal as possible, the first
+    /// ranks getting one more when the length does not divide.
+    pub fn split_between_processes<'a, T>(&self, items: &'a [T]) -> &'a [T] {
+        let (n, r) = (self.state.world_size, self.state.rank);
+        let (base, extra) = (items.len() / n, items.len() % n);
+        let start = r * base + r.min(extra);
+        let len = base + usize::from(r < extra);
+        &items[start..start + len]
+    }
+
+    /// Runs `f` on the main process first, then on the others (e.g. to download or preprocess
+    /// once and read from cache afterwards).
+    pub fn main_process_first<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        let result = f();
+        if self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        Ok(result)
     }
 
     /// Waits until every rank has reached this point.

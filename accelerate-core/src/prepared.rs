@@ -17,8 +17,9 @@ use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
 pub(crate) struct TrainingState {
     pub accumulation: Mutex<Accumulation>,
     pub grads: Mutex<Option<GradientBuffers>>,
-    /// Progress of the training data loader, which decides where the last window of an epoch ends.
-    pub loader: Mutex<Option<Arc<LoaderProgress>>>,
+    /// Progress of every prepared loader; the one in use decides where an epoch's last window
+    /// ends.
+    pub loaders: Mutex<Vec<Arc<LoaderProgress>>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -82,6 +82,8 @@ impl<D: Dataset> DataLoader<D> {
     pub fn drop_last(mut self, on: bool) -> Self {
         self.drop_last = on;
         self.progress.set_batches_per_epoch(self.len());
+        self.progress
+            .set_sample_layout(self.samples_per_epoch(), self.batch_size, world_size);
         self
     }
 

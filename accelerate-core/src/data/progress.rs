@@ -15,7 +15,18 @@ pub struct LoaderProgress {
     batches_yielded: AtomicUsize,
     batches_per_epoch: AtomicUsize,
     generation: AtomicU64,
+    /// Value of [`ACTIVITY`] at this loader's last hand-out: the loader touched most recently is
+    /// the one a loop is iterating (train and eval loaders alternate).
+    last_activity: AtomicU64,
+    /// Samples of an epoch that are real (not wrap-around), and the per-rank batch size; what
+    /// `gather_for_metrics` needs to drop the duplicates.
+    samples_per_epoch: AtomicUsize,
+    batch_size: AtomicUsize,
+    world_size: AtomicUsize,
 }
+
+/// Process-wide clock of loader hand-outs.
+static ACTIVITY: AtomicU64 = AtomicU64::new(0);
 
 impl LoaderProgress {
     /// Progress of a loader that has not started iterating and hands out `batches_per_epoch`
@@ -70,11 +81,40 @@ impl LoaderProgress {
             .store(batches_per_epoch, Ordering::Release);
         self.batches_yielded.store(skip, Ordering::Release);
         self.generation.fetch_add(1, Ordering::AcqRel);
+        self.touch();
     }
 
     /// Records that the `count`-th batch of the current epoch has been handed out.
     pub(crate) fn record_yielded(&self, count: usize) {
         self.batches_yielded.store(count, Ordering::Release);
+        self.touch();
+    }
+
+    fn touch(&self) {
+        let now = ACTIVITY.fetch_add(1, Ordering::AcqRel) + 1;
+        self.last_activity.store(now, Ordering::Release);
+    }
+
+    /// When this loader last handed out a batch or started an epoch, on a process-wide clock
+    /// (larger is later; 0 = never).
+    pub fn last_activity(&self) -> u64 {
+        self.last_activity.load(Ordering::Acquire)
+    }
+
+    /// Real (not wrap-around) samples per epoch, batch size per rank, and world size, as set by
+    /// the loader.
+    pub fn sample_layout(&self) -> (usize, usize, usize) {
+        (
+            self.samples_per_epoch.load(Ordering::Acquire),
+            self.batch_size.load(Ordering::Acquire),
+            self.world_size.load(Ordering::Acquire),
+        )
+    }
+
+    pub(crate) fn set_sample_layout(&self, samples: usize, batch_size: usize, world_size: usize) {
+        self.samples_per_epoch.store(samples, Ordering::Release);
+        self.batch_size.store(batch_size, Ordering::Release);
+        self.world_size.store(world_size, Ordering::Release);
     }
 }
 

@@ -1,0 +1,103 @@
+//! How a process joins its job: find the rendezvous store (hosting it on rank 0 when no
+//! `accelerate-launch` did), then build the communicator over it.
+//!
+//! - Under `accelerate-launch` the launcher hosts the store at `MASTER_ADDR:MASTER_PORT` and gives
+//!   every worker the job token and the restart generation.
+//! - Under torchrun, torchrun's own store already listens on `MASTER_PORT`, so rank 0 hosts ours
+//!   on `MASTER_PORT + 1`; under SLURM rank 0 hosts it on `MASTER_PORT`. Neither gives a token:
+//!   the store then accepts the empty token, like PyTorch's TCPStore, which has none.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+
+use super::cpu::{CpuCommOptions, CpuCommunicator};
+use super::store::{Store, StoreServer, TcpStoreClient};
+use super::{Communicator, LocalCommunicator};
+use crate::error::{Error, Result};
+use crate::state::{Launcher, ProcessState};
+
+/// What joining produced.
+pub struct Membership {
+    /// The communicator of this process.
+    pub comm: Box<dyn Communicator>,
+    /// The store client (none for a single process).
+    pub store: Option<Arc<dyn Store>>,
+    /// The store this process hosts (rank 0 without our launcher), kept alive for the job.
+    pub hosted: Option<StoreServer>,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership")
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("hosts_store", &self.hosted.is_some())
+            .finish()
+    }
+}
+
+/// Joins the job described by `state`. A single process gets the local communicator and opens
+/// no socket.
+pub fn join(state: &ProcessState) -> Result<Membership> {
+    if state.world_size == 1 {
+        return Ok(Membership {
+            comm: Box::new(LocalCommunicator::new()),
+            store: None,
+            hosted: None,
+        });
+    }
+    let options = CpuCommOptions::from_env()?;
+    let port = match state.launcher {
+        Launcher::Torchrun => state.master_port.checked_add(1).ok_or_else(|| Error::Env {
+            name: "MASTER_PORT".into(),
+            value: state.master_port.to_string(),
+            problem: "under torchrun our store listens on MASTER_PORT + 1; pick a lower port".into(),
+        })?,
+        _ => state.master_port,
+    };
+    let addr = resolve(&state.master_addr, port)?;
+    let hosted = if state.rank == 0 && state.launcher != Launcher::Accelerate {
+        let bind_ip = if addr.ip().is_loopback() {
+            addr.ip()
+        } else {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        };
+        Some(StoreServer::start(
+            SocketAddr::new(bind_ip, port),
+            state.job_token.clone(),
+            state.restart_count as u64,
+        )?)
+    } else {
+        None
+    };
+    let client = TcpStoreClient::connect(
+        addr,
+        &state.job_token,
+        state.restart_count as u64,
+        state.rank,
+        options.timeout,
+    )?;
+    let store: Arc<dyn Store> = Arc::new(client);
+    let comm = CpuCommunicator::connect(store.as_ref(), state.rank, state.world_size, options)?;
+    Ok(Membership {
+        comm: Box::new(comm),
+        store: Some(store),
+        hosted,
+    })
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::Env {
+            name: "MASTER_ADDR".into(),
+            value: host.into(),
+            problem: format!("cannot resolve it ({e}); give an IP address or a resolvable host"),
+        })?
+        .next()
+        .ok_or_else(|| Error::Env {
+            name: "MASTER_ADDR".into(),
+            value: host.into(),
+            problem: "resolves to no address".into(),
+        })
+}
