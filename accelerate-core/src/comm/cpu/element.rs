@@ -21,8 +21,9 @@ pub(crate) trait Element: candle_core::WithDType + Default {
     fn of_storage_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Decodes one element from `SIZE` little-endian bytes.
     fn from_le(bytes: &[u8]) -> Self;
-    /// Appends the little-endian encoding of `value`.
-    fn put_le(value: Self, out: &mut Vec<u8>);
+    /// Writes the little-endian encoding of `value` into `out` (exactly `SIZE` bytes).
+    #[cfg_attr(target_endian = "little", allow(dead_code))] // little-endian copies bytes whole
+    fn put_le(value: Self, out: &mut [u8]);
     /// `a + b` (integers wrap, as in PyTorch).
     fn sum_of(a: Self, b: Self) -> Self;
     /// The larger of `a` and `b`; a NaN wins, so a diverged rank is not hidden by the others.
@@ -52,8 +53,8 @@ macro_rules! float_element {
             fn from_le(bytes: &[u8]) -> Self {
                 <$t>::from_le_bytes(bytes.try_into().expect("caller passes SIZE bytes"))
             }
-            fn put_le(value: Self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&value.to_le_bytes());
+            fn put_le(value: Self, out: &mut [u8]) {
+                out.copy_from_slice(&value.to_le_bytes());
             }
             fn sum_of(a: Self, b: Self) -> Self {
                 a + b
@@ -94,8 +95,8 @@ impl Element for i64 {
     fn from_le(bytes: &[u8]) -> Self {
         i64::from_le_bytes(bytes.try_into().expect("caller passes SIZE bytes"))
     }
-    fn put_le(value: Self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&value.to_le_bytes());
+    fn put_le(value: Self, out: &mut [u8]) {
+        out.copy_from_slice(&value.to_le_bytes());
     }
     fn sum_of(a: Self, b: Self) -> Self {
         a.wrapping_add(b)
@@ -120,17 +121,54 @@ pub(crate) fn describe_code(code: u8) -> String {
 
 /// Appends the wire encoding of `values` to `out`.
 pub(crate) fn encode<T: Element>(values: &[T], out: &mut Vec<u8>) {
-    out.reserve(values.len() * T::SIZE);
-    for &v in values {
-        T::put_le(v, out);
+    #[cfg(target_endian = "little")]
+    out.extend_from_slice(native_bytes(values));
+    #[cfg(not(target_endian = "little"))]
+    {
+        let start = out.len();
+        out.resize(start + values.len() * T::SIZE, 0);
+        for (dst, &v) in out[start..].chunks_exact_mut(T::SIZE).zip(values) {
+            T::put_le(v, dst);
+        }
     }
 }
 
 /// Overwrites `dst` with the elements encoded in `bytes` (exactly `dst.len() * SIZE` of them).
 pub(crate) fn decode_into<T: Element>(dst: &mut [T], bytes: &[u8]) {
-    debug_assert_eq!(bytes.len(), dst.len() * T::SIZE);
+    assert_eq!(
+        bytes.len(),
+        dst.len() * T::SIZE,
+        "frame length checked by the caller"
+    );
+    #[cfg(target_endian = "little")]
+    native_bytes_mut(dst).copy_from_slice(bytes);
+    #[cfg(not(target_endian = "little"))]
     for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
         *d = T::from_le(b);
+    }
+}
+
+/// The in-memory bytes of `values`, which on a little-endian machine are their wire encoding;
+/// copying them wholesale is several times faster than encoding element by element.
+#[cfg(target_endian = "little")]
+fn native_bytes<T: Element>(values: &[T]) -> &[u8] {
+    // SAFETY: `Element` is implemented only for f32, f64 and i64: plain numbers without padding,
+    // so every byte of the slice is initialized, and u8 has no alignment requirement.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// Mutable counterpart of [`native_bytes`].
+#[cfg(target_endian = "little")]
+fn native_bytes_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `native_bytes`; in addition every bit pattern is a valid f32, f64 or i64, so
+    // any bytes written through the view leave valid values.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            values.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(values),
+        )
     }
 }
 

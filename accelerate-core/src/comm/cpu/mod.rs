@@ -32,7 +32,7 @@ pub use options::{
 
 use self::element::{check_cpu_contiguous, unsupported_dtype, Element};
 use self::frame::OpCode;
-use self::transport::{run_collective, RingLinks, RingPosition, Session};
+use self::transport::{run_collective, FramePool, RingLinks, RingPosition, Session, Tag};
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
 use crate::error::{Error, Result};
@@ -59,6 +59,8 @@ struct State {
     stats: CommStats,
     /// Set by the first failed collective.
     broken: Option<Broken>,
+    /// Frame buffers reused from one collective to the next.
+    frames: FramePool,
 }
 
 #[derive(Debug)]
@@ -100,6 +102,7 @@ impl CpuCommunicator {
                 seq: 0,
                 stats: CommStats::default(),
                 broken: None,
+                frames: FramePool::new(),
             }),
         })
     }
@@ -148,7 +151,12 @@ impl CpuCommunicator {
             chunk_elems,
             timeout: self.options.timeout,
         };
-        let (result, bytes_sent) = run_collective(links, pos, op, dtype, state.seq, body);
+        let tag = Tag {
+            op,
+            dtype,
+            seq: state.seq,
+        };
+        let (result, bytes_sent) = run_collective(links, &mut state.frames, pos, tag, body);
         state.stats.bytes_sent += bytes_sent;
         match result {
             Ok(value) => Ok(Some(value)),

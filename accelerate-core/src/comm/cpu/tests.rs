@@ -524,11 +524,55 @@ fn a_world_size_disagreement_is_a_configuration_error() {
     // Rank 1 waits for a rank 2 that does not exist, and says so.
     let err = results[1].as_ref().unwrap_err().to_string();
     assert!(err.contains("rank 2"), "{err}");
-    assert!(CpuCommunicator::connect(
-        &TcpStoreClient::connect(addr, TOKEN, 0, 5, Duration::from_secs(5)).unwrap(),
-        5,
-        3,
-        CpuCommOptions::default()
-    )
-    .is_err());
+}
+
+#[test]
+fn a_rank_outside_the_world_is_a_configuration_error() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let store =
+        TcpStoreClient::connect(server.local_addr(), TOKEN, 0, 5, Duration::from_secs(5)).unwrap();
+    let err = CpuCommunicator::connect(&store, 5, 3, CpuCommOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("rank 5"), "{err}");
+}
+
+#[test]
+fn a_stranger_connecting_to_a_ring_port_is_dropped_and_the_ring_still_forms() {
+    use std::io::Write;
+    use std::net::{SocketAddr, TcpStream};
+
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = server.local_addr();
+    let connect = move |rank: usize| {
+        let store = TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10)).unwrap();
+        let comm = CpuCommunicator::connect(&store, rank, 2, options(Duration::from_secs(10), 64))
+            .unwrap();
+        let t = Tensor::new(&[rank as f32 + 1.0], &Device::Cpu).unwrap();
+        comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+        t.to_vec1::<f32>().unwrap()
+    };
+    let sums = std::thread::scope(|scope| {
+        // Rank 1 publishes its address, then waits for rank 0's.
+        let rank1 = scope.spawn(move || connect(1));
+        let spy = TcpStoreClient::connect(addr, TOKEN, 0, 9, Duration::from_secs(10)).unwrap();
+        let card = spy
+            .get("cpu_comm/1/rank1", Duration::from_secs(10))
+            .unwrap();
+        let (ring_addr, _nonce, _world): (SocketAddr, u128, u64) =
+            bincode::deserialize(&card).unwrap();
+        // Two strangers reach rank 1's port before rank 0 exists: one speaks garbage, one a
+        // well-formed hello with a guessed nonce.
+        let mut garbage = TcpStream::connect(ring_addr).unwrap();
+        garbage.write_all(&[0xAB; 44]).unwrap();
+        let mut guess = TcpStream::connect(ring_addr).unwrap();
+        let mut hello = b"ACR1".to_vec();
+        for field in [0u64, 2, 1] {
+            hello.extend_from_slice(&field.to_le_bytes());
+        }
+        hello.extend_from_slice(&12345u128.to_le_bytes());
+        guess.write_all(&hello).unwrap();
+        let rank0 = scope.spawn(move || connect(0));
+        [rank0.join().unwrap(), rank1.join().unwrap()]
+    });
+    assert_eq!(sums, [vec![3.0], vec![3.0]]);
 }

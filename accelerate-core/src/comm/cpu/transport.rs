@@ -66,6 +66,24 @@ pub(crate) struct Failure {
     pub peer: Option<usize>,
 }
 
+/// Identifies a collective in its frames.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tag {
+    /// Which collective.
+    pub op: OpCode,
+    /// Element type code.
+    pub dtype: u8,
+    /// Sequence number on this communicator.
+    pub seq: u64,
+}
+
+/// Frame buffers kept between collectives, so steady-state collectives allocate (and fault in)
+/// no fresh memory for their frames.
+pub(crate) type FramePool = Vec<Vec<u8>>;
+
+/// Most frame buffers kept in a [`FramePool`] (16 x 512 KiB with the default chunk size).
+const MAX_POOLED_FRAMES: usize = 16;
+
 enum Outgoing {
     Data(Vec<u8>),
     Abort {
@@ -83,6 +101,9 @@ pub(crate) struct Session<'a> {
     seq: u64,
     reader: &'a mut TcpStream,
     outgoing: mpsc::Sender<Outgoing>,
+    /// Frames the sender has written, back for reuse.
+    returned: mpsc::Receiver<Vec<u8>>,
+    pool: FramePool,
     received: u32,
     buffer: Vec<u8>,
     bytes_sent: u64,
@@ -98,7 +119,13 @@ impl Session<'_> {
 
     /// Queues `values` as the next data frame to `next`; returns at once.
     pub fn send<T: Element>(&mut self, values: &[T]) {
-        let mut frame = Vec::with_capacity(HEADER_BYTES + values.len() * T::SIZE);
+        let mut frame = self
+            .returned
+            .try_recv()
+            .ok()
+            .or_else(|| self.pool.pop())
+            .unwrap_or_default();
+        frame.clear();
         frame.resize(HEADER_BYTES, 0);
         element::encode(values, &mut frame);
         self.bytes_sent += (values.len() * T::SIZE) as u64;
@@ -312,25 +339,28 @@ fn keepalive_interval(timeout: Duration) -> Duration {
 /// Returns the body's result and the payload bytes queued for sending.
 pub(crate) fn run_collective<R>(
     links: &mut RingLinks,
+    pool: &mut FramePool,
     pos: RingPosition,
-    op: OpCode,
-    dtype: u8,
-    seq: u64,
+    tag: Tag,
     body: impl FnOnce(&mut Session<'_>) -> Result<R>,
 ) -> (std::result::Result<R, Failure>, u64) {
+    let op = tag.op;
     let aborting = AtomicBool::new(false);
     let (outgoing, queue) = mpsc::channel::<Outgoing>();
+    let (give_back, returned) = mpsc::channel::<Vec<u8>>();
     let RingLinks { to_next, from_prev } = links;
     std::thread::scope(|scope| {
         let aborting = &aborting;
-        let sender = scope.spawn(move || send_loop(to_next, queue, aborting, pos, op, dtype, seq));
+        let sender = scope.spawn(move || send_loop(to_next, queue, give_back, aborting, pos, tag));
         let mut session = Session {
             pos,
             op,
-            dtype,
-            seq,
+            dtype: tag.dtype,
+            seq: tag.seq,
             reader: from_prev,
             outgoing,
+            returned,
+            pool: std::mem::take(pool),
             received: 0,
             buffer: Vec::new(),
             bytes_sent: 0,
@@ -357,7 +387,13 @@ pub(crate) fn run_collective<R>(
                 })
             }
         };
-        drop(session); // closes the queue: the sender finishes what is queued and stops
+        let Session {
+            outgoing,
+            returned,
+            pool: mut kept,
+            ..
+        } = session;
+        drop(outgoing); // closes the queue: the sender finishes what is queued and stops
         let sent = sender.join().unwrap_or_else(|_| {
             Err(Error::Collective {
                 op: op.name(),
@@ -373,6 +409,9 @@ pub(crate) fn run_collective<R>(
             }),
             (Ok(value), Ok(())) => Ok(value),
         };
+        kept.extend(returned.try_iter());
+        kept.truncate(MAX_POOLED_FRAMES);
+        *pool = kept;
         (result, bytes_sent)
     })
 }
@@ -380,12 +419,12 @@ pub(crate) fn run_collective<R>(
 fn send_loop(
     stream: &mut TcpStream,
     queue: mpsc::Receiver<Outgoing>,
+    give_back: mpsc::Sender<Vec<u8>>,
     aborting: &AtomicBool,
     pos: RingPosition,
-    op: OpCode,
-    dtype: u8,
-    seq: u64,
+    tag: Tag,
 ) -> Result<()> {
+    let Tag { op, dtype, seq } = tag;
     let next = pos.next();
     let write_error = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
@@ -433,6 +472,7 @@ fn send_loop(
                 header(FrameKind::Data, index, frame.len() - HEADER_BYTES).write(&mut frame);
                 stream.write_all(&frame).map_err(write_error)?;
                 index += 1;
+                let _ = give_back.send(frame);
             }
             Ok(Outgoing::Abort {
                 failed,
