@@ -8,9 +8,13 @@
 //! Every rank must call the same collectives in the same order with tensors of the same shape and
 //! dtype, as with torch.distributed.
 
+pub mod cpu;
 mod local;
+pub mod store;
 
+pub use cpu::{CpuCommOptions, CpuCommunicator};
 pub use local::LocalCommunicator;
+pub use store::{Store, StoreServer, TcpStoreClient};
 
 use candle_core::Tensor;
 

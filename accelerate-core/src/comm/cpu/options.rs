@@ -1,0 +1,131 @@
+//! Settings of the CPU communicator.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Environment variable that sets [`CpuCommOptions::timeout`], in seconds.
+pub const COLLECTIVE_TIMEOUT_ENV: &str = "ACCELERATE_COLLECTIVE_TIMEOUT";
+
+/// Default for [`CpuCommOptions::timeout`].
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Default for [`CpuCommOptions::chunk_bytes`]: large enough that per-frame costs vanish, small
+/// enough that the ring's pipeline fills quickly.
+pub const DEFAULT_CHUNK_BYTES: usize = 512 * 1024;
+
+/// How a [`super::CpuCommunicator`] connects and how long it waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuCommOptions {
+    /// Longest a rank waits on a silent peer (and for the whole connection setup) before failing
+    /// with an error naming that peer.
+    pub timeout: Duration,
+    /// Payload bytes per data frame; collectives are pipelined in chunks of this size.
+    pub chunk_bytes: usize,
+    /// Address this rank listens on for its ring predecessor and publishes to the others:
+    /// loopback for single-machine jobs, this machine's address otherwise
+    /// ([`crate::comm::TcpStoreClient::local_addr`] gives the one that reaches the store).
+    pub bind_ip: IpAddr,
+}
+
+impl Default for CpuCommOptions {
+    /// 300 s timeout, 512 KiB chunks, loopback. Ignores the environment; see
+    /// [`CpuCommOptions::from_env`].
+    fn default() -> Self {
+        Self {
+            timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        }
+    }
+}
+
+impl CpuCommOptions {
+    /// The defaults, with the timeout taken from `ACCELERATE_COLLECTIVE_TIMEOUT` when set.
+    pub fn from_env() -> Result<Self> {
+        let mut options = Self::default();
+        if let Ok(value) = std::env::var(COLLECTIVE_TIMEOUT_ENV) {
+            options.timeout = parse_timeout(&value)?;
+        }
+        Ok(options)
+    }
+
+    /// Checks that the options can work.
+    pub fn validate(&self) -> Result<()> {
+        if self.timeout.is_zero() {
+            return Err(Error::Config(format!(
+                "CpuCommOptions::timeout is zero; use a positive duration (default \
+                 {DEFAULT_COLLECTIVE_TIMEOUT:?}, or {COLLECTIVE_TIMEOUT_ENV}=<seconds>)"
+            )));
+        }
+        if self.chunk_bytes < 8 {
+            return Err(Error::Config(format!(
+                "CpuCommOptions::chunk_bytes is {}; it must hold at least one 8-byte element \
+                 (default {DEFAULT_CHUNK_BYTES})",
+                self.chunk_bytes
+            )));
+        }
+        if self.bind_ip.is_unspecified() {
+            return Err(Error::Config(format!(
+                "CpuCommOptions::bind_ip is {}, which the other ranks cannot connect to; use \
+                 127.0.0.1 on one machine, or this machine's address on several \
+                 (TcpStoreClient::local_addr gives the one that reaches the store)",
+                self.bind_ip
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a timeout in seconds (fractions allowed) as given in `ACCELERATE_COLLECTIVE_TIMEOUT`.
+pub fn parse_timeout(value: &str) -> Result<Duration> {
+    let seconds: Option<f64> = value.trim().parse().ok();
+    match seconds {
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(Error::Env {
+            name: COLLECTIVE_TIMEOUT_ENV.into(),
+            value: value.into(),
+            problem: "expected a positive number of seconds, e.g. 600 or 2.5".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_parse_as_seconds() {
+        assert_eq!(parse_timeout("600").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_timeout(" 2.5 ").unwrap(), Duration::from_millis(2500));
+        for bad in ["", "0", "-3", "ten", "inf", "NaN"] {
+            let err = parse_timeout(bad).unwrap_err().to_string();
+            assert!(err.contains(COLLECTIVE_TIMEOUT_ENV), "{err}");
+        }
+    }
+
+    #[test]
+    fn unusable_options_are_rejected_with_the_field_named() {
+        assert!(CpuCommOptions::default().validate().is_ok());
+        let zero = CpuCommOptions {
+            timeout: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(zero.validate().unwrap_err().to_string().contains("timeout"));
+        let tiny = CpuCommOptions {
+            chunk_bytes: 4,
+            ..Default::default()
+        };
+        assert!(tiny
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("chunk_bytes"));
+        let any = CpuCommOptions {
+            bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            ..Default::default()
+        };
+        assert!(any.validate().unwrap_err().to_string().contains("bind_ip"));
+    }
+}

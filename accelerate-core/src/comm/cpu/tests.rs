@@ -1,0 +1,578 @@
+//! Ring tests: each rank is a thread with its own store client and communicator, over loopback.
+//! Expected values are computed directly from the inputs (plain sums, maxima, concatenations).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+use crate::comm::store::{StoreServer, TcpStoreClient};
+
+const TOKEN: &str = "ring-test-token";
+
+fn options(timeout: Duration, chunk_bytes: usize) -> CpuCommOptions {
+    CpuCommOptions {
+        timeout,
+        chunk_bytes,
+        ..Default::default()
+    }
+}
+
+/// Runs `f(rank, communicator)` on `world` threads joined in one ring; returns results by rank.
+fn on_ring<R: Send>(
+    world: usize,
+    opts: CpuCommOptions,
+    f: impl Fn(usize, CpuCommunicator) -> R + Sync,
+) -> Vec<R> {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = server.local_addr();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (f, opts) = (&f, opts.clone());
+                scope.spawn(move || {
+                    let store =
+                        TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
+                            .unwrap();
+                    let comm = CpuCommunicator::connect(&store, rank, world, opts).unwrap();
+                    f(rank, comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Input of `rank` at index `i`: quarter-integers of small magnitude, so float sums are exact.
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 31 + i * 7) % 23) as f64 - 11.0 + 0.25 * rank as f64
+}
+
+fn int_value(rank: usize, i: usize) -> i64 {
+    ((rank * 31 + i * 7) % 23) as i64 - 11 + 1000 * rank as i64
+}
+
+fn input(rank: usize, len: usize, dtype: DType) -> Tensor {
+    let dev = &Device::Cpu;
+    match dtype {
+        DType::F32 => Tensor::from_vec(
+            (0..len).map(|i| value(rank, i) as f32).collect::<Vec<_>>(),
+            len,
+            dev,
+        ),
+        DType::F64 => Tensor::from_vec(
+            (0..len).map(|i| value(rank, i)).collect::<Vec<_>>(),
+            len,
+            dev,
+        ),
+        DType::I64 => Tensor::from_vec(
+            (0..len).map(|i| int_value(rank, i)).collect::<Vec<_>>(),
+            len,
+            dev,
+        ),
+        other => panic!("no test input for {other:?}"),
+    }
+    .unwrap()
+}
+
+/// The reduction over ranks computed directly, element by element, as f64 / i64 lists.
+fn expected_floats(world: usize, len: usize, op: ReduceOp, as_f32: bool) -> Vec<f64> {
+    (0..len)
+        .map(|i| {
+            let column = (0..world).map(|r| value(r, i));
+            match op {
+                ReduceOp::Sum => column.sum(),
+                // The sum is exact; the one rounding is the division, done in the tensor's type.
+                ReduceOp::Mean if as_f32 => (column.sum::<f64>() as f32 / world as f32) as f64,
+                ReduceOp::Mean => column.sum::<f64>() / world as f64,
+                ReduceOp::Max => column.fold(f64::NEG_INFINITY, f64::max),
+            }
+        })
+        .collect()
+}
+
+fn expected_ints(world: usize, len: usize, op: ReduceOp) -> Vec<i64> {
+    (0..len)
+        .map(|i| {
+            let column = (0..world).map(|r| int_value(r, i));
+            match op {
+                ReduceOp::Sum => column.sum(),
+                ReduceOp::Mean => column.sum::<i64>() / world as i64,
+                ReduceOp::Max => column.max().unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+}
+
+/// Whether `err` names `rank` as the culprit.
+fn names_rank(err: &Error, rank: usize) -> bool {
+    match err {
+        Error::Collective { peer, .. } => *peer == Some(rank),
+        Error::Timeout { what, .. } => what.contains(&format!("rank {rank} ")),
+        _ => false,
+    }
+}
+
+#[test]
+fn all_reduce_matches_the_direct_reduction_for_every_world_size_dtype_and_op() {
+    // 16-byte chunks: the 40-element case spans several chunks per segment at every world size.
+    let lengths = [0usize, 1, 7, 40];
+    for world in 1..=5 {
+        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
+            for &len in &lengths {
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                    for dtype in [DType::F32, DType::F64] {
+                        let t = input(rank, len, dtype);
+                        comm.all_reduce(&t, op).unwrap();
+                        let expected = expected_floats(world, len, op, dtype == DType::F32);
+                        assert_eq!(
+                            as_f64(&t),
+                            expected,
+                            "{world} ranks, {len} {dtype:?} {op:?}"
+                        );
+                    }
+                    let t = input(rank, len, DType::I64);
+                    comm.all_reduce(&t, op).unwrap();
+                    assert_eq!(
+                        t.to_vec1::<i64>().unwrap(),
+                        expected_ints(world, len, op),
+                        "{world} ranks, {len} i64 {op:?}"
+                    );
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank() {
+    let world = 4;
+    let len = 1001;
+    let data = |rank: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((rank * len + i) as f32 * 0.37).sin() * 1e3)
+            .collect()
+    };
+    let results = on_ring(
+        world,
+        options(Duration::from_secs(20), 256),
+        |rank, comm| {
+            let t = Tensor::from_vec(data(rank), len, &Device::Cpu).unwrap();
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            t.to_vec1::<f32>().unwrap()
+        },
+    );
+    let inputs: Vec<Vec<f32>> = (0..world).map(data).collect();
+    for (i, &got) in results[0].iter().enumerate() {
+        let direct: f64 = inputs.iter().map(|x| x[i] as f64).sum();
+        // Each of the W - 1 f32 additions rounds by at most eps times the magnitude involved.
+        let magnitude: f64 = inputs.iter().map(|x| (x[i] as f64).abs()).sum();
+        let bound = world as f64 * f32::EPSILON as f64 * magnitude;
+        assert!((got as f64 - direct).abs() <= bound, "element {i}");
+    }
+    for r in 1..world {
+        let same = results[r]
+            .iter()
+            .zip(&results[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "rank {r} differs from rank 0");
+    }
+}
+
+#[test]
+fn a_large_all_reduce_pipelines_through_full_socket_buffers() {
+    // 8 MiB per rank, far beyond what socket buffers hold: without concurrent sending and
+    // receiving this would deadlock (and then time out).
+    let world = 3;
+    let len = 2 * 1024 * 1024;
+    let results = on_ring(
+        world,
+        options(Duration::from_secs(60), DEFAULT_CHUNK_BYTES),
+        |rank, comm| {
+            let t = Tensor::from_vec(
+                (0..len)
+                    .map(|i| (i % 1000) as f32 + rank as f32)
+                    .collect::<Vec<_>>(),
+                len,
+                &Device::Cpu,
+            )
+            .unwrap();
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            let v = t.to_vec1::<f32>().unwrap();
+            // Rank sum 0+1+2 = 3 on top of 3 copies of (i % 1000).
+            (0..len).all(|i| v[i] == 3.0 * (i % 1000) as f32 + 3.0)
+        },
+    );
+    assert_eq!(results, vec![true; world]);
+}
+
+#[test]
+fn all_reduce_works_in_place_on_a_view_of_a_larger_buffer() {
+    let results = on_ring(2, options(Duration::from_secs(10), 64), |rank, comm| {
+        let flat = Tensor::from_vec(vec![rank as f32 + 1.0; 6], 6, &Device::Cpu).unwrap();
+        let view = flat.narrow(0, 2, 3).unwrap();
+        comm.all_reduce(&view, ReduceOp::Sum).unwrap();
+        flat.to_vec1::<f32>().unwrap()
+    });
+    // Ranks hold 1s and 2s; only elements 2..5 are reduced (1 + 2 = 3).
+    assert_eq!(results[0], vec![1.0, 1.0, 3.0, 3.0, 3.0, 1.0]);
+    assert_eq!(results[1], vec![2.0, 2.0, 3.0, 3.0, 3.0, 2.0]);
+}
+
+#[test]
+fn broadcast_copies_the_root_everywhere() {
+    for world in 1..=5 {
+        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
+            for root in 0..world {
+                for len in [0usize, 1, 7, 40] {
+                    for dtype in [DType::F32, DType::F64, DType::I64] {
+                        let t = input(rank, len, dtype);
+                        comm.broadcast(&t, root).unwrap();
+                        let want = input(root, len, dtype);
+                        assert_eq!(as_f64(&t), as_f64(&want), "{world} ranks, root {root}");
+                    }
+                }
+            }
+            assert!(comm.broadcast(&input(rank, 1, DType::F32), world).is_err());
+        });
+    }
+}
+
+#[test]
+fn all_gather_concatenates_in_rank_order() {
+    for world in 1..=5 {
+        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
+            // A 2-D f32 tensor of 3 x 5 = 15 elements per rank (several chunks).
+            let rows = |r: usize| -> Vec<f32> { (0..15).map(|i| (100 * r + i) as f32).collect() };
+            let t = Tensor::from_vec(rows(rank), (3, 5), &Device::Cpu).unwrap();
+            let gathered = comm.all_gather(&t).unwrap();
+            assert_eq!(gathered.dims(), &[3 * world, 5]);
+            let want: Vec<f32> = (0..world).flat_map(rows).collect();
+            assert_eq!(
+                gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want
+            );
+
+            let ints = Tensor::new(&[rank as i64, -(rank as i64)], &Device::Cpu).unwrap();
+            let gathered = comm.all_gather(&ints).unwrap().to_vec1::<i64>().unwrap();
+            let want: Vec<i64> = (0..world as i64).flat_map(|r| [r, -r]).collect();
+            assert_eq!(gathered, want);
+
+            let empty = Tensor::zeros((0, 4), DType::F64, &Device::Cpu).unwrap();
+            assert_eq!(comm.all_gather(&empty).unwrap().dims(), &[0, 4]);
+
+            if world > 1 {
+                // Scalars gather into a vector of one value per rank.
+                let scalar = Tensor::new(rank as f64 * 0.5, &Device::Cpu).unwrap();
+                let gathered = comm.all_gather(&scalar).unwrap();
+                let want: Vec<f64> = (0..world).map(|r| r as f64 * 0.5).collect();
+                assert_eq!(gathered.to_vec1::<f64>().unwrap(), want);
+                // A transposed (non-contiguous) input is gathered by value.
+                let m = Tensor::from_vec(vec![rank as f32; 6], (2, 3), &Device::Cpu).unwrap();
+                assert_eq!(
+                    comm.all_gather(&m.t().unwrap()).unwrap().dims(),
+                    &[3 * world, 2]
+                );
+            }
+        });
+    }
+}
+
+#[test]
+fn nobody_leaves_a_barrier_before_everyone_entered() {
+    for world in 1..=4 {
+        let entered = AtomicUsize::new(0);
+        let seen = on_ring(world, options(Duration::from_secs(20), 64), |rank, comm| {
+            let mut seen = Vec::new();
+            for round in 1..=3 {
+                if rank == world - 1 {
+                    // The last rank is late, so a barrier that does not wait would be caught.
+                    std::thread::sleep(Duration::from_millis(30));
+                }
+                entered.fetch_add(1, Ordering::SeqCst);
+                comm.barrier().unwrap();
+                seen.push((round, entered.load(Ordering::SeqCst)));
+                comm.barrier().unwrap(); // keep rounds apart
+            }
+            seen
+        });
+        for per_rank in seen {
+            for (round, count) in per_rank {
+                assert!(
+                    count >= round * world,
+                    "{world} ranks: saw {count} in round {round}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn stats_count_calls_and_the_ring_traffic() {
+    let world = 3;
+    let stats = on_ring(
+        world,
+        options(Duration::from_secs(10), 1 << 20),
+        |rank, comm| {
+            let t = input(rank, 12, DType::F32);
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            let after_all_reduce = comm.stats();
+            comm.broadcast(&t, 0).unwrap();
+            comm.all_gather(&t).unwrap();
+            comm.barrier().unwrap();
+            (after_all_reduce, comm.stats())
+        },
+    );
+    for (rank, (after_all_reduce, total)) in stats.into_iter().enumerate() {
+        // Ring all-reduce: every rank sends 2 (W - 1) segments of 12 / 3 = 4 f32 = 64 bytes.
+        assert_eq!(after_all_reduce.bytes_sent, 2 * 2 * 4 * 4, "rank {rank}");
+        assert_eq!(
+            (
+                total.all_reduces,
+                total.broadcasts,
+                total.all_gathers,
+                total.barriers
+            ),
+            (1, 1, 1, 1)
+        );
+        // Broadcast from 0 along 0 -> 1 -> 2: ranks 0 and 1 send the 48 bytes, rank 2 nothing.
+        // All-gather: W - 1 blocks of 48 bytes. Barrier: 2 (W - 1) one-element i64 segments.
+        let broadcast = if rank < 2 { 48 } else { 0 };
+        assert_eq!(
+            total.bytes_sent,
+            64 + broadcast + 2 * 48 + 4 * 8,
+            "rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn a_world_of_one_opens_no_socket_and_changes_nothing() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let store =
+        TcpStoreClient::connect(server.local_addr(), TOKEN, 0, 0, Duration::from_secs(5)).unwrap();
+    let comm = CpuCommunicator::connect(&store, 0, 1, CpuCommOptions::default()).unwrap();
+    let t = Tensor::new(&[1.5f32, -2.0], &Device::Cpu).unwrap();
+    comm.all_reduce(&t, ReduceOp::Mean).unwrap();
+    comm.broadcast(&t, 0).unwrap();
+    comm.barrier().unwrap();
+    assert_eq!(t.to_vec1::<f32>().unwrap(), vec![1.5, -2.0]);
+    assert_eq!(comm.stats().bytes_sent, 0);
+    // Nothing was published for a one-rank ring.
+    assert!(store.get("cpu_comm/1/rank0", Duration::ZERO).is_err());
+}
+
+#[test]
+fn a_rank_that_drops_out_is_named_on_every_other_rank() {
+    for world in [2usize, 3, 5] {
+        let dropped = world / 2;
+        let errors = on_ring(world, options(Duration::from_secs(5), 64), |rank, comm| {
+            let t = input(rank, 30, DType::F32);
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            if rank == dropped {
+                drop(comm);
+                return None;
+            }
+            let first = comm.all_reduce(&t, ReduceOp::Sum).unwrap_err();
+            // The communicator stays failed and keeps naming the culprit.
+            let second = comm.barrier().unwrap_err();
+            Some((first, second))
+        });
+        for (rank, outcome) in errors.into_iter().enumerate() {
+            let Some((first, second)) = outcome else {
+                continue;
+            };
+            assert!(
+                names_rank(&first, dropped),
+                "{world} ranks, rank {rank}: {first}"
+            );
+            assert!(
+                names_rank(&second, dropped),
+                "{world} ranks, rank {rank}: {second}"
+            );
+            assert!(
+                second.to_string().contains("cannot be used again"),
+                "{second}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_stops_answering_is_named_on_every_other_rank() {
+    // Rank 1 keeps its connections open but never joins the collective: only rank 2 (its
+    // successor) can see the silence; ranks 3 and 0 must learn the culprit from the abort.
+    let world = 4;
+    let silent = 1;
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let done_tx = std::sync::Mutex::new(done_tx);
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let errors = on_ring(
+        world,
+        options(Duration::from_millis(800), 64),
+        |rank, comm| {
+            if rank == silent {
+                // Hold the communicator until the others are done (bounded by the channel timeout).
+                let rx = done_rx.lock().unwrap();
+                for _ in 0..world - 1 {
+                    let _ = rx.recv_timeout(Duration::from_secs(30));
+                }
+                drop(comm);
+                return None;
+            }
+            let t = input(rank, 30, DType::F64);
+            let err = comm.all_reduce(&t, ReduceOp::Max).unwrap_err();
+            done_tx.lock().unwrap().send(()).unwrap();
+            Some(err)
+        },
+    );
+    for (rank, err) in errors.into_iter().enumerate() {
+        if let Some(err) = err {
+            assert!(names_rank(&err, silent), "rank {rank}: {err}");
+        }
+    }
+}
+
+#[test]
+fn ranks_disagreeing_on_the_shape_get_a_protocol_error() {
+    let errors = on_ring(2, options(Duration::from_secs(5), 64), |rank, comm| {
+        let t = input(rank, 8 + rank, DType::F32);
+        comm.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string()
+    });
+    assert!(errors[0].contains("protocol mismatch"), "{}", errors[0]);
+    assert!(errors[0].contains("same shape and dtype"), "{}", errors[0]);
+    // Rank 1 learns it from rank 0's abort.
+    assert!(errors[1].contains("protocol mismatch"), "{}", errors[1]);
+}
+
+#[test]
+fn unusable_tensors_are_refused_before_any_traffic() {
+    on_ring(2, options(Duration::from_secs(5), 64), |rank, comm| {
+        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+        let err = comm.all_reduce(&m.t().unwrap(), ReduceOp::Sum).unwrap_err();
+        assert!(err.to_string().contains("not contiguous"), "{err}");
+        let u = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
+        let err = comm.all_reduce(&u, ReduceOp::Sum).unwrap_err();
+        assert!(err.to_string().contains("U32"), "{err}");
+        // Nothing was sent, so the ring is still in step.
+        let t = input(rank, 5, DType::I64);
+        comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+        assert_eq!(
+            t.to_vec1::<i64>().unwrap(),
+            expected_ints(2, 5, ReduceOp::Sum)
+        );
+    });
+}
+
+#[test]
+fn communicators_created_one_after_another_on_one_store_do_not_mix() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = server.local_addr();
+    let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                scope.spawn(move || {
+                    let store =
+                        TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
+                            .unwrap();
+                    let opts = options(Duration::from_secs(10), 64);
+                    let first = CpuCommunicator::connect(&store, rank, 3, opts.clone()).unwrap();
+                    drop(first);
+                    let second = CpuCommunicator::connect(&store, rank, 3, opts).unwrap();
+                    let t = Tensor::new(&[rank as f32], &Device::Cpu).unwrap();
+                    second.all_reduce(&t, ReduceOp::Sum).unwrap();
+                    t.to_vec1::<f32>().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(sums, vec![vec![3.0]; 3]);
+}
+
+#[test]
+fn a_world_size_disagreement_is_a_configuration_error() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = server.local_addr();
+    let results: Vec<Result<CpuCommunicator>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = [(0usize, 2usize), (1, 3)]
+            .into_iter()
+            .map(|(rank, world)| {
+                scope.spawn(move || {
+                    let store =
+                        TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
+                            .unwrap();
+                    CpuCommunicator::connect(
+                        &store,
+                        rank,
+                        world,
+                        options(Duration::from_millis(500), 64),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(err.contains("world size 3"), "{err}");
+    // Rank 1 waits for a rank 2 that does not exist, and says so.
+    let err = results[1].as_ref().unwrap_err().to_string();
+    assert!(err.contains("rank 2"), "{err}");
+}
+
+#[test]
+fn a_rank_outside_the_world_is_a_configuration_error() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let store =
+        TcpStoreClient::connect(server.local_addr(), TOKEN, 0, 5, Duration::from_secs(5)).unwrap();
+    let err = CpuCommunicator::connect(&store, 5, 3, CpuCommOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("rank 5"), "{err}");
+}
+
+#[test]
+fn a_stranger_connecting_to_a_ring_port_is_dropped_and_the_ring_still_forms() {
+    use std::io::Write;
+    use std::net::{SocketAddr, TcpStream};
+
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = server.local_addr();
+    let connect = move |rank: usize| {
+        let store = TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10)).unwrap();
+        let comm = CpuCommunicator::connect(&store, rank, 2, options(Duration::from_secs(10), 64))
+            .unwrap();
+        let t = Tensor::new(&[rank as f32 + 1.0], &Device::Cpu).unwrap();
+        comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+        t.to_vec1::<f32>().unwrap()
+    };
+    let sums = std::thread::scope(|scope| {
+        // Rank 1 publishes its address, then waits for rank 0's.
+        let rank1 = scope.spawn(move || connect(1));
+        let spy = TcpStoreClient::connect(addr, TOKEN, 0, 9, Duration::from_secs(10)).unwrap();
+        let card = spy
+            .get("cpu_comm/1/rank1", Duration::from_secs(10))
+            .unwrap();
+        let (ring_addr, _nonce, _world): (SocketAddr, u128, u64) =
+            bincode::deserialize(&card).unwrap();
+        // Two strangers reach rank 1's port before rank 0 exists: one speaks garbage, one a
+        // well-formed hello with a guessed nonce.
+        let mut garbage = TcpStream::connect(ring_addr).unwrap();
+        garbage.write_all(&[0xAB; 44]).unwrap();
+        let mut guess = TcpStream::connect(ring_addr).unwrap();
+        let mut hello = b"ACR1".to_vec();
+        for field in [0u64, 2, 1] {
+            hello.extend_from_slice(&field.to_le_bytes());
+        }
+        hello.extend_from_slice(&12345u128.to_le_bytes());
+        guess.write_all(&hello).unwrap();
+        let rank0 = scope.spawn(move || connect(0));
+        [rank0.join().unwrap(), rank1.join().unwrap()]
+    });
+    assert_eq!(sums, [vec![3.0], vec![3.0]]);
+}

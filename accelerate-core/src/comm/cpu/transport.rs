@@ -1,0 +1,500 @@
+//! Moving frames around the ring during one collective.
+//!
+//! Each rank holds two TCP connections: one to its successor (`next`), one from its predecessor
+//! (`prev`). During a collective, a sender thread writes queued frames to `next` while the calling
+//! thread reads from `prev` and reduces: receiving chunk `k` from `prev` overlaps with sending
+//! earlier chunks to `next`, which is what pipelines the ring. The queue is unbounded on purpose:
+//! with a bounded one, every rank could block on a full queue while its sender blocks on a peer
+//! that is itself blocked on its queue — a deadlock around the ring. Memory stays bounded by the
+//! tensor, since a rank never queues more than it will send in the collective.
+//!
+//! Failure handling: a closed connection or a silent peer becomes an error naming that peer; the
+//! rank that sees it sends an abort frame to `next`, which relays it, so every rank learns which
+//! rank failed instead of timing out on its own neighbour. While waiting for its input a rank's
+//! sender sends keep-alive frames, so only the successor of a hung rank times out on silence.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::element::{self, Element};
+use super::frame::{FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES};
+use crate::error::{Error, Result};
+
+/// The two ring connections of a rank.
+#[derive(Debug)]
+pub(crate) struct RingLinks {
+    /// Connection to `(rank + 1) % world_size`.
+    pub to_next: TcpStream,
+    /// Connection from `(rank + world_size - 1) % world_size`.
+    pub from_prev: TcpStream,
+}
+
+/// Where a collective sits: who we are and whom we talk to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RingPosition {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Elements per data frame (at least 1).
+    pub chunk_elems: usize,
+    /// Longest silence tolerated from a peer.
+    pub timeout: Duration,
+}
+
+impl RingPosition {
+    /// The rank we send to.
+    pub fn next(&self) -> usize {
+        (self.rank + 1) % self.world_size
+    }
+
+    /// The rank we receive from.
+    pub fn prev(&self) -> usize {
+        (self.rank + self.world_size - 1) % self.world_size
+    }
+}
+
+/// A collective that failed, and the rank held responsible.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    /// The error to return to the caller.
+    pub error: Error,
+    /// The rank that failed (closed, went silent, misbehaved), when known.
+    pub peer: Option<usize>,
+}
+
+/// Identifies a collective in its frames.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tag {
+    /// Which collective.
+    pub op: OpCode,
+    /// Element type code.
+    pub dtype: u8,
+    /// Sequence number on this communicator.
+    pub seq: u64,
+}
+
+/// Frame buffers kept between collectives, so steady-state collectives allocate (and fault in)
+/// no fresh memory for their frames.
+pub(crate) type FramePool = Vec<Vec<u8>>;
+
+/// Most frame buffers kept in a [`FramePool`] (16 x 512 KiB with the default chunk size).
+const MAX_POOLED_FRAMES: usize = 16;
+
+enum Outgoing {
+    Data(Vec<u8>),
+    Abort {
+        failed: usize,
+        reporter: usize,
+        reason: String,
+    },
+}
+
+/// The calling thread's side of a running collective.
+pub(crate) struct Session<'a> {
+    pos: RingPosition,
+    op: OpCode,
+    dtype: u8,
+    seq: u64,
+    reader: &'a mut TcpStream,
+    outgoing: mpsc::Sender<Outgoing>,
+    /// Frames the sender has written, back for reuse.
+    returned: mpsc::Receiver<Vec<u8>>,
+    pool: FramePool,
+    received: u32,
+    buffer: Vec<u8>,
+    bytes_sent: u64,
+    /// Set by `recv` on failure: who failed, who reported it first, why.
+    failure: Option<(usize, usize, String)>,
+}
+
+impl Session<'_> {
+    /// Where this collective runs.
+    pub fn pos(&self) -> RingPosition {
+        self.pos
+    }
+
+    /// Queues `values` as the next data frame to `next`; returns at once.
+    pub fn send<T: Element>(&mut self, values: &[T]) {
+        let mut frame = self
+            .returned
+            .try_recv()
+            .ok()
+            .or_else(|| self.pool.pop())
+            .unwrap_or_default();
+        frame.clear();
+        frame.resize(HEADER_BYTES, 0);
+        element::encode(values, &mut frame);
+        self.bytes_sent += (values.len() * T::SIZE) as u64;
+        // If the sender thread has stopped, its error is reported when the collective ends.
+        let _ = self.outgoing.send(Outgoing::Data(frame));
+    }
+
+    /// Receives the next data frame from `prev`, which must hold exactly `bytes` bytes.
+    pub fn recv(&mut self, bytes: usize) -> Result<&[u8]> {
+        match self.recv_frame(bytes) {
+            Ok(()) => Ok(&self.buffer),
+            Err(Relay::Detected(failed, error)) => {
+                self.failure = Some((failed, self.pos.rank, reason_of(&error)));
+                Err(error)
+            }
+            Err(Relay::Aborted {
+                failed,
+                reporter,
+                reason,
+            }) => {
+                let me = self.pos.rank;
+                let problem = if failed == me {
+                    format!(
+                        "the other ranks gave up on this rank (rank {me}): {reason} (reported \
+                         by rank {reporter})"
+                    )
+                } else {
+                    format!("{reason} (reported by rank {reporter})")
+                };
+                self.failure = Some((failed, reporter, reason));
+                Err(Error::Collective {
+                    op: self.op.name(),
+                    peer: Some(failed),
+                    problem,
+                })
+            }
+        }
+    }
+
+    fn recv_frame(&mut self, bytes: usize) -> std::result::Result<(), Relay> {
+        let prev = self.pos.prev();
+        let name = self.op.name();
+        let waiting_since = Instant::now();
+        loop {
+            let mut raw = [0u8; HEADER_BYTES];
+            self.reader
+                .read_exact(&mut raw)
+                .map_err(|e| Relay::Detected(prev, self.read_error(e)))?;
+            let header = Header::parse(&raw).map_err(|problem| {
+                Relay::Detected(
+                    prev,
+                    self.mismatch(format!("malformed frame header ({problem})")),
+                )
+            })?;
+            match header.kind {
+                FrameKind::KeepAlive => {
+                    // The predecessor is alive but has nothing for us: it waits on its own
+                    // predecessor. That rank's successor times out and sends an abort within
+                    // `timeout`; allow twice that before giving up here.
+                    if waiting_since.elapsed() > 2 * self.pos.timeout {
+                        let error = Error::Timeout {
+                            what: format!(
+                                "rank {prev} to send data in {name} #{} (it is alive but made no \
+                                 progress; it is itself waiting on another rank)",
+                                self.seq
+                            ),
+                            after: 2 * self.pos.timeout,
+                            hint: timeout_hint(),
+                        };
+                        return Err(Relay::Detected(prev, error));
+                    }
+                }
+                FrameKind::Abort => return Err(self.read_abort(&header)),
+                FrameKind::Data => {
+                    if header.op != self.op.code()
+                        || header.dtype != self.dtype
+                        || header.seq != self.seq
+                        || header.index != self.received
+                        || header.len != bytes as u64
+                    {
+                        let problem = format!(
+                            "rank {prev} sent frame {} of {} #{} ({}, {} bytes) where frame {} \
+                             of {name} #{} ({}, {bytes} bytes) was expected; every rank must \
+                             call the same collectives in the same order with tensors of the \
+                             same shape and dtype",
+                            header.index,
+                            OpCode::describe(header.op),
+                            header.seq,
+                            element::describe_code(header.dtype),
+                            header.len,
+                            self.received,
+                            self.seq,
+                            element::describe_code(self.dtype),
+                        );
+                        return Err(Relay::Detected(prev, self.mismatch(problem)));
+                    }
+                    self.buffer.resize(bytes, 0);
+                    self.reader
+                        .read_exact(&mut self.buffer)
+                        .map_err(|e| Relay::Detected(prev, self.read_error(e)))?;
+                    self.received += 1;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn read_abort(&mut self, header: &Header) -> Relay {
+        let prev = self.pos.prev();
+        if header.len < 8 || header.len > MAX_ABORT_BYTES as u64 {
+            let problem = format!("abort frame with a payload of {} bytes", header.len);
+            return Relay::Detected(prev, self.mismatch(problem));
+        }
+        let mut payload = vec![0u8; header.len as usize];
+        if let Err(e) = self.reader.read_exact(&mut payload) {
+            return Relay::Detected(prev, self.read_error(e));
+        }
+        let reporter = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")) as usize;
+        let reason = String::from_utf8_lossy(&payload[8..]).into_owned();
+        Relay::Aborted {
+            failed: header.index as usize,
+            reporter,
+            reason,
+        }
+    }
+
+    fn read_error(&self, e: std::io::Error) -> Error {
+        let prev = self.pos.prev();
+        let name = self.op.name();
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
+                what: format!("rank {prev} in {name} #{} (it sent nothing)", self.seq),
+                after: self.pos.timeout,
+                hint: format!(
+                    "rank {prev} may have hung or crashed, or not have called this collective \
+                     (every rank must call the same collectives in the same order); {}",
+                    timeout_hint()
+                ),
+            },
+            kind if is_disconnect(kind) => Error::Collective {
+                op: name,
+                peer: Some(prev),
+                problem: format!(
+                    "rank {prev} closed its connection during {name} #{}: the process exited \
+                     or dropped its communicator",
+                    self.seq
+                ),
+            },
+            _ => Error::Collective {
+                op: name,
+                peer: Some(prev),
+                problem: format!("receiving from rank {prev} failed: {e}"),
+            },
+        }
+    }
+
+    fn mismatch(&self, problem: String) -> Error {
+        Error::Collective {
+            op: self.op.name(),
+            peer: Some(self.pos.prev()),
+            problem: format!("protocol mismatch: {problem}"),
+        }
+    }
+}
+
+/// How a receive failed.
+enum Relay {
+    /// This rank saw `prev` (or the rank given) fail.
+    Detected(usize, Error),
+    /// Another rank's failure report arrived.
+    Aborted {
+        failed: usize,
+        reporter: usize,
+        reason: String,
+    },
+}
+
+/// The part of an error worth relaying to the other ranks (without this rank's framing).
+fn reason_of(error: &Error) -> String {
+    match error {
+        Error::Collective { problem, .. } => problem.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn is_disconnect(kind: std::io::ErrorKind) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        kind,
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected
+    )
+}
+
+/// What a timeout error suggests.
+pub(crate) fn timeout_hint() -> String {
+    format!(
+        "if it is only slow, raise the limit with {}=<seconds> or CpuCommOptions::timeout",
+        super::options::COLLECTIVE_TIMEOUT_ENV
+    )
+}
+
+/// How often an idle sender says it is alive: often enough that a peer's timeout never expires
+/// on a live rank, rarely enough to cost nothing.
+fn keepalive_interval(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5))
+}
+
+/// Runs one collective: spawns the sender thread, runs `body` with the receiving side, and on
+/// failure sends an abort frame to `next` so the failure travels around the ring.
+///
+/// Returns the body's result and the payload bytes queued for sending.
+pub(crate) fn run_collective<R>(
+    links: &mut RingLinks,
+    pool: &mut FramePool,
+    pos: RingPosition,
+    tag: Tag,
+    body: impl FnOnce(&mut Session<'_>) -> Result<R>,
+) -> (std::result::Result<R, Failure>, u64) {
+    let op = tag.op;
+    let aborting = AtomicBool::new(false);
+    let (outgoing, queue) = mpsc::channel::<Outgoing>();
+    let (give_back, returned) = mpsc::channel::<Vec<u8>>();
+    let RingLinks { to_next, from_prev } = links;
+    std::thread::scope(|scope| {
+        let aborting = &aborting;
+        let sender = scope.spawn(move || send_loop(to_next, queue, give_back, aborting, pos, tag));
+        let mut session = Session {
+            pos,
+            op,
+            dtype: tag.dtype,
+            seq: tag.seq,
+            reader: from_prev,
+            outgoing,
+            returned,
+            pool: std::mem::take(pool),
+            received: 0,
+            buffer: Vec::new(),
+            bytes_sent: 0,
+            failure: None,
+        };
+        let result = body(&mut session);
+        let bytes_sent = session.bytes_sent;
+        let result = match result {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                let (failed, reporter, reason) = session
+                    .failure
+                    .take()
+                    .unwrap_or_else(|| (pos.rank, pos.rank, reason_of(&error)));
+                aborting.store(true, Ordering::SeqCst);
+                let _ = session.outgoing.send(Outgoing::Abort {
+                    failed,
+                    reporter,
+                    reason,
+                });
+                Err(Failure {
+                    error,
+                    peer: Some(failed),
+                })
+            }
+        };
+        let Session {
+            outgoing,
+            returned,
+            pool: mut kept,
+            ..
+        } = session;
+        drop(outgoing); // closes the queue: the sender finishes what is queued and stops
+        let sent = sender.join().unwrap_or_else(|_| {
+            Err(Error::Collective {
+                op: op.name(),
+                peer: None,
+                problem: "the sender thread panicked".into(),
+            })
+        });
+        let result = match (result, sent) {
+            (Err(failure), _) => Err(failure),
+            (Ok(_), Err(error)) => Err(Failure {
+                error,
+                peer: Some(pos.next()),
+            }),
+            (Ok(value), Ok(())) => Ok(value),
+        };
+        kept.extend(returned.try_iter());
+        kept.truncate(MAX_POOLED_FRAMES);
+        *pool = kept;
+        (result, bytes_sent)
+    })
+}
+
+fn send_loop(
+    stream: &mut TcpStream,
+    queue: mpsc::Receiver<Outgoing>,
+    give_back: mpsc::Sender<Vec<u8>>,
+    aborting: &AtomicBool,
+    pos: RingPosition,
+    tag: Tag,
+) -> Result<()> {
+    let Tag { op, dtype, seq } = tag;
+    let next = pos.next();
+    let write_error = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
+            what: format!(
+                "rank {next} to accept data in {} #{seq} (it stopped reading)",
+                op.name()
+            ),
+            after: pos.timeout,
+            hint: format!(
+                "rank {next} may have hung or not have called this collective; {}",
+                timeout_hint()
+            ),
+        },
+        kind if is_disconnect(kind) => Error::Collective {
+            op: op.name(),
+            peer: Some(next),
+            problem: format!(
+                "rank {next} closed its connection during {} #{seq}: the process exited or \
+                 dropped its communicator",
+                op.name()
+            ),
+        },
+        _ => Error::Collective {
+            op: op.name(),
+            peer: Some(next),
+            problem: format!("sending to rank {next} failed: {e}"),
+        },
+    };
+    let header = |kind, index: u32, len: usize| Header {
+        kind,
+        op: op.code(),
+        dtype,
+        index,
+        seq,
+        len: len as u64,
+    };
+    let interval = keepalive_interval(pos.timeout);
+    let mut index = 0u32;
+    loop {
+        match queue.recv_timeout(interval) {
+            Ok(Outgoing::Data(mut frame)) => {
+                if aborting.load(Ordering::SeqCst) {
+                    continue; // the collective failed: skip to the abort frame
+                }
+                header(FrameKind::Data, index, frame.len() - HEADER_BYTES).write(&mut frame);
+                stream.write_all(&frame).map_err(write_error)?;
+                index += 1;
+                let _ = give_back.send(frame);
+            }
+            Ok(Outgoing::Abort {
+                failed,
+                reporter,
+                reason,
+            }) => {
+                let mut payload = (reporter as u64).to_le_bytes().to_vec();
+                let text = reason.as_bytes();
+                payload.extend_from_slice(&text[..text.len().min(MAX_ABORT_BYTES - 8)]);
+                let mut frame = vec![0u8; HEADER_BYTES];
+                header(FrameKind::Abort, failed as u32, payload.len()).write(&mut frame);
+                frame.extend_from_slice(&payload);
+                // Best effort: `next` may be the rank that failed.
+                let _ = stream.write_all(&frame);
+                return Ok(());
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let mut frame = [0u8; HEADER_BYTES];
+                header(FrameKind::KeepAlive, 0, 0).write(&mut frame);
+                stream.write_all(&frame).map_err(write_error)?;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+        }
+    }
+}

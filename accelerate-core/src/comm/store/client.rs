@@ -1,0 +1,254 @@
+//! The blocking store client used inside training processes.
+//!
+//! Plain `std::net`: its callers (communicator setup, barriers) are blocking code, and a training
+//! process should not need an async runtime just to rendezvous.
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::wire::{decode, encode, read_frame, write_frame, FrameError, Request, Response};
+use super::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+use super::Store;
+use crate::error::{Error, Result};
+
+/// Pause between connection attempts while the server is not up yet (doubling up to the cap).
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
+const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// A connection to a rendezvous store ([`super::StoreServer`]).
+///
+/// Requests from several threads are serialized on the one connection. After an I/O failure the
+/// connection is not reused (a late reply could be mistaken for the answer to a later request):
+/// every later request fails with the original cause.
+#[derive(Debug)]
+pub struct TcpStoreClient {
+    addr: SocketAddr,
+    local_addr: SocketAddr,
+    rank: usize,
+    request_timeout: Duration,
+    connection: Mutex<Connection>,
+}
+
+#[derive(Debug)]
+struct Connection {
+    stream: TcpStream,
+    /// Why the connection is unusable, once it is.
+    broken: Option<String>,
+}
+
+impl TcpStoreClient {
+    /// Connects to the store at `addr` and presents `token` and `generation`, retrying until
+    /// `timeout` while nobody listens there yet (the server may start after the workers).
+    ///
+    /// `timeout` also bounds how long any later `set` or `add` waits for its reply. A refusal
+    /// by the server (wrong token, stale generation) is returned at once, without retrying.
+    pub fn connect(
+        addr: SocketAddr,
+        token: &str,
+        generation: u64,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let timeout = timeout.max(Duration::from_millis(1));
+        let deadline = Instant::now() + timeout;
+        let mut pause = FIRST_RETRY_PAUSE;
+        let stream = loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let last_error = match TcpStream::connect_timeout(&addr, remaining.max(pause)) {
+                Ok(stream) => break stream,
+                Err(e) => e,
+            };
+            if Instant::now() + pause >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "the rendezvous store at {addr} to accept rank {rank} ({last_error})"
+                    ),
+                    after: timeout,
+                    hint: "check that the launcher (or rank 0) is running and that MASTER_ADDR/\
+                           MASTER_PORT (or --main-process-ip/--main-process-port) point to it"
+                        .into(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        };
+        let network = |what: &str, source| Error::Network {
+            context: format!("{what} the rendezvous store at {addr} (rank {rank})"),
+            source,
+        };
+        stream
+            .set_nodelay(true)
+            .map_err(|e| network("configuring the connection to", e))?;
+        let local_addr = stream
+            .local_addr()
+            .map_err(|e| network("reading the local address of the connection to", e))?;
+        let client = Self {
+            addr,
+            local_addr,
+            rank,
+            request_timeout: timeout,
+            connection: Mutex::new(Connection {
+                stream,
+                broken: None,
+            }),
+        };
+        let hello = Request::Hello {
+            token: token.to_string(),
+            generation,
+            rank: rank as u64,
+        };
+        match client.request(&hello, timeout, HELLO_FRAME_LIMIT)? {
+            Response::Welcome => Ok(client),
+            other => Err(client.unexpected("hello", other)),
+        }
+    }
+
+    /// The address of the store this client talks to.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This end's address of the connection: its IP is that of the interface which reaches the
+    /// store, a good address to publish for peers on other machines.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The rank this client introduced itself as.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Sends one request and reads its reply, waiting at most `reply_within` for it.
+    fn request(&self, request: &Request, reply_within: Duration, limit: usize) -> Result<Response> {
+        let frame =
+            encode(request).map_err(|e| Error::Store(format!("rank {}: {e}", self.rank)))?;
+        let mut connection = self.connection.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(cause) = &connection.broken {
+            return Err(Error::Store(format!(
+                "the connection of rank {} to the store at {} failed earlier ({cause}); \
+                 create a new client",
+                self.rank, self.addr
+            )));
+        }
+        let result = exchange(&mut connection.stream, &frame, reply_within, limit);
+        match result {
+            Ok(Response::Refused(reason)) => {
+                connection.broken = Some(format!("refused: {reason}"));
+                Err(Error::Store(format!(
+                    "the store at {} refused rank {}: {reason}",
+                    self.addr, self.rank
+                )))
+            }
+            Ok(response) => Ok(response),
+            Err(ExchangeError::Timeout) => {
+                connection.broken = Some("a reply timed out".into());
+                Err(Error::Timeout {
+                    what: format!("a reply from the rendezvous store at {}", self.addr),
+                    after: reply_within,
+                    hint: "the store (launcher or rank 0) may be hung or overloaded".into(),
+                })
+            }
+            Err(ExchangeError::Failed(problem)) => {
+                connection.broken = Some(problem.clone());
+                Err(Error::Store(format!(
+                    "rank {}: connection to the store at {} failed: {problem}; the launcher \
+                     (or rank 0, which hosts the store) has probably exited",
+                    self.rank, self.addr
+                )))
+            }
+        }
+    }
+
+    fn unexpected(&self, what: &str, response: Response) -> Error {
+        let shown = match response {
+            Response::Failed(reason) => return Error::Store(format!("{what}: {reason}")),
+            Response::Value(v) => format!("a value of {} bytes", v.len()),
+            other => format!("{other:?}"),
+        };
+        Error::Store(format!(
+            "unexpected reply to {what} from the store at {}: {shown}; client and server are of \
+             different versions",
+            self.addr
+        ))
+    }
+
+    /// Waits at most `timeout` for `key`; `Ok(None)` when it was not set in time.
+    pub fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        let request = Request::Get {
+            key: key.to_string(),
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        };
+        // The server answers `NotFound` once `timeout` has passed; allow it time to do so.
+        let reply_within = timeout.saturating_add(self.request_timeout);
+        match self.request(&request, reply_within, MAX_FRAME_BYTES)? {
+            Response::Value(value) => Ok(Some(value)),
+            Response::NotFound => Ok(None),
+            other => Err(self.unexpected(&format!("get {key:?}"), other)),
+        }
+    }
+}
+
+enum ExchangeError {
+    Timeout,
+    Failed(String),
+}
+
+fn exchange(
+    stream: &mut TcpStream,
+    frame: &[u8],
+    reply_within: Duration,
+    limit: usize,
+) -> std::result::Result<Response, ExchangeError> {
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ExchangeError::Timeout,
+        _ => ExchangeError::Failed(e.to_string()),
+    };
+    stream.set_write_timeout(Some(reply_within)).map_err(io)?;
+    stream.set_read_timeout(Some(reply_within)).map_err(io)?;
+    write_frame(stream, frame).map_err(io)?;
+    let body = read_frame(stream, limit).map_err(|e| match e {
+        FrameError::Io(e) => io(e),
+        other => ExchangeError::Failed(other.to_string()),
+    })?;
+    decode(&body).map_err(ExchangeError::Failed)
+}
+
+impl Store for TcpStoreClient {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let request = Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        match self.request(&request, self.request_timeout, MAX_FRAME_BYTES)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected(&format!("set {key:?}"), other)),
+        }
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.try_get(key, timeout)?.ok_or_else(|| Error::Timeout {
+            what: format!("key {key:?} in the rendezvous store at {}", self.addr),
+            after: timeout,
+            hint: "the process that publishes it may have failed or not reached that point; \
+                   check the other ranks' logs"
+                .into(),
+        })
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let request = Request::Add {
+            key: key.to_string(),
+            delta,
+        };
+        match self.request(&request, self.request_timeout, MAX_FRAME_BYTES)? {
+            Response::Counter(value) => Ok(value),
+            other => Err(self.unexpected(&format!("add to {key:?}"), other)),
+        }
+    }
+
+    fn barrier(&self, name: &str, world_size: usize, timeout: Duration) -> Result<()> {
+        super::store_barrier(self, name, self.rank, world_size, timeout)
+    }
+}

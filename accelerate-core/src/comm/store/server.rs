@@ -1,0 +1,406 @@
+//! The rendezvous store's server: a tokio task per connection over one shared map.
+//!
+//! The launcher hosts it (or rank 0, when torchrun or SLURM started the workers). Every connection
+//! must first present the job token and the current generation; a connection that fails to, or
+//! that sends a malformed or oversized frame, gets a `Refused` reply and is closed, and nothing
+//! else is affected.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, Notify};
+use tokio::task::JoinSet;
+
+use super::wire::{
+    decode, encode, read_frame_async, write_frame_async, FrameError, Request, Response,
+    HELLO_FRAME_LIMIT, MAX_FRAME_BYTES,
+};
+use crate::error::{Error, Result};
+
+/// How long a new connection may take to send its hello before it is dropped.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest wait a single `get` may ask the server for (longer requests are capped).
+const MAX_GET_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// How long the server tries to deliver a `Refused` reply before closing anyway.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The store's data and admission rules, shared by all connections. Cloning gives another
+/// handle to the same store.
+///
+/// Use it directly to serve inside an existing tokio runtime (the launcher); [`StoreServer`] wraps
+/// it in a runtime thread of its own.
+#[derive(Clone)]
+pub struct StoreService {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    token: String,
+    generation: AtomicU64,
+    data: Mutex<HashMap<String, Vec<u8>>>,
+    /// Woken on every change of `data` or `generation`, so waiting `get`s re-check.
+    changed: Notify,
+}
+
+impl std::fmt::Debug for StoreService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a secret: never print it.
+        f.debug_struct("StoreService")
+            .field("generation", &self.generation())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreService {
+    /// An empty store admitting clients that present `token` and `generation`.
+    pub fn new(token: String, generation: u64) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                token,
+                generation: AtomicU64::new(generation),
+                data: Mutex::new(HashMap::new()),
+                changed: Notify::new(),
+            }),
+        }
+    }
+
+    /// The generation (restart round) clients must present.
+    pub fn generation(&self) -> u64 {
+        self.shared.generation.load(Ordering::SeqCst)
+    }
+
+    /// Starts a new round after a restart: clears every key and admits only clients of
+    /// `generation` from now on. Connections of an earlier generation are refused at their next
+    /// request, and `get`s they are waiting in end with a refusal.
+    pub fn set_generation(&self, generation: u64) {
+        let mut data = lock(&self.shared.data);
+        data.clear();
+        self.shared.generation.store(generation, Ordering::SeqCst);
+        drop(data);
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Accepts and serves connections on `listener` until `shutdown` completes, then closes every
+    /// connection (clients waiting in `get` see the connection close).
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        let mut connections = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        connections.spawn(serve_connection(stream, peer, self.shared.clone()));
+                    }
+                    Err(e) => {
+                        // Usually a transient shortage (file descriptors); keep serving the
+                        // connections we have and try again shortly.
+                        tracing::warn!("rendezvous store: accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+        connections.shutdown().await;
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    fn set(&self, key: String, value: Vec<u8>) {
+        lock(&self.data).insert(key, value);
+        self.changed.notify_waiters();
+    }
+
+    fn add(&self, key: String, delta: i64) -> Response {
+        let mut data = lock(&self.data);
+        let current = match data.get(&key) {
+            None => 0,
+            Some(bytes) => match std::str::from_utf8(bytes).ok().and_then(|s| s.parse().ok()) {
+                Some(n) => n,
+                None => {
+                    return Response::Failed(format!(
+                        "key {key:?} holds a value that is not a counter (add stores decimal \
+                         integers); use a different key for the counter"
+                    ))
+                }
+            },
+        };
+        let Some(new) = i64::checked_add(current, delta) else {
+            return Response::Failed(format!(
+                "adding {delta} to counter {key:?} (= {current}) overflows i64"
+            ));
+        };
+        // Counters are stored as decimal text, as in PyTorch's TCPStore, so `get` reads them.
+        data.insert(key, new.to_string().into_bytes());
+        drop(data);
+        self.changed.notify_waiters();
+        Response::Counter(new)
+    }
+
+    async fn get(&self, key: &str, generation: u64, wait: Duration) -> Response {
+        let deadline = tokio::time::Instant::now() + wait.min(MAX_GET_WAIT);
+        loop {
+            // Register for wake-ups before looking, so a `set` between the look and the wait is
+            // not missed.
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.generation() != generation {
+                return Response::Refused(stale_message(generation, self.generation()));
+            }
+            if let Some(value) = lock(&self.data).get(key) {
+                return Response::Value(value.clone());
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Response::NotFound;
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The map stays consistent even if a holder panicked: every update is a single insert.
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn stale_message(client: u64, store: u64) -> String {
+    format!(
+        "generation {client} does not match the store's generation {store}: this worker belongs \
+         to another restart round of the job and may not join this one; it should exit"
+    )
+}
+
+/// Compares tokens without stopping at the first difference, so timing reveals nothing about
+/// how much of a guess was right.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+async fn refuse(stream: &mut TcpStream, peer: SocketAddr, reason: String) {
+    tracing::warn!("rendezvous store: refusing connection from {peer}: {reason}");
+    if let Ok(frame) = encode(&Response::Refused(reason)) {
+        let _ =
+            tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, write_frame_async(stream, &frame)).await;
+    }
+}
+
+async fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    let _ = stream.set_nodelay(true);
+    let hello = match tokio::time::timeout(
+        HELLO_TIMEOUT,
+        read_frame_async(&mut stream, HELLO_FRAME_LIMIT),
+    )
+    .await
+    {
+        Err(_) => {
+            let reason = format!("no hello frame within {HELLO_TIMEOUT:?}");
+            return refuse(&mut stream, peer, reason).await;
+        }
+        Ok(Err(FrameError::Io(_))) => return, // closed or broken before saying anything
+        Ok(Err(e)) => return refuse(&mut stream, peer, e.to_string()).await,
+        Ok(Ok(body)) => body,
+    };
+    let generation = match decode::<Request>(&hello) {
+        Ok(Request::Hello {
+            token,
+            generation,
+            rank,
+        }) => {
+            if !same_token(&token, &shared.token) {
+                let reason = format!(
+                    "rank {rank} presented a wrong job token; workers must use the token the \
+                     launcher passed in ACCELERATE_JOB_TOKEN"
+                );
+                return refuse(&mut stream, peer, reason).await;
+            }
+            if generation != shared.generation() {
+                let reason = stale_message(generation, shared.generation());
+                return refuse(&mut stream, peer, reason).await;
+            }
+            generation
+        }
+        Ok(_) => {
+            let reason = "the first frame of a connection must be a hello".to_string();
+            return refuse(&mut stream, peer, reason).await;
+        }
+        Err(e) => return refuse(&mut stream, peer, e).await,
+    };
+    if !reply(&mut stream, &Response::Welcome).await {
+        return;
+    }
+    loop {
+        let body = match read_frame_async(&mut stream, MAX_FRAME_BYTES).await {
+            Ok(body) => body,
+            Err(FrameError::Io(_)) => return, // the client went away
+            Err(e) => return refuse(&mut stream, peer, e.to_string()).await,
+        };
+        let request = match decode::<Request>(&body) {
+            Ok(request) => request,
+            Err(e) => return refuse(&mut stream, peer, e).await,
+        };
+        if shared.generation() != generation {
+            let reason = stale_message(generation, shared.generation());
+            return refuse(&mut stream, peer, reason).await;
+        }
+        let response = match request {
+            Request::Hello { .. } => {
+                let reason = "a connection may say hello only once".to_string();
+                return refuse(&mut stream, peer, reason).await;
+            }
+            Request::Set { key, value } => {
+                shared.set(key, value);
+                Response::Done
+            }
+            Request::Get { key, timeout_ms } => {
+                shared
+                    .get(&key, generation, Duration::from_millis(timeout_ms))
+                    .await
+            }
+            Request::Add { key, delta } => shared.add(key, delta),
+        };
+        if let Response::Refused(reason) = response {
+            return refuse(&mut stream, peer, reason).await;
+        }
+        if !reply(&mut stream, &response).await {
+            return;
+        }
+    }
+}
+
+async fn reply(stream: &mut TcpStream, response: &Response) -> bool {
+    let frame = match encode(response) {
+        Ok(frame) => frame,
+        Err(e) => {
+            tracing::error!("rendezvous store: {e}");
+            return false;
+        }
+    };
+    write_frame_async(stream, &frame).await.is_ok()
+}
+
+/// A rendezvous store served on a background thread with its own tokio runtime, until
+/// [`StoreServer::shutdown`] or drop.
+#[derive(Debug)]
+pub struct StoreServer {
+    addr: SocketAddr,
+    service: StoreService,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Binds `bind` (port 0 picks a free port) and serves on a background thread until dropped or
+    /// [`shutdown`](Self::shutdown). Clients must present `token` and `generation`.
+    ///
+    /// Single-machine jobs bind a loopback address, so nothing outside the machine can reach it.
+    pub fn start(bind: SocketAddr, token: String, generation: u64) -> Result<Self> {
+        let listener = std::net::TcpListener::bind(bind).map_err(|source| Error::Network {
+            context: format!(
+                "binding the rendezvous store to {bind}; another process may hold the port: \
+                 choose another with --main-process-port (or MASTER_PORT), or 0 for a free one"
+            ),
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| Error::Network {
+            context: format!("reading the address of the rendezvous store bound to {bind}"),
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| Error::Network {
+                context: format!("making the rendezvous store socket {addr} non-blocking"),
+                source,
+            })?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| Error::Network {
+                context: "creating the rendezvous store's tokio runtime".into(),
+                source,
+            })?;
+        let service = StoreService::new(token, generation);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let serving = service.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("rendezvous-store-{}", addr.port()))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
+                        Err(e) => {
+                            tracing::error!("rendezvous store on {addr}: {e}");
+                            return;
+                        }
+                    };
+                    let shutdown = async move {
+                        // Either an explicit stop or the server handle being dropped.
+                        let _ = stopped.await;
+                    };
+                    if let Err(e) = serving.serve(listener, shutdown).await {
+                        tracing::error!("rendezvous store on {addr}: {e}");
+                    }
+                });
+            })
+            .map_err(|source| Error::Network {
+                context: "starting the rendezvous store thread".into(),
+                source,
+            })?;
+        Ok(Self {
+            addr,
+            service,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// The address the store listens on (with the port actually bound).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The store being served, e.g. to start a new generation after a restart.
+    pub fn service(&self) -> &StoreService {
+        &self.service
+    }
+
+    /// Stops serving, closes every connection and waits for the server thread to end.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}

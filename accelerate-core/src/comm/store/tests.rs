@@ -1,0 +1,323 @@
+//! Store tests: real server, real sockets on loopback, clients on threads.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::wire::{decode, Response};
+use super::*;
+use crate::error::Error;
+
+const TOKEN: &str = "job-token-for-tests";
+const WAIT: Duration = Duration::from_secs(10);
+
+fn server() -> StoreServer {
+    StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap()
+}
+
+fn client(server: &StoreServer, rank: usize) -> TcpStoreClient {
+    TcpStoreClient::connect(server.local_addr(), TOKEN, 0, rank, WAIT).unwrap()
+}
+
+/// Reads what the server says to a raw connection: `Some(reply)` for a frame, `None` once closed.
+fn read_raw_reply(stream: &mut TcpStream) -> Option<Response> {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let mut prefix = [0u8; 4];
+    stream.read_exact(&mut prefix).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(prefix) as usize];
+    stream.read_exact(&mut body).ok()?;
+    Some(decode(&body).unwrap())
+}
+
+fn assert_closed(stream: &mut TcpStream) {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected the server to close the connection, got {other:?}"),
+    }
+}
+
+#[test]
+fn set_get_and_add_are_shared_between_clients() {
+    let server = server();
+    let a = client(&server, 0);
+    let b = client(&server, 1);
+    a.set("greeting", b"hello").unwrap();
+    assert_eq!(b.get("greeting", WAIT).unwrap(), b"hello");
+    b.set("greeting", b"bye").unwrap();
+    assert_eq!(a.get("greeting", WAIT).unwrap(), b"bye");
+    assert_eq!(a.add("counter", 5).unwrap(), 5);
+    assert_eq!(b.add("counter", -2).unwrap(), 3);
+    // Counters read back as decimal text, as in PyTorch's TCPStore.
+    assert_eq!(a.get("counter", WAIT).unwrap(), b"3");
+    assert_eq!(a.get("greeting", Duration::ZERO).unwrap(), b"bye");
+}
+
+#[test]
+fn add_is_atomic_under_concurrency() {
+    let server = server();
+    let threads = 4;
+    let per_thread = 50;
+    let handles: Vec<_> = (0..threads)
+        .map(|rank| {
+            let c = client(&server, rank);
+            std::thread::spawn(move || {
+                (0..per_thread)
+                    .map(|_| c.add("n", 1).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut seen: Vec<i64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    seen.sort();
+    // Every increment returned a distinct value: 1..=200, nothing lost or duplicated.
+    assert_eq!(
+        seen,
+        (1..=(threads * per_thread) as i64).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn get_waits_for_a_later_set() {
+    let server = server();
+    let waiter = client(&server, 0);
+    let setter = client(&server, 1);
+    let handle = std::thread::spawn(move || waiter.get("late", WAIT));
+    std::thread::sleep(Duration::from_millis(50));
+    setter.set("late", &[42]).unwrap();
+    assert_eq!(handle.join().unwrap().unwrap(), vec![42]);
+}
+
+#[test]
+fn get_of_a_missing_key_times_out_with_the_key_named() {
+    let server = server();
+    let c = client(&server, 0);
+    let err = c.get("never/set", Duration::from_millis(100)).unwrap_err();
+    match &err {
+        Error::Timeout { what, after, .. } => {
+            assert!(what.contains("never/set"), "{err}");
+            assert_eq!(*after, Duration::from_millis(100));
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    // The connection is still in step: the next request gets its own answer.
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k", WAIT).unwrap(), b"v");
+}
+
+#[test]
+fn barrier_releases_all_ranks_and_can_be_reused() {
+    let server = server();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let c = client(&server, rank);
+            std::thread::spawn(move || {
+                for round in 0..3 {
+                    c.set(&format!("before/{round}/{rank}"), b"").unwrap();
+                    c.barrier("sync", world, WAIT).unwrap();
+                    // Everyone wrote before entering, so after the barrier all keys exist.
+                    for r in 0..world {
+                        c.get(&format!("before/{round}/{r}"), Duration::ZERO)
+                            .unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn barrier_timeout_names_the_missing_ranks() {
+    let server = server();
+    let c0 = client(&server, 0);
+    let c2 = client(&server, 2);
+    let other = std::thread::spawn(move || c2.barrier("b", 4, Duration::from_secs(2)));
+    // Wait until rank 2 has arrived (its arrival record exists), so the outcome is certain.
+    c0.get("barrier/b/0/rank2", WAIT).unwrap();
+    let err = c0.barrier("b", 4, Duration::from_millis(300)).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("[1, 3]"), "{text}");
+    assert!(matches!(err, Error::Timeout { .. }));
+    assert!(other.join().unwrap().is_err());
+}
+
+#[test]
+fn a_wrong_token_is_refused_and_others_keep_working() {
+    let server = server();
+    let good = client(&server, 0);
+    let err = TcpStoreClient::connect(server.local_addr(), "guess", 0, 1, WAIT).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::Store(_)), "{text}");
+    assert!(text.contains("wrong job token"), "{text}");
+    good.set("still", b"here").unwrap();
+    assert_eq!(client(&server, 2).get("still", WAIT).unwrap(), b"here");
+}
+
+#[test]
+fn a_stale_generation_is_refused() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 3).unwrap();
+    let err = TcpStoreClient::connect(server.local_addr(), TOKEN, 2, 0, WAIT).unwrap_err();
+    assert!(err.to_string().contains("generation 2"), "{err}");
+    let current = TcpStoreClient::connect(server.local_addr(), TOKEN, 3, 0, WAIT).unwrap();
+    current.set("k", b"v").unwrap();
+    // A restart: the old round's clients and keys are gone.
+    server.service().set_generation(4);
+    let err = current.get("k", WAIT).unwrap_err();
+    assert!(err.to_string().contains("generation 3"), "{err}");
+    let next = TcpStoreClient::connect(server.local_addr(), TOKEN, 4, 0, WAIT).unwrap();
+    assert!(matches!(
+        next.get("k", Duration::ZERO),
+        Err(Error::Timeout { .. })
+    ));
+}
+
+#[test]
+fn a_restart_wakes_a_stale_client_waiting_in_get() {
+    let server = server();
+    let old = client(&server, 0);
+    let waiting = std::thread::spawn(move || old.get("never", WAIT));
+    std::thread::sleep(Duration::from_millis(50));
+    server.service().set_generation(1);
+    let err = waiting.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("restart round"), "{err}");
+}
+
+#[test]
+fn garbage_is_refused_and_the_server_keeps_serving() {
+    let server = server();
+    let good = client(&server, 0);
+    // An HTTP request: its first four bytes read as a length of about 540 MB.
+    let mut http = TcpStream::connect(server.local_addr()).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    match read_raw_reply(&mut http) {
+        Some(Response::Refused(reason)) => assert!(reason.contains("exceeds"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_closed(&mut http);
+    // A small frame whose body is not a valid message.
+    let mut junk = TcpStream::connect(server.local_addr()).unwrap();
+    junk.write_all(&[5, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0x01])
+        .unwrap();
+    match read_raw_reply(&mut junk) {
+        Some(Response::Refused(reason)) => assert!(reason.contains("malformed"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_closed(&mut junk);
+    good.set("after", b"garbage").unwrap();
+    assert_eq!(client(&server, 1).get("after", WAIT).unwrap(), b"garbage");
+}
+
+#[test]
+fn an_oversized_frame_after_the_hello_is_refused() {
+    let server = server();
+    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+    let hello = super::wire::encode(&super::wire::Request::Hello {
+        token: TOKEN.into(),
+        generation: 0,
+        rank: 9,
+    })
+    .unwrap();
+    raw.write_all(&hello).unwrap();
+    assert_eq!(read_raw_reply(&mut raw), Some(Response::Welcome));
+    // Announce one byte more than the limit, send nothing else: refused on the length alone.
+    raw.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes())
+        .unwrap();
+    match read_raw_reply(&mut raw) {
+        Some(Response::Refused(reason)) => assert!(reason.contains("exceeds"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_closed(&mut raw);
+    let good = client(&server, 0);
+    good.set("k", b"v").unwrap();
+}
+
+#[test]
+fn adding_to_a_non_counter_fails_but_keeps_the_connection() {
+    let server = server();
+    let c = client(&server, 0);
+    c.set("text", b"abc").unwrap();
+    let err = c.add("text", 1).unwrap_err();
+    assert!(err.to_string().contains("not a counter"), "{err}");
+    assert_eq!(c.add("real", 2).unwrap(), 2);
+}
+
+#[test]
+fn connect_retries_until_the_server_starts() {
+    // Find a free port, release it, and start the server there only after the client began.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let connecting = std::thread::spawn(move || TcpStoreClient::connect(addr, TOKEN, 0, 0, WAIT));
+    std::thread::sleep(Duration::from_millis(100));
+    let server = StoreServer::start(addr, TOKEN.into(), 0).unwrap();
+    let c = connecting.join().unwrap().unwrap();
+    c.set("k", b"v").unwrap();
+    drop(server);
+}
+
+#[test]
+fn connect_without_a_server_times_out() {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let err = TcpStoreClient::connect(addr, TOKEN, 0, 3, Duration::from_millis(200)).unwrap_err();
+    match &err {
+        Error::Timeout { what, .. } => assert!(what.contains("rank 3"), "{err}"),
+        other => panic!("expected a timeout, got {other}"),
+    }
+}
+
+#[test]
+fn shutdown_closes_client_connections() {
+    let server = server();
+    let c = client(&server, 0);
+    server.shutdown();
+    let err = c.set("k", b"v").unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+}
+
+#[test]
+fn the_service_serves_inside_an_existing_runtime() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let service = StoreService::new(TOKEN.into(), 0);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serving = {
+        let service = service.clone();
+        runtime.spawn(async move {
+            service
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+        })
+    };
+    let c = TcpStoreClient::connect(addr, TOKEN, 0, 0, WAIT).unwrap();
+    assert_eq!(c.add("x", 7).unwrap(), 7);
+    let store: Arc<dyn Store> = Arc::new(c);
+    assert_eq!(store.get("x", WAIT).unwrap(), b"7");
+    stop.send(()).unwrap();
+    runtime.block_on(serving).unwrap().unwrap();
+}
