@@ -9,6 +9,7 @@
 //! dtype, as with torch.distributed.
 
 pub mod cpu;
+pub mod join;
 mod local;
 pub mod store;
 

@@ -61,7 +61,7 @@ impl<D: Dataset> DataLoader<D> {
             next_epoch: 0,
             resume_skip: 0,
         };
-        loader.progress.set_batches_per_epoch(loader.len());
+        loader.refresh_progress();
         loader
     }
 
@@ -81,9 +81,7 @@ impl<D: Dataset> DataLoader<D> {
     /// instead of completing it with samples from the start of the epoch.
     pub fn drop_last(mut self, on: bool) -> Self {
         self.drop_last = on;
-        self.progress.set_batches_per_epoch(self.len());
-        self.progress
-            .set_sample_layout(self.samples_per_epoch(), self.batch_size, world_size);
+        self.refresh_progress();
         self
     }
 
@@ -113,8 +111,15 @@ impl<D: Dataset> DataLoader<D> {
     pub fn shard(mut self, rank: usize, world_size: usize) -> Self {
         self.rank = rank;
         self.world_size = world_size;
-        self.progress.set_batches_per_epoch(self.len());
+        self.refresh_progress();
         self
+    }
+
+    /// Publishes the per-epoch layout to the shared progress (after any setting that changes it).
+    fn refresh_progress(&self) {
+        self.progress.set_batches_per_epoch(self.len());
+        self.progress
+            .set_sample_layout(self.samples_per_epoch(), self.batch_size, self.world_size);
     }
 
     /// The batch plan this loader follows.
