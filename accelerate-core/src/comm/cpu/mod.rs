@@ -1,7 +1,7 @@
 //! The CPU communicator: ring collectives over TCP between the ranks of a job.
 //!
-//! Ranks find each other through the rendezvous [`Store`](crate::comm::store::Store), then each
-//! keeps one connection to its ring successor and one from its predecessor. All-reduce is the
+//! Ranks find each other through the rendezvous [`Store`], then each keeps one connection to its
+//! ring successor and one from its predecessor. All-reduce is the
 //! bandwidth-optimal ring (reduce-scatter then all-gather), broadcast a pipelined chain from the
 //! root, all-gather the ring all-gather, barrier a one-element-per-rank all-reduce. Data moves in
 //! chunks, a sender thread per collective overlapping sends with receives (see `transport`).

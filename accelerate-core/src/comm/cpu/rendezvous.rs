@@ -229,6 +229,17 @@ fn accept_from(
                 std::thread::sleep(POLL);
                 continue;
             }
+            // A connection that was reset before we took it, or a signal: keep listening.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
             Err(source) => {
                 return Err(Error::Network {
                     context: format!("rank {rank}: accepting the ring connection of rank {prev}"),

@@ -96,14 +96,13 @@ enum Outgoing {
 /// The calling thread's side of a running collective.
 pub(crate) struct Session<'a> {
     pos: RingPosition,
-    op: OpCode,
-    dtype: u8,
-    seq: u64,
+    tag: Tag,
     reader: &'a mut TcpStream,
     outgoing: mpsc::Sender<Outgoing>,
     /// Frames the sender has written, back for reuse.
     returned: mpsc::Receiver<Vec<u8>>,
     pool: FramePool,
+    /// Index of the next data frame expected from `prev` (wraps, like the sender's).
     received: u32,
     buffer: Vec<u8>,
     bytes_sent: u64,
@@ -157,7 +156,7 @@ impl Session<'_> {
                 };
                 self.failure = Some((failed, reporter, reason));
                 Err(Error::Collective {
-                    op: self.op.name(),
+                    op: self.tag.op.name(),
                     peer: Some(failed),
                     problem,
                 })
@@ -167,7 +166,7 @@ impl Session<'_> {
 
     fn recv_frame(&mut self, bytes: usize) -> std::result::Result<(), Relay> {
         let prev = self.pos.prev();
-        let name = self.op.name();
+        let name = self.tag.op.name();
         let waiting_since = Instant::now();
         loop {
             let mut raw = [0u8; HEADER_BYTES];
@@ -190,7 +189,7 @@ impl Session<'_> {
                             what: format!(
                                 "rank {prev} to send data in {name} #{} (it is alive but made no \
                                  progress; it is itself waiting on another rank)",
-                                self.seq
+                                self.tag.seq
                             ),
                             after: 2 * self.pos.timeout,
                             hint: timeout_hint(),
@@ -200,9 +199,9 @@ impl Session<'_> {
                 }
                 FrameKind::Abort => return Err(self.read_abort(&header)),
                 FrameKind::Data => {
-                    if header.op != self.op.code()
-                        || header.dtype != self.dtype
-                        || header.seq != self.seq
+                    if header.op != self.tag.op.code()
+                        || header.dtype != self.tag.dtype
+                        || header.seq != self.tag.seq
                         || header.index != self.received
                         || header.len != bytes as u64
                     {
@@ -217,8 +216,8 @@ impl Session<'_> {
                             element::describe_code(header.dtype),
                             header.len,
                             self.received,
-                            self.seq,
-                            element::describe_code(self.dtype),
+                            self.tag.seq,
+                            element::describe_code(self.tag.dtype),
                         );
                         return Err(Relay::Detected(prev, self.mismatch(problem)));
                     }
@@ -226,7 +225,7 @@ impl Session<'_> {
                     self.reader
                         .read_exact(&mut self.buffer)
                         .map_err(|e| Relay::Detected(prev, self.read_error(e)))?;
-                    self.received += 1;
+                    self.received = self.received.wrapping_add(1);
                     return Ok(());
                 }
             }
@@ -254,10 +253,10 @@ impl Session<'_> {
 
     fn read_error(&self, e: std::io::Error) -> Error {
         let prev = self.pos.prev();
-        let name = self.op.name();
+        let name = self.tag.op.name();
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
-                what: format!("rank {prev} in {name} #{} (it sent nothing)", self.seq),
+                what: format!("rank {prev} in {name} #{} (it sent nothing)", self.tag.seq),
                 after: self.pos.timeout,
                 hint: format!(
                     "rank {prev} may have hung or crashed, or not have called this collective \
@@ -271,7 +270,7 @@ impl Session<'_> {
                 problem: format!(
                     "rank {prev} closed its connection during {name} #{}: the process exited \
                      or dropped its communicator",
-                    self.seq
+                    self.tag.seq
                 ),
             },
             _ => Error::Collective {
@@ -284,7 +283,7 @@ impl Session<'_> {
 
     fn mismatch(&self, problem: String) -> Error {
         Error::Collective {
-            op: self.op.name(),
+            op: self.tag.op.name(),
             peer: Some(self.pos.prev()),
             problem: format!("protocol mismatch: {problem}"),
         }
@@ -354,9 +353,7 @@ pub(crate) fn run_collective<R>(
         let sender = scope.spawn(move || send_loop(to_next, queue, give_back, aborting, pos, tag));
         let mut session = Session {
             pos,
-            op,
-            dtype: tag.dtype,
-            seq: tag.seq,
+            tag,
             reader: from_prev,
             outgoing,
             returned,
@@ -471,7 +468,7 @@ fn send_loop(
                 }
                 header(FrameKind::Data, index, frame.len() - HEADER_BYTES).write(&mut frame);
                 stream.write_all(&frame).map_err(write_error)?;
-                index += 1;
+                index = index.wrapping_add(1);
                 let _ = give_back.send(frame);
             }
             Ok(Outgoing::Abort {
