@@ -51,7 +51,8 @@ pub fn join(state: &ProcessState) -> Result<Membership> {
         Launcher::Torchrun => state.master_port.checked_add(1).ok_or_else(|| Error::Env {
             name: "MASTER_PORT".into(),
             value: state.master_port.to_string(),
-            problem: "under torchrun our store listens on MASTER_PORT + 1; pick a lower port".into(),
+            problem: "under torchrun our store listens on MASTER_PORT + 1; pick a lower port"
+                .into(),
         })?,
         _ => state.master_port,
     };
