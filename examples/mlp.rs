@@ -267,10 +267,12 @@ fn train<O: Optimizer>(
     let mut window_samples = 0usize;
     let mut total_samples = 0usize;
     let mut last_loss = f64::NAN;
+    let mut micro_steps = 0u64;
     'epochs: for _epoch in 0..args.epochs {
         for batch in loader.iter() {
             let (x, y) = batch?;
             let step = acc.accumulate();
+            micro_steps += 1;
             let logits = model.forward(&x)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             acc.backward(&loss)?;
@@ -337,12 +339,18 @@ fn train<O: Optimizer>(
         }
         acc.wait_for_everyone()?;
     }
+    let sync = acc.gradient_sync_stats();
     acc.print(format!(
-        "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={}",
+        "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
+         grad_all_reduces={} grad_bytes={}",
         total_samples as f64 / wall,
         last_loss,
         wall,
-        acc.optimizer_steps()
+        acc.optimizer_steps(),
+        micro_steps,
+        acc.gradient_buckets(),
+        sync.all_reduces,
+        sync.bytes
     ));
     Ok(())
 }

@@ -207,3 +207,89 @@ impl ReferenceOptimizer {
         Ok(())
     }
 }
+
+/// The directory of the build profile the tests were built with (`target/release` or
+/// `target/debug`), where `cargo test` also puts the launcher and the examples.
+pub fn profile_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test>-<hash>
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("test executable lives in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// Path of a binary built by `cargo test --workspace`, with a clear message when it is missing.
+pub fn built_binary(relative: &str) -> std::path::PathBuf {
+    let path = profile_dir().join(relative);
+    assert!(
+        path.exists(),
+        "{} is missing: run the tests with `cargo test --release --workspace`, which builds the \
+         launcher and the examples",
+        path.display()
+    );
+    path
+}
+
+/// Runs a command to completion, killing it (and failing the test) if it takes longer than
+/// `limit`: a test must never hang.
+pub fn run_bounded(
+    cmd: &mut std::process::Command,
+    limit: std::time::Duration,
+) -> std::process::Output {
+    use std::io::Read;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let out_reader = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    std::process::Output {
+        status,
+        stdout: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+    }
+}
+
+/// Reads every tensor of a safetensors file as flat f32 values, by name.
+pub fn load_flat(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// Largest absolute difference between two sets of named flat tensors with the same names.
+pub fn max_abs_diff_flat(
+    a: &std::collections::BTreeMap<String, Vec<f32>>,
+    b: &std::collections::BTreeMap<String, Vec<f32>>,
+) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .flat_map(|(n, va)| va.iter().zip(&b[n]).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}

@@ -23,6 +23,9 @@ use crate::state::ProcessState;
 /// (`accelerate-launch --gradient-accumulation-steps K` sets it).
 pub const GRADIENT_ACCUMULATION_STEPS_ENV: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
 
+/// Environment variable read for the gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
+pub const BUCKET_CAP_MB_ENV: &str = "ACCELERATE_BUCKET_CAP_MB";
+
 /// Configures an [`Accelerator`].
 #[derive(Debug, Default, Clone)]
 pub struct AcceleratorBuilder {
@@ -53,7 +56,8 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Size cap of a gradient bucket in bytes (default 25 MiB, as DDP).
+    /// Size cap of a gradient bucket in bytes (default: `ACCELERATE_BUCKET_CAP_MB`, else 25 MiB
+    /// as DDP).
     pub fn bucket_cap_bytes(mut self, bytes: usize) -> Self {
         self.bucket_cap_bytes = Some(bytes);
         self
@@ -86,6 +90,23 @@ impl AcceleratorBuilder {
             None => ProcessState::from_env()?,
         };
         let membership = join(&state)?;
+        let bucket_cap_bytes = match self.bucket_cap_bytes {
+            Some(b) => b,
+            None => match std::env::var(BUCKET_CAP_MB_ENV) {
+                Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
+                    Ok(mb) if mb > 0.0 && mb.is_finite() => (mb * 1024.0 * 1024.0) as usize,
+                    _ => {
+                        return Err(Error::Env {
+                            name: BUCKET_CAP_MB_ENV.into(),
+                            value: v.clone(),
+                            problem: "expected a positive number of MiB (DDP's default is 25)"
+                                .into(),
+                        })
+                    }
+                },
+                _ => DEFAULT_BUCKET_CAP_BYTES,
+            },
+        };
         let device = self.device.unwrap_or(Device::Cpu);
         let seed = self.seed.unwrap_or(0);
         if !device.is_cpu() {
@@ -96,7 +117,7 @@ impl AcceleratorBuilder {
             state,
             device,
             seed,
-            bucket_cap_bytes: self.bucket_cap_bytes.unwrap_or(DEFAULT_BUCKET_CAP_BYTES),
+            bucket_cap_bytes,
             comm: membership.comm,
             store: membership.store,
             _hosted_store: membership.hosted,
@@ -297,6 +318,13 @@ impl Accelerator {
             }
         }
         Ok(())
+    }
+
+    /// Number of gradient buckets (each is one all-reduce per optimizer step).
+    pub fn gradient_buckets(&self) -> usize {
+        lock(&self.shared.grads)
+            .as_ref()
+            .map_or(0, |g| g.buckets().len())
     }
 
     /// The prepared parameters, sorted by name.

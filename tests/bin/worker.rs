@@ -1,0 +1,182 @@
+//! A worker program for the multi-process tests, started by `accelerate-launch`. Its first
+//! argument picks a scenario; each checks what it can against values computed in closed form and
+//! prints one `result: ...` line (on the main process) or exits non-zero with the reason.
+
+use std::sync::Arc;
+
+use accelerate_core::data::{DataLoader, TensorDataset};
+use accelerate_core::{Accelerator, ReduceOp};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("gather") => gather(&args[1..]),
+        Some("mismatch") => mismatch(),
+        Some("collectives") => collectives(),
+        other => Err(format!(
+            "unknown scenario {other:?}; use gather, mismatch or collectives"
+        )),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn arg(args: &[String], i: usize, default: usize) -> usize {
+    args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default)
+}
+
+/// Iterates one epoch of a dataset whose samples are their own indices and gathers them.
+fn gather(args: &[String]) -> Result<(), String> {
+    let (samples, batch, shuffle) = (arg(args, 0, 10), arg(args, 1, 3), arg(args, 2, 1) == 1);
+    let e = |e: accelerate_core::Error| e.to_string();
+    let mut acc = Accelerator::new().map_err(e)?;
+    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu).map_err(|e| e.to_string())?;
+    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu).map_err(|e| e.to_string())?;
+    let dataset = Arc::new(TensorDataset::new(x, y).map_err(e)?);
+    let mut loader = acc
+        .prepare(DataLoader::new(dataset, batch).shuffle(shuffle).seed(3))
+        .map_err(e)?;
+    let mut seen = Vec::new();
+    for b in loader.iter() {
+        let (x, _) = b.map_err(e)?;
+        let all = acc.gather_for_metrics(&x).map_err(e)?;
+        seen.extend(all.to_vec1::<f32>().map_err(|e| e.to_string())?);
+    }
+    let raw: usize = loader.len() * batch * acc.num_processes();
+    acc.print(format!(
+        "result: {}",
+        serde_json::json!({"gathered": seen, "raw_rows": raw})
+    ));
+    Ok(())
+}
+
+/// Rank 1 builds a layer of another shape than rank 0's: `prepare` must refuse on every rank.
+fn mismatch() -> Result<(), String> {
+    let mut acc = Accelerator::new().map_err(|e| e.to_string())?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let out = if acc.process_index() == 1 { 2 } else { 3 };
+    candle_nn::linear(4, out, vb.pp("l1")).map_err(|e| e.to_string())?;
+    match acc.prepare(&varmap) {
+        Ok(_) => Err("prepare accepted different parameters on different ranks".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// reduce, gather, pad, split and broadcast of parameters against closed forms.
+fn collectives() -> Result<(), String> {
+    let s = |e: candle_core::Error| e.to_string();
+    let e = |e: accelerate_core::Error| e.to_string();
+    let mut acc = Accelerator::new().map_err(e)?;
+    let (r, n) = (acc.process_index(), acc.num_processes());
+    let check = |ok: bool, what: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("rank {r}: {what}"))
+        }
+    };
+
+    // reduce: sum of (rank + 1) over ranks is n(n+1)/2; max is n; mean is (n+1)/2.
+    let t = Tensor::new(&[(r + 1) as f32, 1.0], &Device::Cpu).map_err(s)?;
+    let sum = acc
+        .reduce(&t, ReduceOp::Sum)
+        .map_err(e)?
+        .to_vec1::<f32>()
+        .map_err(s)?;
+    check(
+        sum == vec![(n * (n + 1) / 2) as f32, n as f32],
+        "reduce sum",
+    )?;
+    let max = acc
+        .reduce(&t, ReduceOp::Max)
+        .map_err(e)?
+        .to_vec1::<f32>()
+        .map_err(s)?;
+    check(max[0] == n as f32, "reduce max")?;
+    let mean = acc
+        .reduce(&t, ReduceOp::Mean)
+        .map_err(e)?
+        .to_vec1::<f32>()
+        .map_err(s)?;
+    check((mean[0] - (n + 1) as f32 / 2.0).abs() < 1e-6, "reduce mean")?;
+
+    // gather: rank order.
+    let g = acc
+        .gather(&Tensor::new(&[r as i64], &Device::Cpu).map_err(s)?)
+        .map_err(e)?;
+    check(
+        g.to_vec1::<i64>().map_err(s)? == (0..n as i64).collect::<Vec<_>>(),
+        "gather",
+    )?;
+
+    // pad: rank r has r + 1 rows; all end with n rows, padded with -1.
+    let rows = Tensor::ones((r + 1, 2), DType::F32, &Device::Cpu).map_err(s)?;
+    let padded = acc.pad_across_processes(&rows, 0, -1.0).map_err(e)?;
+    check(padded.dims() == [n, 2], "pad shape")?;
+    let pv = padded.to_vec2::<f32>().map_err(s)?;
+    check(
+        pv.iter()
+            .enumerate()
+            .all(|(i, row)| row.iter().all(|&v| v == if i <= r { 1.0 } else { -1.0 })),
+        "pad values",
+    )?;
+
+    // split: 10 items over n ranks, contiguous, sizes differ by at most one, all covered.
+    let items: Vec<usize> = (0..10).collect();
+    let mine = acc.split_between_processes(&items);
+    let counts = acc
+        .gather(
+            &Tensor::new(
+                &[mine.len() as i64, *mine.first().unwrap_or(&0) as i64],
+                &Device::Cpu,
+            )
+            .map_err(s)?
+            .unsqueeze(0)
+            .map_err(s)?,
+        )
+        .map_err(e)?
+        .to_vec2::<i64>()
+        .map_err(s)?;
+    let total: i64 = counts.iter().map(|c| c[0]).sum();
+    check(total == 10, "split covers every item once")?;
+    check(
+        counts.windows(2).all(|w| w[1][1] == w[0][1] + w[0][0]),
+        "split is contiguous in rank order",
+    )?;
+
+    // prepare: every rank starts from rank 0's parameters.
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    candle_nn::linear(3, 2, vb.pp("l")).map_err(s)?;
+    {
+        let data = varmap.data().lock().unwrap();
+        for (name, var) in data.iter() {
+            let fill = if name.ends_with("weight") {
+                r as f32 + 1.0
+            } else {
+                -(r as f32) - 1.0
+            };
+            var.set(&(var.ones_like().map_err(s)? * fill as f64).map_err(s)?)
+                .map_err(s)?;
+        }
+    }
+    let params = acc.prepare(&varmap).map_err(e)?;
+    for (name, var) in &params {
+        let want = if name.ends_with("weight") { 1.0 } else { -1.0 };
+        let v = var.flatten_all().map_err(s)?.to_vec1::<f32>().map_err(s)?;
+        check(
+            v.iter().all(|&x| x == want),
+            "parameters broadcast from rank 0",
+        )?;
+    }
+    let mut order = Vec::new();
+    acc.main_process_first(|| order.push(r)).map_err(e)?;
+    acc.wait_for_everyone().map_err(e)?;
+    acc.print("result: ok");
+    Ok(())
+}

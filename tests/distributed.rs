@@ -1,0 +1,379 @@
+//! Multi-process tests: the real launcher starting real worker processes on this machine.
+//!
+//! Equivalence is checked against a single process (no launcher) with an N·K times larger batch
+//! over the same samples; collectives against values computed in closed form.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use accelerate_tests::{built_binary, load_flat, max_abs_diff_flat, run_bounded};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn launcher() -> std::path::PathBuf {
+    built_binary("accelerate-launch")
+}
+
+fn mlp() -> std::path::PathBuf {
+    built_binary("examples/mlp")
+}
+
+fn worker() -> &'static str {
+    env!("CARGO_BIN_EXE_accelerate-test-worker")
+}
+
+/// Common arguments: a small model, shuffled, no progress noise.
+fn mlp_args(samples: usize, batch: usize, optimizer: &str, out: &Path) -> Vec<String> {
+    let lr = if optimizer == "sgd" { "0.1" } else { "0.003" };
+    [
+        "--hidden",
+        "16",
+        "--samples",
+        &samples.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        lr,
+        "--seed",
+        "11",
+        "--epochs",
+        "2",
+        "--save-model",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn launch(n: usize, program: &Path, args: &[String]) -> std::process::Output {
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        &n.to_string(),
+        "--main-process-port",
+        "0",
+    ])
+    .arg(program)
+    .args(args)
+    .env_remove("RANK")
+    .env_remove("WORLD_SIZE");
+    run_bounded(&mut cmd, LIMIT)
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A `key=value` figure from the mlp summary line.
+fn summary_value(o: &std::process::Output, key: &str) -> u64 {
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", text(o)))
+}
+
+fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
+    let dir = tempfile::tempdir().unwrap();
+    for k in [1usize, 2, 4] {
+        let b = 4;
+        // Five windows per epoch, two epochs: 10 optimizer steps over whole global batches.
+        let samples = 5 * n * k * b;
+        let dist_out = dir.path().join(format!("dist_{n}_{k}.safetensors"));
+        let mut args = mlp_args(samples, b, optimizer, &dist_out);
+        args.extend(["--grad-accum".to_string(), k.to_string()]);
+        let o = launch(n, &mlp(), &args);
+        assert!(o.status.success(), "{}", text(&o));
+        assert_eq!(summary_value(&o, "steps"), 10, "{}", text(&o));
+
+        let single_out = dir.path().join(format!("single_{n}_{k}.safetensors"));
+        let mut cmd = Command::new(mlp());
+        cmd.args(mlp_args(samples, n * k * b, optimizer, &single_out))
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE");
+        let s = run_bounded(&mut cmd, LIMIT);
+        assert!(s.status.success(), "{}", text(&s));
+        assert_eq!(summary_value(&s, "steps"), 10);
+
+        let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
+        assert!(
+            d < tolerance,
+            "{n} ranks, K={k}, {optimizer}: max |Δθ| = {d}"
+        );
+        // The runs did move the weights: the comparison could have failed.
+        let init_out = dir.path().join("init.safetensors");
+        let mut cmd = Command::new(mlp());
+        let mut a = mlp_args(samples, b, optimizer, &init_out);
+        a.extend(["--max-steps".into(), "0".into()]);
+        cmd.args(a).env_remove("RANK");
+        assert!(run_bounded(&mut cmd, LIMIT).status.success());
+        assert!(
+            max_abs_diff_flat(&load_flat(&init_out), &load_flat(&single_out)) > 100.0 * tolerance
+        );
+    }
+}
+
+#[test]
+fn two_ranks_equal_one_process_with_sgd_momentum() {
+    equivalence(2, "sgd", 2e-5);
+}
+
+#[test]
+fn three_ranks_equal_one_process_with_sgd_momentum() {
+    equivalence(3, "sgd", 2e-5);
+}
+
+#[test]
+fn two_ranks_equal_one_process_with_adamw() {
+    equivalence(2, "adamw", 1e-4);
+}
+
+#[test]
+fn three_ranks_equal_one_process_with_adamw() {
+    equivalence(3, "adamw", 1e-4);
+}
+
+#[test]
+fn gradients_are_reduced_once_per_bucket_per_optimizer_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m.safetensors");
+    let mut args = mlp_args(2 * 4 * 4 * 5, 4, "sgd", &out);
+    args.extend(["--grad-accum".to_string(), "4".to_string()]);
+    // A 10 KiB cap splits the sorted parameters of the H=16 model into three buckets:
+    // [l1.bias] (64 B; l1.weight would overflow it), [l1.weight] (50,176 B, alone), and
+    // [l2.bias, l2.weight, l3.bias, l3.weight] (64 + 1,024 + 40 + 640 B).
+    let mut cmd = Command::new(launcher());
+    cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
+        .arg(mlp())
+        .args(&args)
+        .env("ACCELERATE_BUCKET_CAP_MB", format!("{}", 10.0 / 1024.0));
+    let o = run_bounded(&mut cmd, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    let (steps, micro) = (summary_value(&o, "steps"), summary_value(&o, "micro_steps"));
+    assert_eq!((steps, micro), (10, 40), "{}", text(&o));
+    assert_eq!(summary_value(&o, "buckets"), 3);
+    assert_eq!(summary_value(&o, "grad_all_reduces"), steps * 3);
+    let params = 16 * 784 + 16 + 16 * 16 + 16 + 10 * 16 + 10;
+    assert_eq!(summary_value(&o, "grad_bytes"), steps * params * 4);
+}
+
+#[test]
+fn gather_for_metrics_returns_each_sample_once() {
+    for (n, samples, batch, shuffle) in [(2, 10, 3, 1), (3, 10, 3, 0), (2, 9, 4, 1), (3, 2, 4, 1)] {
+        let args: Vec<String> = [
+            "gather",
+            &samples.to_string(),
+            &batch.to_string(),
+            &shuffle.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let o = launch(n, Path::new(worker()), &args);
+        assert!(o.status.success(), "{}", text(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let line = out
+            .lines()
+            .find_map(|l| l.split("result: ").nth(1))
+            .expect("result line");
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mut got: Vec<usize> = v["gathered"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as usize)
+            .collect();
+        // The raw gather really held duplicates, so something had to be dropped.
+        assert!(v["raw_rows"].as_u64().unwrap() as usize > samples, "{line}");
+        got.sort();
+        assert_eq!(
+            got,
+            (0..samples).collect::<Vec<_>>(),
+            "{n} ranks, {samples} samples, batch {batch}"
+        );
+    }
+}
+
+#[test]
+fn collectives_match_closed_forms_on_two_and_three_ranks() {
+    for n in [2, 3] {
+        let o = launch(n, Path::new(worker()), &["collectives".to_string()]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("result: ok"),
+            "{}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
+fn different_parameters_on_different_ranks_are_refused() {
+    let o = launch(2, Path::new(worker()), &["mismatch".to_string()]);
+    assert!(!o.status.success());
+    let all = text(&o);
+    assert!(
+        all.contains("rank 1 has different parameters than rank 0"),
+        "{all}"
+    );
+    assert!(
+        all.contains("\"l1.bias [3] F32\", rank 1 has \"l1.bias [2] F32\""),
+        "{all}"
+    );
+}
+
+/// Pids of the launcher's children, by the rank in their environment.
+fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Field 4 (after the parenthesised command) is the parent pid.
+        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+        let ppid: u32 = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid != launcher_pid {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let rank = env
+            .split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(b"RANK="))
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+        if let Some(rank) = rank {
+            found.push((rank, pid));
+        }
+    }
+    found
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .map(|x| x.1)
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_killed_rank_stops_the_job_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("never.safetensors");
+    let mut args = mlp_args(4096, 8, "sgd", &out);
+    let at = args.iter().position(|a| a == "--epochs").unwrap();
+    args[at + 1] = "1000".into();
+    let mut child = Command::new(launcher())
+        .args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
+        .arg(mlp())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let workers = loop {
+        let w = children_by_rank(child.id());
+        if w.len() == 2 {
+            break w;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the launcher ended early with {status}");
+        }
+        assert!(Instant::now() < deadline, "workers did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Let training begin (the rendezvous is over once parameters were broadcast).
+    std::thread::sleep(Duration::from_secs(2));
+    let victim = workers.iter().find(|(r, _)| *r == 1).unwrap().1;
+    unsafe_kill(victim);
+    let killed_at = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the launcher did not stop within 60 s of a rank being killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(!status.success());
+    assert!(
+        stderr.contains(&format!(
+            "rank 1 (pid {victim}) was killed by signal 9 (SIGKILL)"
+        )),
+        "{stderr}"
+    );
+    for (rank, pid) in workers {
+        assert!(!alive(pid), "rank {rank} (pid {pid}) outlived the launcher");
+    }
+}
+
+fn unsafe_kill(pid: u32) {
+    let status = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn a_single_process_opens_no_socket() {
+    // strace records every network system call of the program and its threads.
+    if Command::new("strace").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: strace is not installed (.ci/run installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace");
+    let out = dir.path().join("m.safetensors");
+    let mut cmd = Command::new("strace");
+    cmd.args(["-f", "-e", "trace=socket,connect,bind,listen", "-o"])
+        .arg(&trace)
+        .arg(mlp())
+        .args(mlp_args(64, 8, "sgd", &out))
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("ACCELERATE_RANK");
+    let o = run_bounded(&mut cmd, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    let calls = std::fs::read_to_string(&trace).unwrap();
+    let network: Vec<&str> = calls
+        .lines()
+        .filter(|l| {
+            ["socket(", "connect(", "bind(", "listen("]
+                .iter()
+                .any(|c| l.contains(c))
+        })
+        .collect();
+    assert!(network.is_empty(), "network calls: {network:?}");
+}
