@@ -489,6 +489,11 @@ impl Accelerator {
         Ok(out)
     }
 
+    /// Reduces a tensor over all ranks in place (every rank ends with the result).
+    pub fn reduce_in_place(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.comm.all_reduce(tensor, op)
+    }
+
     fn reduce_scalar(&self, value: f64, op: ReduceOp) -> Result<f64> {
         if self.state.world_size == 1 {
             return Ok(value);
