@@ -218,6 +218,115 @@ fn collectives_match_closed_forms_on_two_and_three_ranks() {
 }
 
 #[test]
+fn ring_all_reduce_between_processes_for_world_sizes_one_to_five() {
+    for n in 1..=5 {
+        let o = launch(n, Path::new(worker()), &["allreduce".to_string()]);
+        assert!(o.status.success(), "{n} ranks: {}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("result: ok"),
+            "{}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
+fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
+    // torchrun's own store would sit on MASTER_PORT; rank 0 hosts ours on MASTER_PORT + 1.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dist_out = dir.path().join("torchrun.safetensors");
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut args = mlp_args(80, 4, "sgd", &dist_out);
+            args.extend(["--grad-accum".to_string(), "2".to_string()]);
+            Command::new(mlp())
+                .args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", (port - 1).to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + LIMIT;
+    for child in &mut children {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(status.success(), "a torchrun-style worker failed: {status}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "torchrun-style workers hung");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let single_out = dir.path().join("single.safetensors");
+    let mut cmd = Command::new(mlp());
+    cmd.args(mlp_args(80, 16, "sgd", &single_out))
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE");
+    assert!(run_bounded(&mut cmd, LIMIT).status.success());
+    let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
+    assert!(d < 2e-5, "max |Δθ| = {d}");
+}
+
+#[test]
+fn sigterm_to_the_launcher_reaches_every_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("never.safetensors");
+    let mut args = mlp_args(4096, 8, "sgd", &out);
+    let at = args.iter().position(|a| a == "--epochs").unwrap();
+    args[at + 1] = "1000".into();
+    let mut child = Command::new(launcher())
+        .args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
+        .arg(mlp())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let workers = loop {
+        let w = children_by_rank(child.id());
+        if w.len() == 2 {
+            break w;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the launcher ended early with {status}");
+        }
+        assert!(Instant::now() < deadline, "workers did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if sent.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the launcher did not stop within 60 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(128 + 15));
+    for (rank, pid) in workers {
+        assert!(!alive(pid), "rank {rank} (pid {pid}) outlived the launcher");
+    }
+}
+
+#[test]
 fn different_parameters_on_different_ranks_are_refused() {
     let o = launch(2, Path::new(worker()), &["mismatch".to_string()]);
     assert!(!o.status.success());

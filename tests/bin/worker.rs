@@ -15,6 +15,7 @@ fn main() {
         Some("gather") => gather(&args[1..]),
         Some("mismatch") => mismatch(),
         Some("collectives") => collectives(),
+        Some("allreduce") => allreduce(),
         other => Err(format!(
             "unknown scenario {other:?}; use gather, mismatch or collectives"
         )),
@@ -177,6 +178,75 @@ fn collectives() -> Result<(), String> {
     let mut order = Vec::new();
     acc.main_process_first(|| order.push(r)).map_err(e)?;
     acc.wait_for_everyone().map_err(e)?;
+    acc.print("result: ok");
+    Ok(())
+}
+
+/// All-reduce of values given by a formula of (rank, index), against the formula's sum, mean and
+/// max over ranks computed directly; lengths 0, 1, one not divisible by the world size, and one
+/// larger than a transport chunk (512 KiB).
+fn allreduce() -> Result<(), String> {
+    let s = |e: candle_core::Error| e.to_string();
+    let e = |e: accelerate_core::Error| e.to_string();
+    let acc = Accelerator::new().map_err(e)?;
+    let (r, n) = (acc.process_index(), acc.num_processes());
+    let value = |rank: usize, i: usize| ((rank * 7 + i * 3) % 11) as i64 - 5;
+    for len in [0usize, 1, 2 * n + 1, 300_007] {
+        let mine: Vec<i64> = (0..len).map(|i| value(r, i)).collect();
+        let sum: Vec<i64> = (0..len)
+            .map(|i| (0..n).map(|k| value(k, i)).sum())
+            .collect();
+        let max: Vec<i64> = (0..len)
+            .map(|i| (0..n).map(|k| value(k, i)).max().unwrap())
+            .collect();
+        // i64 exactly; f64 and f32 hold these small integers exactly too.
+        let t = Tensor::new(mine.as_slice(), &Device::Cpu).map_err(s)?;
+        let got = acc
+            .reduce(&t, ReduceOp::Sum)
+            .map_err(e)?
+            .to_vec1::<i64>()
+            .map_err(s)?;
+        if got != sum {
+            return Err(format!("rank {r}: i64 sum of length {len} differs"));
+        }
+        for dtype in [DType::F32, DType::F64] {
+            let t = t.to_dtype(dtype).map_err(s)?;
+            let got = acc
+                .reduce(&t, ReduceOp::Sum)
+                .map_err(e)?
+                .to_dtype(DType::F64)
+                .map_err(s)?
+                .to_vec1::<f64>()
+                .map_err(s)?;
+            if got.iter().zip(&sum).any(|(g, w)| *g != *w as f64) {
+                return Err(format!("rank {r}: {dtype:?} sum of length {len} differs"));
+            }
+            let got = acc
+                .reduce(&t, ReduceOp::Max)
+                .map_err(e)?
+                .to_dtype(DType::F64)
+                .map_err(s)?
+                .to_vec1::<f64>()
+                .map_err(s)?;
+            if got.iter().zip(&max).any(|(g, w)| *g != *w as f64) {
+                return Err(format!("rank {r}: {dtype:?} max of length {len} differs"));
+            }
+            let got = acc
+                .reduce(&t, ReduceOp::Mean)
+                .map_err(e)?
+                .to_dtype(DType::F64)
+                .map_err(s)?
+                .to_vec1::<f64>()
+                .map_err(s)?;
+            if got
+                .iter()
+                .zip(&sum)
+                .any(|(g, w)| (*g - *w as f64 / n as f64).abs() > 1e-6)
+            {
+                return Err(format!("rank {r}: {dtype:?} mean of length {len} differs"));
+            }
+        }
+    }
     acc.print("result: ok");
     Ok(())
 }
