@@ -35,6 +35,9 @@ struct Args {
     /// Rounds (each runs every configuration once).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run only this configuration (1-4), e.g. under a profiler.
+    #[arg(long)]
+    only: Option<usize>,
 }
 
 fn main() -> Result<()> {
@@ -56,10 +59,28 @@ fn main() -> Result<()> {
     ];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for round in 0..args.rounds {
-        results[0].push(plain_candle(&args, &x, &y)?);
-        results[1].push(accelerated(&args, &dataset, 1)?);
-        results[2].push(accelerated(&args, &dataset, 4)?);
-        results[3].push(hand_accumulated(&args, &x, &y, 4)?);
+        let run = |i: usize| args.only.is_none_or(|o| o == i + 1);
+        let skipped = f64::NAN;
+        results[0].push(if run(0) {
+            plain_candle(&args, &x, &y)?
+        } else {
+            skipped
+        });
+        results[1].push(if run(1) {
+            accelerated(&args, &dataset, 1)?
+        } else {
+            skipped
+        });
+        results[2].push(if run(2) {
+            accelerated(&args, &dataset, 4)?
+        } else {
+            skipped
+        });
+        results[3].push(if run(3) {
+            hand_accumulated(&args, &x, &y, 4)?
+        } else {
+            skipped
+        });
         eprintln!("round {} of {} done", round + 1, args.rounds);
     }
     println!(

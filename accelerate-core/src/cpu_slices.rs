@@ -43,6 +43,28 @@ pub fn with_f32<R>(tensor: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Optio
     }
 }
 
+/// Runs `f` on the elements of a transposed 2-D f32 CPU tensor — the layout candle gives the
+/// gradient of every `Linear` weight, `[rows, cols]` with strides `[1, rows]` — as the contiguous
+/// `[cols, rows]` matrix it views. Returns `Ok(None)` for any other layout.
+pub fn with_f32_transposed<R>(tensor: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>> {
+    if !tensor.device().is_cpu() || tensor.dtype() != candle_core::DType::F32 || tensor.rank() != 2
+    {
+        return Ok(None);
+    }
+    let (storage, layout) = tensor.storage_and_layout();
+    let (rows, cols) = (layout.dims()[0], layout.dims()[1]);
+    if layout.stride() != [1, rows] {
+        return Ok(None);
+    }
+    let start = layout.start_offset();
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(data)) if data.len() >= start + rows * cols => {
+            Ok(Some(f(&data[start..start + rows * cols])))
+        }
+        _ => Ok(None),
+    }
+}
+
 struct ClosureOp<F, R> {
     f: Mutex<Option<F>>,
     result: Mutex<Option<R>>,
@@ -95,6 +117,15 @@ mod tests {
         );
         let sum = with_f32(&view, |xs| xs.iter().sum::<f32>()).unwrap();
         assert_eq!(sum, Some(21.0));
+    }
+
+    #[test]
+    fn a_transposed_matrix_is_read_as_the_matrix_it_views() {
+        let m = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu).unwrap();
+        let t = m.t().unwrap();
+        let seen = with_f32_transposed(&t, |xs| xs.to_vec()).unwrap();
+        assert_eq!(seen, Some(vec![1., 2., 3., 4., 5., 6.]));
+        assert_eq!(with_f32_transposed(&m, |xs| xs.len()).unwrap(), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::cpu_slices::{with_f32, with_f32_mut};
+use crate::cpu_slices::{with_f32, with_f32_mut, with_f32_transposed};
 use crate::error::{Error, Result};
 
 /// Default bucket cap, as in PyTorch DDP.
@@ -266,11 +266,9 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     } else {
         grad.clone()
     };
-    // Gradients of transposed uses (every `Linear` weight) come back as strided views.
-    let grad = grad.contiguous()?;
     let overwrite = !slot.written;
     let s = scale as f32;
-    let fused = with_f32(&grad, |g| {
+    let mut fused = with_f32(&grad, |g| {
         with_f32_mut(&slot.view, |dst| {
             if overwrite {
                 if s == 1.0 {
@@ -283,11 +281,24 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
             }
         })
     })?;
+    if fused.is_none() {
+        // Gradients of transposed uses (every `Linear` weight) come back as transposed views:
+        // read them in cache-sized tiles instead of copying them to a contiguous tensor first.
+        let (rows, cols) = match slot.view.dims() {
+            [r, c] => (*r, *c),
+            _ => (0, 0),
+        };
+        fused = with_f32_transposed(&grad, |g| {
+            with_f32_mut(&slot.view, |dst| {
+                add_transposed(dst, g, rows, cols, s, overwrite)
+            })
+        })?;
+    }
     match fused {
         Some(Ok(Some(()))) => {}
         Some(Err(e)) => return Err(e),
         _ => {
-            let scaled = (grad * scale)?;
+            let scaled = (grad.contiguous()? * scale)?;
             let new = if overwrite {
                 scaled
             } else {
@@ -298,6 +309,27 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     }
     slot.written = true;
     Ok(())
+}
+
+/// `dst[i][j] (+)= s * src[j][i]` for `dst` `[rows, cols]` and `src` `[cols, rows]`, both
+/// row-major, in tiles so that both sides stay in cache.
+fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32, overwrite: bool) {
+    const TILE: usize = 32;
+    for i0 in (0..rows).step_by(TILE) {
+        for j0 in (0..cols).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(rows) {
+                let d = &mut dst[i * cols..(i + 1) * cols];
+                for j in j0..(j0 + TILE).min(cols) {
+                    let x = src[j * rows + i] * s;
+                    if overwrite {
+                        d[j] = x;
+                    } else {
+                        d[j] += x;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Copies `src` into the storage behind `view` (device-generic path).
@@ -337,4 +369,70 @@ pub(crate) fn sorted_named_vars(mut vars: Vec<(String, Var)>) -> Result<Vec<(Str
         }
     }
     Ok(vars)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn vars() -> Vec<(String, Var)> {
+        vec![
+            (
+                "a".into(),
+                Var::zeros((2, 3), DType::F32, &Device::Cpu).unwrap(),
+            ),
+            ("b".into(), Var::zeros(4, DType::F32, &Device::Cpu).unwrap()),
+            (
+                "c".into(),
+                Var::zeros((3, 2), DType::F32, &Device::Cpu).unwrap(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn buckets_follow_the_cap_in_sorted_order() {
+        // a: 24 B, b: 16 B, c: 24 B; a 40-byte cap holds a+b, then c alone.
+        let g = GradientBuffers::new(&vars(), 40).unwrap();
+        let ranges: Vec<_> = g.buckets().iter().map(|b| b.params()).collect();
+        assert_eq!(ranges, vec![0..2, 2..3]);
+        assert_eq!(g.buckets()[0].size_in_bytes(), 40);
+        let unsorted = vec![vars()[1].clone(), vars()[0].clone()];
+        assert!(GradientBuffers::new(&unsorted, 40).is_err());
+    }
+
+    #[test]
+    fn scaled_sums_of_plain_and_transposed_gradients() {
+        let mut g = GradientBuffers::new(&vars(), 1 << 20).unwrap();
+        let m = [[1f32, 2., 3.], [4., 5., 6.]];
+        let plain = Tensor::new(&m, &Device::Cpu).unwrap();
+        // The same values reached through a transposed view of a [3, 2] matrix.
+        let transposed = Tensor::new(&[[1f32, 4.], [2., 5.], [3., 6.]], &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        assert!(!transposed.is_contiguous());
+        g.accumulate_one("a", &plain, 0.5).unwrap();
+        g.accumulate_one("a", &transposed, 2.0).unwrap();
+        let got = g.get("a").unwrap().to_vec2::<f32>().unwrap();
+        let want: Vec<Vec<f32>> = m
+            .iter()
+            .map(|r| r.iter().map(|x| 2.5 * x).collect())
+            .collect();
+        assert_eq!(got, want);
+        assert!(g.get("b").is_none(), "no gradient yet is PyTorch's None");
+        g.fill_missing_with_zeros().unwrap();
+        assert_eq!(g.get("b").unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
+        let norm = g.global_norm().unwrap();
+        let want_norm = (2.5f64 * 2.5 * (1. + 4. + 9. + 16. + 25. + 36.)).sqrt();
+        assert!((norm - want_norm).abs() < 1e-9, "{norm} vs {want_norm}");
+        g.zero();
+        assert!(!g.any_written());
+        // After zero the next gradient overwrites instead of adding.
+        g.accumulate_one("a", &plain, 1.0).unwrap();
+        assert_eq!(
+            g.get("a").unwrap().to_vec2::<f32>().unwrap()[1],
+            vec![4., 5., 6.]
+        );
+    }
 }
