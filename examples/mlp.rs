@@ -231,10 +231,7 @@ fn train<O: Optimizer>(
     samples: usize,
     varmap: &candle_nn::VarMap,
 ) -> Result<()> {
-    let mut sched = acc.prepare(LrScheduler::new(
-        opt.inner().learning_rate().clone(),
-        schedule,
-    )?)?;
+    let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
     let mut metrics = match &args.metrics {
         Some(p) if acc.is_main_process() => Some(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("--metrics {}", p.display()))?,

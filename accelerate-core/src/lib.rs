@@ -8,7 +8,7 @@
 //!
 //! ## The canonical loop
 //!
-//! ```no_run
+//! ```
 //! use std::sync::Arc;
 //! use accelerate_core::data::{DataLoader, TensorDataset};
 //! use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler, Schedule};
@@ -30,7 +30,7 @@
 //! let mut loader = acc.prepare(DataLoader::new(dataset, 16).shuffle(true).seed(42))?;
 //! let total = acc.num_update_steps(loader.len()) * 3;
 //! let schedule = Schedule::CosineWithWarmup { warmup_steps: 2, total_steps: total };
-//! let mut sched = acc.prepare(LrScheduler::new(opt.inner().learning_rate().clone(), schedule)?)?;
+//! let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
 //!
 //! for _epoch in 0..3 {
 //!     for batch in loader.iter() {

@@ -9,7 +9,7 @@ use crate::accumulate::Accumulation;
 use crate::data::LoaderProgress;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
-use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
+use crate::optim::{LearningRate, LrScheduler, Optimizer, OptimizerState, SchedulerState};
 
 /// State shared by the `Accelerator` and the objects it prepared (one training process is one
 /// thread of control; the mutexes only make the objects `Send`).
@@ -76,6 +76,11 @@ impl<O: Optimizer> PreparedOptimizer<O> {
     /// The current learning rate.
     pub fn learning_rate(&self) -> f64 {
         self.inner.learning_rate().get()
+    }
+
+    /// The optimizer's shared learning-rate handle, to build a scheduler from.
+    pub fn learning_rate_handle(&self) -> LearningRate {
+        self.inner.learning_rate().clone()
     }
 
     /// The optimizer's savable state.
