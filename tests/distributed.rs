@@ -278,6 +278,72 @@ fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
 }
 
 #[test]
+fn two_launchers_as_two_machines_equal_one_process() {
+    // Machine ranks 0 and 1 on this host, two processes each: the multi-machine path (store bound
+    // to every interface, the token shared through the environment) with four ranks.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dist_out = dir.path().join("two_machines.safetensors");
+    let mut args = mlp_args(160, 4, "sgd", &dist_out);
+    args.extend(["--grad-accum".to_string(), "2".to_string()]);
+    let machines: Vec<_> = (0..2)
+        .map(|machine| {
+            let mut cmd = Command::new(launcher());
+            cmd.args(["--cpu", "--num-processes", "4", "--num-machines", "2"])
+                .args([
+                    "--machine-rank",
+                    &machine.to_string(),
+                    "--main-process-ip",
+                    "127.0.0.1",
+                ])
+                .args(["--main-process-port", &port.to_string()])
+                .arg(mlp())
+                .args(&args)
+                .env("ACCELERATE_JOB_TOKEN", "shared-secret-of-this-test")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            std::thread::spawn(move || run_bounded(&mut cmd, LIMIT))
+        })
+        .collect();
+    for m in machines {
+        let o = m.join().unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let single_out = dir.path().join("single.safetensors");
+    let mut cmd = Command::new(mlp());
+    cmd.args(mlp_args(160, 32, "sgd", &single_out))
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE");
+    assert!(run_bounded(&mut cmd, LIMIT).status.success());
+    let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
+    assert!(d < 2e-5, "max |Δθ| = {d}");
+}
+
+#[test]
+fn a_multi_machine_job_without_a_shared_token_is_refused() {
+    let o = run_bounded(
+        Command::new(launcher())
+            .args([
+                "--cpu",
+                "--num-processes",
+                "2",
+                "--num-machines",
+                "2",
+                "--main-process-ip",
+                "127.0.0.1",
+            ])
+            .arg("true")
+            .env_remove("ACCELERATE_JOB_TOKEN"),
+        LIMIT,
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("ACCELERATE_JOB_TOKEN"), "{}", text(&o));
+}
+
+#[test]
 fn sigterm_to_the_launcher_reaches_every_worker() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("never.safetensors");

@@ -60,3 +60,26 @@ fn a_failing_rank_is_reported_with_its_exit_code() {
         "{err}"
     );
 }
+
+#[test]
+fn a_taken_port_on_one_machine_falls_back_to_a_free_one_with_a_warning() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    // Each worker checks that it was given another port than the taken one.
+    let check = format!("test \"$MASTER_PORT\" != {port} && test -n \"$MASTER_PORT\"");
+    let (code, err) = launch(&[
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        &port,
+        "sh",
+        "-c",
+        &check,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!("--main-process-port {port} is in use")),
+        "{err}"
+    );
+}

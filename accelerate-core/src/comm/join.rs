@@ -16,6 +16,10 @@ use super::{Communicator, LocalCommunicator};
 use crate::error::{Error, Result};
 use crate::state::{Launcher, ProcessState};
 
+/// Environment variable naming the IP address the ring listens on (default: the address of the
+/// interface that reaches the store).
+pub const BIND_IP_ENV: &str = "ACCELERATE_BIND_IP";
+
 /// What joining produced.
 pub struct Membership {
     /// The communicator of this process.
@@ -46,7 +50,7 @@ pub fn join(state: &ProcessState) -> Result<Membership> {
             hosted: None,
         });
     }
-    let options = CpuCommOptions::from_env()?;
+    let mut options = CpuCommOptions::from_env()?;
     let port = match state.launcher {
         Launcher::Torchrun => state.master_port.checked_add(1).ok_or_else(|| Error::Env {
             name: "MASTER_PORT".into(),
@@ -78,6 +82,17 @@ pub fn join(state: &ProcessState) -> Result<Membership> {
         state.rank,
         options.timeout,
     )?;
+    // Ring peers must reach this rank at an address of the interface that reaches the store
+    // (loopback for one machine), unless the user chose one.
+    if std::env::var_os(BIND_IP_ENV).is_none() {
+        options.bind_ip = client.local_addr().ip();
+    } else if let Ok(v) = std::env::var(BIND_IP_ENV) {
+        options.bind_ip = v.parse().map_err(|_| Error::Env {
+            name: BIND_IP_ENV.into(),
+            value: v.clone(),
+            problem: "expected this machine's IP address that the other ranks can reach".into(),
+        })?;
+    }
     let store: Arc<dyn Store> = Arc::new(client);
     let comm = CpuCommunicator::connect(store.as_ref(), state.rank, state.world_size, options)?;
     Ok(Membership {
