@@ -126,6 +126,20 @@ fn run(args: &Args) -> Result<()> {
                     mlp::INPUTS
                 );
             }
+            if !ds.x().dtype().is_float() {
+                bail!(
+                    "{}: `x` holds {:?}; expected floating-point features",
+                    path.display(),
+                    ds.x().dtype()
+                );
+            }
+            if ds.y().dtype().is_float() {
+                bail!(
+                    "{}: `y` holds {:?}; expected integer class labels (int64 from PyTorch works)",
+                    path.display(),
+                    ds.y().dtype()
+                );
+            }
             if ds.y().rank() != 1 {
                 bail!(
                     "{}: `y` has shape {:?}; expected one integer label per sample, [N]",
@@ -133,7 +147,12 @@ fn run(args: &Args) -> Result<()> {
                     ds.y().dims()
                 );
             }
-            ds
+            if ds.x().dtype() != candle_core::DType::F32 {
+                let x = ds.x().to_dtype(candle_core::DType::F32)?;
+                TensorDataset::new(x, ds.y().clone())?
+            } else {
+                ds
+            }
         }
         None => {
             let (x, y) = mlp::synthetic_data(args.samples, args.seed)?;
@@ -266,6 +285,9 @@ fn train<O: Optimizer>(
     let mut last_loss = f64::NAN;
     let mut micro_steps = 0u64;
     'epochs: for _epoch in 0..args.epochs {
+        if args.max_steps.is_some_and(|m| acc.optimizer_steps() >= m) {
+            break;
+        }
         for batch in loader.iter() {
             let (x, y) = batch?;
             let step = acc.accumulate();

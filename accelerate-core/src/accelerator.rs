@@ -74,13 +74,16 @@ impl AcceleratorBuilder {
         let steps = match self.gradient_accumulation_steps {
             Some(k) => k,
             None => match std::env::var(GRADIENT_ACCUMULATION_STEPS_ENV) {
-                Ok(v) if !v.trim().is_empty() => {
-                    v.trim().parse::<usize>().map_err(|_| Error::Env {
-                        name: GRADIENT_ACCUMULATION_STEPS_ENV.into(),
-                        value: v.clone(),
-                        problem: "expected a positive integer".into(),
-                    })?
-                }
+                Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
+                    Ok(k) if k > 0 => k,
+                    _ => {
+                        return Err(Error::Env {
+                            name: GRADIENT_ACCUMULATION_STEPS_ENV.into(),
+                            value: v.clone(),
+                            problem: "expected a positive integer (1 means no accumulation)".into(),
+                        })
+                    }
+                },
                 _ => 1,
             },
         };
@@ -376,7 +379,14 @@ impl Accelerator {
     /// batch, after taking the batch from the prepared loader.
     pub fn accumulate(&self) -> MicroStep {
         let loader = self.active_loader();
-        lock(&self.shared.accumulation).begin_explicit(loader.as_ref())
+        let mut acc = lock(&self.shared.accumulation);
+        let step = acc.begin_explicit(loader.as_ref());
+        if std::mem::take(&mut acc.abandoned_window) {
+            if let Some(g) = lock(&self.shared.grads).as_mut() {
+                g.zero();
+            }
+        }
+        step
     }
 
     /// Whether the current micro-step syncs gradients (and steps the optimizer). Use it to guard
@@ -413,6 +423,7 @@ impl Accelerator {
         let loader = self.active_loader();
         let mut acc = lock(&self.shared.accumulation);
         let step = acc.current_for_backward(loader.as_ref())?;
+        let abandoned = std::mem::take(&mut acc.abandoned_window);
         let grad_store = loss.backward()?;
         let mut grads = lock(&self.shared.grads);
         let buffers = grads.as_mut().ok_or_else(|| {
@@ -422,9 +433,17 @@ impl Accelerator {
                     .into(),
             )
         })?;
+        if abandoned {
+            buffers.zero();
+        }
         buffers.accumulate(&self.params, &grad_store, step.loss_scale)?;
-        if step.sync {
+        if step.sync && self.state.world_size > 1 {
+            // Whole buckets are reduced, so a parameter without a gradient on this rank takes part
+            // with zeros (DDP's behaviour). Alone, it keeps no gradient and the optimizer skips it,
+            // as a plain candle or PyTorch loop would.
             buffers.fill_missing_with_zeros()?;
+        }
+        if step.sync {
             // At world size 1 the reduction is the identity, but it is still counted, so the
             // traffic accounting reads the same at any size.
             let mut stats = self.grad_sync.get();
@@ -482,11 +501,20 @@ impl Accelerator {
             .cloned()
     }
 
-    /// Reduces a tensor over all ranks (a copy; the argument is untouched).
+    /// Reduces a tensor over all ranks (a copy; the argument is untouched). Like
+    /// [`gather`](Self::gather), any dtype and layout works.
     pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let out = tensor.contiguous()?.copy()?;
+        let (wire, original) = wire_dtype(tensor)?;
+        let out = if original.is_none() && wire.is_contiguous() {
+            wire.copy()?
+        } else {
+            wire
+        };
         self.comm.all_reduce(&out, op)?;
-        Ok(out)
+        Ok(match original {
+            Some(dtype) => out.to_dtype(dtype)?,
+            None => out,
+        })
     }
 
     /// Reduces a tensor over all ranks in place (every rank ends with the result).
@@ -503,15 +531,23 @@ impl Accelerator {
         Ok(t.to_vec1::<f64>()?[0])
     }
 
-    /// Concatenates `tensor` of every rank along dimension 0, in rank order.
+    /// Concatenates `tensor` of every rank along dimension 0, in rank order. Any dtype and layout
+    /// works, on one process as on many (integer tensors such as `argmax` predictions travel as
+    /// i64, half floats as f32, and come back in their own dtype).
     pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        self.comm.all_gather(tensor)
+        let (wire, original) = wire_dtype(tensor)?;
+        let gathered = self.comm.all_gather(&wire)?;
+        Ok(match original {
+            Some(dtype) => gathered.to_dtype(dtype)?,
+            None => gathered,
+        })
     }
 
     /// [`gather`](Self::gather) for evaluation metrics: at the end of an epoch of a prepared
     /// loader, the rows of the wrap-around samples (which complete the last round so that every
     /// rank steps equally) are dropped, so an epoch gathers exactly the dataset's samples. Pass
-    /// one row per sample of the current batch.
+    /// one row per sample of the current batch, iterating the loader with `iter()` (a `windows()`
+    /// iteration reports each window's first batch, for accumulation).
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
         let gathered = self.gather(tensor)?;
         let Some(loader) = self.active_loader() else {
@@ -579,6 +615,22 @@ impl Accelerator {
             println!("{message}");
         }
     }
+}
+
+/// A contiguous tensor of a dtype every communicator carries (f32, f64, i64), and the dtype to
+/// convert the result back to, if it differs.
+fn wire_dtype(tensor: &Tensor) -> Result<(Tensor, Option<candle_core::DType>)> {
+    use candle_core::DType;
+    let wire = match tensor.dtype() {
+        DType::F32 | DType::F64 | DType::I64 => None,
+        DType::U8 | DType::U32 => Some(DType::I64),
+        _ => Some(DType::F32),
+    };
+    let t = match wire {
+        Some(w) => tensor.to_dtype(w)?,
+        None => tensor.contiguous()?,
+    };
+    Ok((t.contiguous()?, wire.map(|_| tensor.dtype())))
 }
 
 impl Prepare for &VarMap {

@@ -53,14 +53,21 @@ pub(crate) struct Accumulation {
     pub optimizer_steps: u64,
     /// Whether the last sync micro-step's optimizer step was skipped (fp16 overflow).
     pub step_was_skipped: bool,
+    /// Whether the optimizer stepped in the current micro-step (the scheduler follows it).
+    pub optimizer_stepped: bool,
+    /// Set when a window was left unfinished (the loop left an epoch mid-window): its partial
+    /// gradient sum must be discarded, not carried into the next window.
+    pub abandoned_window: bool,
 }
 
 impl Accumulation {
     pub fn new(steps: usize) -> Result<Self> {
         if steps == 0 {
-            return Err(Error::Config(
-                "gradient accumulation steps must be at least 1 (1 means no accumulation)".into(),
-            ));
+            return Err(Error::Config(format!(
+                "gradient accumulation steps must be at least 1 (1 means no accumulation); check \
+                 {} and `gradient_accumulation_steps`",
+                crate::accelerator::GRADIENT_ACCUMULATION_STEPS_ENV
+            )));
         }
         Ok(Self {
             steps,
@@ -73,6 +80,8 @@ impl Accumulation {
             explicit: false,
             optimizer_steps: 0,
             step_was_skipped: false,
+            optimizer_stepped: false,
+            abandoned_window: false,
         })
     }
 
@@ -97,10 +106,11 @@ impl Accumulation {
     /// handed out this micro-step's batch.
     pub fn begin(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
         if self.new_epoch(loader) && self.taken != 0 {
-            // The previous epoch ended inside a window; its last window was synced when the loader
-            // ran out, so only a counter left over from a loop without a loader lands here.
+            // The loop left the previous epoch inside a window (a `break`, or a loader without a
+            // known end): that window never synced, and its partial sum must not leak onward.
             self.taken = 0;
             self.item_scale = None;
+            self.abandoned_window = true;
         }
         if self.taken == 0 {
             self.window_len = self.steps;
@@ -127,6 +137,7 @@ impl Accumulation {
         self.taken = if sync { 0 } else { index + 1 };
         self.current = Some(step);
         self.backward_done = false;
+        self.optimizer_stepped = false;
         if sync {
             self.step_was_skipped = false;
         }
@@ -149,7 +160,8 @@ impl Accumulation {
         match self.current {
             Some(step) if !self.backward_done => Ok(step),
             Some(_) if self.explicit => Err(Error::Config(
-                "backward was called twice in one micro-step; add the losses and call backward                  once, or call accelerator.accumulate() before each backward"
+                "backward was called twice in one micro-step; add the losses and call backward \
+                 once, or call accelerator.accumulate() before each backward"
                     .into(),
             )),
             _ => {

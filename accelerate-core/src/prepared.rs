@@ -55,6 +55,7 @@ impl<O: Optimizer> PreparedOptimizer<O> {
         self.inner.step(grads)?;
         acc.optimizer_steps += 1;
         acc.step_was_skipped = false;
+        acc.optimizer_stepped = true;
         Ok(())
     }
 
@@ -125,10 +126,11 @@ impl PreparedScheduler {
         Self { inner, shared }
     }
 
-    /// Advances the schedule if this micro-step stepped the optimizer.
+    /// Advances the schedule if the optimizer stepped in this micro-step (not on micro-steps that
+    /// only accumulate, nor when the step was skipped or not taken).
     pub fn step(&mut self) {
         let acc = lock(&self.shared.accumulation);
-        if acc.sync_gradients() && !acc.step_was_skipped {
+        if acc.optimizer_stepped && !acc.step_was_skipped {
             self.inner.step();
         }
     }

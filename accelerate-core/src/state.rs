@@ -152,6 +152,17 @@ impl ProcessState {
                 ),
             });
         }
+        if get("MASTER_ADDR").is_none() && local_world_size < world_size {
+            return Err(Error::Env {
+                name: "MASTER_ADDR".into(),
+                value: String::new(),
+                problem: format!(
+                    "unset, but the {world_size} processes span several machines ({local_world_size} \
+                     on this one); set it to the first machine's address (under SLURM: \
+                     `export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)`)"
+                ),
+            });
+        }
         let master_addr = get("MASTER_ADDR")
             .cloned()
             .unwrap_or_else(|| "127.0.0.1".into());
@@ -261,12 +272,26 @@ mod tests {
             ("SLURM_NTASKS", "8"),
             ("SLURM_LOCALID", "1"),
             ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("MASTER_ADDR", "node001"),
         ]))
         .unwrap();
         assert_eq!(
             (s.rank, s.world_size, s.local_rank, s.local_world_size),
             (5, 8, 1, 4)
         );
+    }
+
+    #[test]
+    fn several_machines_without_master_addr_is_an_error_naming_it() {
+        let e = ProcessState::from_vars(&vars(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_ADDR") && e.contains("scontrol"), "{e}");
     }
 
     #[test]

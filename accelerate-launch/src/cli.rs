@@ -88,6 +88,13 @@ impl Args {
                 "--num-machines > 1 needs --main-process-ip (the address of machine rank 0)".into(),
             );
         }
+        if self.num_machines > 1 && self.main_process_port == 0 {
+            return Err(
+                "--main-process-port 0 with --num-machines > 1: the other machines must \
+                        know the store's port; give the same fixed port on every machine"
+                    .into(),
+            );
+        }
         if self.gradient_accumulation_steps == Some(0) {
             return Err("--gradient-accumulation-steps 0: use 1 for no accumulation".into());
         }

@@ -16,8 +16,9 @@ fn main() {
         Some("mismatch") => mismatch(),
         Some("collectives") => collectives(),
         Some("allreduce") => allreduce(),
+        Some("nosync") => nosync(),
         other => Err(format!(
-            "unknown scenario {other:?}; use gather, mismatch or collectives"
+            "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce or nosync"
         )),
     };
     if let Err(e) = result {
@@ -175,9 +176,25 @@ fn collectives() -> Result<(), String> {
             "parameters broadcast from rank 0",
         )?;
     }
-    let mut order = Vec::new();
-    acc.main_process_first(|| order.push(r)).map_err(e)?;
+    // main_process_first: rank 0 creates a marker file; every other rank must already see it.
+    let marker = std::env::temp_dir().join(format!(
+        "accelerate-test-main-first-{}",
+        std::env::var("ACCELERATE_JOB_TOKEN").unwrap_or_default()
+    ));
+    let seen = acc
+        .main_process_first(|| {
+            if r == 0 {
+                std::fs::write(&marker, b"first").is_ok()
+            } else {
+                marker.exists()
+            }
+        })
+        .map_err(e)?;
+    check(seen, "main_process_first ran the main process first")?;
     acc.wait_for_everyone().map_err(e)?;
+    if r == 0 {
+        let _ = std::fs::remove_file(&marker);
+    }
     acc.print("result: ok");
     Ok(())
 }
@@ -246,6 +263,69 @@ fn allreduce() -> Result<(), String> {
                 return Err(format!("rank {r}: {dtype:?} mean of length {len} differs"));
             }
         }
+    }
+    acc.print("result: ok");
+    Ok(())
+}
+
+/// Traffic observed around every micro-step with K = 4: nothing is sent on micro-steps that do not
+/// sync, gradients are reduced on those that do.
+fn nosync() -> Result<(), String> {
+    use accelerate_core::optim::{Sgd, SgdConfig};
+    let s = |e: candle_core::Error| e.to_string();
+    let e = |e: accelerate_core::Error| e.to_string();
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(4)
+        .build()
+        .map_err(e)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layer = candle_nn::linear(4, 2, vb.pp("l")).map_err(s)?;
+    let params = acc.prepare(&varmap).map_err(e)?;
+    let mut opt = acc
+        .prepare(Sgd::new(params, SgdConfig::default()).map_err(e)?)
+        .map_err(e)?;
+    let n = 16 * acc.num_processes();
+    let x = Tensor::arange(0f32, (n * 4) as f32, &Device::Cpu)
+        .map_err(s)?
+        .reshape((n, 4))
+        .map_err(s)?;
+    let y = Tensor::zeros(n, DType::U32, &Device::Cpu).map_err(s)?;
+    let dataset = Arc::new(TensorDataset::new((x / 100.0).map_err(s)?, y).map_err(e)?);
+    let mut loader = acc.prepare(DataLoader::new(dataset, 2)).map_err(e)?;
+    let (mut quiet, mut synced) = (0, 0);
+    for batch in loader.iter() {
+        let (x, y) = batch.map_err(e)?;
+        let before = acc.comm_stats();
+        let step = acc.accumulate();
+        let loss =
+            candle_nn::loss::cross_entropy(&candle_nn::Module::forward(&layer, &x).map_err(s)?, &y)
+                .map_err(s)?;
+        acc.backward(&loss).map_err(e)?;
+        opt.step().map_err(e)?;
+        opt.zero_grad();
+        let after = acc.comm_stats();
+        if step.sync {
+            if after.bytes_sent <= before.bytes_sent || after.all_reduces != before.all_reduces + 1
+            {
+                return Err(format!(
+                    "a sync micro-step did not reduce the gradient: {before:?} -> {after:?}"
+                ));
+            }
+            synced += 1;
+        } else {
+            if after != before {
+                return Err(format!(
+                    "a non-sync micro-step communicated: {before:?} -> {after:?}"
+                ));
+            }
+            quiet += 1;
+        }
+    }
+    if (quiet, synced) != (6, 2) {
+        return Err(format!(
+            "expected 6 quiet and 2 sync micro-steps, saw {quiet} and {synced}"
+        ));
     }
     acc.print("result: ok");
     Ok(())
