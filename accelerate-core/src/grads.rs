@@ -269,17 +269,7 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     let overwrite = !slot.written;
     let s = scale as f32;
     let mut fused = with_f32(&grad, |g| {
-        with_f32_mut(&slot.view, |dst| {
-            if overwrite {
-                if s == 1.0 {
-                    dst.copy_from_slice(g);
-                } else {
-                    dst.iter_mut().zip(g).for_each(|(d, &x)| *d = x * s);
-                }
-            } else {
-                dst.iter_mut().zip(g).for_each(|(d, &x)| *d += x * s);
-            }
-        })
+        with_f32_mut(&slot.view, |dst| add_contiguous(dst, g, s, overwrite))
     })?;
     if fused.is_none() {
         // Gradients of transposed uses (every `Linear` weight) come back as transposed views:
@@ -311,14 +301,20 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     Ok(())
 }
 
+/// Parameters at least this large are accumulated by several threads.
+const PARALLEL_MIN_ELEMS: usize = 1 << 18;
+
 /// `dst[i][j] (+)= s * src[j][i]` for `dst` `[rows, cols]` and `src` `[cols, rows]`, both
-/// row-major, in tiles so that both sides stay in cache.
+/// row-major, in tiles so that both sides stay in cache; bands of rows go to different threads for
+/// large matrices.
 fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32, overwrite: bool) {
     const TILE: usize = 32;
-    for i0 in (0..rows).step_by(TILE) {
+    let band = |first_row: usize, dst: &mut [f32]| {
+        let band_rows = dst.len() / cols.max(1);
         for j0 in (0..cols).step_by(TILE) {
-            for i in i0..(i0 + TILE).min(rows) {
-                let d = &mut dst[i * cols..(i + 1) * cols];
+            for r in 0..band_rows {
+                let i = first_row + r;
+                let d = &mut dst[r * cols..(r + 1) * cols];
                 for j in j0..(j0 + TILE).min(cols) {
                     let x = src[j * rows + i] * s;
                     if overwrite {
@@ -329,7 +325,41 @@ fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32
                 }
             }
         }
+    };
+    if rows * cols < PARALLEL_MIN_ELEMS || cols == 0 {
+        for (b, chunk) in dst.chunks_mut(TILE * cols.max(1)).enumerate() {
+            band(b * TILE, chunk);
+        }
+        return;
     }
+    use rayon::prelude::*;
+    dst.par_chunks_mut(TILE * cols)
+        .enumerate()
+        .for_each(|(b, chunk)| band(b * TILE, chunk));
+}
+
+/// `dst (+)= s * src` elementwise, split over threads for large parameters.
+fn add_contiguous(dst: &mut [f32], src: &[f32], s: f32, overwrite: bool) {
+    let part = |d: &mut [f32], g: &[f32]| {
+        if overwrite {
+            if s == 1.0 {
+                d.copy_from_slice(g);
+            } else {
+                d.iter_mut().zip(g).for_each(|(d, &x)| *d = x * s);
+            }
+        } else {
+            d.iter_mut().zip(g).for_each(|(d, &x)| *d += x * s);
+        }
+    };
+    if dst.len() < PARALLEL_MIN_ELEMS {
+        part(dst, src);
+        return;
+    }
+    use rayon::prelude::*;
+    let chunk = dst.len().div_ceil(rayon::current_num_threads().max(1));
+    dst.par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, g)| part(d, g));
 }
 
 /// Copies `src` into the storage behind `view` (device-generic path).
@@ -388,6 +418,29 @@ mod tests {
                 Var::zeros((3, 2), DType::F32, &Device::Cpu).unwrap(),
             ),
         ]
+    }
+
+    #[test]
+    fn threaded_accumulation_of_large_matrices_matches_the_formula() {
+        // 600 x 500 = 300,000 elements: above the threshold, so bands run on several threads.
+        let (rows, cols) = (600usize, 500usize);
+        let var = Var::zeros((rows, cols), DType::F32, &Device::Cpu).unwrap();
+        let mut g = GradientBuffers::new(&[("w".into(), var)], usize::MAX).unwrap();
+        let src: Vec<f32> = (0..rows * cols).map(|k| (k % 97) as f32 - 48.0).collect();
+        // src is the [cols, rows] matrix; its transpose is the gradient [rows, cols].
+        let grad_t = Tensor::from_vec(src.clone(), (cols, rows), &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        let grad_c = grad_t.contiguous().unwrap();
+        g.accumulate_one("w", &grad_t, 0.5).unwrap();
+        g.accumulate_one("w", &grad_c, 0.25).unwrap();
+        let got = g.get("w").unwrap().to_vec2::<f32>().unwrap();
+        for i in (0..rows).step_by(37) {
+            for j in (0..cols).step_by(29) {
+                assert_eq!(got[i][j], 0.75 * src[j * rows + i], "({i}, {j})");
+            }
+        }
     }
 
     #[test]
