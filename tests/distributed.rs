@@ -379,6 +379,50 @@ fn a_multi_machine_job_without_a_shared_token_is_refused() {
 }
 
 #[test]
+fn max_restarts_starts_a_new_round_after_a_failure() {
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--max-restarts",
+        "1",
+    ])
+    .args(["--grace-period", "1"])
+    .arg(worker())
+    .arg("flaky");
+    let o = run_bounded(&mut cmd, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    let all = text(&o);
+    assert!(
+        all.contains("rank 1") && all.contains("exited with code 3"),
+        "{all}"
+    );
+    assert!(
+        all.contains("restarting every rank (restart 1 of 1)"),
+        "{all}"
+    );
+    assert!(all.contains("result: ok"), "{all}");
+
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--grace-period",
+        "1",
+    ])
+    .arg(worker())
+    .arg("flaky");
+    let o = run_bounded(&mut cmd, LIMIT);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+}
+
+#[test]
 fn sigterm_to_the_launcher_reaches_every_worker() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("never.safetensors");

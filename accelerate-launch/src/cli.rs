@@ -46,6 +46,15 @@ pub struct Args {
     #[arg(long, alias = "gradient_accumulation_steps", value_name = "K")]
     pub gradient_accumulation_steps: Option<usize>,
 
+    /// Restart the whole group up to N times when a rank fails (workers see
+    /// ACCELERATE_RESTART_COUNT and resume from their latest checkpoint).
+    #[arg(long, alias = "max_restarts", default_value_t = 0, value_name = "N")]
+    pub max_restarts: u32,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping the workers.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub grace_period: f64,
+
     /// Print only the main process's output.
     #[arg(long)]
     pub quiet: bool,
@@ -94,6 +103,19 @@ impl Args {
                         know the store's port; give the same fixed port on every machine"
                     .into(),
             );
+        }
+        if self.max_restarts > 0 && self.num_machines > 1 {
+            return Err(
+                "--max-restarts with --num-machines > 1: restarting a group that spans \
+                        machines is not supported yet; restart the launchers together instead"
+                    .into(),
+            );
+        }
+        if !(self.grace_period.is_finite() && self.grace_period >= 0.0) {
+            return Err(format!(
+                "--grace-period {}: give a non-negative number of seconds",
+                self.grace_period
+            ));
         }
         if self.gradient_accumulation_steps == Some(0) {
             return Err("--gradient-accumulation-steps 0: use 1 for no accumulation".into());

@@ -92,7 +92,7 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
     };
 
     // The store lives on machine rank 0; single-machine jobs keep it on loopback.
-    let (master_addr, master_port, _store) = if args.machine_rank == 0 {
+    let (master_addr, master_port, store) = if args.machine_rank == 0 {
         let ip = if multi_machine {
             IpAddr::V4(Ipv4Addr::UNSPECIFIED)
         } else {
@@ -116,7 +116,7 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
     };
 
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let layout = JobLayout {
+    let mut layout = JobLayout {
         world_size,
         local_world_size,
         machine_rank: args.machine_rank,
@@ -128,43 +128,67 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         cpu,
         threads_per_worker: (cores / local_world_size).max(1),
     };
-    let inherited = |v: &str| std::env::var_os(v).is_some();
-    let workers = (0..local_world_size)
-        .map(|local| WorkerSpec {
-            rank: layout.global_rank(local),
-            env: layout.worker_env(local, &inherited),
-        })
-        .collect();
-    use std::io::IsTerminal;
-    let config = GroupConfig {
-        program: args.program.clone(),
-        args: args.program_args.clone(),
-        workers,
-        quiet: args.quiet,
-        tee_dir: args.tee.clone(),
-        grace: Duration::from_secs(5),
-        rank0_stderr_direct: std::io::stderr().is_terminal(),
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    let outcome = runtime.block_on(supervise::run_group(&config))?;
-    match outcome {
-        Outcome::Success => Ok(ExitCode::SUCCESS),
-        Outcome::Failed { rank, pid, exit } => {
-            eprintln!("accelerate-launch: rank {rank} (pid {pid}) {exit}; stopped the other ranks");
-            Ok(ExitCode::from(1))
-        }
-        Outcome::Interrupted { signal } => {
+    let inherited = |v: &str| std::env::var_os(v).is_some();
+    use std::io::IsTerminal;
+    for attempt in 0..=args.max_restarts {
+        if attempt > 0 {
+            // A fresh store generation: keys of the failed round are gone, and a straggler of it
+            // is refused instead of joining the new round.
+            if let Some(server) = &store {
+                server.service().set_generation(attempt as u64);
+            }
             eprintln!(
-                "accelerate-launch: received {}; stopped every rank",
-                supervise::signal_name(signal)
+                "accelerate-launch: restarting every rank (restart {attempt} of {})",
+                args.max_restarts
             );
-            Ok(ExitCode::from((128 + signal) as u8))
+        }
+        layout.restart_count = attempt;
+        let workers = (0..local_world_size)
+            .map(|local| WorkerSpec {
+                rank: layout.global_rank(local),
+                env: layout.worker_env(local, &inherited),
+            })
+            .collect();
+        let config = GroupConfig {
+            program: args.program.clone(),
+            args: args.program_args.clone(),
+            workers,
+            quiet: args.quiet,
+            tee_dir: args.tee.clone(),
+            grace: Duration::from_secs_f64(args.grace_period),
+            rank0_stderr_direct: std::io::stderr().is_terminal(),
+        };
+        match runtime.block_on(supervise::run_group(&config))? {
+            Outcome::Success => return Ok(ExitCode::SUCCESS),
+            Outcome::Failed { rank, pid, exit } => {
+                eprintln!(
+                    "accelerate-launch: rank {rank} (pid {pid}) {exit}; stopped the other ranks"
+                );
+                if attempt == args.max_restarts {
+                    if args.max_restarts > 0 {
+                        eprintln!(
+                            "accelerate-launch: giving up after {} restart(s) (--max-restarts)",
+                            args.max_restarts
+                        );
+                    }
+                    return Ok(ExitCode::from(1));
+                }
+            }
+            Outcome::Interrupted { signal } => {
+                eprintln!(
+                    "accelerate-launch: received {}; stopped every rank",
+                    supervise::signal_name(signal)
+                );
+                return Ok(ExitCode::from((128 + signal) as u8));
+            }
         }
     }
+    Ok(ExitCode::from(1))
 }
 
 /// The store's port: the requested one if free; 0 picks a free one; a taken port is an error on

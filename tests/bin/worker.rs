@@ -17,8 +17,9 @@ fn main() {
         Some("collectives") => collectives(),
         Some("allreduce") => allreduce(),
         Some("nosync") => nosync(),
+        Some("flaky") => flaky(),
         other => Err(format!(
-            "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce or nosync"
+            "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync or flaky"
         )),
     };
     if let Err(e) = result {
@@ -329,4 +330,20 @@ fn nosync() -> Result<(), String> {
     }
     acc.print("result: ok");
     Ok(())
+}
+
+/// Rank 1 joins the job and then dies on the first attempt; on a restart everyone runs the
+/// collectives scenario in a fresh store generation.
+fn flaky() -> Result<(), String> {
+    let restart = std::env::var("ACCELERATE_RESTART_COUNT").unwrap_or_default();
+    if restart == "0" {
+        let acc = Accelerator::new().map_err(|e| e.to_string())?;
+        if acc.process_index() == 1 {
+            std::process::exit(3);
+        }
+        // Rank 0 waits in a collective until the launcher stops it.
+        acc.wait_for_everyone().map_err(|e| e.to_string())?;
+        return Err("rank 0 passed a barrier that rank 1 never reached".into());
+    }
+    collectives()
 }
