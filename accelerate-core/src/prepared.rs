@@ -60,7 +60,9 @@ impl<O: Optimizer + Send + 'static> PreparedOptimizer<O> {
         lock(&shared.optimizers).push(registered);
         Self { inner, shared }
     }
+}
 
+impl<O: Optimizer> PreparedOptimizer<O> {
     /// Updates the parameters from the window's accumulated (and, across ranks, averaged)
     /// gradients; does nothing on a micro-step that does not sync.
     pub fn step(&mut self) -> Result<()> {
