@@ -368,7 +368,10 @@ fn train<O: Optimizer>(
                 window_loss = 0.0;
                 window_samples = 0;
                 window_start = Instant::now();
-                if args.checkpoint_every.is_some_and(|every| n % every == 0) {
+                if args
+                    .checkpoint_every
+                    .is_some_and(|every| n.is_multiple_of(every))
+                {
                     acc.save_checkpoint(&args.checkpoint_dir, args.checkpoints_keep)
                         .with_context(|| {
                             format!("--checkpoint-dir {}", args.checkpoint_dir.display())
