@@ -89,6 +89,19 @@ struct Args {
     /// Write the trained weights here (safetensors, PyTorch names and layouts).
     #[arg(long)]
     save_model: Option<PathBuf>,
+    /// Save the training state every N optimizer steps, as CHECKPOINT_DIR/checkpoint_<step>.
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Where checkpoints go (and where --resume looks).
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Keep only the newest N checkpoints.
+    #[arg(long)]
+    checkpoints_keep: Option<usize>,
+    /// Continue from the latest checkpoint in --checkpoint-dir (from the start if there is none
+    /// yet, so a restarted job can always pass it).
+    #[arg(long)]
+    resume: bool,
     /// Write one JSON line per optimizer step here: step, loss of the global batch, lr, samples/s.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -106,6 +119,12 @@ fn main() -> Result<()> {
 fn run(args: &Args) -> Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
+    }
+    if args.checkpoint_every == Some(0) {
+        bail!("--checkpoint-every must be at least 1 (optimizer steps between checkpoints)");
+    }
+    if args.checkpoints_keep == Some(0) {
+        bail!("--checkpoints-keep must be at least 1 (0 would delete the newest checkpoint)");
     }
     let mut builder = Accelerator::builder().seed(args.seed);
     if let Some(k) = args.grad_accum {
@@ -251,6 +270,25 @@ fn train<O: Optimizer>(
     varmap: &candle_nn::VarMap,
 ) -> Result<()> {
     let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
+    if args.resume {
+        let root = &args.checkpoint_dir;
+        if accelerate_core::checkpoint::latest_checkpoint(root)?.is_some() {
+            let dir = acc
+                .load_state(root)
+                .with_context(|| format!("--resume from {}", root.display()))?;
+            acc.print(format!(
+                "resumed from {} at optimizer step {} (epoch {})",
+                dir.display(),
+                acc.optimizer_steps(),
+                loader.next_epoch()
+            ));
+        } else {
+            acc.print(format!(
+                "--resume: no checkpoint in {} yet; starting from the beginning",
+                root.display()
+            ));
+        }
+    }
     let mut metrics = match &args.metrics {
         Some(p) if acc.is_main_process() => Some(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("--metrics {}", p.display()))?,
@@ -284,7 +322,7 @@ fn train<O: Optimizer>(
     let mut total_samples = 0usize;
     let mut last_loss = f64::NAN;
     let mut micro_steps = 0u64;
-    'epochs: for _epoch in 0..args.epochs {
+    'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
         if args.max_steps.is_some_and(|m| acc.optimizer_steps() >= m) {
             break;
         }
@@ -330,6 +368,15 @@ fn train<O: Optimizer>(
                 window_loss = 0.0;
                 window_samples = 0;
                 window_start = Instant::now();
+                if args
+                    .checkpoint_every
+                    .is_some_and(|every| n.is_multiple_of(every))
+                {
+                    acc.save_checkpoint(&args.checkpoint_dir, args.checkpoints_keep)
+                        .with_context(|| {
+                            format!("--checkpoint-dir {}", args.checkpoint_dir.display())
+                        })?;
+                }
                 if args.max_steps.is_some_and(|m| n >= m) {
                     break 'epochs;
                 }

@@ -130,6 +130,8 @@ impl AcceleratorBuilder {
                 accumulation: Mutex::new(accumulation),
                 grads: Mutex::new(None),
                 loaders: Mutex::new(Vec::new()),
+                optimizers: Mutex::new(Vec::new()),
+                schedulers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -337,7 +339,7 @@ impl Accelerator {
 
     /// Wraps an optimizer so that it steps only when gradients sync. Its parameters must be the
     /// prepared ones.
-    pub fn prepare_optimizer<O: Optimizer>(
+    pub fn prepare_optimizer<O: Optimizer + Send + 'static>(
         &mut self,
         optimizer: O,
     ) -> Result<PreparedOptimizer<O>> {
@@ -607,6 +609,76 @@ impl Accelerator {
     /// Waits until every rank has reached this point.
     pub fn wait_for_everyone(&self) -> Result<()> {
         self.comm.barrier()
+    }
+
+    /// Saves the whole training state into `dir` (see [`checkpoint`](crate::checkpoint)):
+    /// parameters, every prepared optimizer and scheduler, the accumulation counters and, per
+    /// rank, the data loaders' positions (and a partial window's gradients). Call it on every rank
+    /// at the same point of the loop; it returns once the checkpoint is complete on disk. An
+    /// existing checkpoint at `dir` is replaced atomically.
+    pub fn save_state(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        crate::checkpoint::save_state(&self.training_view(), dir.as_ref())
+    }
+
+    /// Saves the state as `<root>/checkpoint_<N>`, N being the optimizer steps taken, then deletes
+    /// the oldest checkpoints beyond `keep` (main process). Returns the checkpoint's directory.
+    pub fn save_checkpoint(
+        &self,
+        root: impl AsRef<std::path::Path>,
+        keep: Option<usize>,
+    ) -> Result<std::path::PathBuf> {
+        if keep == Some(0) {
+            // Refused before anything is written.
+            crate::checkpoint::prune_checkpoints(root.as_ref(), 0)?;
+        }
+        let dir = crate::checkpoint::checkpoint_dir(root.as_ref(), self.optimizer_steps());
+        self.save_state(&dir)?;
+        if let (Some(keep), true) = (keep, self.is_main_process()) {
+            crate::checkpoint::prune_checkpoints(root.as_ref(), keep)?;
+        }
+        self.wait_for_everyone()?;
+        Ok(dir)
+    }
+
+    /// Restores a state saved by [`save_state`](Self::save_state) from `dir`, or from the latest
+    /// `checkpoint_<N>` under `dir`. Prepare the same parameters, optimizers, schedulers and
+    /// loaders first. Every file is verified before anything changes: on an error nothing is
+    /// loaded. Loaders continue from their saved position at their next `iter()`. Returns the
+    /// directory loaded.
+    pub fn load_state(&self, dir: impl AsRef<std::path::Path>) -> Result<std::path::PathBuf> {
+        crate::checkpoint::load_state(&self.training_view(), dir.as_ref())
+    }
+
+    /// Writes the model alone into `dir` as safetensors with PyTorch names and layouts
+    /// (`model.safetensors`, or shards with a Hugging Face index above 5 GB). Main process only
+    /// writes; every rank returns after it finished.
+    pub fn save_model(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        self.save_model_sharded(dir, crate::checkpoint::DEFAULT_MAX_SHARD_BYTES)
+    }
+
+    /// [`save_model`](Self::save_model) with shards of at most `max_shard_bytes`.
+    pub fn save_model_sharded(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        max_shard_bytes: u64,
+    ) -> Result<()> {
+        let written = if self.is_main_process() {
+            crate::checkpoint::save_model(&self.params, dir, max_shard_bytes).map(|_| ())
+        } else {
+            Ok(())
+        };
+        written?;
+        self.wait_for_everyone()
+    }
+
+    fn training_view(&self) -> crate::checkpoint::TrainingView<'_> {
+        crate::checkpoint::TrainingView {
+            rank: self.state.rank,
+            world_size: self.state.world_size,
+            comm: self.comm.as_ref(),
+            params: &self.params,
+            shared: &self.shared,
+        }
     }
 
     /// Prints on the main process only.

@@ -33,6 +33,22 @@ pub struct MicroStep {
     pub loss_scale: f64,
 }
 
+/// What a checkpoint keeps of the accumulation state: enough to continue a window that was saved
+/// in its middle, and the optimizer step count.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AccumulationCounters {
+    /// K, micro-steps per optimizer step, when the state was saved.
+    pub steps: usize,
+    /// Micro-steps already taken in the current window (0 at a window boundary).
+    pub taken: usize,
+    /// Length of the current window (K, or fewer for the last window of an epoch).
+    pub window_len: usize,
+    /// `world_size / global_items` of the current window, in item-weighted mode.
+    pub item_scale: Option<f64>,
+    /// Optimizer steps taken so far.
+    pub optimizer_steps: u64,
+}
+
 /// The accumulation state machine (one per `Accelerator`).
 #[derive(Debug)]
 pub(crate) struct Accumulation {
@@ -90,6 +106,59 @@ impl Accumulation {
         self.steps
     }
 
+    /// The counters a checkpoint saves.
+    pub fn counters(&self) -> AccumulationCounters {
+        AccumulationCounters {
+            steps: self.steps,
+            taken: self.taken,
+            window_len: self.window_len,
+            item_scale: self.item_scale,
+            optimizer_steps: self.optimizer_steps,
+        }
+    }
+
+    /// Checks that `saved` can be restored into an accumulation of K = `self.steps`.
+    pub fn check_restorable(
+        &self,
+        saved: &AccumulationCounters,
+    ) -> std::result::Result<(), String> {
+        if saved.taken > 0 && saved.steps != self.steps {
+            return Err(format!(
+                "it was saved inside an accumulation window of K={} micro-steps, but this run \
+                 uses K={}; resume with the same gradient accumulation steps",
+                saved.steps, self.steps
+            ));
+        }
+        if saved.taken >= saved.window_len.max(1) || saved.window_len > saved.steps {
+            return Err(format!(
+                "its counters are inconsistent ({} micro-steps taken of a window of {}, K={})",
+                saved.taken, saved.window_len, saved.steps
+            ));
+        }
+        Ok(())
+    }
+
+    /// Continues from saved counters (checked with [`check_restorable`](Self::check_restorable)).
+    /// The loader epoch of a restored window is adopted from the first micro-step after the resume,
+    /// whose iteration is a new one.
+    pub fn restore(&mut self, saved: &AccumulationCounters) {
+        self.taken = saved.taken;
+        self.window_len = if saved.taken > 0 {
+            saved.window_len
+        } else {
+            self.steps
+        };
+        self.item_scale = saved.item_scale;
+        self.optimizer_steps = saved.optimizer_steps;
+        self.loader_generation = None;
+        self.current = None;
+        self.backward_done = false;
+        self.explicit = false;
+        self.step_was_skipped = false;
+        self.optimizer_stepped = false;
+        self.abandoned_window = false;
+    }
+
     /// Whether the current window has not begun yet (no micro-step taken in it).
     pub fn at_window_start(&self, loader: Option<&Arc<LoaderProgress>>) -> bool {
         self.taken == 0 || self.new_epoch(loader)
@@ -105,6 +174,10 @@ impl Accumulation {
     /// Begins a micro-step. `loader` is the training loader, if one was prepared; it has already
     /// handed out this micro-step's batch.
     pub fn begin(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
+        if self.taken != 0 && self.loader_generation.is_none() {
+            // A window restored from a checkpoint continues in the resumed iteration.
+            self.loader_generation = loader.map(|p| p.generation());
+        }
         if self.new_epoch(loader) && self.taken != 0 {
             // The loop left the previous epoch inside a window (a `break`, or a loader without a
             // known end): that window never synced, and its partial sum must not leak onward.

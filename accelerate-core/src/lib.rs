@@ -54,6 +54,7 @@
 
 pub mod accelerator;
 pub mod accumulate;
+pub mod checkpoint;
 pub mod comm;
 pub mod cpu_slices;
 pub mod data;

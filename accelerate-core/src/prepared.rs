@@ -11,33 +11,58 @@ use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 use crate::optim::{LearningRate, LrScheduler, Optimizer, OptimizerState, SchedulerState};
 
+/// A prepared optimizer as the accelerator keeps it, to save and restore its state.
+pub(crate) type SharedOptimizer = Arc<Mutex<dyn Optimizer + Send>>;
+
 /// State shared by the `Accelerator` and the objects it prepared (one training process is one
 /// thread of control; the mutexes only make the objects `Send`).
-#[derive(Debug)]
 pub(crate) struct TrainingState {
     pub accumulation: Mutex<Accumulation>,
     pub grads: Mutex<Option<GradientBuffers>>,
     /// Progress of every prepared loader; the one in use decides where an epoch's last window
     /// ends.
     pub loaders: Mutex<Vec<Arc<LoaderProgress>>>,
+    /// Every prepared optimizer, in preparation order (what `save_state` saves as `optimizer_<i>`).
+    pub optimizers: Mutex<Vec<SharedOptimizer>>,
+    /// Every prepared scheduler, in preparation order.
+    pub schedulers: Mutex<Vec<Arc<Mutex<LrScheduler>>>>,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+impl std::fmt::Debug for TrainingState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainingState")
+            .field("accumulation", &self.accumulation)
+            .field("loaders", &lock(&self.loaders).len())
+            .field("optimizers", &lock(&self.optimizers).len())
+            .field("schedulers", &lock(&self.schedulers).len())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere in the loop poisons nothing we cannot keep using.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An optimizer that steps only when gradients sync.
+///
+/// The optimizer itself lives behind a shared lock so that the accelerator can save and restore
+/// its state (`Accelerator::save_state`) without the loop handing it over.
 pub struct PreparedOptimizer<O> {
-    inner: O,
+    inner: Arc<Mutex<O>>,
     shared: Arc<TrainingState>,
 }
 
-impl<O: Optimizer> PreparedOptimizer<O> {
+impl<O: Optimizer + Send + 'static> PreparedOptimizer<O> {
     pub(crate) fn new(inner: O, shared: Arc<TrainingState>) -> Self {
+        let inner = Arc::new(Mutex::new(inner));
+        let registered: SharedOptimizer = inner.clone();
+        lock(&shared.optimizers).push(registered);
         Self { inner, shared }
     }
+}
 
+impl<O: Optimizer> PreparedOptimizer<O> {
     /// Updates the parameters from the window's accumulated (and, across ranks, averaged)
     /// gradients; does nothing on a micro-step that does not sync.
     pub fn step(&mut self) -> Result<()> {
@@ -52,7 +77,7 @@ impl<O: Optimizer> PreparedOptimizer<O> {
                     .into(),
             )
         })?;
-        self.inner.step(grads)?;
+        lock(&self.inner).step(grads)?;
         acc.optimizer_steps += 1;
         acc.step_was_skipped = false;
         acc.optimizer_stepped = true;
@@ -76,37 +101,28 @@ impl<O: Optimizer> PreparedOptimizer<O> {
 
     /// The current learning rate.
     pub fn learning_rate(&self) -> f64 {
-        self.inner.learning_rate().get()
+        lock(&self.inner).learning_rate().get()
     }
 
     /// The optimizer's shared learning-rate handle, to build a scheduler from.
     pub fn learning_rate_handle(&self) -> LearningRate {
-        self.inner.learning_rate().clone()
+        lock(&self.inner).learning_rate().clone()
     }
 
     /// The optimizer's savable state.
     pub fn state(&self) -> Result<OptimizerState> {
-        self.inner.state()
+        lock(&self.inner).state()
     }
 
     /// Restores a state saved by [`state`](Self::state).
     pub fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        self.inner.load_state(state)
+        lock(&self.inner).load_state(state)
     }
 
-    /// The wrapped optimizer.
-    pub fn inner(&self) -> &O {
-        &self.inner
-    }
-
-    /// The wrapped optimizer, mutably.
-    pub fn inner_mut(&mut self) -> &mut O {
-        &mut self.inner
-    }
-
-    /// Unwraps the optimizer.
-    pub fn into_inner(self) -> O {
-        self.inner
+    /// The wrapped optimizer (locked while the guard lives; the accelerator locks it only inside
+    /// `save_state`/`load_state`).
+    pub fn inner(&self) -> MutexGuard<'_, O> {
+        lock(&self.inner)
     }
 }
 
@@ -117,12 +133,14 @@ impl<O: Optimizer> PreparedOptimizer<O> {
 /// from the unsharded loader line up; we count optimizer steps, so size `total_steps` with
 /// `Accelerator::num_update_steps`.
 pub struct PreparedScheduler {
-    inner: LrScheduler,
+    inner: Arc<Mutex<LrScheduler>>,
     shared: Arc<TrainingState>,
 }
 
 impl PreparedScheduler {
     pub(crate) fn new(inner: LrScheduler, shared: Arc<TrainingState>) -> Self {
+        let inner = Arc::new(Mutex::new(inner));
+        lock(&shared.schedulers).push(inner.clone());
         Self { inner, shared }
     }
 
@@ -131,32 +149,32 @@ impl PreparedScheduler {
     pub fn step(&mut self) {
         let acc = lock(&self.shared.accumulation);
         if acc.optimizer_stepped && !acc.step_was_skipped {
-            self.inner.step();
+            lock(&self.inner).step();
         }
     }
 
     /// The learning rate set by the last step.
     pub fn last_lr(&self) -> f64 {
-        self.inner.last_lr()
+        lock(&self.inner).last_lr()
     }
 
     /// Optimizer steps counted so far.
     pub fn steps(&self) -> usize {
-        self.inner.steps()
+        lock(&self.inner).steps()
     }
 
     /// The scheduler's savable state.
     pub fn state(&self) -> SchedulerState {
-        self.inner.state()
+        lock(&self.inner).state()
     }
 
     /// Restores a state saved by [`state`](Self::state).
     pub fn load_state(&mut self, state: &SchedulerState) -> Result<()> {
-        self.inner.load_state(state)
+        lock(&self.inner).load_state(state)
     }
 
-    /// The wrapped scheduler.
-    pub fn inner(&self) -> &LrScheduler {
-        &self.inner
+    /// The wrapped scheduler (a copy: the accelerator shares the original to save its state).
+    pub fn inner(&self) -> LrScheduler {
+        lock(&self.inner).clone()
     }
 }

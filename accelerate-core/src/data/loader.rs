@@ -246,6 +246,11 @@ impl<D: Dataset> DataLoader<D> {
     /// Iterates the next epoch: an internal counter that starts at 0 and advances with every call,
     /// like `for batch in loader` in PyTorch.
     pub fn iter(&mut self) -> EpochIter<D> {
+        if let Some((epoch, skip)) = self.progress.take_resume() {
+            // Restored by `Accelerator::load_state`.
+            self.next_epoch = epoch;
+            self.resume_skip = skip;
+        }
         let epoch = self.next_epoch;
         let skip = std::mem::take(&mut self.resume_skip);
         self.next_epoch += 1;
@@ -254,6 +259,7 @@ impl<D: Dataset> DataLoader<D> {
 
     /// Sets the epoch of the next [`DataLoader::iter`] call.
     pub fn set_epoch(&mut self, epoch: u64) {
+        self.progress.take_resume();
         self.next_epoch = epoch;
         self.resume_skip = 0;
     }
@@ -261,13 +267,17 @@ impl<D: Dataset> DataLoader<D> {
     /// Makes the next [`DataLoader::iter`] (or [`DataLoader::windows`]) call iterate `epoch` from
     /// batch `skip` on, as saved by a checkpoint; the calls after it start their epochs at 0.
     pub fn resume_at(&mut self, epoch: u64, skip: usize) {
+        self.progress.take_resume();
         self.next_epoch = epoch;
         self.resume_skip = skip;
     }
 
-    /// Epoch of the next [`DataLoader::iter`] call.
+    /// Epoch of the next [`DataLoader::iter`] call (after `Accelerator::load_state`, the epoch the
+    /// checkpoint resumes in).
     pub fn next_epoch(&self) -> u64 {
-        self.next_epoch
+        self.progress
+            .pending_resume()
+            .map_or(self.next_epoch, |(epoch, _)| epoch)
     }
 
     /// Iterates the next epoch (as [`DataLoader::iter`]) in windows of up to `k` consecutive batches;

@@ -23,6 +23,9 @@ pub struct LoaderProgress {
     samples_per_epoch: AtomicUsize,
     batch_size: AtomicUsize,
     world_size: AtomicUsize,
+    /// A position restored from a checkpoint, `(epoch, batches to skip)`, that the loader's next
+    /// `iter()` starts from (set by `Accelerator::load_state`, which cannot reach the loader).
+    pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
 }
 
 /// Process-wide clock of loader hand-outs.
@@ -111,6 +114,47 @@ impl LoaderProgress {
         )
     }
 
+    /// Where an exact resume continues: `(epoch, batches of it already consumed)`. At the end of an
+    /// epoch that is the start of the next one; before any iteration, the start of epoch 0 (or a
+    /// position restored but not yet iterated).
+    pub fn resume_position(&self) -> (u64, usize) {
+        if let Some(pending) = self.pending_resume() {
+            return pending;
+        }
+        if self.generation() == 0 {
+            return (0, 0);
+        }
+        if self.at_end() {
+            (self.epoch() + 1, 0)
+        } else {
+            (self.epoch(), self.batches_yielded())
+        }
+    }
+
+    /// Makes the loader's next `iter()` iterate `epoch` from batch `skip` on.
+    pub(crate) fn request_resume(&self, epoch: u64, skip: usize) {
+        *self
+            .pending_resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((epoch, skip));
+    }
+
+    /// The restored position not yet taken by the loader, if any.
+    pub(crate) fn pending_resume(&self) -> Option<(u64, usize)> {
+        *self
+            .pending_resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the restored position (the loader is about to iterate from it).
+    pub(crate) fn take_resume(&self) -> Option<(u64, usize)> {
+        self.pending_resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
     pub(crate) fn set_sample_layout(&self, samples: usize, batch_size: usize, world_size: usize) {
         self.samples_per_epoch.store(samples, Ordering::Release);
         self.batch_size.store(batch_size, Ordering::Release);
@@ -135,5 +179,32 @@ mod tests {
         p.start_epoch(3, 0, 4);
         assert_eq!((p.epoch(), p.batches_yielded(), p.generation()), (3, 0, 2));
         assert!(!p.at_end());
+    }
+
+    #[test]
+    fn resume_position_is_the_next_unconsumed_batch() {
+        let p = LoaderProgress::new(4);
+        assert_eq!(p.resume_position(), (0, 0), "nothing iterated yet");
+        p.start_epoch(2, 0, 4);
+        p.record_yielded(3);
+        assert_eq!(
+            p.resume_position(),
+            (2, 3),
+            "mid-epoch: skip the 3 consumed"
+        );
+        p.record_yielded(4);
+        assert_eq!(
+            p.resume_position(),
+            (3, 0),
+            "epoch finished: the next one from its start"
+        );
+        p.request_resume(7, 1);
+        assert_eq!(
+            p.resume_position(),
+            (7, 1),
+            "a restored position wins until taken"
+        );
+        assert_eq!(p.take_resume(), Some((7, 1)));
+        assert_eq!(p.resume_position(), (3, 0));
     }
 }

@@ -1,0 +1,339 @@
+//! `load_state`: find the checkpoint, read and verify every file it needs, and only then change
+//! the training state; if applying still fails (an optimizer refuses its state), what was already
+//! applied is rolled back, so nothing is ever half-loaded.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+
+use super::files::{self, AccumulationFile, OptimizerScalars, RankFile, SchedulerFile};
+use super::manifest::{Manifest, MANIFEST_FILE};
+use super::naming::latest_checkpoint;
+use super::staging::Staging;
+use super::TrainingView;
+use crate::accumulate::AccumulationCounters;
+use crate::error::{Error, Result};
+use crate::optim::{OptimizerState, SchedulerState};
+use crate::prepared::lock;
+
+fn problem(path: &Path, problem: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+/// `dir` itself if it holds a manifest; otherwise the latest `checkpoint_<N>` under it.
+pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    if let Some(latest) = latest_checkpoint(dir)? {
+        return Ok(latest);
+    }
+    let replaced = Staging::replaced_path(dir)?;
+    if replaced.join(MANIFEST_FILE).exists() {
+        return Err(problem(
+            dir,
+            format!(
+                "a save replacing this checkpoint was interrupted; the previous checkpoint is \
+                 complete at {}: rename it to {}",
+                replaced.display(),
+                dir.display()
+            ),
+        ));
+    }
+    if dir.is_dir() {
+        Err(problem(
+            dir,
+            format!(
+                "neither a checkpoint (no {MANIFEST_FILE}) nor a directory of checkpoints (no \
+                 checkpoint_<N> inside); pass the directory save_state wrote"
+            ),
+        ))
+    } else {
+        Err(problem(
+            dir,
+            "no such directory; pass the directory save_state wrote",
+        ))
+    }
+}
+
+/// Everything read and verified, ready to apply.
+struct Loaded {
+    params: BTreeMap<String, Tensor>,
+    optimizers: Vec<OptimizerState>,
+    schedulers: Vec<SchedulerState>,
+    counters: AccumulationCounters,
+    rank: RankFile,
+    gradients: Option<BTreeMap<String, Tensor>>,
+}
+
+/// Loads the checkpoint at `dir` (or the latest under it); returns the directory loaded.
+pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf> {
+    let dir = resolve(dir)?;
+    let loaded = read_all(view, &dir)?;
+    apply(view, loaded)?;
+    Ok(dir)
+}
+
+fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
+    let manifest = Manifest::read(dir)?;
+    manifest.check_compatible(dir, view.world_size, view.params)?;
+    let n_opt = lock(&view.shared.optimizers).len();
+    let n_sched = lock(&view.shared.schedulers).len();
+    if manifest.optimizers != n_opt || manifest.schedulers != n_sched {
+        return Err(problem(
+            &dir.join(MANIFEST_FILE),
+            format!(
+                "it holds {} optimizer(s) and {} scheduler(s), but this run prepared {n_opt} and \
+                 {n_sched}; prepare the same objects before load_state",
+                manifest.optimizers, manifest.schedulers
+            ),
+        ));
+    }
+    // Every listed file is checked, including other ranks' parts: a corrupt checkpoint is refused
+    // by every rank alike.
+    for name in manifest.files.keys() {
+        manifest.read_verified(dir, name)?;
+    }
+
+    let path = dir.join(files::PARAMETERS_FILE);
+    let params =
+        files::parse_safetensors(&path, &manifest.read_verified(dir, files::PARAMETERS_FILE)?)?;
+    for (name, var) in view.params {
+        match params.get(name) {
+            Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
+            Some(t) => {
+                return Err(problem(
+                    &path,
+                    format!(
+                        "tensor {name:?} is {:?} {:?} but the manifest and the model say {:?} {:?}",
+                        t.dims(),
+                        t.dtype(),
+                        var.dims(),
+                        var.dtype()
+                    ),
+                ))
+            }
+            None => return Err(problem(&path, format!("tensor {name:?} is missing"))),
+        }
+    }
+    if params.len() != view.params.len() {
+        return Err(problem(
+            &path,
+            format!(
+                "holds {} tensors for {} parameters",
+                params.len(),
+                view.params.len()
+            ),
+        ));
+    }
+
+    let mut optimizers = Vec::with_capacity(n_opt);
+    for i in 0..n_opt {
+        let tpath = dir.join(files::optimizer_tensors_file(i));
+        let tensors = files::parse_safetensors(
+            &tpath,
+            &manifest.read_verified(dir, &files::optimizer_tensors_file(i))?,
+        )?;
+        let jpath = dir.join(files::optimizer_json_file(i));
+        let s: OptimizerScalars = files::parse_json(
+            &jpath,
+            &manifest.read_verified(dir, &files::optimizer_json_file(i))?,
+        )?;
+        let mut state = OptimizerState::new(s.kind);
+        state.tensors = tensors;
+        for (k, v) in s.scalars {
+            let v = v
+                .get()
+                .map_err(|e| problem(&jpath, format!("scalar {k:?}: {e}")))?;
+            state.scalars.insert(k, v);
+        }
+        optimizers.push(state);
+    }
+
+    let mut schedulers = Vec::with_capacity(n_sched);
+    for i in 0..n_sched {
+        let spath = dir.join(files::scheduler_file(i));
+        let s: SchedulerFile = files::parse_json(
+            &spath,
+            &manifest.read_verified(dir, &files::scheduler_file(i))?,
+        )?;
+        let base_lr = s
+            .base_lr
+            .get()
+            .map_err(|e| problem(&spath, format!("base_lr: {e}")))?;
+        schedulers.push(SchedulerState {
+            steps: s.steps,
+            base_lr,
+        });
+    }
+
+    let apath = dir.join(files::ACCUMULATION_FILE);
+    let a: AccumulationFile = files::parse_json(
+        &apath,
+        &manifest.read_verified(dir, files::ACCUMULATION_FILE)?,
+    )?;
+    let item_scale = match a.item_scale {
+        Some(v) => Some(
+            v.get()
+                .map_err(|e| problem(&apath, format!("item_scale: {e}")))?,
+        ),
+        None => None,
+    };
+    let counters = AccumulationCounters {
+        steps: a.gradient_accumulation_steps,
+        taken: a.micro_steps_taken_in_window,
+        window_len: a.window_len,
+        item_scale,
+        optimizer_steps: a.optimizer_steps,
+    };
+    lock(&view.shared.accumulation)
+        .check_restorable(&counters)
+        .map_err(|e| problem(&apath, e))?;
+
+    let rpath = dir.join(files::rank_file(view.rank));
+    let rank: RankFile = files::parse_json(
+        &rpath,
+        &manifest.read_verified(dir, &files::rank_file(view.rank))?,
+    )?;
+    let loaders = lock(&view.shared.loaders).clone();
+    if rank.rank != view.rank || rank.loaders.len() != loaders.len() {
+        return Err(problem(
+            &rpath,
+            format!(
+                "holds rank {}'s {} loader position(s), but this is rank {} with {} prepared \
+                 loader(s); prepare the same data loaders before load_state",
+                rank.rank,
+                rank.loaders.len(),
+                view.rank,
+                loaders.len()
+            ),
+        ));
+    }
+    for (i, (saved, progress)) in rank.loaders.iter().zip(&loaders).enumerate() {
+        let now = progress.batches_per_epoch();
+        if saved.batches_per_epoch != now || saved.batches_consumed > now {
+            return Err(problem(
+                &rpath,
+                format!(
+                    "loader {i} had {} batches per epoch on this rank (position: epoch {}, batch \
+                     {}), this run's has {now}; resume with the same dataset, batch size and \
+                     number of processes",
+                    saved.batches_per_epoch, saved.epoch, saved.batches_consumed
+                ),
+            ));
+        }
+    }
+    let gradients = if counters.taken > 0 {
+        if !rank.has_gradients {
+            return Err(problem(
+                &rpath,
+                "saved inside an accumulation window but without that window's gradients",
+            ));
+        }
+        let name = files::rank_gradients_file(view.rank);
+        let gpath = dir.join(&name);
+        let g = files::parse_safetensors(&gpath, &manifest.read_verified(dir, &name)?)?;
+        for (name, t) in &g {
+            match view.params.iter().find(|(n, _)| n == name) {
+                Some((_, v)) if v.dims() == t.dims() => {}
+                _ => {
+                    return Err(problem(
+                        &gpath,
+                        format!(
+                            "gradient {name:?} {:?} fits no parameter of the model",
+                            t.dims()
+                        ),
+                    ))
+                }
+            }
+        }
+        Some(g)
+    } else {
+        None
+    };
+    Ok(Loaded {
+        params,
+        optimizers,
+        schedulers,
+        counters,
+        rank,
+        gradients,
+    })
+}
+
+/// Applies a verified checkpoint; if an optimizer or scheduler still refuses its state, restores
+/// what was already changed and returns that error.
+fn apply(view: &TrainingView<'_>, loaded: Loaded) -> Result<()> {
+    let optimizers = lock(&view.shared.optimizers).clone();
+    let schedulers = lock(&view.shared.schedulers).clone();
+    let old_params: Vec<Tensor> = view
+        .params
+        .iter()
+        .map(|(_, v)| v.as_tensor().force_contiguous())
+        .collect::<candle_core::Result<_>>()?;
+    let old_opt: Vec<OptimizerState> = optimizers
+        .iter()
+        .map(|o| lock(o).state())
+        .collect::<Result<_>>()?;
+    let old_sched: Vec<SchedulerState> = schedulers.iter().map(|s| lock(s).state()).collect();
+
+    let result = (|| -> Result<()> {
+        for (name, var) in view.params {
+            let t = loaded.params[name].to_device(var.device())?;
+            var.set(&t)?;
+        }
+        for (o, state) in optimizers.iter().zip(&loaded.optimizers) {
+            lock(o).load_state(state)?;
+        }
+        for (s, state) in schedulers.iter().zip(&loaded.schedulers) {
+            lock(s).load_state(state)?;
+        }
+        if let Some(g) = &loaded.gradients {
+            let mut grads = lock(&view.shared.grads);
+            if let Some(buffers) = grads.as_mut() {
+                buffers.zero();
+                for (name, t) in g {
+                    let var = &view
+                        .params
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .expect("checked")
+                        .1;
+                    buffers.accumulate_one(name, &t.to_device(var.device())?, 1.0)?;
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        for ((_, var), old) in view.params.iter().zip(&old_params) {
+            let _ = var.set(old);
+        }
+        for (o, state) in optimizers.iter().zip(&old_opt) {
+            let _ = lock(o).load_state(state);
+        }
+        for (s, state) in schedulers.iter().zip(&old_sched) {
+            let _ = lock(s).load_state(state);
+        }
+        return Err(e);
+    }
+    if loaded.gradients.is_none() {
+        if let Some(buffers) = lock(&view.shared.grads).as_mut() {
+            buffers.zero();
+        }
+    }
+    lock(&view.shared.accumulation).restore(&loaded.counters);
+    for (saved, progress) in loaded
+        .rank
+        .loaders
+        .iter()
+        .zip(lock(&view.shared.loaders).iter())
+    {
+        progress.request_resume(saved.epoch, saved.batches_consumed);
+    }
+    Ok(())
+}

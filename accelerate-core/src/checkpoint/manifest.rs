@@ -1,0 +1,223 @@
+//! The manifest of a checkpoint: what it holds and how to tell that it is whole.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::Var;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Name of the manifest file in a checkpoint directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Version of the checkpoint layout this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What the `format` field of every manifest says.
+pub const FORMAT_NAME: &str = "accelerate-rs checkpoint";
+
+/// One parameter of the saved model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParameterEntry {
+    /// Its name (PyTorch style, `l1.weight`).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype, as candle spells it (`f32`).
+    pub dtype: String,
+}
+
+/// One file of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE) of its content.
+    pub crc32: u32,
+}
+
+/// The manifest: written last, so a checkpoint with a manifest is complete.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// Layout version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Number of processes that saved it (each wrote its own `rank_<r>.json`).
+    pub world_size: usize,
+    /// Optimizer steps taken when it was saved.
+    pub optimizer_steps: u64,
+    /// Prepared optimizers and schedulers saved (`optimizer_<i>`, `scheduler_<i>`).
+    pub optimizers: usize,
+    /// Prepared schedulers saved.
+    pub schedulers: usize,
+    /// The model's parameters, sorted by name.
+    pub parameters: Vec<ParameterEntry>,
+    /// What the random state is (there is no generator to save; see the module documentation).
+    pub random_state: String,
+    /// Every other file of the checkpoint, by name.
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+/// CRC-32 and size of `bytes`.
+pub fn file_entry(bytes: &[u8]) -> FileEntry {
+    FileEntry {
+        bytes: bytes.len() as u64,
+        crc32: crc32fast::hash(bytes),
+    }
+}
+
+/// The manifest entries of `params`.
+pub fn parameter_entries(params: &[(String, Var)]) -> Vec<ParameterEntry> {
+    params
+        .iter()
+        .map(|(n, v)| ParameterEntry {
+            name: n.clone(),
+            shape: v.dims().to_vec(),
+            dtype: v.dtype().as_str().to_string(),
+        })
+        .collect()
+}
+
+fn corrupt(path: &Path, problem: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+impl Manifest {
+    /// Reads and parses `<dir>/manifest.json`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST_FILE);
+        let bytes = std::fs::read(&path).map_err(|e| {
+            corrupt(
+                &path,
+                format!(
+                    "cannot read the manifest ({e}); a checkpoint without one is incomplete (an \
+                     interrupted save) or not a checkpoint: load another checkpoint"
+                ),
+            )
+        })?;
+        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+            corrupt(
+                &path,
+                format!("the manifest is not valid ({e}); the checkpoint is corrupt"),
+            )
+        })?;
+        if manifest.format != FORMAT_NAME {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "format is {:?}, not {FORMAT_NAME:?}: not an accelerate-rs checkpoint",
+                    manifest.format
+                ),
+            ));
+        }
+        if manifest.format_version != FORMAT_VERSION {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "format version {} cannot be read by this build, which reads version \
+                     {FORMAT_VERSION}; load it with the version of accelerate-rs that wrote it",
+                    manifest.format_version
+                ),
+            ));
+        }
+        Ok(manifest)
+    }
+
+    /// Checks that the checkpoint fits this run: same world size, same parameter names, shapes
+    /// and dtypes.
+    pub fn check_compatible(
+        &self,
+        dir: &Path,
+        world_size: usize,
+        params: &[(String, Var)],
+    ) -> Result<()> {
+        let path = dir.join(MANIFEST_FILE);
+        if self.world_size != world_size {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "saved by {} processes but this run has {world_size}; the data loader \
+                     positions are per rank, so resume with --num-processes {}",
+                    self.world_size, self.world_size
+                ),
+            ));
+        }
+        let ours = parameter_entries(params);
+        if ours != self.parameters {
+            let mut problems = Vec::new();
+            for p in &self.parameters {
+                match ours.iter().find(|o| o.name == p.name) {
+                    None => problems.push(format!("{:?} is not a parameter of this model", p.name)),
+                    Some(o) if o != p => problems.push(format!(
+                        "{:?} was saved as {:?} {} but the model has {:?} {}",
+                        p.name, p.shape, p.dtype, o.shape, o.dtype
+                    )),
+                    Some(_) => {}
+                }
+            }
+            for o in &ours {
+                if !self.parameters.iter().any(|p| p.name == o.name) {
+                    problems.push(format!(
+                        "{:?} of the model is not in the checkpoint",
+                        o.name
+                    ));
+                }
+            }
+            return Err(corrupt(
+                &path,
+                format!(
+                    "it was saved from a different model: {}; resume with the model \
+                     configuration that saved it",
+                    problems.join("; ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads `name` from `dir` and checks it against its manifest entry: listed, present, of the
+    /// recorded size and CRC-32. Returns its bytes, which the caller parses (no second read).
+    pub fn read_verified(&self, dir: &Path, name: &str) -> Result<Vec<u8>> {
+        let path = dir.join(name);
+        let entry = self.files.get(name).ok_or_else(|| {
+            corrupt(
+                &path,
+                "the manifest does not list this file, which this checkpoint needs; the \
+                 checkpoint is incomplete or was written by something else",
+            )
+        })?;
+        let bytes = std::fs::read(&path).map_err(|e| {
+            corrupt(
+                &path,
+                format!("missing or unreadable ({e}); the checkpoint is incomplete"),
+            )
+        })?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "is {} bytes but the manifest records {}; the file was truncated or replaced",
+                    bytes.len(),
+                    entry.bytes
+                ),
+            ));
+        }
+        let crc = crc32fast::hash(&bytes);
+        if crc != entry.crc32 {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "checksum mismatch (CRC-32 {crc:08x}, the manifest records {:08x}); the file \
+                     is corrupt",
+                    entry.crc32
+                ),
+            ));
+        }
+        Ok(bytes)
+    }
+}

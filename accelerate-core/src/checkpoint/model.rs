@@ -1,0 +1,176 @@
+//! The model alone, as Hugging Face writes it: `model.safetensors`, or above a size limit shards
+//! `model-00001-of-0000N.safetensors` with `model.safetensors.index.json`
+//! (`{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}`). Names and layouts are
+//! PyTorch's (candle's `Linear` weight is `[out, in]` like `nn.Linear`'s), so
+//! `safetensors.torch.load_file` / `transformers` read it unchanged.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::files::save_safetensors;
+
+/// The unsharded model file.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The index of a sharded model.
+pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
+/// Shard size limit of [`save_model`]'s callers by default: Hugging Face's `max_shard_size="5GB"`.
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+fn is_model_file(name: &str) -> bool {
+    name == MODEL_FILE
+        || name == MODEL_INDEX_FILE
+        || (name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors"))
+}
+
+/// Writes `params` (sorted by name) into `dir`: one file when their data fits `max_shard_bytes`,
+/// shards of at most that size (a larger tensor gets a shard of its own) plus the index otherwise.
+/// Model files of an earlier save in `dir` that this one does not rewrite are removed, so a reader
+/// never mixes two saves. Returns the files written.
+pub fn save_model(
+    params: &[(String, Var)],
+    dir: impl AsRef<Path>,
+    max_shard_bytes: u64,
+) -> Result<Vec<PathBuf>> {
+    let dir = dir.as_ref();
+    if max_shard_bytes == 0 {
+        return Err(Error::Config(
+            "the shard size limit of save_model is 0 bytes; give a positive limit (Hugging Face \
+             uses 5 GB)"
+                .into(),
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let tensors: Vec<(String, Tensor)> = params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    let total: u64 = tensors.iter().map(|(_, t)| tensor_bytes(t)).sum();
+
+    let mut shards: Vec<Vec<(String, Tensor)>> = Vec::new();
+    let mut size = 0u64;
+    for (n, t) in tensors {
+        let b = tensor_bytes(&t);
+        match shards.last_mut() {
+            Some(last) if size + b <= max_shard_bytes => {
+                last.push((n, t));
+                size += b;
+            }
+            _ => {
+                shards.push(vec![(n, t)]);
+                size = b;
+            }
+        }
+    }
+
+    let mut written = Vec::new();
+    if shards.len() <= 1 {
+        let path = dir.join(MODEL_FILE);
+        save_safetensors(&path, shards.first().map_or(&[][..], |s| &s[..]))?;
+        written.push(path);
+    } else {
+        let count = shards.len();
+        let mut weight_map = BTreeMap::new();
+        for (i, shard) in shards.iter().enumerate() {
+            let name = format!("model-{:05}-of-{count:05}.safetensors", i + 1);
+            for (n, _) in shard {
+                weight_map.insert(n.clone(), name.clone());
+            }
+            let path = dir.join(&name);
+            save_safetensors(&path, shard)?;
+            written.push(path);
+        }
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let path = dir.join(MODEL_INDEX_FILE);
+        let bytes = serde_json::to_vec_pretty(&index)
+            .map_err(|e| Error::Config(format!("cannot encode the model index: {e}")))?;
+        // The index last: a reader that finds it finds every shard it names.
+        crate::files::write_atomic(&path, &bytes)?;
+        written.push(path);
+    }
+
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if is_model_file(&name) && !written.contains(&entry.path()) {
+            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+        }
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn var(values: &[f32], shape: &[usize]) -> Var {
+        Var::from_tensor(&Tensor::from_slice(values, shape, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn small_models_are_one_file_large_ones_shards_with_an_index() {
+        let dir = tempfile::tempdir().unwrap();
+        // 24 + 8 + 12 bytes.
+        let params = vec![
+            (
+                "a.weight".to_string(),
+                var(&[1., 2., 3., 4., 5., 6.], &[2, 3]),
+            ),
+            ("a.bias".to_string(), var(&[7., 8.], &[2])),
+            ("b.weight".to_string(), var(&[9., 10., 11.], &[1, 3])),
+        ];
+        let mut sorted = params.clone();
+        sorted.sort_by(|x, y| x.0.cmp(&y.0));
+
+        save_model(&sorted, dir.path(), 1000).unwrap();
+        let one =
+            candle_core::safetensors::load(dir.path().join(MODEL_FILE), &Device::Cpu).unwrap();
+        assert_eq!(one.len(), 3);
+        assert_eq!(one["a.weight"].dims(), [2, 3]);
+        assert_eq!(one["a.weight"].dtype(), DType::F32);
+
+        // 32 bytes per shard: [a.bias 8 + a.weight 24], [b.weight 12].
+        let files = save_model(&sorted, dir.path(), 32).unwrap();
+        assert!(
+            !dir.path().join(MODEL_FILE).exists(),
+            "the unsharded file of the first save is gone"
+        );
+        assert_eq!(files.len(), 3);
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join(MODEL_INDEX_FILE)).unwrap())
+                .unwrap();
+        assert_eq!(index["metadata"]["total_size"], 44);
+        assert_eq!(
+            index["weight_map"]["a.bias"],
+            "model-00001-of-00002.safetensors"
+        );
+        assert_eq!(
+            index["weight_map"]["a.weight"],
+            "model-00001-of-00002.safetensors"
+        );
+        assert_eq!(
+            index["weight_map"]["b.weight"],
+            "model-00002-of-00002.safetensors"
+        );
+        let second = candle_core::safetensors::load(
+            dir.path().join("model-00002-of-00002.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(
+            second["b.weight"].to_vec2::<f32>().unwrap(),
+            vec![vec![9., 10., 11.]]
+        );
+        assert!(save_model(&sorted, dir.path(), 0).is_err());
+    }
+}

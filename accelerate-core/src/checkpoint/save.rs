@@ -1,0 +1,183 @@
+//! `save_state`: every rank writes its part into the staging directory, the main process writes
+//! the shared files and the manifest and renames the directory into place; barriers keep the ranks
+//! in step, so when `save_state` returns on any rank the checkpoint is complete on disk.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use super::exact::ExactF64;
+use super::files::{self, AccumulationFile, LoaderPosition, OptimizerScalars, RankFile};
+use super::manifest::{self, Manifest, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+use super::staging::Staging;
+use super::TrainingView;
+use crate::error::{Error, Result};
+use crate::prepared::lock;
+
+/// What the manifest says about randomness.
+const RANDOM_STATE: &str = "no generator state: each loader's shuffle order is a pure function of \
+    its seed (from the run's configuration) and the epoch; rank_<r>.json holds every loader's \
+    epoch and position";
+
+/// Saves the training state into `dir` (replacing a previous checkpoint there atomically).
+pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
+    let staging = Staging::for_target(dir)?;
+    let main = view.rank == 0;
+    if main {
+        staging.create()?;
+    }
+    view.comm.barrier()?;
+    let written = write_rank_part(view, &staging).and_then(|()| {
+        if main {
+            write_shared_files(view, &staging)
+        } else {
+            Ok(())
+        }
+    });
+    if let Err(e) = written {
+        if main {
+            staging.abort();
+        }
+        return Err(e);
+    }
+    view.comm.barrier()?;
+    if main {
+        if let Err(e) = write_manifest(view, &staging).and_then(|()| staging.commit()) {
+            staging.abort();
+            return Err(e);
+        }
+    }
+    view.comm.barrier()
+}
+
+/// This rank's loader positions and, inside a window, its partial gradient sums.
+fn write_rank_part(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
+    let loaders = lock(&view.shared.loaders)
+        .iter()
+        .map(|p| {
+            let (epoch, batches_consumed) = p.resume_position();
+            LoaderPosition {
+                epoch,
+                batches_consumed,
+                batches_per_epoch: p.batches_per_epoch(),
+            }
+        })
+        .collect();
+    let mid_window = lock(&view.shared.accumulation).counters().taken > 0;
+    let mut has_gradients = false;
+    if mid_window {
+        if let Some(grads) = lock(&view.shared.grads).as_ref() {
+            let tensors: Vec<(String, Tensor)> = grads
+                .names()
+                .filter_map(|n| grads.get(n).map(|t| (n.to_string(), t.clone())))
+                .collect();
+            let name = files::rank_gradients_file(view.rank);
+            let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+            staging.write(&name, &bytes)?;
+            has_gradients = true;
+        }
+    }
+    let part = RankFile {
+        rank: view.rank,
+        loaders,
+        has_gradients,
+    };
+    staging.write(&files::rank_file(view.rank), &files::json_bytes(&part)?)
+}
+
+/// Parameters, optimizers, schedulers and accumulation counters (main process only).
+fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
+    let params: Vec<(String, Tensor)> = view
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    let path = staging.dir().join(files::PARAMETERS_FILE);
+    staging.write(
+        files::PARAMETERS_FILE,
+        &files::safetensors_bytes(&path, &params)?,
+    )?;
+
+    let optimizers = lock(&view.shared.optimizers).clone();
+    for (i, opt) in optimizers.iter().enumerate() {
+        let state = lock(opt).state()?;
+        let tensors: Vec<(String, Tensor)> = state
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.clone()))
+            .collect();
+        let name = files::optimizer_tensors_file(i);
+        let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+        staging.write(&name, &bytes)?;
+        let scalars = OptimizerScalars {
+            kind: state.kind.clone(),
+            scalars: state
+                .scalars
+                .iter()
+                .map(|(k, v)| (k.clone(), ExactF64::new(*v)))
+                .collect(),
+        };
+        staging.write(
+            &files::optimizer_json_file(i),
+            &files::json_bytes(&scalars)?,
+        )?;
+    }
+
+    let schedulers = lock(&view.shared.schedulers).clone();
+    for (i, sched) in schedulers.iter().enumerate() {
+        let state = lock(sched).state();
+        let file = files::SchedulerFile {
+            steps: state.steps,
+            base_lr: ExactF64::new(state.base_lr),
+        };
+        staging.write(&files::scheduler_file(i), &files::json_bytes(&file)?)?;
+    }
+
+    let c = lock(&view.shared.accumulation).counters();
+    let acc = AccumulationFile {
+        gradient_accumulation_steps: c.steps,
+        micro_steps_taken_in_window: c.taken,
+        window_len: c.window_len,
+        item_scale: c.item_scale.map(ExactF64::new),
+        optimizer_steps: c.optimizer_steps,
+    };
+    staging.write(files::ACCUMULATION_FILE, &files::json_bytes(&acc)?)
+}
+
+/// Lists every file of the staging directory with its size and checksum, checks that every rank
+/// wrote its part, and writes the manifest last.
+fn write_manifest(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
+    let mut entries = BTreeMap::new();
+    let dir = staging.dir();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let bytes = std::fs::read(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+        entries.insert(name, manifest::file_entry(&bytes));
+    }
+    for r in 0..view.world_size {
+        let name = files::rank_file(r);
+        if !entries.contains_key(&name) {
+            return Err(Error::Checkpoint {
+                path: dir.join(&name),
+                problem: format!(
+                    "rank {r} did not write its part; checkpoints of several processes need a \
+                     directory every process can write to (a shared filesystem)"
+                ),
+            });
+        }
+    }
+    let m = Manifest {
+        format: FORMAT_NAME.into(),
+        format_version: FORMAT_VERSION,
+        world_size: view.world_size,
+        optimizer_steps: lock(&view.shared.accumulation).optimizer_steps,
+        optimizers: lock(&view.shared.optimizers).len(),
+        schedulers: lock(&view.shared.schedulers).len(),
+        parameters: manifest::parameter_entries(view.params),
+        random_state: RANDOM_STATE.into(),
+        files: entries,
+    };
+    staging.write(MANIFEST_FILE, &files::json_bytes(&m)?)
+}

@@ -1,0 +1,227 @@
+//! Exact resume with the real `mlp` example: a run stopped after optimizer step s (with a
+//! checkpoint there) and resumed with `--resume` ends with bitwise the same parameters as the same
+//! run uninterrupted, on 1 and 2 ranks with K = 2, stopped inside an epoch and at its end. And
+//! `save_model` output read back by Python's `safetensors` package.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use accelerate_tests::{built_binary, load_flat, run_bounded, tiny_mlp};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs the mlp on `n` processes (directly when 1, through the launcher otherwise) with K = 2,
+/// batch 4, 5 batches per rank per epoch (windows of 2, 2, 1: 3 optimizer steps per epoch), two
+/// epochs, AdamW, shuffled; `extra` flags appended.
+fn mlp(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    let samples = (5 * n * 4).to_string();
+    let mut args: Vec<String> = [
+        "--hidden",
+        "16",
+        "--samples",
+        &samples,
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--seed",
+        "3",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--save-model",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut cmd = if n == 1 {
+        let mut c = Command::new(built_binary("examples/mlp"));
+        c.args(&args);
+        c
+    } else {
+        let mut c = Command::new(built_binary("accelerate-launch"));
+        c.args([
+            "--cpu",
+            "--num-processes",
+            &n.to_string(),
+            "--main-process-port",
+            "0",
+        ])
+        .arg(built_binary("examples/mlp"))
+        .args(&args);
+        c
+    };
+    cmd.env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
+    let o = run_bounded(&mut cmd, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    o
+}
+
+fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
+    load_flat(path)
+        .into_iter()
+        .map(|(n, v)| (n, v.into_iter().map(f32::to_bits).collect()))
+        .collect()
+}
+
+fn stop_and_resume(n: usize, stop_at: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole.safetensors");
+    mlp(n, &whole, &dir.path().join("unused"), &[]);
+
+    let ckpt = dir.path().join("ckpt");
+    let stopped = dir.path().join("stopped.safetensors");
+    let s = stop_at.to_string();
+    mlp(
+        n,
+        &stopped,
+        &ckpt,
+        &["--max-steps", &s, "--checkpoint-every", &s],
+    );
+    assert!(ckpt.join(format!("checkpoint_{stop_at}")).is_dir());
+
+    let resumed = dir.path().join("resumed.safetensors");
+    let o = mlp(n, &resumed, &ckpt, &["--resume"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(&format!("at optimizer step {stop_at}")) && out.contains("steps=6"),
+        "{}",
+        text(&o)
+    );
+    // The stop happened before the end: the comparison below could have failed.
+    assert_ne!(bits(&stopped), bits(&whole));
+    assert_eq!(
+        bits(&resumed),
+        bits(&whole),
+        "{n} rank(s), stopped after step {stop_at}: resumed parameters differ"
+    );
+}
+
+#[test]
+fn one_rank_stopped_mid_epoch_resumes_bitwise() {
+    // Step 2 ends after 4 of epoch 0's 5 batches.
+    stop_and_resume(1, 2);
+}
+
+#[test]
+fn one_rank_stopped_at_an_epoch_boundary_resumes_bitwise() {
+    stop_and_resume(1, 3);
+}
+
+#[test]
+fn two_ranks_stopped_mid_epoch_resume_bitwise() {
+    stop_and_resume(2, 2);
+}
+
+#[test]
+fn two_ranks_stopped_at_an_epoch_boundary_resume_bitwise() {
+    stop_and_resume(2, 3);
+}
+
+#[test]
+fn keep_limit_and_resume_without_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let o = mlp(
+        1,
+        &dir.path().join("a.safetensors"),
+        &ckpt,
+        &[
+            "--resume",
+            "--checkpoint-every",
+            "1",
+            "--checkpoints-keep",
+            "2",
+        ],
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("no checkpoint in"),
+        "{}",
+        text(&o)
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["checkpoint_5", "checkpoint_6"]);
+}
+
+/// `save_model` output, sharded and not, read by Python's `safetensors.numpy` and compared with
+/// the parameters as this test wrote them to JSON. Skipped (saying so) without python3 and the
+/// packages; CI installs them.
+#[test]
+fn python_safetensors_reads_save_model_output() {
+    let python_ok = Command::new("python3")
+        .args(["-c", "import safetensors.numpy, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        eprintln!("SKIPPED: python3 with safetensors and numpy is not installed (pip install safetensors numpy)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut acc = accelerate_core::Accelerator::builder()
+        .process_state(accelerate_core::ProcessState::single())
+        .build()
+        .unwrap();
+    let (varmap, _) = tiny_mlp(4).unwrap();
+    let params = acc.prepare(&varmap).unwrap();
+    let expected: serde_json::Map<String, serde_json::Value> = params
+        .iter()
+        .map(|(n, v)| {
+            let values = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (
+                n.clone(),
+                serde_json::json!({"shape": v.dims(), "dtype": "float32", "values": values}),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.path().join("expected.json"),
+        serde_json::to_vec(&expected).unwrap(),
+    )
+    .unwrap();
+    let single = dir.path().join("single");
+    acc.save_model(&single).unwrap();
+    let sharded = dir.path().join("sharded");
+    // l1.weight is 8x6 f32 = 192 bytes: a 200-byte limit gives several shards.
+    acc.save_model_sharded(&sharded, 200).unwrap();
+    assert!(sharded.join("model.safetensors.index.json").exists());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_save_model.py");
+    for d in [&single, &sharded] {
+        let o = run_bounded(
+            Command::new("python3")
+                .arg(&script)
+                .arg(d)
+                .arg(dir.path().join("expected.json")),
+            Duration::from_secs(60),
+        );
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("ok"),
+            "{}",
+            text(&o)
+        );
+    }
+}
