@@ -225,3 +225,144 @@ fn python_safetensors_reads_save_model_output() {
         );
     }
 }
+
+/// Pid of the launcher's child whose environment says `RANK=<rank>`.
+fn worker_pid(launcher_pid: u32, rank: usize) -> Option<u32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+        let ppid: u32 = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid != launcher_pid {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("RANK={rank}");
+        if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |out: &Path, ckpt: &Path| -> Vec<String> {
+        [
+            "--hidden",
+            "128",
+            "--samples",
+            "4096",
+            "--batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.003",
+            "--seed",
+            "5",
+            "--epochs",
+            "2",
+            "--checkpoint-every",
+            "16",
+            "--resume",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+            "--save-model",
+            out.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let launch = || {
+        let mut c = Command::new(built_binary("accelerate-launch"));
+        c.args([
+            "--cpu",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            "0",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--grace-period", "2"])
+        .arg(built_binary("examples/mlp"));
+        c
+    };
+    let whole = dir.path().join("whole.safetensors");
+    let o = run_bounded(
+        launch().args(args(&whole, &dir.path().join("ckpt_whole"))),
+        LIMIT,
+    );
+    assert!(o.status.success(), "{}", text(&o));
+
+    let ckpt = dir.path().join("ckpt");
+    let killed = dir.path().join("killed.safetensors");
+    let mut child = launch()
+        .args(args(&killed, &ckpt))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out_pipe = child.stdout.take().unwrap();
+    let err_pipe = child.stderr.take().unwrap();
+    let read = |mut p: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = p.read_to_string(&mut s);
+            s
+        })
+    };
+    let (out_reader, err_reader) = (read(Box::new(out_pipe)), read(Box::new(err_pipe)));
+    // Kill rank 1 once the first checkpoint exists (well before the run's 256 optimizer steps).
+    let start = std::time::Instant::now();
+    let victim = loop {
+        if ckpt.join("checkpoint_16").is_dir() {
+            if let Some(pid) = worker_pid(child.id(), 1) {
+                break pid;
+            }
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the job ended before the kill"
+        );
+        assert!(start.elapsed() < LIMIT, "no checkpoint appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < LIMIT, "the restarted job did not finish");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (out, err) = (out_reader.join().unwrap(), err_reader.join().unwrap());
+    assert!(status.success(), "{out}\n{err}");
+    assert!(
+        err.contains("killed by signal 9") && err.contains("restart 1 of 1"),
+        "{err}"
+    );
+    assert!(out.contains("steps=256"), "{out}");
+    assert_eq!(
+        bits(&killed),
+        bits(&whole),
+        "the restarted run ended elsewhere"
+    );
+}
