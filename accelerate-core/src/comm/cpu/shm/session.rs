@@ -565,40 +565,81 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
     op: ReduceOp,
 ) {
     let ranks = others.len();
+    match op {
+        ReduceOp::Sum => reduce_with(own_rank, own, others, copy_to, T::sum_of, |v| v),
+        ReduceOp::Mean => reduce_with(own_rank, own, others, copy_to, T::sum_of, |v| {
+            T::divided(v, ranks)
+        }),
+        ReduceOp::Max => reduce_with(own_rank, own, others, copy_to, T::max_of, |v| v),
+    }
+}
+
+/// [`reduce_in_rank_order`] with the operation as `combine` and the final step (division for
+/// `Mean`) as `finish`. Blocks of [`REDUCE_BLOCK`] elements: the partial result of ranks
+/// `0..last` stays in L1, and the last rank's values are combined in the same pass that writes
+/// both destinations, so the pieces are read once and the outputs written once.
+#[inline(always)]
+fn reduce_with<T: Element>(
+    own_rank: usize,
+    own: &mut [T],
+    others: &[&[T]],
+    copy_to: &mut [T],
+    combine: impl Fn(T, T) -> T + Copy,
+    finish: impl Fn(T) -> T + Copy,
+) {
+    let ranks = others.len();
+    let last = ranks - 1;
     let len = own.len();
-    let mut block = [T::default(); REDUCE_BLOCK];
+    let mut partial = [T::default(); REDUCE_BLOCK];
     let mut start = 0;
     while start < len {
         let end = (start + REDUCE_BLOCK).min(len);
-        let acc = &mut block[..end - start];
-        for (q, other) in others.iter().enumerate() {
-            let source = if q == own_rank {
-                &own[start..end]
-            } else {
-                &other[start..end]
-            };
-            if q == 0 {
-                acc.copy_from_slice(source);
-                continue;
+        let piece = |q: usize| &others[q][start..end];
+        let own_block = &mut own[start..end];
+        let out = &mut copy_to[start..end];
+        if ranks == 2 && own_rank == 0 {
+            // Two ranks, this one first: combine in place with rank 1.
+            let values = own_block.iter_mut().zip(piece(1)).zip(out.iter_mut());
+            for ((o, &b), c) in values {
+                let v = finish(combine(*o, b));
+                *o = v;
+                *c = v;
             }
-            match op {
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    for (a, &b) in acc.iter_mut().zip(source) {
-                        *a = T::sum_of(*a, b);
-                    }
+            start = end;
+            continue;
+        }
+        // The combination of ranks 0..last, in order.
+        let first: &[T] = if ranks == 2 {
+            piece(0)
+        } else {
+            let acc = &mut partial[..end - start];
+            acc.copy_from_slice(if own_rank == 0 { own_block } else { piece(0) });
+            for q in 1..last {
+                let source = if q == own_rank { &*own_block } else { piece(q) };
+                for (a, &b) in acc.iter_mut().zip(source) {
+                    *a = combine(*a, b);
                 }
-                ReduceOp::Max => {
-                    for (a, &b) in acc.iter_mut().zip(source) {
-                        *a = T::max_of(*a, b);
-                    }
-                }
+            }
+            acc
+        };
+        if own_rank == last {
+            for ((o, &a), c) in own_block.iter_mut().zip(first).zip(out.iter_mut()) {
+                let v = finish(combine(a, *o));
+                *o = v;
+                *c = v;
+            }
+        } else {
+            let lasts = piece(last);
+            let values = own_block
+                .iter_mut()
+                .zip(first)
+                .zip(out.iter_mut().zip(lasts));
+            for ((o, &a), (c, &b)) in values {
+                let v = finish(combine(a, b));
+                *o = v;
+                *c = v;
             }
         }
-        if op == ReduceOp::Mean {
-            element::divide(acc, ranks);
-        }
-        own[start..end].copy_from_slice(acc);
-        copy_to[start..end].copy_from_slice(acc);
         start = end;
     }
 }
@@ -677,6 +718,55 @@ mod tests {
         // (1 + 4 + 2) / 3 = 2 (truncated), (-1 - 9 - 2) / 3 = -4, 15 / 3 = 5.
         assert_eq!(own, [2, -4, 5]);
         assert_eq!(staged, own);
+
+        // Every position of this rank among 2 to 4 ranks, every op, several blocks: equal to a
+        // plain left fold over the ranks' values in rank order.
+        let value = |q: usize, i: usize| ((q * 7 + i * 13) % 29) as f32 * 0.37 - 4.0;
+        for ranks in 2..=4 {
+            for own_rank in 0..ranks {
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                    let len = 2 * REDUCE_BLOCK + 5;
+                    let columns: Vec<Vec<f32>> = (0..ranks)
+                        .map(|q| (0..len).map(|i| value(q, i)).collect())
+                        .collect();
+                    let others: Vec<&[f32]> = (0..ranks)
+                        .map(|q| {
+                            if q == own_rank {
+                                &[][..]
+                            } else {
+                                &columns[q][..]
+                            }
+                        })
+                        .collect();
+                    let mut own = columns[own_rank].clone();
+                    let mut staged = vec![0f32; len];
+                    reduce_in_rank_order(own_rank, &mut own, &others, &mut staged, op);
+                    let want: Vec<f32> = (0..len)
+                        .map(|i| {
+                            let mut v = columns[0][i];
+                            for column in &columns[1..] {
+                                v = match op {
+                                    ReduceOp::Max => v.max(column[i]),
+                                    _ => v + column[i],
+                                };
+                            }
+                            if op == ReduceOp::Mean {
+                                v / ranks as f32
+                            } else {
+                                v
+                            }
+                        })
+                        .collect();
+                    let bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&own),
+                        bits(&want),
+                        "{ranks} ranks, rank {own_rank}, {op:?}"
+                    );
+                    assert_eq!(bits(&staged), bits(&want));
+                }
+            }
+        }
 
         let mut own = [0.5f64; 2500]; // several blocks
         let mut staged = vec![0f64; 2500];
