@@ -152,7 +152,7 @@ impl Region {
             .mode(0o600)
             .open(path)?;
         let total = layout.total_bytes();
-        file.set_len(total as u64)?;
+        reserve(&file, total)?;
         let region = Self {
             map: map(&file, total)?,
             layout,
@@ -350,6 +350,24 @@ impl Region {
     }
 }
 
+/// Sizes `file` to `len` bytes with its memory reserved. A tmpfs file is otherwise sparse: a
+/// full `/dev/shm` (Docker's default is 64 MiB) would then kill the process with SIGBUS in the
+/// middle of a collective instead of failing here, where the job can still choose TCP.
+fn reserve(file: &File, len: usize) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid open file descriptor; posix_fallocate only changes the file.
+        let code = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if code != 0 {
+            return Err(std::io::Error::from_raw_os_error(code));
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    file.set_len(len as u64)
+}
+
 fn map(file: &File, len: usize) -> std::io::Result<MmapRaw> {
     // Populate: fault the pages in now rather than inside the first collectives.
     MmapOptions::new().len(len).populate().map_raw(file)
@@ -392,6 +410,15 @@ mod tests {
             piece_bytes: 128,
         };
         let created = Region::create(&path, layout, 42).unwrap();
+        // The memory is reserved, not sparse.
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len() as usize, layout.total_bytes());
+        assert!(
+            meta.blocks() * 512 >= meta.len(),
+            "{} blocks",
+            meta.blocks()
+        );
         assert!(
             Region::create(&path, layout, 43).is_err(),
             "must not reuse a file"

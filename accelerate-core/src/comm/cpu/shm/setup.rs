@@ -32,8 +32,10 @@ use crate::error::{Error, Result};
 
 /// Where mappings are created: the tmpfs every Linux system mounts for POSIX shared memory.
 const SHM_DIR: &str = "/dev/shm";
-/// Most staging memory per rank (two halves), whatever the world size and chunk size.
-pub(crate) const MAX_SLOT_BYTES: usize = 8 << 20;
+/// Most staging memory per rank (two halves), whatever the world size and chunk size: the
+/// default 512 KiB pieces up to 4 ranks, smaller pieces beyond, so that 8 ranks take 32 MiB of
+/// `/dev/shm` in all.
+pub(crate) const MAX_SLOT_BYTES: usize = 4 << 20;
 
 /// What a rank publishes in step 1.
 #[derive(Debug, Clone, Serialize, Deserialize)]
