@@ -1,21 +1,28 @@
-//! The CPU communicator: ring collectives over TCP between the ranks of a job.
+//! The CPU communicator: collectives between the ranks of a job, over shared memory between
+//! ranks of one machine and over a TCP ring otherwise.
 //!
-//! Ranks find each other through the rendezvous [`Store`], then each keeps one connection to its
-//! ring successor and one from its predecessor. All-reduce is the
-//! bandwidth-optimal ring (reduce-scatter then all-gather), broadcast a pipelined chain from the
-//! root, all-gather the ring all-gather, barrier a one-element-per-rank all-reduce. Data moves in
-//! chunks, a sender thread per collective overlapping sends with receives (see `transport`).
+//! Ranks find each other through the rendezvous [`Store`]. When every rank runs on the same
+//! machine (same hostname, boot id and pid namespace), they share a mapping in `/dev/shm` and
+//! exchange data through it (see `shm`): several times the bandwidth of TCP over loopback.
+//! Otherwise each rank keeps one TCP connection to its ring successor and one from its
+//! predecessor. [`CpuCommOptions::transport`] (`ACCELERATE_CPU_TRANSPORT`) forces either.
 //!
-//! Every wait is bounded by [`CpuCommOptions::timeout`]. A peer that closes its connection or
-//! goes silent produces an error naming that rank, on its neighbour directly and on every other
-//! rank through an abort frame relayed around the ring. After a failure the communicator refuses
-//! further collectives: the job has to be restarted, as with NCCL.
+//! Over TCP, all-reduce is the bandwidth-optimal ring (reduce-scatter then all-gather),
+//! broadcast a pipelined chain from the root, all-gather the ring all-gather, barrier a
+//! one-element-per-rank all-reduce. Data moves in chunks, a sender thread per collective
+//! overlapping sends with receives (see `transport`).
+//!
+//! Every wait is bounded by [`CpuCommOptions::timeout`]. A peer that closes its connection, dies
+//! or goes silent produces an error naming that rank, on every rank (an abort frame relayed
+//! around the ring, or an abort record in the shared mapping). After a failure the communicator
+//! refuses further collectives: the job has to be restarted, as with NCCL.
 
 mod element;
 mod frame;
 mod options;
 mod rendezvous;
 mod ring;
+mod shm;
 mod transport;
 
 #[cfg(test)]
@@ -26,22 +33,32 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::{DType, Device, Tensor};
 
 pub use options::{
-    parse_timeout, CpuCommOptions, COLLECTIVE_TIMEOUT_ENV, DEFAULT_CHUNK_BYTES,
-    DEFAULT_COLLECTIVE_TIMEOUT,
+    parse_timeout, parse_transport, CpuCommOptions, TransportChoice, COLLECTIVE_TIMEOUT_ENV,
+    DEFAULT_CHUNK_BYTES, DEFAULT_COLLECTIVE_TIMEOUT, TRANSPORT_ENV,
 };
 
 use self::element::{check_cpu_contiguous, unsupported_dtype, Element};
 use self::frame::OpCode;
+use self::shm::{ShmLinks, ShmSession};
 use self::transport::{run_collective, FramePool, RingLinks, RingPosition, Session, Tag};
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 
-/// Collectives over TCP between processes (or threads) on one or several machines.
+/// Collectives between processes (or threads) on one or several machines, over shared memory or
+/// TCP (see [`CpuCommunicator::transport`]).
 ///
 /// Collectives from several threads are serialized; as with every backend, all ranks must issue
 /// the same collectives in the same order with tensors of the same shape and dtype. Supported
 /// element types: f32, f64, i64. For i64, `Mean` truncates toward zero and sums wrap on overflow.
+/// Every rank ends an all-reduce with the same bits; the order in which floats are added differs
+/// between the transports (ring order over TCP, rank order over shared memory), so the last bits
+/// of an inexact float sum may differ between a TCP job and a shared-memory one.
+///
+/// [`CommStats::bytes_sent`] counts, over TCP, the payload bytes written to the ring connection;
+/// over shared memory, the payload bytes this rank copies into its staging slot for the others
+/// to read (per all-reduce the whole tensor, per broadcast the tensor on the root only, per
+/// all-gather its own block, nothing for a barrier).
 #[derive(Debug)]
 pub struct CpuCommunicator {
     rank: usize,
@@ -50,17 +67,40 @@ pub struct CpuCommunicator {
     state: Mutex<State>,
 }
 
+/// The transport a [`CpuCommunicator`] of several ranks uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// A TCP ring.
+    Tcp,
+    /// A mapping in `/dev/shm` shared by all ranks (all on this machine).
+    Shm,
+}
+
 #[derive(Debug)]
 struct State {
-    /// `None` for a world of one rank.
-    links: Option<RingLinks>,
-    /// Number of collectives run so far; stamped on every frame.
+    link: Link,
+    /// Number of collectives run so far; stamped on every frame and round.
     seq: u64,
     stats: CommStats,
     /// Set by the first failed collective.
     broken: Option<Broken>,
-    /// Frame buffers reused from one collective to the next.
-    frames: FramePool,
+}
+
+/// How this rank reaches the others.
+#[derive(Debug)]
+enum Link {
+    /// A world of one rank: nothing to reach.
+    Alone,
+    /// The TCP ring, with frame buffers reused from one collective to the next.
+    Tcp { links: RingLinks, frames: FramePool },
+    /// The shared mapping.
+    Shm(ShmLinks),
+}
+
+/// The running collective's access to the transport, handed to the algorithms.
+enum Channel<'s, 'a> {
+    Tcp(&'s mut Session<'a>),
+    Shm(&'s mut ShmSession<'a>),
 }
 
 #[derive(Debug)]
@@ -70,11 +110,13 @@ struct Broken {
 }
 
 impl CpuCommunicator {
-    /// Joins the ring: listens on an ephemeral port of `options.bind_ip`, publishes the address in
-    /// `store`, and connects to the ring neighbours. Every rank of the job must call this with the
-    /// same `world_size`; `options.timeout` bounds the whole setup.
+    /// Joins the job: decides the transport with the other ranks through `store` (shared memory
+    /// when all run on this machine, unless `options.transport` says otherwise), then maps the
+    /// shared memory or connects the TCP ring (listening on an ephemeral port of
+    /// `options.bind_ip`). Every rank of the job must call this with the same `world_size` and
+    /// transport choice; `options.timeout` bounds each step of the setup.
     ///
-    /// With `world_size == 1` nothing is published and no socket is opened.
+    /// With `world_size == 1` nothing is published, mapped or opened.
     pub fn connect(
         store: &dyn Store,
         rank: usize,
@@ -88,23 +130,43 @@ impl CpuCommunicator {
             )));
         }
         options.validate()?;
-        let links = if world_size > 1 {
-            Some(rendezvous::connect_ring(store, rank, world_size, &options)?)
+        let link = if world_size > 1 {
+            let instance = rendezvous::next_instance(store, rank)?;
+            match shm::join(store, rank, world_size, instance, &options)? {
+                shm::Joined::Shm(links) => Link::Shm(links),
+                shm::Joined::Tcp => {
+                    let links =
+                        rendezvous::connect_ring(store, rank, world_size, instance, &options)?;
+                    shm::confirm_tcp(store, rank, instance, &options)?;
+                    Link::Tcp {
+                        links,
+                        frames: FramePool::new(),
+                    }
+                }
+            }
         } else {
-            None
+            Link::Alone
         };
         Ok(Self {
             rank,
             world_size,
             options,
             state: Mutex::new(State {
-                links,
+                link,
                 seq: 0,
                 stats: CommStats::default(),
                 broken: None,
-                frames: FramePool::new(),
             }),
         })
+    }
+
+    /// The transport in use; `None` for a world of one rank, which needs none.
+    pub fn transport(&self) -> Option<Transport> {
+        match self.lock().link {
+            Link::Alone => None,
+            Link::Tcp { .. } => Some(Transport::Tcp),
+            Link::Shm(_) => Some(Transport::Shm),
+        }
     }
 
     /// The options this communicator was created with.
@@ -118,14 +180,14 @@ impl CpuCommunicator {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs one collective on the ring; `Ok(None)` for a world of one rank (nothing to do).
+    /// Runs one collective; `Ok(None)` for a world of one rank (nothing to do).
     fn collective<R>(
         &self,
         op: OpCode,
         dtype: u8,
         chunk_elems: usize,
         count: impl FnOnce(&mut CommStats),
-        body: impl FnOnce(&mut Session<'_>) -> Result<R>,
+        body: impl FnOnce(Channel<'_, '_>) -> Result<R>,
     ) -> Result<Option<R>> {
         let mut guard = self.lock();
         let state = &mut *guard;
@@ -141,22 +203,28 @@ impl CpuCommunicator {
                 ),
             });
         }
-        let Some(links) = state.links.as_mut() else {
+        if let Link::Alone = state.link {
             return Ok(None);
-        };
+        }
         state.seq += 1;
-        let pos = RingPosition {
-            rank: self.rank,
-            world_size: self.world_size,
-            chunk_elems,
-            timeout: self.options.timeout,
-        };
         let tag = Tag {
             op,
             dtype,
             seq: state.seq,
         };
-        let (result, bytes_sent) = run_collective(links, &mut state.frames, pos, tag, body);
+        let (result, bytes_sent) = match &mut state.link {
+            Link::Alone => unreachable!("handled above"),
+            Link::Tcp { links, frames } => {
+                let pos = RingPosition {
+                    rank: self.rank,
+                    world_size: self.world_size,
+                    chunk_elems,
+                    timeout: self.options.timeout,
+                };
+                run_collective(links, frames, pos, tag, |s| body(Channel::Tcp(s)))
+            }
+            Link::Shm(links) => links.run(tag, self.options.timeout, |s| body(Channel::Shm(s))),
+        };
         state.stats.bytes_sent += bytes_sent;
         match result {
             Ok(value) => Ok(Some(value)),
@@ -181,9 +249,10 @@ impl CpuCommunicator {
             T::CODE,
             chunk,
             |s| s.all_reduces += 1,
-            |session| {
-                element::with_elements_mut::<T, _>(tensor, |data| {
-                    ring::all_reduce(session, data, op)
+            |channel| {
+                element::with_elements_mut::<T, _>(tensor, |data| match channel {
+                    Channel::Tcp(s) => ring::all_reduce(s, data, op),
+                    Channel::Shm(s) => shm::all_reduce(s, data, op),
                 })
             },
         )?;
@@ -197,9 +266,10 @@ impl CpuCommunicator {
             T::CODE,
             chunk,
             |s| s.broadcasts += 1,
-            |session| {
-                element::with_elements_mut::<T, _>(tensor, |data| {
-                    ring::broadcast(session, data, root)
+            |channel| {
+                element::with_elements_mut::<T, _>(tensor, |data| match channel {
+                    Channel::Tcp(s) => ring::broadcast(s, data, root),
+                    Channel::Shm(s) => shm::broadcast(s, data, root),
                 })
             },
         )?;
@@ -216,7 +286,10 @@ impl CpuCommunicator {
             T::CODE,
             chunk,
             |s| s.all_gathers += 1,
-            |session| ring::all_gather(session, &mut out),
+            |channel| match channel {
+                Channel::Tcp(s) => ring::all_gather(s, &mut out),
+                Channel::Shm(s) => shm::all_gather(s, &mut out),
+            },
         )?;
         let mut dims = tensor.dims().to_vec();
         match dims.first_mut() {
@@ -280,27 +353,33 @@ impl Communicator for CpuCommunicator {
     }
 
     fn barrier(&self) -> Result<()> {
-        // Each rank contributes a 1 per rank; an all-reduce cannot complete anywhere before every
-        // rank has contributed, so completing it means everyone has arrived.
         let world = self.world_size as i64;
-        let mut tokens = vec![1i64; self.world_size];
         self.collective(
             OpCode::Barrier,
             <i64 as Element>::CODE,
             self.chunk_elems::<i64>(),
             |s| s.barriers += 1,
-            |session| ring::all_reduce(session, &mut tokens, ReduceOp::Sum),
+            |channel| match channel {
+                // Each rank contributes a 1 per rank; an all-reduce cannot complete anywhere
+                // before every rank has contributed, so completing it means everyone arrived.
+                Channel::Tcp(s) => {
+                    let mut tokens = vec![1i64; self.world_size];
+                    ring::all_reduce(s, &mut tokens, ReduceOp::Sum)?;
+                    if tokens.iter().any(|&t| t != world) {
+                        return Err(Error::Collective {
+                            op: "barrier",
+                            peer: None,
+                            problem: format!(
+                                "barrier tokens summed to {tokens:?} instead of {world} each; a \
+                                 peer runs an incompatible version"
+                            ),
+                        });
+                    }
+                    Ok(())
+                }
+                Channel::Shm(s) => shm::barrier(s),
+            },
         )?;
-        if self.world_size > 1 && tokens.iter().any(|&t| t != world) {
-            return Err(Error::Collective {
-                op: "barrier",
-                peer: None,
-                problem: format!(
-                    "barrier tokens summed to {tokens:?} instead of {world} each; a peer runs an \
-                     incompatible version"
-                ),
-            });
-        }
         Ok(())
     }
 

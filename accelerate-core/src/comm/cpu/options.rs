@@ -3,10 +3,16 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 
 /// Environment variable that sets [`CpuCommOptions::timeout`], in seconds.
 pub const COLLECTIVE_TIMEOUT_ENV: &str = "ACCELERATE_COLLECTIVE_TIMEOUT";
+
+/// Environment variable that sets [`CpuCommOptions::transport`]: `auto` (the default), `tcp` or
+/// `shm`.
+pub const TRANSPORT_ENV: &str = "ACCELERATE_CPU_TRANSPORT";
 
 /// Default for [`CpuCommOptions::timeout`].
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -15,38 +21,77 @@ pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 /// enough that the ring's pipeline fills quickly.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 * 1024;
 
+/// Which transport a [`super::CpuCommunicator`] uses between its ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TransportChoice {
+    /// Shared memory when every rank of the job runs on this machine, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP between all ranks, even on one machine.
+    Tcp,
+    /// Shared memory; connecting fails when the ranks are not all on one machine.
+    Shm,
+}
+
+impl TransportChoice {
+    /// The value of [`TRANSPORT_ENV`] that selects this choice.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+        }
+    }
+}
+
 /// How a [`super::CpuCommunicator`] connects and how long it waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CpuCommOptions {
     /// Longest a rank waits on a silent peer (and for the whole connection setup) before failing
     /// with an error naming that peer.
     pub timeout: Duration,
-    /// Payload bytes per data frame; collectives are pipelined in chunks of this size.
+    /// Payload bytes per data frame; collectives are pipelined in chunks of this size. Over
+    /// shared memory it is the size of the pieces staged per rank and round (capped so that a
+    /// rank's staging slot stays within a few MiB whatever the world size).
     pub chunk_bytes: usize,
     /// Address this rank listens on for its ring predecessor and publishes to the others:
     /// loopback for single-machine jobs, this machine's address otherwise
     /// ([`crate::comm::TcpStoreClient::local_addr`] gives the one that reaches the store).
     pub bind_ip: IpAddr,
+    /// TCP, shared memory, or shared memory when possible (the default). Every rank of a job
+    /// must make the same choice.
+    pub transport: TransportChoice,
 }
 
 impl Default for CpuCommOptions {
-    /// 300 s timeout, 512 KiB chunks, loopback. Ignores the environment; see
-    /// [`CpuCommOptions::from_env`].
+    /// 300 s timeout, 512 KiB chunks, loopback, automatic transport. Ignores the environment;
+    /// see [`CpuCommOptions::from_env`].
     fn default() -> Self {
         Self {
             timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            transport: TransportChoice::Auto,
         }
     }
 }
 
 impl CpuCommOptions {
-    /// The defaults, with the timeout taken from `ACCELERATE_COLLECTIVE_TIMEOUT` when set.
+    /// The defaults, with the timeout taken from `ACCELERATE_COLLECTIVE_TIMEOUT` and the
+    /// transport from `ACCELERATE_CPU_TRANSPORT` when set.
     pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// [`CpuCommOptions::from_env`] over any source of variables (tests pass a map instead of
+    /// changing the process environment, which other test threads read).
+    pub(crate) fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut options = Self::default();
-        if let Ok(value) = std::env::var(COLLECTIVE_TIMEOUT_ENV) {
+        if let Some(value) = lookup(COLLECTIVE_TIMEOUT_ENV) {
             options.timeout = parse_timeout(&value)?;
+        }
+        if let Some(value) = lookup(TRANSPORT_ENV) {
+            options.transport = parse_transport(&value)?;
         }
         Ok(options)
     }
@@ -91,6 +136,23 @@ pub fn parse_timeout(value: &str) -> Result<Duration> {
     }
 }
 
+/// Parses a transport choice as given in `ACCELERATE_CPU_TRANSPORT` (case-insensitive; empty
+/// means `auto`).
+pub fn parse_transport(value: &str) -> Result<TransportChoice> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(TransportChoice::Auto),
+        "tcp" => Ok(TransportChoice::Tcp),
+        "shm" => Ok(TransportChoice::Shm),
+        _ => Err(Error::Env {
+            name: TRANSPORT_ENV.into(),
+            value: value.into(),
+            problem: "expected auto (shared memory when every rank is on this machine, TCP \
+                      otherwise), tcp or shm"
+                .into(),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +165,40 @@ mod tests {
             let err = parse_timeout(bad).unwrap_err().to_string();
             assert!(err.contains(COLLECTIVE_TIMEOUT_ENV), "{err}");
         }
+    }
+
+    #[test]
+    fn transports_parse_from_the_environment_variable() {
+        assert_eq!(parse_transport("auto").unwrap(), TransportChoice::Auto);
+        assert_eq!(parse_transport("").unwrap(), TransportChoice::Auto);
+        assert_eq!(parse_transport(" TCP ").unwrap(), TransportChoice::Tcp);
+        assert_eq!(parse_transport("shm").unwrap(), TransportChoice::Shm);
+        let err = parse_transport("rdma").unwrap_err().to_string();
+        assert!(err.contains(TRANSPORT_ENV) && err.contains("rdma"), "{err}");
+
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let none = CpuCommOptions::from_lookup(env(&[])).unwrap();
+        assert_eq!(none.transport, TransportChoice::Auto);
+        let tcp = CpuCommOptions::from_lookup(env(&[(TRANSPORT_ENV, "tcp")])).unwrap();
+        assert_eq!(tcp.transport, TransportChoice::Tcp);
+        assert_eq!(tcp.timeout, DEFAULT_COLLECTIVE_TIMEOUT);
+        let both = CpuCommOptions::from_lookup(env(&[
+            (TRANSPORT_ENV, "shm"),
+            (COLLECTIVE_TIMEOUT_ENV, "7"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (both.transport, both.timeout),
+            (TransportChoice::Shm, Duration::from_secs(7))
+        );
+        assert!(CpuCommOptions::from_lookup(env(&[(TRANSPORT_ENV, "udp")])).is_err());
     }
 
     #[test]

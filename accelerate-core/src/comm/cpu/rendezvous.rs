@@ -35,20 +35,18 @@ struct PeerCard {
     world_size: u64,
 }
 
-/// Connects `rank` to its ring neighbours; `options.timeout` bounds the whole setup.
+/// Connects `rank` to its ring neighbours; `options.timeout` bounds the whole setup. `instance`
+/// (from [`next_instance`]) keeps the keys of successive communicators apart.
 pub(crate) fn connect_ring(
     store: &dyn Store,
     rank: usize,
     world_size: usize,
+    instance: u64,
     options: &CpuCommOptions,
 ) -> Result<RingLinks> {
     let deadline = Instant::now() + options.timeout;
     let next = (rank + 1) % world_size;
     let prev = (rank + world_size - 1) % world_size;
-
-    // Communicators created one after another on the same store must not see each other's
-    // cards: every rank counts its own communicators, and all ranks create them in the same order.
-    let instance = store.add(&format!("cpu_comm/rank{rank}/instances"), 1)? as u64;
     let card_key = |r: usize| format!("cpu_comm/{instance}/rank{r}");
 
     let listener = TcpListener::bind((options.bind_ip, 0)).map_err(|source| Error::Network {
@@ -125,6 +123,13 @@ pub(crate) fn connect_ring(
         set_timeout(stream, options.timeout, peer, rank)?;
     }
     Ok(RingLinks { to_next, from_prev })
+}
+
+/// Numbers the communicators this rank creates on `store` (1, 2, ...). Communicators created one
+/// after another on the same store must not see each other's keys: every rank counts its own
+/// communicators, and all ranks create them in the same order, so the numbers agree.
+pub(crate) fn next_instance(store: &dyn Store, rank: usize) -> Result<u64> {
+    Ok(store.add(&format!("cpu_comm/rank{rank}/instances"), 1)? as u64)
 }
 
 fn read_card(

@@ -1,4 +1,6 @@
-//! Ring tests: each rank is a thread with its own store client and communicator, over loopback.
+//! Communicator tests: each rank is a thread with its own store client and communicator. Tests of
+//! behaviour common to both transports run once over TCP and once over shared memory (a module
+//! per test with a `tcp` and an `shm` case); tests of one transport's specifics force it.
 //! Expected values are computed directly from the inputs (plain sums, maxima, concatenations).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,13 +14,48 @@ use crate::comm::store::{StoreServer, TcpStoreClient};
 
 const TOKEN: &str = "ring-test-token";
 
-fn options(timeout: Duration, chunk_bytes: usize) -> CpuCommOptions {
+fn options(transport: TransportChoice, timeout: Duration, chunk_bytes: usize) -> CpuCommOptions {
     CpuCommOptions {
         timeout,
         chunk_bytes,
+        transport,
         ..Default::default()
     }
 }
+
+/// Runs the test function `$name(transport)` over TCP and over shared memory.
+macro_rules! over_both_transports {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn tcp() {
+                    super::$name(super::TransportChoice::Tcp)
+                }
+                #[test]
+                fn shm() {
+                    super::$name(super::TransportChoice::Shm)
+                }
+            }
+        )*
+    };
+}
+
+over_both_transports!(
+    all_reduce_matches_the_direct_reduction_for_every_world_size_dtype_and_op,
+    all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank,
+    a_large_all_reduce_streams_through_bounded_buffers,
+    all_reduce_works_in_place_on_a_view_of_a_larger_buffer,
+    broadcast_copies_the_root_everywhere,
+    all_gather_concatenates_in_rank_order,
+    nobody_leaves_a_barrier_before_everyone_entered,
+    a_rank_that_drops_out_is_named_on_every_other_rank,
+    a_rank_that_stops_answering_is_named_on_every_other_rank,
+    ranks_disagreeing_on_the_shape_get_a_protocol_error,
+    unusable_tensors_are_refused_before_any_traffic,
+    communicators_created_one_after_another_on_one_store_do_not_mix,
+    a_world_size_disagreement_is_a_configuration_error,
+);
 
 /// Runs `f(rank, communicator)` on `world` threads joined in one ring; returns results by rank.
 fn on_ring<R: Send>(
@@ -36,7 +73,14 @@ fn on_ring<R: Send>(
                     let store =
                         TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
                             .unwrap();
+                    let forced = opts.transport;
                     let comm = CpuCommunicator::connect(&store, rank, world, opts).unwrap();
+                    let want = match forced {
+                        _ if world == 1 => None,
+                        TransportChoice::Tcp => Some(Transport::Tcp),
+                        TransportChoice::Shm | TransportChoice::Auto => Some(Transport::Shm),
+                    };
+                    assert_eq!(comm.transport(), want, "rank {rank} of {world}");
                     f(rank, comm)
                 })
             })
@@ -119,39 +163,47 @@ fn names_rank(err: &Error, rank: usize) -> bool {
     }
 }
 
-#[test]
-fn all_reduce_matches_the_direct_reduction_for_every_world_size_dtype_and_op() {
-    // 16-byte chunks: the 40-element case spans several chunks per segment at every world size.
-    let lengths = [0usize, 1, 7, 40];
+fn all_reduce_matches_the_direct_reduction_for_every_world_size_dtype_and_op(
+    transport: TransportChoice,
+) {
+    // 16-byte chunks (64-byte pieces over shm): the 40-element case spans several chunks per
+    // segment at every world size; 301 elements (not divisible by 2 to 5) outgrow a whole
+    // shared-memory staging slot (two halves of one 64-byte piece per rank).
+    let lengths = [0usize, 1, 7, 40, 301];
     for world in 1..=5 {
-        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
-            for &len in &lengths {
-                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
-                    for dtype in [DType::F32, DType::F64] {
-                        let t = input(rank, len, dtype);
+        on_ring(
+            world,
+            options(transport, Duration::from_secs(20), 16),
+            |rank, comm| {
+                for &len in &lengths {
+                    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                        for dtype in [DType::F32, DType::F64] {
+                            let t = input(rank, len, dtype);
+                            comm.all_reduce(&t, op).unwrap();
+                            let expected = expected_floats(world, len, op, dtype == DType::F32);
+                            assert_eq!(
+                                as_f64(&t),
+                                expected,
+                                "{world} ranks, {len} {dtype:?} {op:?}"
+                            );
+                        }
+                        let t = input(rank, len, DType::I64);
                         comm.all_reduce(&t, op).unwrap();
-                        let expected = expected_floats(world, len, op, dtype == DType::F32);
                         assert_eq!(
-                            as_f64(&t),
-                            expected,
-                            "{world} ranks, {len} {dtype:?} {op:?}"
+                            t.to_vec1::<i64>().unwrap(),
+                            expected_ints(world, len, op),
+                            "{world} ranks, {len} i64 {op:?}"
                         );
                     }
-                    let t = input(rank, len, DType::I64);
-                    comm.all_reduce(&t, op).unwrap();
-                    assert_eq!(
-                        t.to_vec1::<i64>().unwrap(),
-                        expected_ints(world, len, op),
-                        "{world} ranks, {len} i64 {op:?}"
-                    );
                 }
-            }
-        });
+            },
+        );
     }
 }
 
-#[test]
-fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank() {
+fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank(
+    transport: TransportChoice,
+) {
     let world = 4;
     let len = 1001;
     let data = |rank: usize| -> Vec<f32> {
@@ -161,7 +213,7 @@ fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank(
     };
     let results = on_ring(
         world,
-        options(Duration::from_secs(20), 256),
+        options(transport, Duration::from_secs(20), 256),
         |rank, comm| {
             let t = Tensor::from_vec(data(rank), len, &Device::Cpu).unwrap();
             comm.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -185,15 +237,15 @@ fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank(
     }
 }
 
-#[test]
-fn a_large_all_reduce_pipelines_through_full_socket_buffers() {
-    // 8 MiB per rank, far beyond what socket buffers hold: without concurrent sending and
-    // receiving this would deadlock (and then time out).
+fn a_large_all_reduce_streams_through_bounded_buffers(transport: TransportChoice) {
+    // 8 MiB per rank, far beyond what socket buffers or a shared-memory staging slot hold:
+    // without concurrent sending and receiving (TCP) or the reuse of staging halves (shm) this
+    // would deadlock (and then time out).
     let world = 3;
     let len = 2 * 1024 * 1024;
     let results = on_ring(
         world,
-        options(Duration::from_secs(60), DEFAULT_CHUNK_BYTES),
+        options(transport, Duration::from_secs(60), DEFAULT_CHUNK_BYTES),
         |rank, comm| {
             let t = Tensor::from_vec(
                 (0..len)
@@ -212,96 +264,109 @@ fn a_large_all_reduce_pipelines_through_full_socket_buffers() {
     assert_eq!(results, vec![true; world]);
 }
 
-#[test]
-fn all_reduce_works_in_place_on_a_view_of_a_larger_buffer() {
-    let results = on_ring(2, options(Duration::from_secs(10), 64), |rank, comm| {
-        let flat = Tensor::from_vec(vec![rank as f32 + 1.0; 6], 6, &Device::Cpu).unwrap();
-        let view = flat.narrow(0, 2, 3).unwrap();
-        comm.all_reduce(&view, ReduceOp::Sum).unwrap();
-        flat.to_vec1::<f32>().unwrap()
-    });
+fn all_reduce_works_in_place_on_a_view_of_a_larger_buffer(transport: TransportChoice) {
+    let results = on_ring(
+        2,
+        options(transport, Duration::from_secs(10), 64),
+        |rank, comm| {
+            let flat = Tensor::from_vec(vec![rank as f32 + 1.0; 6], 6, &Device::Cpu).unwrap();
+            let view = flat.narrow(0, 2, 3).unwrap();
+            comm.all_reduce(&view, ReduceOp::Sum).unwrap();
+            flat.to_vec1::<f32>().unwrap()
+        },
+    );
     // Ranks hold 1s and 2s; only elements 2..5 are reduced (1 + 2 = 3).
     assert_eq!(results[0], vec![1.0, 1.0, 3.0, 3.0, 3.0, 1.0]);
     assert_eq!(results[1], vec![2.0, 2.0, 3.0, 3.0, 3.0, 2.0]);
 }
 
-#[test]
-fn broadcast_copies_the_root_everywhere() {
+fn broadcast_copies_the_root_everywhere(transport: TransportChoice) {
     for world in 1..=5 {
-        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
-            for root in 0..world {
-                for len in [0usize, 1, 7, 40] {
-                    for dtype in [DType::F32, DType::F64, DType::I64] {
-                        let t = input(rank, len, dtype);
-                        comm.broadcast(&t, root).unwrap();
-                        let want = input(root, len, dtype);
-                        assert_eq!(as_f64(&t), as_f64(&want), "{world} ranks, root {root}");
+        on_ring(
+            world,
+            options(transport, Duration::from_secs(20), 16),
+            |rank, comm| {
+                for root in 0..world {
+                    for len in [0usize, 1, 7, 40] {
+                        for dtype in [DType::F32, DType::F64, DType::I64] {
+                            let t = input(rank, len, dtype);
+                            comm.broadcast(&t, root).unwrap();
+                            let want = input(root, len, dtype);
+                            assert_eq!(as_f64(&t), as_f64(&want), "{world} ranks, root {root}");
+                        }
                     }
                 }
-            }
-            assert!(comm.broadcast(&input(rank, 1, DType::F32), world).is_err());
-        });
+                assert!(comm.broadcast(&input(rank, 1, DType::F32), world).is_err());
+            },
+        );
     }
 }
 
-#[test]
-fn all_gather_concatenates_in_rank_order() {
+fn all_gather_concatenates_in_rank_order(transport: TransportChoice) {
     for world in 1..=5 {
-        on_ring(world, options(Duration::from_secs(20), 16), |rank, comm| {
-            // A 2-D f32 tensor of 3 x 5 = 15 elements per rank (several chunks).
-            let rows = |r: usize| -> Vec<f32> { (0..15).map(|i| (100 * r + i) as f32).collect() };
-            let t = Tensor::from_vec(rows(rank), (3, 5), &Device::Cpu).unwrap();
-            let gathered = comm.all_gather(&t).unwrap();
-            assert_eq!(gathered.dims(), &[3 * world, 5]);
-            let want: Vec<f32> = (0..world).flat_map(rows).collect();
-            assert_eq!(
-                gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                want
-            );
-
-            let ints = Tensor::new(&[rank as i64, -(rank as i64)], &Device::Cpu).unwrap();
-            let gathered = comm.all_gather(&ints).unwrap().to_vec1::<i64>().unwrap();
-            let want: Vec<i64> = (0..world as i64).flat_map(|r| [r, -r]).collect();
-            assert_eq!(gathered, want);
-
-            let empty = Tensor::zeros((0, 4), DType::F64, &Device::Cpu).unwrap();
-            assert_eq!(comm.all_gather(&empty).unwrap().dims(), &[0, 4]);
-
-            if world > 1 {
-                // Scalars gather into a vector of one value per rank.
-                let scalar = Tensor::new(rank as f64 * 0.5, &Device::Cpu).unwrap();
-                let gathered = comm.all_gather(&scalar).unwrap();
-                let want: Vec<f64> = (0..world).map(|r| r as f64 * 0.5).collect();
-                assert_eq!(gathered.to_vec1::<f64>().unwrap(), want);
-                // A transposed (non-contiguous) input is gathered by value.
-                let m = Tensor::from_vec(vec![rank as f32; 6], (2, 3), &Device::Cpu).unwrap();
+        on_ring(
+            world,
+            options(transport, Duration::from_secs(20), 16),
+            |rank, comm| {
+                // A 2-D f32 tensor of 3 x 5 = 15 elements per rank (several chunks).
+                let rows =
+                    |r: usize| -> Vec<f32> { (0..15).map(|i| (100 * r + i) as f32).collect() };
+                let t = Tensor::from_vec(rows(rank), (3, 5), &Device::Cpu).unwrap();
+                let gathered = comm.all_gather(&t).unwrap();
+                assert_eq!(gathered.dims(), &[3 * world, 5]);
+                let want: Vec<f32> = (0..world).flat_map(rows).collect();
                 assert_eq!(
-                    comm.all_gather(&m.t().unwrap()).unwrap().dims(),
-                    &[3 * world, 2]
+                    gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    want
                 );
-            }
-        });
+
+                let ints = Tensor::new(&[rank as i64, -(rank as i64)], &Device::Cpu).unwrap();
+                let gathered = comm.all_gather(&ints).unwrap().to_vec1::<i64>().unwrap();
+                let want: Vec<i64> = (0..world as i64).flat_map(|r| [r, -r]).collect();
+                assert_eq!(gathered, want);
+
+                let empty = Tensor::zeros((0, 4), DType::F64, &Device::Cpu).unwrap();
+                assert_eq!(comm.all_gather(&empty).unwrap().dims(), &[0, 4]);
+
+                if world > 1 {
+                    // Scalars gather into a vector of one value per rank.
+                    let scalar = Tensor::new(rank as f64 * 0.5, &Device::Cpu).unwrap();
+                    let gathered = comm.all_gather(&scalar).unwrap();
+                    let want: Vec<f64> = (0..world).map(|r| r as f64 * 0.5).collect();
+                    assert_eq!(gathered.to_vec1::<f64>().unwrap(), want);
+                    // A transposed (non-contiguous) input is gathered by value.
+                    let m = Tensor::from_vec(vec![rank as f32; 6], (2, 3), &Device::Cpu).unwrap();
+                    assert_eq!(
+                        comm.all_gather(&m.t().unwrap()).unwrap().dims(),
+                        &[3 * world, 2]
+                    );
+                }
+            },
+        );
     }
 }
 
-#[test]
-fn nobody_leaves_a_barrier_before_everyone_entered() {
+fn nobody_leaves_a_barrier_before_everyone_entered(transport: TransportChoice) {
     for world in 1..=4 {
         let entered = AtomicUsize::new(0);
-        let seen = on_ring(world, options(Duration::from_secs(20), 64), |rank, comm| {
-            let mut seen = Vec::new();
-            for round in 1..=3 {
-                if rank == world - 1 {
-                    // The last rank is late, so a barrier that does not wait would be caught.
-                    std::thread::sleep(Duration::from_millis(30));
+        let seen = on_ring(
+            world,
+            options(transport, Duration::from_secs(20), 64),
+            |rank, comm| {
+                let mut seen = Vec::new();
+                for round in 1..=3 {
+                    if rank == world - 1 {
+                        // The last rank is late, so a barrier that does not wait would be caught.
+                        std::thread::sleep(Duration::from_millis(30));
+                    }
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    comm.barrier().unwrap();
+                    seen.push((round, entered.load(Ordering::SeqCst)));
+                    comm.barrier().unwrap(); // keep rounds apart
                 }
-                entered.fetch_add(1, Ordering::SeqCst);
-                comm.barrier().unwrap();
-                seen.push((round, entered.load(Ordering::SeqCst)));
-                comm.barrier().unwrap(); // keep rounds apart
-            }
-            seen
-        });
+                seen
+            },
+        );
         for per_rank in seen {
             for (round, count) in per_rank {
                 assert!(
@@ -318,7 +383,7 @@ fn stats_count_calls_and_the_ring_traffic() {
     let world = 3;
     let stats = on_ring(
         world,
-        options(Duration::from_secs(10), 1 << 20),
+        options(TransportChoice::Tcp, Duration::from_secs(10), 1 << 20),
         |rank, comm| {
             let t = input(rank, 12, DType::F32);
             comm.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -353,37 +418,81 @@ fn stats_count_calls_and_the_ring_traffic() {
 }
 
 #[test]
+fn stats_count_calls_and_the_bytes_staged_in_shared_memory() {
+    let world = 3;
+    let stats = on_ring(
+        world,
+        options(TransportChoice::Shm, Duration::from_secs(10), 1 << 20),
+        |rank, comm| {
+            let t = input(rank, 12, DType::F32);
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            let after_all_reduce = comm.stats();
+            comm.broadcast(&t, 0).unwrap();
+            comm.all_gather(&t).unwrap();
+            comm.barrier().unwrap();
+            (after_all_reduce, comm.stats())
+        },
+    );
+    for (rank, (after_all_reduce, total)) in stats.into_iter().enumerate() {
+        // All-reduce: each rank stages the 2 segments of 4 f32 it does not own (32 bytes), then
+        // its reduced segment (16 bytes): the whole 48-byte tensor.
+        assert_eq!(after_all_reduce.bytes_sent, 48, "rank {rank}");
+        assert_eq!(
+            (
+                total.all_reduces,
+                total.broadcasts,
+                total.all_gathers,
+                total.barriers
+            ),
+            (1, 1, 1, 1)
+        );
+        // Broadcast: only the root stages its 48 bytes. All-gather: each its own 48-byte block.
+        // Barrier: no payload.
+        let broadcast = if rank == 0 { 48 } else { 0 };
+        assert_eq!(total.bytes_sent, 48 + broadcast + 48, "rank {rank}");
+    }
+}
+
+#[test]
 fn a_world_of_one_opens_no_socket_and_changes_nothing() {
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
     let store =
         TcpStoreClient::connect(server.local_addr(), TOKEN, 0, 0, Duration::from_secs(5)).unwrap();
     let comm = CpuCommunicator::connect(&store, 0, 1, CpuCommOptions::default()).unwrap();
+    assert_eq!(comm.transport(), None);
     let t = Tensor::new(&[1.5f32, -2.0], &Device::Cpu).unwrap();
     comm.all_reduce(&t, ReduceOp::Mean).unwrap();
     comm.broadcast(&t, 0).unwrap();
     comm.barrier().unwrap();
     assert_eq!(t.to_vec1::<f32>().unwrap(), vec![1.5, -2.0]);
     assert_eq!(comm.stats().bytes_sent, 0);
-    // Nothing was published for a one-rank ring.
+    // Nothing was published for a one-rank job.
     assert!(store.get("cpu_comm/1/rank0", Duration::ZERO).is_err());
+    assert!(store.get("cpu_comm/1/host0", Duration::ZERO).is_err());
+    assert!(store
+        .get("cpu_comm/rank0/instances", Duration::ZERO)
+        .is_err());
 }
 
-#[test]
-fn a_rank_that_drops_out_is_named_on_every_other_rank() {
+fn a_rank_that_drops_out_is_named_on_every_other_rank(transport: TransportChoice) {
     for world in [2usize, 3, 5] {
         let dropped = world / 2;
-        let errors = on_ring(world, options(Duration::from_secs(5), 64), |rank, comm| {
-            let t = input(rank, 30, DType::F32);
-            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
-            if rank == dropped {
-                drop(comm);
-                return None;
-            }
-            let first = comm.all_reduce(&t, ReduceOp::Sum).unwrap_err();
-            // The communicator stays failed and keeps naming the culprit.
-            let second = comm.barrier().unwrap_err();
-            Some((first, second))
-        });
+        let errors = on_ring(
+            world,
+            options(transport, Duration::from_secs(5), 64),
+            |rank, comm| {
+                let t = input(rank, 30, DType::F32);
+                comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+                if rank == dropped {
+                    drop(comm);
+                    return None;
+                }
+                let first = comm.all_reduce(&t, ReduceOp::Sum).unwrap_err();
+                // The communicator stays failed and keeps naming the culprit.
+                let second = comm.barrier().unwrap_err();
+                Some((first, second))
+            },
+        );
         for (rank, outcome) in errors.into_iter().enumerate() {
             let Some((first, second)) = outcome else {
                 continue;
@@ -404,10 +513,10 @@ fn a_rank_that_drops_out_is_named_on_every_other_rank() {
     }
 }
 
-#[test]
-fn a_rank_that_stops_answering_is_named_on_every_other_rank() {
-    // Rank 1 keeps its connections open but never joins the collective: only rank 2 (its
-    // successor) can see the silence; ranks 3 and 0 must learn the culprit from the abort.
+fn a_rank_that_stops_answering_is_named_on_every_other_rank(transport: TransportChoice) {
+    // Rank 1 keeps its communicator but never joins the collective. Over TCP only rank 2 (its
+    // successor) can see the silence, and ranks 3 and 0 must learn the culprit from the abort;
+    // over shared memory every rank waits on rank 1's data directly.
     let world = 4;
     let silent = 1;
     let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -415,7 +524,7 @@ fn a_rank_that_stops_answering_is_named_on_every_other_rank() {
     let done_rx = std::sync::Mutex::new(done_rx);
     let errors = on_ring(
         world,
-        options(Duration::from_millis(800), 64),
+        options(transport, Duration::from_millis(800), 64),
         |rank, comm| {
             if rank == silent {
                 // Hold the communicator until the others are done (bounded by the channel timeout).
@@ -439,39 +548,44 @@ fn a_rank_that_stops_answering_is_named_on_every_other_rank() {
     }
 }
 
-#[test]
-fn ranks_disagreeing_on_the_shape_get_a_protocol_error() {
-    let errors = on_ring(2, options(Duration::from_secs(5), 64), |rank, comm| {
-        let t = input(rank, 8 + rank, DType::F32);
-        comm.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string()
-    });
+fn ranks_disagreeing_on_the_shape_get_a_protocol_error(transport: TransportChoice) {
+    let errors = on_ring(
+        2,
+        options(transport, Duration::from_secs(5), 64),
+        |rank, comm| {
+            let t = input(rank, 8 + rank, DType::F32);
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string()
+        },
+    );
     assert!(errors[0].contains("protocol mismatch"), "{}", errors[0]);
     assert!(errors[0].contains("same shape and dtype"), "{}", errors[0]);
     // Rank 1 learns it from rank 0's abort.
     assert!(errors[1].contains("protocol mismatch"), "{}", errors[1]);
 }
 
-#[test]
-fn unusable_tensors_are_refused_before_any_traffic() {
-    on_ring(2, options(Duration::from_secs(5), 64), |rank, comm| {
-        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
-        let err = comm.all_reduce(&m.t().unwrap(), ReduceOp::Sum).unwrap_err();
-        assert!(err.to_string().contains("not contiguous"), "{err}");
-        let u = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
-        let err = comm.all_reduce(&u, ReduceOp::Sum).unwrap_err();
-        assert!(err.to_string().contains("U32"), "{err}");
-        // Nothing was sent, so the ring is still in step.
-        let t = input(rank, 5, DType::I64);
-        comm.all_reduce(&t, ReduceOp::Sum).unwrap();
-        assert_eq!(
-            t.to_vec1::<i64>().unwrap(),
-            expected_ints(2, 5, ReduceOp::Sum)
-        );
-    });
+fn unusable_tensors_are_refused_before_any_traffic(transport: TransportChoice) {
+    on_ring(
+        2,
+        options(transport, Duration::from_secs(5), 64),
+        |rank, comm| {
+            let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+            let err = comm.all_reduce(&m.t().unwrap(), ReduceOp::Sum).unwrap_err();
+            assert!(err.to_string().contains("not contiguous"), "{err}");
+            let u = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
+            let err = comm.all_reduce(&u, ReduceOp::Sum).unwrap_err();
+            assert!(err.to_string().contains("U32"), "{err}");
+            // Nothing was sent, so the ring is still in step.
+            let t = input(rank, 5, DType::I64);
+            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+            assert_eq!(
+                t.to_vec1::<i64>().unwrap(),
+                expected_ints(2, 5, ReduceOp::Sum)
+            );
+        },
+    );
 }
 
-#[test]
-fn communicators_created_one_after_another_on_one_store_do_not_mix() {
+fn communicators_created_one_after_another_on_one_store_do_not_mix(transport: TransportChoice) {
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
     let addr = server.local_addr();
     let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
@@ -481,7 +595,7 @@ fn communicators_created_one_after_another_on_one_store_do_not_mix() {
                     let store =
                         TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
                             .unwrap();
-                    let opts = options(Duration::from_secs(10), 64);
+                    let opts = options(transport, Duration::from_secs(10), 64);
                     let first = CpuCommunicator::connect(&store, rank, 3, opts.clone()).unwrap();
                     drop(first);
                     let second = CpuCommunicator::connect(&store, rank, 3, opts).unwrap();
@@ -496,8 +610,7 @@ fn communicators_created_one_after_another_on_one_store_do_not_mix() {
     assert_eq!(sums, vec![vec![3.0]; 3]);
 }
 
-#[test]
-fn a_world_size_disagreement_is_a_configuration_error() {
+fn a_world_size_disagreement_is_a_configuration_error(transport: TransportChoice) {
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
     let addr = server.local_addr();
     let results: Vec<Result<CpuCommunicator>> = std::thread::scope(|scope| {
@@ -512,18 +625,27 @@ fn a_world_size_disagreement_is_a_configuration_error() {
                         &store,
                         rank,
                         world,
-                        options(Duration::from_millis(500), 64),
+                        options(transport, Duration::from_millis(500), 64),
                     )
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let err = results[0].as_ref().unwrap_err().to_string();
-    assert!(err.contains("world size 3"), "{err}");
-    // Rank 1 waits for a rank 2 that does not exist, and says so.
+    // Rank 0 compares the world sizes before choosing the transport.
+    let err = results[0].as_ref().unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let reason = "rank 1 was started with world size 3 but rank 0 with 2";
+    assert!(err.to_string().contains(reason), "{err}");
     let err = results[1].as_ref().unwrap_err().to_string();
-    assert!(err.contains("rank 2"), "{err}");
+    if transport == TransportChoice::Tcp {
+        // A TCP rank connects its ring without waiting for rank 0's verdict: it waits for a
+        // rank 2 that does not exist, and says so.
+        assert!(err.contains("rank 2"), "{err}");
+    } else {
+        // Rank 1 waits for rank 0's plan, which carries the reason.
+        assert!(err.contains(reason), "{err}");
+    }
 }
 
 #[test]
@@ -545,8 +667,13 @@ fn a_stranger_connecting_to_a_ring_port_is_dropped_and_the_ring_still_forms() {
     let addr = server.local_addr();
     let connect = move |rank: usize| {
         let store = TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10)).unwrap();
-        let comm = CpuCommunicator::connect(&store, rank, 2, options(Duration::from_secs(10), 64))
-            .unwrap();
+        let comm = CpuCommunicator::connect(
+            &store,
+            rank,
+            2,
+            options(TransportChoice::Tcp, Duration::from_secs(10), 64),
+        )
+        .unwrap();
         let t = Tensor::new(&[rank as f32 + 1.0], &Device::Cpu).unwrap();
         comm.all_reduce(&t, ReduceOp::Sum).unwrap();
         t.to_vec1::<f32>().unwrap()
