@@ -35,6 +35,9 @@ struct Args {
     /// Rounds (each runs every configuration once).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Prefetch depth of the Accelerator loops' data loader (0 builds batches inline).
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
     /// Run only this configuration (1-4), e.g. under a profiler.
     #[arg(long)]
     only: Option<usize>,
@@ -84,11 +87,13 @@ fn main() -> Result<()> {
         eprintln!("round {} of {} done", round + 1, args.rounds);
     }
     println!(
-        "MLP 784-{h}-{h}-10, {} samples per optimizer step, {} steps x {} rounds, {} threads",
+        "MLP 784-{h}-{h}-10, {} samples per optimizer step, {} steps x {} rounds, {} threads, \
+         loader prefetch {}",
         args.batch_size,
         args.steps,
         args.rounds,
         candle_core::utils::get_num_threads(),
+        args.prefetch,
         h = args.hidden
     );
     println!(
@@ -198,7 +203,8 @@ fn accelerated(args: &Args, dataset: &Arc<TensorDataset>, k: usize) -> Result<f6
     let (varmap, model) = mlp::build(args.hidden, 0, acc.device())?;
     let params = acc.prepare(&varmap)?;
     let mut opt = acc.prepare(AdamW::new(params, AdamWConfig::default())?)?;
-    let mut loader = acc.prepare(DataLoader::new(dataset.clone(), args.batch_size / k))?;
+    let loader = DataLoader::new(dataset.clone(), args.batch_size / k).prefetch(args.prefetch);
+    let mut loader = acc.prepare(loader)?;
     let mut start = Instant::now();
     for batch in loader.iter() {
         let (x, y) = batch?;
