@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use accelerate_tests::{built_binary, load_flat, run_bounded, tiny_mlp};
+use accelerate_tests::{built_binary, children_by_rank, load_flat, run_bounded, tiny_mlp};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -228,29 +228,9 @@ fn python_safetensors_reads_save_model_output() {
 
 /// Pid of the launcher's child whose environment says `RANK=<rank>`.
 fn worker_pid(launcher_pid: u32, rank: usize) -> Option<u32> {
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
-        let ppid: u32 = after
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        if ppid != launcher_pid {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let want = format!("RANK={rank}");
-        if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
+    children_by_rank(launcher_pid)
+        .into_iter()
+        .find_map(|(r, pid)| (r == rank).then_some(pid))
 }
 
 #[test]

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use accelerate_tests::{built_binary, load_flat, max_abs_diff_flat, run_bounded};
+use accelerate_tests::{
+    alive, built_binary, children_by_rank, load_flat, max_abs_diff_flat, run_bounded,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -422,10 +424,10 @@ fn max_restarts_starts_a_new_round_after_a_failure() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
 }
 
-#[test]
-fn sigterm_to_the_launcher_reaches_every_worker() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("never.safetensors");
+/// Starts a 2-rank mlp job that would train for a very long time and waits until both workers
+/// run; returns the launcher and the workers' (rank, pid).
+fn start_endless_two_rank_job(dir: &Path) -> (std::process::Child, Vec<(usize, u32)>) {
+    let out = dir.join("never.safetensors");
     let mut args = mlp_args(4096, 8, "sgd", &out);
     let at = args.iter().position(|a| a == "--epochs").unwrap();
     args[at + 1] = "1000".into();
@@ -438,17 +440,23 @@ fn sigterm_to_the_launcher_reaches_every_worker() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
-    let workers = loop {
+    loop {
         let w = children_by_rank(child.id());
         if w.len() == 2 {
-            break w;
+            return (child, w);
         }
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the launcher ended early with {status}");
         }
         assert!(Instant::now() < deadline, "workers did not start");
         std::thread::sleep(Duration::from_millis(50));
-    };
+    }
+}
+
+#[test]
+fn sigterm_to_the_launcher_reaches_every_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, workers) = start_endless_two_rank_job(dir.path());
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -486,77 +494,10 @@ fn different_parameters_on_different_ranks_are_refused() {
     );
 }
 
-/// Pids of the launcher's children, by the rank in their environment.
-fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // Field 4 (after the parenthesised command) is the parent pid.
-        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
-        let ppid: u32 = after
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        if ppid != launcher_pid {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let rank = env
-            .split(|&b| b == 0)
-            .find_map(|kv| kv.strip_prefix(b"RANK="))
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
-        if let Some(rank) = rank {
-            found.push((rank, pid));
-        }
-    }
-    found
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit_once(')')
-                .map(|x| x.1)
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-        .unwrap_or(false)
-}
-
 #[test]
 fn a_killed_rank_stops_the_job_and_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("never.safetensors");
-    let mut args = mlp_args(4096, 8, "sgd", &out);
-    let at = args.iter().position(|a| a == "--epochs").unwrap();
-    args[at + 1] = "1000".into();
-    let mut child = Command::new(launcher())
-        .args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-        .arg(mlp())
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let workers = loop {
-        let w = children_by_rank(child.id());
-        if w.len() == 2 {
-            break w;
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the launcher ended early with {status}");
-        }
-        assert!(Instant::now() < deadline, "workers did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (mut child, workers) = start_endless_two_rank_job(dir.path());
     // Let training begin (the rendezvous is over once parameters were broadcast).
     std::thread::sleep(Duration::from_secs(2));
     let victim = workers.iter().find(|(r, _)| *r == 1).unwrap().1;

@@ -293,3 +293,47 @@ pub fn max_abs_diff_flat(
         .flat_map(|(n, va)| va.iter().zip(&b[n]).map(|(x, y)| (x - y).abs()))
         .fold(0.0, f32::max)
 }
+
+/// Pids of a launcher's children, by the rank in their environment.
+pub fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Field 4 (after the parenthesised command) is the parent pid.
+        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+        let ppid: u32 = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid != launcher_pid {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let rank = env
+            .split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(b"RANK="))
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+        if let Some(rank) = rank {
+            found.push((rank, pid));
+        }
+    }
+    found
+}
+
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .map(|x| x.1)
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(false)
+}
