@@ -301,20 +301,17 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     Ok(())
 }
 
-/// Parameters at least this large are accumulated by several threads.
-const PARALLEL_MIN_ELEMS: usize = 1 << 18;
-
 /// `dst[i][j] (+)= s * src[j][i]` for `dst` `[rows, cols]` and `src` `[cols, rows]`, both
-/// row-major, in tiles so that both sides stay in cache; bands of rows go to different threads for
-/// large matrices.
+/// row-major, in tiles so that both sides stay in cache.
+///
+/// Single-threaded on purpose: candle's kernels already keep every core busy, and a second thread
+/// pool spinning up beside them measurably slowed the step on a 2-core machine (BENCHMARKS.md).
 fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32, overwrite: bool) {
     const TILE: usize = 32;
-    let band = |first_row: usize, dst: &mut [f32]| {
-        let band_rows = dst.len() / cols.max(1);
+    for i0 in (0..rows).step_by(TILE) {
         for j0 in (0..cols).step_by(TILE) {
-            for r in 0..band_rows {
-                let i = first_row + r;
-                let d = &mut dst[r * cols..(r + 1) * cols];
+            for i in i0..(i0 + TILE).min(rows) {
+                let d = &mut dst[i * cols..(i + 1) * cols];
                 for j in j0..(j0 + TILE).min(cols) {
                     let x = src[j * rows + i] * s;
                     if overwrite {
@@ -325,41 +322,20 @@ fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32
                 }
             }
         }
-    };
-    if rows * cols < PARALLEL_MIN_ELEMS || cols == 0 {
-        for (b, chunk) in dst.chunks_mut(TILE * cols.max(1)).enumerate() {
-            band(b * TILE, chunk);
-        }
-        return;
     }
-    use rayon::prelude::*;
-    dst.par_chunks_mut(TILE * cols)
-        .enumerate()
-        .for_each(|(b, chunk)| band(b * TILE, chunk));
 }
 
-/// `dst (+)= s * src` elementwise, split over threads for large parameters.
+/// `dst (+)= s * src` elementwise.
 fn add_contiguous(dst: &mut [f32], src: &[f32], s: f32, overwrite: bool) {
-    let part = |d: &mut [f32], g: &[f32]| {
-        if overwrite {
-            if s == 1.0 {
-                d.copy_from_slice(g);
-            } else {
-                d.iter_mut().zip(g).for_each(|(d, &x)| *d = x * s);
-            }
+    if overwrite {
+        if s == 1.0 {
+            dst.copy_from_slice(src);
         } else {
-            d.iter_mut().zip(g).for_each(|(d, &x)| *d += x * s);
+            dst.iter_mut().zip(src).for_each(|(d, &x)| *d = x * s);
         }
-    };
-    if dst.len() < PARALLEL_MIN_ELEMS {
-        part(dst, src);
-        return;
+    } else {
+        dst.iter_mut().zip(src).for_each(|(d, &x)| *d += x * s);
     }
-    use rayon::prelude::*;
-    let chunk = dst.len().div_ceil(rayon::current_num_threads().max(1));
-    dst.par_chunks_mut(chunk)
-        .zip(src.par_chunks(chunk))
-        .for_each(|(d, g)| part(d, g));
 }
 
 /// Copies `src` into the storage behind `view` (device-generic path).
@@ -421,8 +397,9 @@ mod tests {
     }
 
     #[test]
-    fn threaded_accumulation_of_large_matrices_matches_the_formula() {
-        // 600 x 500 = 300,000 elements: above the threshold, so bands run on several threads.
+    fn accumulation_of_large_matrices_matches_the_formula() {
+        // 600 x 500: many tiles, with partial tiles at both edges (600 and 500 are not multiples
+        // of 32).
         let (rows, cols) = (600usize, 500usize);
         let var = Var::zeros((rows, cols), DType::F32, &Device::Cpu).unwrap();
         let mut g = GradientBuffers::new(&[("w".into(), var)], usize::MAX).unwrap();
