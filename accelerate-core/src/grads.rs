@@ -307,18 +307,18 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
 /// Single-threaded on purpose: candle's kernels already keep every core busy, and a second thread
 /// pool spinning up beside them measurably slowed the step on a 2-core machine (BENCHMARKS.md).
 fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32, overwrite: bool) {
-    const TILE: usize = 32;
+    const TILE: usize = 64;
     for i0 in (0..rows).step_by(TILE) {
         for j0 in (0..cols).step_by(TILE) {
+            let j1 = (j0 + TILE).min(cols);
             for i in i0..(i0 + TILE).min(rows) {
-                let d = &mut dst[i * cols..(i + 1) * cols];
-                for j in j0..(j0 + TILE).min(cols) {
-                    let x = src[j * rows + i] * s;
-                    if overwrite {
-                        d[j] = x;
-                    } else {
-                        d[j] += x;
-                    }
+                let d = &mut dst[i * cols + j0..i * cols + j1];
+                // src[j][i] for j in j0..j1: every `rows`-th element from src[j0][i].
+                let column = src[j0 * rows + i..].iter().step_by(rows);
+                if overwrite {
+                    d.iter_mut().zip(column).for_each(|(d, &x)| *d = x * s);
+                } else {
+                    d.iter_mut().zip(column).for_each(|(d, &x)| *d += x * s);
                 }
             }
         }
