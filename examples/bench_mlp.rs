@@ -45,6 +45,9 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // Every configuration runs with the same allocator settings (the Accelerator applies them
+    // when it is built; the plain loops must not be measured with glibc's defaults instead).
+    accelerate_core::malloc::keep_freed_memory();
     let samples = args.batch_size * (args.steps + 2);
     let (x, y) = mlp::synthetic_data(samples, 0)?;
     let dataset = Arc::new(TensorDataset::new(x.clone(), y.clone())?);

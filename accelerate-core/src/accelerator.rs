@@ -111,6 +111,9 @@ impl AcceleratorBuilder {
             },
         };
         let device = self.device.unwrap_or(Device::Cpu);
+        if device.is_cpu() {
+            crate::malloc::keep_freed_memory();
+        }
         let seed = self.seed.unwrap_or(0);
         if !device.is_cpu() {
             // The CPU generator cannot be seeded in candle; ours are explicit ChaCha generators.

@@ -61,6 +61,7 @@ pub mod data;
 pub mod error;
 pub mod files;
 pub mod grads;
+pub mod malloc;
 pub mod optim;
 pub mod prepared;
 pub mod state;
