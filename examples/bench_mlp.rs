@@ -121,6 +121,17 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Runs `run(0)` and `run(1)` as warm-up, then `steps` timed steps; milliseconds per step.
+fn time_steps(steps: usize, mut run: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    run(0)?;
+    run(1)?;
+    let start = Instant::now();
+    for i in 2..steps + 2 {
+        run(i)?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
+}
+
 /// Milliseconds per optimizer step of a plain candle loop.
 fn plain_candle(args: &Args, x: &Tensor, y: &Tensor) -> Result<f64> {
     let (varmap, model) = mlp::build(args.hidden, 0, &Device::Cpu)?;
@@ -132,20 +143,14 @@ fn plain_candle(args: &Args, x: &Tensor, y: &Tensor) -> Result<f64> {
         },
     )?;
     let b = args.batch_size;
-    let mut run = |i: usize| -> Result<()> {
+    let run = |i: usize| -> Result<()> {
         let xb = x.narrow(0, i * b, b)?;
         let yb = y.narrow(0, i * b, b)?;
         let loss = candle_nn::loss::cross_entropy(&model.forward(&xb)?, &yb)?;
         opt.backward_step(&loss)?;
         Ok(())
     };
-    run(0)?;
-    run(1)?;
-    let start = Instant::now();
-    for i in 2..args.steps + 2 {
-        run(i)?;
-    }
-    Ok(start.elapsed().as_secs_f64() * 1e3 / args.steps as f64)
+    time_steps(args.steps, run)
 }
 
 /// Milliseconds per optimizer step of a hand-written accumulation loop: K backward passes, the
@@ -164,7 +169,9 @@ fn hand_accumulated(args: &Args, x: &Tensor, y: &Tensor, k: usize) -> Result<f64
     params.sort_by(|a, b| a.0.cmp(&b.0));
     let mut opt = AdamW::new(params.clone(), AdamWConfig::default())?;
     let b = args.batch_size / k;
-    let mut run = |i: usize| -> Result<()> {
+    // Allocated once, like the Accelerator's buckets, so the baseline does not pay for it per step.
+    let mut buffers = GradientBuffers::new(&params, usize::MAX)?;
+    let run = |i: usize| -> Result<()> {
         let mut sums: Vec<Option<Tensor>> = vec![None; params.len()];
         for j in 0..k {
             let xb = x.narrow(0, (i * k + j) * b, b)?;
@@ -181,20 +188,14 @@ fn hand_accumulated(args: &Args, x: &Tensor, y: &Tensor, k: usize) -> Result<f64
                 });
             }
         }
-        let mut buffers = GradientBuffers::new(&params, usize::MAX)?;
+        buffers.zero();
         for ((name, _), sum) in params.iter().zip(&sums) {
             buffers.accumulate_one(name, sum.as_ref().expect("summed"), 1.0)?;
         }
         opt.step(&buffers)?;
         Ok(())
     };
-    run(0)?;
-    run(1)?;
-    let start = Instant::now();
-    for i in 2..args.steps + 2 {
-        run(i)?;
-    }
-    Ok(start.elapsed().as_secs_f64() * 1e3 / args.steps as f64)
+    time_steps(args.steps, run)
 }
 
 /// Milliseconds per optimizer step of the Accelerator loop with K micro-batches of batch/K.
