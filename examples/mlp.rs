@@ -310,9 +310,10 @@ fn train<O: Optimizer>(
     });
     acc.print(format!(
         "training: {samples} samples, {} process(es), batch {} x {k} micro-steps per rank, \
-         {total_steps} optimizer steps",
+         {total_steps} optimizer steps, on {:?}",
         acc.num_processes(),
-        args.batch_size
+        args.batch_size,
+        acc.device().location()
     ));
 
     let start = Instant::now();

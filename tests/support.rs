@@ -31,8 +31,13 @@ impl TinyMlp {
 
 /// The tiny model with seeded weights (same seed, same weights).
 pub fn tiny_mlp(seed: u64) -> Result<(VarMap, TinyMlp)> {
+    tiny_mlp_on(seed, &Device::Cpu)
+}
+
+/// [`tiny_mlp`] with its parameters on `device` (the same values on every device).
+pub fn tiny_mlp_on(seed: u64, device: &Device) -> Result<(VarMap, TinyMlp)> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
     let model = TinyMlp {
         l1: candle_nn::linear(TINY_IN, 8, vb.pp("l1"))?,
         l2: candle_nn::linear(8, TINY_CLASSES, vb.pp("l2"))?,
@@ -42,7 +47,7 @@ pub fn tiny_mlp(seed: u64) -> Result<(VarMap, TinyMlp)> {
         let v: Vec<f32> = (0..var.elem_count())
             .map(|_| rng.random_range(-0.5f32..0.5))
             .collect();
-        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu)?)?;
+        var.set(&Tensor::from_vec(v, var.dims(), device)?)?;
     }
     Ok((varmap, model))
 }

@@ -50,7 +50,8 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// The device this process computes on (default: the CPU).
+    /// The device this process computes on (default: GPU `LOCAL_RANK` in a `cuda` build on a
+    /// machine with GPUs, else the CPU; see [`crate::device`]).
     pub fn device(mut self, device: Device) -> Self {
         self.device = Some(device);
         self
@@ -92,7 +93,6 @@ impl AcceleratorBuilder {
             Some(s) => s,
             None => ProcessState::from_env()?,
         };
-        let membership = join(&state)?;
         let bucket_cap_bytes = match self.bucket_cap_bytes {
             Some(b) => b,
             None => match std::env::var(BUCKET_CAP_MB_ENV) {
@@ -110,7 +110,11 @@ impl AcceleratorBuilder {
                 _ => DEFAULT_BUCKET_CAP_BYTES,
             },
         };
-        let device = self.device.unwrap_or(Device::Cpu);
+        let device = match self.device {
+            Some(device) => device,
+            None => crate::device::select_device(&state)?,
+        };
+        let membership = join(&state, &device)?;
         if device.is_cpu() {
             crate::malloc::keep_freed_memory();
         }

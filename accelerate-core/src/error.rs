@@ -80,6 +80,10 @@ pub enum Error {
         hint: String,
     },
 
+    /// No usable device: a GPU was required but is missing, or a local rank has no GPU.
+    #[error("device: {0}")]
+    Device(String),
+
     /// The rendezvous store refused a request or could not be reached.
     #[error("rendezvous store: {0}")]
     Store(String),

@@ -58,6 +58,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod cpu_slices;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod files;
 pub mod grads;

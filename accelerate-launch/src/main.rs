@@ -3,6 +3,7 @@
 //! whole group stopped when one rank fails).
 
 mod cli;
+mod gpus;
 mod supervise;
 mod worker_env;
 
@@ -31,14 +32,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// Number of CUDA devices this build can use.
-fn gpu_count() -> usize {
-    0
-}
-
 fn launch(args: cli::Args) -> Result<ExitCode, String> {
     args.validate()?;
-    let gpus = gpu_count();
+    let gpus = gpus::visible_gpu_count();
     let (world_size, cpu) = match (args.num_gpus, args.num_processes) {
         (Some(n), _) if args.cpu => {
             return Err(format!(
@@ -52,8 +48,9 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         }
         (Some(n), _) if n > gpus => {
             return Err(format!(
-                "--num-gpus {n}: found {gpus} usable GPU(s) (this build has no CUDA support); use \
-                 --cpu --num-processes {n} to train on the CPU"
+                "--num-gpus {n}: this machine has {gpus} visible GPU(s) (CUDA_VISIBLE_DEVICES={}); \
+                 ask for at most {gpus}, or use --cpu --num-processes {n} to train on the CPU",
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
             ))
         }
         (Some(n), _) => (n, false),

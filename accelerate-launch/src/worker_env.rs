@@ -72,6 +72,10 @@ impl JobLayout {
         }
         if self.cpu {
             set("ACCELERATE_USE_CPU", "1".into());
+        } else {
+            // One process per GPU: a worker that cannot use its GPU must fail, not crawl on the
+            // CPU (LOCAL_RANK picks the GPU).
+            set("ACCELERATE_DEVICE", "cuda".into());
         }
         // As torchrun sets OMP_NUM_THREADS=1 for several workers per node: workers that each use
         // every core oversubscribe the machine. candle's CPU kernels follow RAYON_NUM_THREADS.

@@ -218,7 +218,8 @@ fn allreduce() -> Result<(), String> {
             .map(|i| (0..n).map(|k| value(k, i)).max().unwrap())
             .collect();
         // i64 exactly; f64 and f32 hold these small integers exactly too.
-        let t = Tensor::new(mine.as_slice(), &Device::Cpu).map_err(s)?;
+        // On the accelerator's device: under `--num-gpus` this exercises NCCL.
+        let t = Tensor::new(mine.as_slice(), acc.device()).map_err(s)?;
         let got = acc
             .reduce(&t, ReduceOp::Sum)
             .map_err(e)?

@@ -10,6 +10,8 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 
+use candle_core::Device;
+
 use super::cpu::{CpuCommOptions, CpuCommunicator};
 use super::store::{Store, StoreServer, TcpStoreClient};
 use super::{Communicator, LocalCommunicator};
@@ -40,9 +42,10 @@ impl std::fmt::Debug for Membership {
     }
 }
 
-/// Joins the job described by `state`. A single process gets the local communicator and opens
-/// no socket.
-pub fn join(state: &ProcessState) -> Result<Membership> {
+/// Joins the job described by `state`, for tensors on `device`. A single process gets the local
+/// communicator and opens no socket. Ranks on GPUs talk through NCCL (the `nccl` feature), ranks on
+/// the CPU through the CPU communicator; the store serves both for the rendezvous.
+pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     if state.world_size == 1 {
         return Ok(Membership {
             comm: Box::new(LocalCommunicator::new()),
@@ -94,12 +97,52 @@ pub fn join(state: &ProcessState) -> Result<Membership> {
         })?;
     }
     let store: Arc<dyn Store> = Arc::new(client);
-    let comm = CpuCommunicator::connect(store.as_ref(), state.rank, state.world_size, options)?;
+    let comm: Box<dyn Communicator> = if device.is_cpu() {
+        Box::new(CpuCommunicator::connect(
+            store.as_ref(),
+            state.rank,
+            state.world_size,
+            options,
+        )?)
+    } else {
+        gpu_communicator(store.as_ref(), state, device, options.timeout)?
+    };
     Ok(Membership {
-        comm: Box::new(comm),
+        comm,
         store: Some(store),
         hosted,
     })
+}
+
+#[cfg(feature = "nccl")]
+fn gpu_communicator(
+    store: &dyn Store,
+    state: &ProcessState,
+    device: &Device,
+    timeout: std::time::Duration,
+) -> Result<Box<dyn Communicator>> {
+    Ok(Box::new(super::nccl::NcclCommunicator::connect(
+        store,
+        device,
+        state.rank,
+        state.world_size,
+        timeout,
+    )?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn gpu_communicator(
+    _store: &dyn Store,
+    state: &ProcessState,
+    device: &Device,
+    _timeout: std::time::Duration,
+) -> Result<Box<dyn Communicator>> {
+    Err(Error::Device(format!(
+        "{} processes compute on {:?}, but this program was built without the `nccl` feature, \
+         which GPUs need to talk to each other; rebuild with `--features nccl`",
+        state.world_size,
+        device.location()
+    )))
 }
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr> {

@@ -11,10 +11,14 @@
 pub mod cpu;
 pub mod join;
 mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod store;
 
 pub use cpu::{CpuCommOptions, CpuCommunicator};
 pub use local::LocalCommunicator;
+#[cfg(feature = "nccl")]
+pub use nccl::NcclCommunicator;
 pub use store::{Store, StoreServer, TcpStoreClient};
 
 use candle_core::Tensor;

@@ -1,0 +1,41 @@
+# accelerate-rs for NVIDIA GPUs: `accelerate-launch` and the examples, built with NCCL.
+#
+#   docker build -t accelerate-rs .
+#   docker run --gpus all --rm accelerate-rs \
+#       accelerate-launch --num-gpus 8 /opt/accelerate/examples/mlp --grad-accum 4
+#
+# The build stage compiles candle's CUDA kernels for CUDA_COMPUTE_CAP (90 = Hopper; 80 = Ampere).
+ARG CUDA_VERSION=13.0.0
+ARG UBUNTU=ubuntu24.04
+
+FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build
+ARG CUDA_COMPUTE_CAP=90
+ENV CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP} \
+    CUDA_ROOT=/usr/local/cuda \
+    PATH=/root/.cargo/bin:/usr/local/cuda/bin:${PATH}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl ca-certificates build-essential pkg-config \
+      libnccl-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95.0
+WORKDIR /src
+COPY . .
+# The launcher links no CUDA; the examples and the GPU tests link candle's CUDA backend and NCCL.
+RUN cargo build --release -p accelerate-launch \
+ && cargo build --release -p accelerate-examples --features nccl --examples \
+ && cargo build --release -p accelerate-tests --features nccl --tests --bins \
+ && mkdir -p /out/examples /out/tests \
+ && cp target/release/accelerate-launch /out/ \
+ && cp target/release/examples/mlp target/release/examples/bench_mlp \
+       target/release/examples/bench_allreduce /out/examples/ \
+ && cp target/release/accelerate-test-worker /out/ \
+ && cp "$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)" /out/tests/gpu
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libnccl2 \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /out /opt/accelerate
+ENV PATH=/opt/accelerate:${PATH}
+WORKDIR /workspace
+CMD ["accelerate-launch", "--help"]

@@ -1,0 +1,501 @@
+//! Collectives between GPUs through NCCL (the `nccl` feature), with cudarc as candle re-exports it.
+//!
+//! - **Rendezvous.** Rank 0 creates NCCL's unique id and publishes its 128 bytes in the store; the
+//!   others read it, and every rank announces itself, so that a rank that never arrives is a timeout
+//!   naming it instead of `ncclCommInitRank` blocking forever.
+//! - **Ordering.** The communicator is bound to the stream candle computes on
+//!   (`CudaDevice::cuda_stream`, the per-thread default stream of the training thread), so a
+//!   collective runs after the backward pass that produced its gradients and before the optimizer
+//!   kernels that read them, without a host synchronization.
+//! - **In place, on the device.** Buckets are reduced where they live: the tensor's storage is
+//!   borrowed mutably through candle's `InplaceOp1`; nothing is copied through the host.
+//! - **Timeouts.** NCCL kernels wait for their peers forever. After each collective an event is
+//!   recorded on the stream, and a watchdog thread ends the process with an error naming the
+//!   collective if the event has not completed within the collective timeout (as PyTorch's NCCL
+//!   watchdog does); `accelerate-launch` then stops the other ranks.
+
+use std::cell::Cell;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use candle_core::cuda_backend::cudarc::nccl::ReduceOp as NcclOp;
+use candle_core::cuda_backend::cudarc::nccl::{result::NcclError, Comm, Id, NcclType};
+use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
+
+use super::store::Store;
+use super::{CommStats, Communicator, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Store key under which rank 0 publishes NCCL's unique id.
+const ID_KEY: &str = "accelerate/nccl/unique_id";
+
+/// A communicator over NCCL for ranks that each own one GPU.
+pub struct NcclCommunicator {
+    comm: Comm,
+    device: Device,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world_size: usize,
+    stats: Cell<CommStats>,
+    watchdog: Watchdog,
+}
+
+impl std::fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclCommunicator")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .finish_non_exhaustive()
+    }
+}
+
+fn nccl_error(op: &'static str, rank: usize) -> impl Fn(NcclError) -> Error {
+    move |e| Error::Collective {
+        op,
+        peer: None,
+        problem: format!(
+            "NCCL returned {:?} on rank {rank} (run with NCCL_DEBUG=WARN for NCCL's own message)",
+            e.0
+        ),
+    }
+}
+
+impl NcclCommunicator {
+    /// Joins the NCCL communicator of `world_size` ranks through `store`. `device` must be this
+    /// rank's GPU; every wait on another rank gives up after `timeout`.
+    pub fn connect(
+        store: &dyn Store,
+        device: &Device,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let cuda = device.as_cuda_device().map_err(|_| {
+            Error::Device(format!(
+                "the NCCL communicator needs a GPU device, got {:?}",
+                device.location()
+            ))
+        })?;
+        let stream = cuda.cuda_stream();
+        let id = if rank == 0 {
+            let id = Id::new().map_err(nccl_error("ncclGetUniqueId", rank))?;
+            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            store.set(ID_KEY, &bytes)?;
+            id
+        } else {
+            let bytes = store.get(ID_KEY, timeout).map_err(|e| Error::Timeout {
+                what: "rank 0 to publish NCCL's unique id".into(),
+                after: timeout,
+                hint: format!("rank 0 did not reach the NCCL rendezvous ({e}); see its output"),
+            })?;
+            let internal: [std::ffi::c_char; 128] = bytes
+                .iter()
+                .map(|&b| b as std::ffi::c_char)
+                .collect::<Vec<_>>()
+                .try_into()
+                .map_err(|_| {
+                    Error::Store(format!(
+                        "NCCL's unique id has {} bytes in the store, expected 128",
+                        bytes.len()
+                    ))
+                })?;
+            Id::uninit(internal)
+        };
+        // Everyone announces itself and waits for everyone: ncclCommInitRank itself would wait
+        // for a missing rank without a limit.
+        store.set(&format!("accelerate/nccl/arrived/{rank}"), b"1")?;
+        for peer in 0..world_size {
+            store
+                .get(&format!("accelerate/nccl/arrived/{peer}"), timeout)
+                .map_err(|_| Error::Timeout {
+                    what: format!("rank {peer} to join the NCCL communicator"),
+                    after: timeout,
+                    hint: format!(
+                        "rank {peer} failed or is stuck before the rendezvous; see its output \
+                         (ACCELERATE_COLLECTIVE_TIMEOUT raises the limit)"
+                    ),
+                })?;
+        }
+        let comm = Comm::from_rank(stream.clone(), rank, world_size, id)
+            .map_err(nccl_error("ncclCommInitRank", rank))?;
+        Ok(Self {
+            comm,
+            device: device.clone(),
+            watchdog: Watchdog::start(rank, timeout, stream.context().clone()),
+            stream,
+            rank,
+            world_size,
+            stats: Cell::new(CommStats::default()),
+        })
+    }
+
+    /// Hands the work queued so far to the watchdog, which ends the process if it does not
+    /// complete in time.
+    fn watch(&self, op: &'static str) -> Result<()> {
+        let event = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| Error::Device(format!("recording a CUDA event after {op}: {e:?}")))?;
+        self.watchdog.watch(event, op);
+        Ok(())
+    }
+
+    fn count(&self, f: impl FnOnce(&mut CommStats)) {
+        let mut s = self.stats.get();
+        f(&mut s);
+        self.stats.set(s);
+    }
+
+    /// Runs `f` on the mutable device slice behind `tensor` (exactly the tensor's elements).
+    fn with_slice_mut(
+        &self,
+        tensor: &Tensor,
+        op: &'static str,
+        f: impl FnOnce(&mut DeviceSliceMut<'_>) -> std::result::Result<(), NcclError>,
+    ) -> Result<()> {
+        if !tensor.is_contiguous() {
+            return Err(Error::Collective {
+                op,
+                peer: None,
+                problem: "the tensor is not contiguous; call .contiguous() first".into(),
+            });
+        }
+        let inplace = SliceOp {
+            f: std::sync::Mutex::new(Some(f)),
+            result: std::sync::Mutex::new(None),
+        };
+        tensor.inplace_op1(&inplace)?;
+        match inplace
+            .result
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(nccl_error(op, self.rank)(e)),
+            None => Err(Error::Collective {
+                op,
+                peer: None,
+                problem: "the tensor is not on this rank's GPU".into(),
+            }),
+        }
+    }
+}
+
+/// A mutable view of a tensor's elements on the device, by dtype.
+#[allow(missing_docs)]
+pub enum DeviceSliceMut<'a> {
+    F32(&'a mut CudaSlice<f32>, usize, usize),
+    F16(&'a mut CudaSlice<half::f16>, usize, usize),
+    Bf16(&'a mut CudaSlice<half::bf16>, usize, usize),
+    F64(&'a mut CudaSlice<f64>, usize, usize),
+    I64(&'a mut CudaSlice<i64>, usize, usize),
+    U32(&'a mut CudaSlice<u32>, usize, usize),
+    U8(&'a mut CudaSlice<u8>, usize, usize),
+}
+
+/// Calls `$body` with `$s` bound to the typed `CudaViewMut` of a [`DeviceSliceMut`].
+macro_rules! with_view {
+    ($slice:expr, |$s:ident| $body:expr) => {
+        match $slice {
+            DeviceSliceMut::F32(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::F16(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::Bf16(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::F64(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::I64(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::U32(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+            DeviceSliceMut::U8(x, a, b) => {
+                let mut $s = x.slice_mut(*a..*b);
+                $body
+            }
+        }
+    };
+}
+
+struct SliceOp<F> {
+    f: std::sync::Mutex<Option<F>>,
+    result: std::sync::Mutex<Option<std::result::Result<(), NcclError>>>,
+}
+
+impl<F> InplaceOp1 for SliceOp<F>
+where
+    F: FnOnce(&mut DeviceSliceMut<'_>) -> std::result::Result<(), NcclError>,
+{
+    fn name(&self) -> &'static str {
+        "nccl-collective"
+    }
+
+    fn cpu_fwd(&self, _storage: &mut CpuStorage, _layout: &Layout) -> candle_core::Result<()> {
+        // Leaves `result` empty: the caller reports that the tensor is not on the GPU.
+        Ok(())
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("non-contiguous tensor".into()));
+        };
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let dtype = storage.dtype();
+        let mut view = match &mut storage.slice {
+            S::F32(x) => DeviceSliceMut::F32(x, a, b),
+            S::F16(x) => DeviceSliceMut::F16(x, a, b),
+            S::BF16(x) => DeviceSliceMut::Bf16(x, a, b),
+            S::F64(x) => DeviceSliceMut::F64(x, a, b),
+            S::I64(x) => DeviceSliceMut::I64(x, a, b),
+            S::U32(x) => DeviceSliceMut::U32(x, a, b),
+            S::U8(x) => DeviceSliceMut::U8(x, a, b),
+            _ => {
+                return Err(candle_core::Error::Msg(format!(
+                    "NCCL collectives do not support {dtype:?} tensors"
+                )))
+            }
+        };
+        if let Some(f) = self.f.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(f(&mut view));
+        }
+        Ok(())
+    }
+}
+
+fn nccl_op(op: ReduceOp, dtype: DType) -> Result<NcclOp> {
+    Ok(match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Mean if dtype.is_float() => NcclOp::Avg,
+        ReduceOp::Mean => {
+            return Err(Error::Collective {
+                op: "all_reduce",
+                peer: None,
+                problem: format!(
+                    "Mean of a {dtype:?} tensor; reduce with Sum and divide, or cast to a float"
+                ),
+            })
+        }
+    })
+}
+
+/// Bytes a ring all-reduce of `bytes` sends from each of `n` ranks (NCCL's algorithm for large
+/// messages; the same figure the CPU ring reports).
+fn ring_all_reduce_bytes(bytes: usize, n: usize) -> u64 {
+    (2 * (n - 1) * bytes / n) as u64
+}
+
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        let nop = nccl_op(op, tensor.dtype())?;
+        let comm = &self.comm;
+        self.with_slice_mut(tensor, "all_reduce", |slice| {
+            with_view!(slice, |s| comm
+                .all_reduce_in_place(&mut s, &nop)
+                .map(|_| ()))
+        })?;
+        self.watch("all_reduce")?;
+        let bytes = tensor.elem_count() * tensor.dtype().size_in_bytes();
+        let n = self.world_size;
+        self.count(|s| {
+            s.all_reduces += 1;
+            s.bytes_sent += ring_all_reduce_bytes(bytes, n);
+        });
+        Ok(())
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        if root >= self.world_size {
+            return Err(Error::Collective {
+                op: "broadcast",
+                peer: None,
+                problem: format!("root {root} is not a rank of {}", self.world_size),
+            });
+        }
+        let comm = &self.comm;
+        self.with_slice_mut(tensor, "broadcast", |slice| {
+            with_view!(slice, |s| comm
+                .broadcast_in_place(&mut s, root as i32)
+                .map(|_| ()))
+        })?;
+        self.watch("broadcast")?;
+        let bytes = (tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64;
+        let is_root = self.rank == root;
+        self.count(|s| {
+            s.broadcasts += 1;
+            if is_root {
+                s.bytes_sent += bytes;
+            }
+        });
+        Ok(())
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        // NCCL's all-gather concatenates flat buffers in rank order, which is concatenation
+        // along dimension 0 of contiguous tensors.
+        let input = tensor.contiguous()?;
+        let mut dims = input.dims().to_vec();
+        if dims.is_empty() {
+            dims.push(1);
+        }
+        dims[0] *= self.world_size;
+        let out = Tensor::zeros(dims, input.dtype(), input.device())?;
+        let (storage, layout) = input.storage_and_layout();
+        let Storage::Cuda(src) = &*storage else {
+            return Err(Error::Collective {
+                op: "all_gather",
+                peer: None,
+                problem: "the tensor is not on this rank's GPU".into(),
+            });
+        };
+        let (a, b) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| Error::Collective {
+                op: "all_gather",
+                peer: None,
+                problem: "non-contiguous input".into(),
+            })?;
+        let comm = &self.comm;
+        self.with_slice_mut(&out, "all_gather", |dst| {
+            use candle_core::cuda_backend::CudaStorageSlice as S;
+            fn gather<T: NcclType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+                comm: &Comm,
+                src: &CudaSlice<T>,
+                (a, b): (usize, usize),
+                dst: &mut CudaSlice<T>,
+                (c, d): (usize, usize),
+            ) -> std::result::Result<(), NcclError> {
+                comm.all_gather(&src.slice(a..b), &mut dst.slice_mut(c..d))
+                    .map(|_| ())
+            }
+            match (&src.slice, dst) {
+                (S::F32(s), DeviceSliceMut::F32(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::F16(s), DeviceSliceMut::F16(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::BF16(s), DeviceSliceMut::Bf16(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::F64(s), DeviceSliceMut::F64(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::I64(s), DeviceSliceMut::I64(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::U32(s), DeviceSliceMut::U32(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::U8(s), DeviceSliceMut::U8(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                _ => Err(NcclError(
+                    candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t::ncclInvalidArgument,
+                )),
+            }
+        })?;
+        drop(storage);
+        self.watch("all_gather")?;
+        let bytes = (input.elem_count() * input.dtype().size_in_bytes()) as u64;
+        let n = self.world_size as u64;
+        self.count(|s| {
+            s.all_gathers += 1;
+            s.bytes_sent += bytes * (n - 1);
+        });
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // A one-element all-reduce that every rank must join, then wait for it on the host.
+        let token = Tensor::zeros(1, DType::F32, &self.device)?;
+        let comm = &self.comm;
+        self.with_slice_mut(&token, "barrier", |slice| {
+            with_view!(slice, |s| comm
+                .all_reduce_in_place(&mut s, &NcclOp::Sum)
+                .map(|_| ()))
+        })?;
+        self.watch("barrier")?;
+        self.stream.synchronize().map_err(|e| Error::Collective {
+            op: "barrier",
+            peer: None,
+            problem: format!("CUDA error while waiting for the barrier: {e:?}"),
+        })?;
+        self.count(|s| s.barriers += 1);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.get()
+    }
+}
+
+/// Ends the process when queued GPU work does not complete within the timeout.
+struct Watchdog {
+    tx: mpsc::Sender<(CudaEvent, &'static str, Instant)>,
+}
+
+impl Watchdog {
+    fn start(
+        rank: usize,
+        timeout: Duration,
+        context: Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel::<(CudaEvent, &'static str, Instant)>();
+        std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{rank}"))
+            .spawn(move || {
+                let _ = context.bind_to_thread();
+                // Events complete in the order they were recorded on the one stream, so waiting
+                // for each in turn is enough.
+                while let Ok((event, op, started)) = rx.recv() {
+                    let mut pause = Duration::from_micros(50);
+                    loop {
+                        match event.try_is_complete() {
+                            Ok(true) => break,
+                            Ok(false) => {}
+                            Err(e) => die(rank, &format!("CUDA error after NCCL {op}: {e:?}")),
+                        }
+                        if started.elapsed() > timeout {
+                            die(
+                                rank,
+                                &format!(
+                                    "NCCL {op} did not complete within {timeout:?}: another rank \
+                                     stopped or died before joining it (see its output); set \
+                                     ACCELERATE_COLLECTIVE_TIMEOUT to wait longer"
+                                ),
+                            );
+                        }
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_millis(20));
+                    }
+                }
+            })
+            .expect("spawning the NCCL watchdog thread");
+        Self { tx }
+    }
+
+    fn watch(&self, event: CudaEvent, op: &'static str) {
+        // The thread only ends with the communicator, so the send cannot fail while it is used.
+        let _ = self.tx.send((event, op, Instant::now()));
+    }
+}
+
+/// Prints the error and exits at once: the GPU is stuck in a kernel that waits for a dead peer,
+/// so neither unwinding nor exit handlers (which would synchronize with it) can run.
+fn die(rank: usize, msg: &str) -> ! {
+    eprintln!("accelerate: error on rank {rank}: {msg}");
+    // SAFETY: _exit ends the process without running handlers; nothing is left half-written
+    // because checkpoint files are only ever renamed into place when complete.
+    unsafe { libc::_exit(1) }
+}

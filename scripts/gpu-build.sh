@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Compiles the GPU code (`--features nccl`: candle's CUDA backend and NCCL) on a machine without a
+# GPU or a CUDA installation, with NVIDIA's toolchain from Python wheels.
+#
+#   scripts/gpu-build.sh check   type-checks (clippy, -D warnings) every target with `--features nccl`
+#                                (what CI runs)
+#   scripts/gpu-build.sh build   also links release binaries (examples, GPU tests, the launcher),
+#                                against a stub libcuda; copy them to a GPU machine and run them
+#                                there (see README, "GPU tests")
+#
+# Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
+# target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper).
+#
+# The wheel versions must agree with each other (a newer nvvm than nvcc fails with "Unsupported
+# .version"), and the toolkit must not be newer than the driver of the machine that runs the
+# binaries: PTX from a newer nvcc does not load on an older driver. 13.0 runs on driver 580.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode="${1:-check}"
+CUDA_VERSION_PIN="${CUDA_VERSION_PIN:-13.0.88}"
+venv="${CUDA_VENV:-$PWD/target/cuda-venv}"
+export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$PWD/target/cuda}"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+
+if [ ! -x "$venv/bin/nvcc-ok" ]; then
+  echo "gpu-build: installing NVIDIA's CUDA $CUDA_VERSION_PIN wheels into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check \
+    "nvidia-cuda-nvcc==$CUDA_VERSION_PIN" "nvidia-nvvm==$CUDA_VERSION_PIN" \
+    "nvidia-cuda-crt==$CUDA_VERSION_PIN" "nvidia-cuda-runtime==$CUDA_VERSION_PIN" \
+    "nvidia-cuda-nvrtc==$CUDA_VERSION_PIN" "nvidia-cuda-cccl==13.0.85" \
+    "nvidia-cublas<13.1" "nvidia-curand<10.4.1" "nvidia-nccl-cu13==2.27.7"
+  touch "$venv/bin/nvcc-ok" && chmod +x "$venv/bin/nvcc-ok"
+fi
+site="$(echo "$venv"/lib/python3*/site-packages/nvidia)"
+cuda="$site/cu13"
+export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda"
+nvcc --version | tail -2
+
+case "$mode" in
+  check)
+    cargo clippy --workspace --all-targets --features nccl --exclude accelerate-launch \
+      -- -D warnings
+    echo "gpu-build: --features nccl type-checks, clippy clean"
+    ;;
+  build)
+    # The linker needs unversioned names (the wheels ship libcublas.so.13 and the like) and a
+    # libcuda, which only a GPU driver installs: a stub holding every driver symbol cudarc binds
+    # stands in for it at link time; the real one is loaded at run time.
+    links="$CARGO_TARGET_DIR/cuda-link"
+    mkdir -p "$links"
+    for lib in "$cuda"/lib/lib{cublas,cublasLt,cudart,curand,nvrtc}.so.* "$site"/nccl/lib/libnccl.so.2; do
+      ln -sf "$lib" "$links/$(basename "$lib" | sed 's/\.so\..*/.so/')"
+    done
+    cudarc="$(cargo metadata --format-version 1 --features nccl \
+      | python3 -c 'import json,sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"]=="cudarc"))')"
+    grep -oE "fn cu[A-Z][A-Za-z0-9_]*" "$(dirname "$cudarc")/src/driver/sys/mod.rs" | sort -u \
+      | sed 's/^fn \(.*\)/void \1(void) {}/' > "$links/libcuda_stub.c"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$links/libcuda.so" "$links/libcuda_stub.c"
+    export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
+    cargo build --release -p accelerate-examples --features nccl --examples
+    cargo build --release -p accelerate-tests --features nccl --tests --bins
+    cargo build --release -p accelerate-launch
+    echo "gpu-build: binaries in $CARGO_TARGET_DIR/release"
+    ;;
+  *)
+    echo "usage: scripts/gpu-build.sh [check|build]" >&2
+    exit 2
+    ;;
+esac
