@@ -70,14 +70,11 @@ impl MixedPrecision {
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var(MIXED_PRECISION_ENV) {
             Ok(v) if !v.trim().is_empty() => {
-                v.trim()
-                    .parse::<Self>()
-                    .map(Some)
-                    .map_err(|_| Error::Env {
-                        name: MIXED_PRECISION_ENV.into(),
-                        value: v.clone(),
-                        problem: format!("expected {}", Self::VALID),
-                    })
+                v.trim().parse::<Self>().map(Some).map_err(|_| Error::Env {
+                    name: MIXED_PRECISION_ENV.into(),
+                    value: v.clone(),
+                    problem: format!("expected {}", Self::VALID),
+                })
             }
             _ => Ok(None),
         }
@@ -557,11 +554,20 @@ mod tests {
 
     #[test]
     fn modes_parse_and_name_the_valid_values() {
-        assert_eq!("BF16".parse::<MixedPrecision>().unwrap(), MixedPrecision::Bf16);
-        assert_eq!("fp16".parse::<MixedPrecision>().unwrap(), MixedPrecision::Fp16);
+        assert_eq!(
+            "BF16".parse::<MixedPrecision>().unwrap(),
+            MixedPrecision::Bf16
+        );
+        assert_eq!(
+            "fp16".parse::<MixedPrecision>().unwrap(),
+            MixedPrecision::Fp16
+        );
         assert_eq!("no".parse::<MixedPrecision>().unwrap(), MixedPrecision::No);
         let e = "fp8".parse::<MixedPrecision>().unwrap_err().to_string();
-        assert!(e.contains("\"fp8\"") && e.contains("no, bf16 or fp16"), "{e}");
+        assert!(
+            e.contains("\"fp8\"") && e.contains("no, bf16 or fp16"),
+            "{e}"
+        );
         assert_eq!(MixedPrecision::Bf16.compute_dtype(), DType::BF16);
         assert_eq!(MixedPrecision::Fp16.compute_dtype(), DType::F16);
         assert_eq!(MixedPrecision::No.compute_dtype(), DType::F32);
@@ -590,7 +596,11 @@ mod tests {
             .set(&Tensor::new(&[1.0f32 + 2f32.powi(-10), 2.0], &Device::Cpu).unwrap())
             .unwrap();
         w.refresh_compute().unwrap();
-        let got = compute.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let got = compute
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         assert_eq!(got, vec![1.0, 2.0]);
         assert_eq!(master.to_vec1::<f32>().unwrap()[0], 1.0 + 2f32.powi(-10));
 
