@@ -12,7 +12,7 @@ use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{
     AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
 };
-use accelerate_core::{Accelerator, PreparedOptimizer, ReduceOp};
+use accelerate_core::{Accelerator, MixedPrecision, PreparedOptimizer, ReduceOp};
 use accelerate_examples::mlp;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -105,6 +105,10 @@ struct Args {
     /// Write one JSON line per optimizer step here: step, loss of the global batch, lr, samples/s.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Forward and backward in no|bf16|fp16 with f32 master weights (default:
+    /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
+    #[arg(long, value_name = "MODE")]
+    mixed_precision: Option<MixedPrecision>,
 }
 
 fn main() -> Result<()> {
@@ -129,6 +133,9 @@ fn run(args: &Args) -> Result<()> {
     let mut builder = Accelerator::builder().seed(args.seed);
     if let Some(k) = args.grad_accum {
         builder = builder.gradient_accumulation_steps(k);
+    }
+    if let Some(mode) = args.mixed_precision {
+        builder = builder.mixed_precision(mode);
     }
     let mut acc = builder.build()?;
     let device = acc.device().clone();
@@ -180,11 +187,13 @@ fn run(args: &Args) -> Result<()> {
     };
     let samples = dataset.x().dims()[0];
 
-    let (varmap, model) = mlp::build(args.hidden, args.seed, &device)?;
+    // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
+    let (varmap, model) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
     let params = acc.prepare(&varmap)?;
     if let Some(path) = &args.init_weights {
         accelerate_core::files::load_into_vars(path, &params)
             .with_context(|| format!("--init-weights {}", path.display()))?;
+        acc.refresh_compute_parameters()?;
     }
 
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
@@ -222,16 +231,7 @@ fn run(args: &Args) -> Result<()> {
                 },
             )?;
             let opt = acc.prepare(opt)?;
-            train(
-                args,
-                &mut acc,
-                &model,
-                &mut loader,
-                opt,
-                schedule,
-                samples,
-                &varmap,
-            )
+            train(args, &mut acc, &model, &mut loader, opt, schedule, samples)
         }
         OptimizerKind::Sgd => {
             let opt = Sgd::new(
@@ -244,16 +244,7 @@ fn run(args: &Args) -> Result<()> {
                 },
             )?;
             let opt = acc.prepare(opt)?;
-            train(
-                args,
-                &mut acc,
-                &model,
-                &mut loader,
-                opt,
-                schedule,
-                samples,
-                &varmap,
-            )
+            train(args, &mut acc, &model, &mut loader, opt, schedule, samples)
         }
     }
 }
@@ -267,7 +258,6 @@ fn train<O: Optimizer>(
     mut opt: PreparedOptimizer<O>,
     schedule: Schedule,
     samples: usize,
-    varmap: &candle_nn::VarMap,
 ) -> Result<()> {
     let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
     if args.resume {
@@ -323,6 +313,7 @@ fn train<O: Optimizer>(
     let mut total_samples = 0usize;
     let mut last_loss = f64::NAN;
     let mut micro_steps = 0u64;
+    let mut skipped_steps = 0u64;
     'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
         if args.max_steps.is_some_and(|m| acc.optimizer_steps() >= m) {
             break;
@@ -345,6 +336,10 @@ fn train<O: Optimizer>(
             opt.step()?;
             sched.step();
             opt.zero_grad();
+            if step.sync && acc.step_was_skipped() {
+                // fp16 overflow: no update, the loss scale backed off.
+                skipped_steps += 1;
+            }
             if step.sync {
                 // The loss of the whole global batch: every rank's window, averaged.
                 let global = acc
@@ -393,14 +388,12 @@ fn train<O: Optimizer>(
     let wall = start.elapsed().as_secs_f64();
     if let Some(path) = &args.save_model {
         if acc.is_main_process() {
-            let mut tensors: Vec<(String, Tensor)> = varmap
-                .data()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+            // The prepared parameters: sorted by name, and the f32 masters under mixed precision.
+            let tensors: Vec<(String, Tensor)> = acc
+                .parameters()
                 .iter()
                 .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
                 .collect();
-            tensors.sort_by(|a, b| a.0.cmp(&b.0));
             accelerate_core::files::save_safetensors(path, &tensors)
                 .with_context(|| format!("--save-model {}", path.display()))?;
         }
@@ -409,7 +402,7 @@ fn train<O: Optimizer>(
     let sync = acc.gradient_sync_stats();
     acc.print(format!(
         "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
-         grad_all_reduces={} grad_bytes={}",
+         grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={}",
         total_samples as f64 / wall,
         last_loss,
         wall,
@@ -417,7 +410,9 @@ fn train<O: Optimizer>(
         micro_steps,
         acc.gradient_buckets(),
         sync.all_reduces,
-        sync.bytes
+        sync.bytes,
+        acc.mixed_precision(),
+        skipped_steps
     ));
     Ok(())
 }

@@ -15,6 +15,9 @@ use crate::data::LoaderProgress;
 use crate::data::{DataLoader, Dataset};
 use crate::error::{Error, Result};
 use crate::grads::{sorted_named_vars, GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
+use crate::mixed_precision::{
+    LossScalerConfig, MasterWeights, MixedPrecision, MixedPrecisionState,
+};
 use crate::optim::{LrScheduler, Optimizer};
 use crate::prepared::{lock, PreparedOptimizer, PreparedScheduler, TrainingState};
 use crate::state::ProcessState;
@@ -34,6 +37,8 @@ pub struct AcceleratorBuilder {
     device: Option<Device>,
     bucket_cap_bytes: Option<usize>,
     state: Option<ProcessState>,
+    mixed_precision: Option<MixedPrecision>,
+    loss_scaler: LossScalerConfig,
 }
 
 impl AcceleratorBuilder {
@@ -70,6 +75,19 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Precision of the forward and backward passes (default: `ACCELERATE_MIXED_PRECISION`, else
+    /// [`MixedPrecision::No`]). See [`mixed_precision`](crate::mixed_precision).
+    pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
+        self.mixed_precision = Some(mode);
+        self
+    }
+
+    /// The fp16 loss scaler's hyper-parameters (default: PyTorch `GradScaler`'s).
+    pub fn loss_scaler(mut self, config: LossScalerConfig) -> Self {
+        self.loss_scaler = config;
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let steps = match self.gradient_accumulation_steps {
@@ -89,6 +107,11 @@ impl AcceleratorBuilder {
             },
         };
         let accumulation = Accumulation::new(steps)?;
+        let mode = match self.mixed_precision {
+            Some(m) => m,
+            None => MixedPrecision::from_env()?.unwrap_or_default(),
+        };
+        let mixed = MixedPrecisionState::new(mode, self.loss_scaler)?;
         let state = match self.state {
             Some(s) => s,
             None => ProcessState::from_env()?,
@@ -139,6 +162,7 @@ impl AcceleratorBuilder {
                 loaders: Mutex::new(Vec::new()),
                 optimizers: Mutex::new(Vec::new()),
                 schedulers: Mutex::new(Vec::new()),
+                mixed: Mutex::new(mixed),
             }),
         })
     }
@@ -206,6 +230,28 @@ impl Accelerator {
         &self.device
     }
 
+    /// The mixed-precision mode.
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        lock(&self.shared.mixed).mode
+    }
+
+    /// The dtype to build the model in and to cast float inputs to: F32, or BF16/F16 under mixed
+    /// precision (`VarBuilder::from_varmap(&varmap, acc.compute_dtype(), acc.device())`).
+    pub fn compute_dtype(&self) -> candle_core::DType {
+        self.mixed_precision().compute_dtype()
+    }
+
+    /// The fp16 loss scale the next backward pass multiplies the loss by; `None` without fp16.
+    pub fn loss_scale(&self) -> Option<f64> {
+        lock(&self.shared.mixed).scaler.as_ref().map(|s| s.scale())
+    }
+
+    /// Whether the last sync micro-step skipped its optimizer step because the fp16 gradients
+    /// overflowed (Accelerate's `optimizer.step_was_skipped`).
+    pub fn step_was_skipped(&self) -> bool {
+        lock(&self.shared.accumulation).step_was_skipped
+    }
+
     /// The configured seed.
     pub fn seed(&self) -> u64 {
         self.seed
@@ -258,7 +304,9 @@ impl Accelerator {
     }
 
     /// Registers the model's parameters (sorted by name) and allocates their gradient buffers.
-    /// Returns the sorted `(name, Var)` pairs, to build the optimizer from.
+    /// Returns the sorted `(name, Var)` pairs, to build the optimizer from. Under mixed precision
+    /// `vars` are the model's half-precision compute copies and the returned pairs are their f32
+    /// master weights (same names), which the gradient buffers, the optimizer and checkpoints use.
     pub fn prepare_parameters(&mut self, vars: Vec<(String, Var)>) -> Result<Vec<(String, Var)>> {
         if !self.params.is_empty() {
             return Err(Error::Parameters(
@@ -285,15 +333,29 @@ impl Accelerator {
         }
         if self.state.world_size > 1 {
             self.check_same_parameters_everywhere(&vars)?;
-            // Same start everywhere: rank 0's values, in sorted-name order.
-            for (_, var) in &vars {
+        }
+        let mut mixed = lock(&self.shared.mixed);
+        let (params, weights) = match mixed.mode {
+            MixedPrecision::No => (vars, None),
+            mode => {
+                let w = MasterWeights::new(vars, mode)?;
+                (w.masters().to_vec(), Some(w))
+            }
+        };
+        if self.state.world_size > 1 {
+            // Same start everywhere: rank 0's values (the masters), in sorted-name order.
+            for (_, var) in &params {
                 self.comm.broadcast(var.as_tensor(), 0)?;
             }
         }
-        let buffers = GradientBuffers::new(&vars, self.bucket_cap_bytes)?;
+        if let Some(w) = &weights {
+            w.refresh_compute()?;
+        }
+        mixed.weights = weights;
+        let buffers = GradientBuffers::new(&params, self.bucket_cap_bytes)?;
         *lock(&self.shared.grads) = Some(buffers);
-        self.params = vars.clone();
-        Ok(vars)
+        self.params = params.clone();
+        Ok(params)
     }
 
     /// Compares this rank's parameter names, shapes and dtypes with every other rank's, through
@@ -339,9 +401,28 @@ impl Accelerator {
             .map_or(0, |g| g.buckets().len())
     }
 
-    /// The prepared parameters, sorted by name.
+    /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
     pub fn parameters(&self) -> &[(String, Var)] {
         &self.params
+    }
+
+    /// A copy of the gradient accumulated for parameter `name` in the current window (f32 under
+    /// mixed precision, already divided by the fp16 loss scale; averaged across ranks once the
+    /// sync micro-step's backward ran), or `None` if it has none (PyTorch's `grad is None`).
+    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
+        let grads = lock(&self.shared.grads);
+        match grads.as_ref().and_then(|g| g.get(name)) {
+            Some(t) => Ok(Some(t.copy()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Copies the master weights into the model's half-precision compute copies. Call it after
+    /// writing the masters yourself (e.g. loading initial weights into the Vec that
+    /// `prepare_parameters` returned); the optimizer step and `load_state` do it on their own.
+    /// Does nothing without mixed precision.
+    pub fn refresh_compute_parameters(&self) -> Result<()> {
+        lock(&self.shared.mixed).refresh_compute()
     }
 
     /// Wraps an optimizer so that it steps only when gradients sync. Its parameters must be the
@@ -365,6 +446,23 @@ impl Accelerator {
                  optimizer: {missing:?}, unknown to the model: {extra:?}); build the optimizer \
                  from the Vec returned by prepare_parameters"
             )));
+        }
+        let mode = lock(&self.shared.mixed).mode;
+        if mode != MixedPrecision::No {
+            // Same names, other Vars: the half compute copies instead of the f32 masters.
+            let stray = optimizer
+                .params()
+                .iter()
+                .zip(&self.params)
+                .find(|((_, theirs), (_, ours))| theirs.as_tensor().id() != ours.as_tensor().id());
+            if let Some(((name, var), _)) = stray {
+                return Err(Error::Optimizer(format!(
+                    "the optimizer's parameter {name:?} ({:?}) is not the f32 master weight that \
+                     prepare_parameters returned; under mixed precision {mode} build the \
+                     optimizer from that Vec, not from the model's VarMap",
+                    var.dtype()
+                )));
+            }
         }
         Ok(PreparedOptimizer::new(optimizer, self.shared.clone()))
     }
@@ -433,7 +531,15 @@ impl Accelerator {
         let mut acc = lock(&self.shared.accumulation);
         let step = acc.current_for_backward(loader.as_ref())?;
         let abandoned = std::mem::take(&mut acc.abandoned_window);
-        let grad_store = loss.backward()?;
+        let loss_scale = lock(&self.shared.mixed).loss_scale();
+        let grad_store = if loss_scale == 1.0 {
+            loss.backward()?
+        } else {
+            // fp16: scaled so that small gradients survive in half precision; the scale is
+            // divided out when they are added into the f32 buffers. Scaled in f32, so that the
+            // loss itself cannot overflow.
+            (loss.to_dtype(candle_core::DType::F32)? * loss_scale)?.backward()?
+        };
         let mut grads = lock(&self.shared.grads);
         let buffers = grads.as_mut().ok_or_else(|| {
             Error::Parameters(
@@ -445,7 +551,9 @@ impl Accelerator {
         if abandoned {
             buffers.zero();
         }
-        buffers.accumulate(&self.params, &grad_store, step.loss_scale)?;
+        let mut mixed = lock(&self.shared.mixed);
+        let sources = mixed.grad_sources(&self.params);
+        buffers.accumulate(sources, &grad_store, step.loss_scale / loss_scale)?;
         if step.sync && self.state.world_size > 1 {
             // Whole buckets are reduced, so a parameter without a gradient on this rank takes part
             // with zeros (DDP's behaviour). Alone, it keeps no gradient and the optimizer skips it,
@@ -462,6 +570,8 @@ impl Accelerator {
                 stats.bytes += bucket.size_in_bytes() as u64;
             }
             self.grad_sync.set(stats);
+            // After the reduction, so that every rank sees the same gradients and decides alike.
+            mixed.after_sync(buffers)?;
         }
         acc.backward_finished();
         Ok(())
@@ -648,7 +758,8 @@ impl Accelerator {
     }
 
     /// Restores a state saved by [`save_state`](Self::save_state) from `dir`, or from the latest
-    /// `checkpoint_<N>` under `dir`. Prepare the same parameters, optimizers, schedulers and
+    /// `checkpoint_<N>` under `dir` (under mixed precision: the f32 master weights, copied into
+    /// the compute copies, and the fp16 loss scaler). Prepare the same parameters, optimizers, schedulers and
     /// loaders first. Every file is verified before anything changes: on an error nothing is
     /// loaded. Loaders continue from their saved position at their next `iter()`. Returns the
     /// directory loaded.

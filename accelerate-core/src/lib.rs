@@ -50,6 +50,42 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Mixed precision
+//!
+//! `Accelerator::builder().mixed_precision(MixedPrecision::Bf16)` (or `Fp16`; the default comes
+//! from `ACCELERATE_MIXED_PRECISION`, which `accelerate-launch --mixed-precision` sets) runs the
+//! forward and backward passes in half precision with f32 master weights. Build the model in
+//! [`Accelerator::compute_dtype`], cast float inputs to it, and compute the loss in f32; the loop
+//! is otherwise unchanged. See [`mixed_precision`] for what is f32 and what is half.
+//!
+//! ```
+//! use accelerate_core::optim::{AdamW, AdamWConfig};
+//! use accelerate_core::{Accelerator, MixedPrecision};
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, loss, Module, VarBuilder, VarMap};
+//!
+//! # fn main() -> accelerate_core::Result<()> {
+//! let mut acc = Accelerator::builder().mixed_precision(MixedPrecision::Fp16).build()?;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, acc.compute_dtype(), acc.device()); // f16 model
+//! let model = linear(8, 2, vb.pp("l1"))?;
+//! let masters = acc.prepare(&varmap)?;                   // f32 copies, same names
+//! let mut opt = acc.prepare(AdamW::new(masters, AdamWConfig::default())?)?;
+//! let x = Tensor::randn(0f32, 1.0, (16, 8), &Device::Cpu)?;
+//! let y = Tensor::zeros(16, DType::U32, &Device::Cpu)?;
+//! for _ in 0..3 {
+//!     let logits = model.forward(&x.to_dtype(acc.compute_dtype())?)?.to_dtype(DType::F32)?;
+//!     acc.backward(&loss::cross_entropy(&logits, &y)?)?; // scaled by the fp16 loss scale
+//!     opt.step()?;                           // skipped if the gradients overflowed; refreshes
+//!     opt.zero_grad();                       // the f16 model from the f32 masters otherwise
+//!     if acc.step_was_skipped() {
+//!         println!("overflow: loss scale now {:?}", acc.loss_scale());
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
 #![warn(missing_docs)]
 
 pub mod accelerator;
@@ -63,6 +99,7 @@ pub mod error;
 pub mod files;
 pub mod grads;
 pub mod malloc;
+pub mod mixed_precision;
 pub mod optim;
 pub mod prepared;
 pub mod state;
@@ -71,5 +108,6 @@ pub use accelerator::{Accelerator, AcceleratorBuilder, Prepare};
 pub use accumulate::MicroStep;
 pub use comm::ReduceOp;
 pub use error::{Error, Result};
+pub use mixed_precision::{DynamicLossScaler, LossScalerConfig, MixedPrecision};
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use state::ProcessState;

@@ -9,6 +9,7 @@ use crate::accumulate::Accumulation;
 use crate::data::LoaderProgress;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
+use crate::mixed_precision::MixedPrecisionState;
 use crate::optim::{LearningRate, LrScheduler, Optimizer, OptimizerState, SchedulerState};
 
 /// A prepared optimizer as the accelerator keeps it, to save and restore its state.
@@ -26,6 +27,8 @@ pub(crate) struct TrainingState {
     pub optimizers: Mutex<Vec<SharedOptimizer>>,
     /// Every prepared scheduler, in preparation order.
     pub schedulers: Mutex<Vec<Arc<Mutex<LrScheduler>>>>,
+    /// Master weights and the fp16 loss scaler.
+    pub mixed: Mutex<MixedPrecisionState>,
 }
 
 impl std::fmt::Debug for TrainingState {
@@ -64,20 +67,32 @@ impl<O: Optimizer + Send + 'static> PreparedOptimizer<O> {
 
 impl<O: Optimizer> PreparedOptimizer<O> {
     /// Updates the parameters from the window's accumulated (and, across ranks, averaged)
-    /// gradients; does nothing on a micro-step that does not sync.
+    /// gradients; does nothing on a micro-step that does not sync. Under fp16, a window whose
+    /// gradients overflowed is skipped instead (its gradients are dropped; see
+    /// [`step_was_skipped`](Self::step_was_skipped)); under mixed precision the model's compute
+    /// copies take the updated master weights.
     pub fn step(&mut self) -> Result<()> {
         let mut acc = lock(&self.shared.accumulation);
         if !acc.sync_gradients() {
             return Ok(());
         }
-        let grads = lock(&self.shared.grads);
-        let grads = grads.as_ref().ok_or_else(|| {
+        let mut grads = lock(&self.shared.grads);
+        let grads = grads.as_mut().ok_or_else(|| {
             Error::Optimizer(
                 "optimizer.step() before any gradient: call accelerator.backward(loss) first"
                     .into(),
             )
         })?;
+        let mixed = lock(&self.shared.mixed);
+        if mixed.window_overflowed {
+            // PyTorch's GradScaler.step: no update, and the scheduler does not advance either
+            // (it follows `optimizer_stepped`, left false).
+            grads.zero();
+            acc.step_was_skipped = true;
+            return Ok(());
+        }
         lock(&self.inner).step(grads)?;
+        mixed.refresh_compute()?;
         acc.optimizer_steps += 1;
         acc.step_was_skipped = false;
         acc.optimizer_stepped = true;

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use accelerate_core::MixedPrecision;
 use clap::Parser;
 
 /// Launch a training program as one process per GPU, or per `--num-processes` on the CPU.
@@ -45,6 +46,11 @@ pub struct Args {
     /// Gradient accumulation steps, exported as ACCELERATE_GRADIENT_ACCUMULATION_STEPS.
     #[arg(long, alias = "gradient_accumulation_steps", value_name = "K")]
     pub gradient_accumulation_steps: Option<usize>,
+
+    /// Precision of the forward and backward passes: no, bf16 or fp16 (f32 master weights and
+    /// gradients either way); exported as ACCELERATE_MIXED_PRECISION.
+    #[arg(long, alias = "mixed_precision", value_name = "MODE")]
+    pub mixed_precision: Option<MixedPrecision>,
 
     /// Restart the whole group up to N times when a rank fails (workers see
     /// ACCELERATE_RESTART_COUNT and resume from their latest checkpoint).
@@ -145,6 +151,19 @@ mod tests {
         assert_eq!(a.program, PathBuf::from("prog"));
         assert_eq!(a.program_args, ["--grad-accum", "4"]);
         assert!(a.validate().is_ok());
+        assert_eq!(a.mixed_precision, None);
+    }
+
+    #[test]
+    fn mixed_precision_takes_both_spellings_and_names_the_valid_values() {
+        let a = Args::try_parse_from(["l", "--mixed_precision", "bf16", "p"]).unwrap();
+        assert_eq!(a.mixed_precision, Some(MixedPrecision::Bf16));
+        let a = Args::try_parse_from(["l", "--mixed-precision", "fp16", "p"]).unwrap();
+        assert_eq!(a.mixed_precision, Some(MixedPrecision::Fp16));
+        let e = Args::try_parse_from(["l", "--mixed-precision", "fp8", "p"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fp8") && e.contains("no, bf16 or fp16"), "{e}");
     }
 
     #[test]

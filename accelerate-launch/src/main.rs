@@ -122,6 +122,7 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         job_token,
         restart_count: 0,
         gradient_accumulation_steps: args.gradient_accumulation_steps,
+        mixed_precision: args.mixed_precision,
         cpu,
         threads_per_worker: (cores / local_world_size).max(1),
     };

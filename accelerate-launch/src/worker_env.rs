@@ -22,6 +22,8 @@ pub struct JobLayout {
     pub restart_count: u32,
     /// Gradient accumulation steps to export, if given.
     pub gradient_accumulation_steps: Option<usize>,
+    /// Mixed-precision mode to export (`no`, `bf16`, `fp16`), if given.
+    pub mixed_precision: Option<accelerate_core::MixedPrecision>,
     /// Whether to train on the CPU.
     pub cpu: bool,
     /// Threads each worker may use for compute (cores shared among local workers).
@@ -70,6 +72,12 @@ impl JobLayout {
         if let Some(k) = self.gradient_accumulation_steps {
             set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", k.to_string());
         }
+        if let Some(mode) = self.mixed_precision {
+            set(
+                accelerate_core::mixed_precision::MIXED_PRECISION_ENV,
+                mode.as_str().into(),
+            );
+        }
         if self.cpu {
             set("ACCELERATE_USE_CPU", "1".into());
         } else {
@@ -104,6 +112,7 @@ mod tests {
             job_token: "t0k3n".into(),
             restart_count: 2,
             gradient_accumulation_steps: Some(4),
+            mixed_precision: Some(accelerate_core::MixedPrecision::Bf16),
             cpu: true,
             threads_per_worker: 3,
         }
@@ -122,7 +131,20 @@ mod tests {
         assert_eq!(get("ACCELERATE_JOB_TOKEN"), Some("t0k3n"));
         assert_eq!(get("ACCELERATE_RESTART_COUNT"), Some("2"));
         assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
+        assert_eq!(get("ACCELERATE_MIXED_PRECISION"), Some("bf16"));
         assert_eq!(get("RAYON_NUM_THREADS"), Some("3"));
+    }
+
+    #[test]
+    fn mixed_precision_is_exported_only_when_given() {
+        let none = JobLayout {
+            mixed_precision: None,
+            ..layout()
+        };
+        // The worker's own ACCELERATE_MIXED_PRECISION (or the default, no) then applies.
+        assert!(!none
+            .worker_env(0, &|_| false)
+            .contains_key("ACCELERATE_MIXED_PRECISION"));
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //!
 //! Parameter names and layouts are PyTorch's `nn.Sequential`-of-`nn.Linear` ones (`l1.weight` is
 //! `[H, 784]`), so weights move between this model and PyTorch unchanged.
+//!
+//! Under mixed precision the model is built in the accelerator's compute dtype (bf16 or f16): its
+//! forward pass casts the inputs to that dtype and returns f32 logits, so the loss is computed in
+//! f32 (as autocast does for losses).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
@@ -20,31 +24,40 @@ pub struct Mlp {
     l1: Linear,
     l2: Linear,
     l3: Linear,
+    /// The dtype of the parameters, which the forward pass computes in.
+    dtype: DType,
 }
 
 impl Mlp {
-    /// Creates the three layers under `vb` (names `l1`, `l2`, `l3`).
+    /// Creates the three layers under `vb` (names `l1`, `l2`, `l3`), in `vb`'s dtype.
     pub fn new(vb: VarBuilder, hidden: usize) -> Result<Self> {
         Ok(Self {
+            dtype: vb.dtype(),
             l1: candle_nn::linear(INPUTS, hidden, vb.pp("l1"))?,
             l2: candle_nn::linear(hidden, hidden, vb.pp("l2"))?,
             l3: candle_nn::linear(hidden, CLASSES, vb.pp("l3"))?,
         })
     }
 
-    /// Logits `[batch, 10]`.
+    /// Logits `[batch, 10]`, in f32 whatever the model's dtype (`x` is cast to it first).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.l1.forward(x)?.relu()?;
+        let h = self.l1.forward(&x.to_dtype(self.dtype)?)?.relu()?;
         let h = self.l2.forward(&h)?.relu()?;
-        self.l3.forward(&h)
+        self.l3.forward(&h)?.to_dtype(DType::F32)
     }
 }
 
-/// Builds the model in a fresh `VarMap` with seeded PyTorch-default initial weights
-/// (`U(-1/sqrt(fan_in), 1/sqrt(fan_in))` for weights and biases, as `nn.Linear`).
+/// Builds the model in f32 (see [`build_in`]).
 pub fn build(hidden: usize, seed: u64, device: &Device) -> Result<(VarMap, Mlp)> {
+    build_in(hidden, seed, device, DType::F32)
+}
+
+/// Builds the model in `dtype` (the accelerator's compute dtype) in a fresh `VarMap`, with seeded
+/// PyTorch-default initial weights (`U(-1/sqrt(fan_in), 1/sqrt(fan_in))` for weights and biases,
+/// as `nn.Linear`; drawn in f32, then rounded to `dtype`).
+pub fn build_in(hidden: usize, seed: u64, device: &Device, dtype: DType) -> Result<(VarMap, Mlp)> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let model = Mlp::new(vb, hidden)?;
     init_weights(&varmap, seed)?;
     Ok((varmap, model))
@@ -71,7 +84,8 @@ pub fn init_weights(varmap: &VarMap, seed: u64) -> Result<()> {
         let values: Vec<f32> = (0..var.elem_count())
             .map(|_| rng.random_range(-bound..bound))
             .collect();
-        var.set(&Tensor::from_vec(values, dims.as_slice(), var.device())?)?;
+        let values = Tensor::from_vec(values, dims.as_slice(), var.device())?;
+        var.set(&values.to_dtype(var.dtype())?)?;
     }
     Ok(())
 }
@@ -142,5 +156,39 @@ mod tests {
         assert!(get(&a, "l1.bias").iter().all(|v| v.abs() <= bound));
         let l3 = get(&a, "l3.weight");
         assert!(l3.iter().all(|v| v.abs() <= 0.25) && l3.iter().any(|v| v.abs() > 0.2));
+    }
+
+    #[test]
+    fn a_bf16_model_holds_the_f32_initial_weights_rounded_and_returns_f32_logits() {
+        let (f, model32) = build(16, 7, &Device::Cpu).unwrap();
+        let (h, model16) = build_in(16, 7, &Device::Cpu, DType::BF16).unwrap();
+        let w32 = f.data().lock().unwrap()["l1.weight"].as_tensor().clone();
+        let w16 = h.data().lock().unwrap()["l1.weight"].as_tensor().clone();
+        assert_eq!(w16.dtype(), DType::BF16);
+        let rounded = w32
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let back = w16.to_dtype(DType::F32).unwrap();
+        assert_eq!(
+            back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            rounded.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let (x, _) = synthetic_data(8, 1).unwrap();
+        let l16 = model16.forward(&x).unwrap();
+        let l32 = model32.forward(&x).unwrap();
+        assert_eq!(l16.dtype(), DType::F32);
+        // bf16 keeps 8 significant bits: the logits agree to about 1%, not exactly.
+        let diff = (l16 - &l32).unwrap().abs().unwrap().max_all().unwrap();
+        let diff = diff.to_scalar::<f32>().unwrap();
+        let scale = l32
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff > 0.0 && diff < 0.05 * scale, "{diff} vs {scale}");
     }
 }

@@ -18,8 +18,10 @@ fn main() {
         Some("allreduce") => allreduce(),
         Some("nosync") => nosync(),
         Some("flaky") => flaky(),
+        Some("mixed") => mixed(),
         other => Err(format!(
-            "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync or flaky"
+            "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync, \
+             flaky or mixed"
         )),
     };
     if let Err(e) = result {
@@ -347,4 +349,135 @@ fn flaky() -> Result<(), String> {
         return Err("rank 0 passed a barrier that rank 1 never reached".into());
     }
     collectives()
+}
+
+/// Trains a small model under the mixed precision the launcher exported (bf16 expected), then
+/// checks on every rank: the f32 master weights equal rank 0's bit for bit (gathered), moved from
+/// the start, and the compute copies hold the masters rounded to bf16.
+fn mixed() -> Result<(), String> {
+    use accelerate_core::optim::{Sgd, SgdConfig};
+    use accelerate_core::MixedPrecision;
+    let s = |e: candle_core::Error| e.to_string();
+    let e = |e: accelerate_core::Error| e.to_string();
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(2)
+        .build()
+        .map_err(e)?;
+    let r = acc.process_index();
+    if acc.mixed_precision() != MixedPrecision::Bf16 {
+        return Err(format!(
+            "rank {r}: mixed precision is {}, the launcher was given bf16",
+            acc.mixed_precision()
+        ));
+    }
+    let varmap = VarMap::new();
+    // candle's initialisation is unseeded, so ranks start apart until prepare broadcasts rank 0's.
+    let vb = VarBuilder::from_varmap(&varmap, acc.compute_dtype(), &Device::Cpu);
+    let l1 = candle_nn::linear(6, 8, vb.pp("l1")).map_err(s)?;
+    let l2 = candle_nn::linear(8, 3, vb.pp("l2")).map_err(s)?;
+    let params = acc.prepare(&varmap).map_err(e)?;
+    let flat = |ps: &[(String, candle_core::Var)]| -> Result<Tensor, String> {
+        let parts: Vec<Tensor> = ps
+            .iter()
+            .map(|(_, v)| v.as_tensor().flatten_all())
+            .collect::<candle_core::Result<_>>()
+            .map_err(s)?;
+        Tensor::cat(&parts, 0).map_err(s)
+    };
+    let start = flat(&params)?.to_vec1::<f32>().map_err(s)?;
+    let mut opt = acc
+        .prepare(
+            Sgd::new(
+                params.clone(),
+                SgdConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    ..SgdConfig::default()
+                },
+            )
+            .map_err(e)?,
+        )
+        .map_err(e)?;
+    let n = 48;
+    let x: Vec<f32> = (0..n * 6)
+        .map(|i| ((i * 37 % 19) as f32 - 9.0) / 9.0)
+        .collect();
+    let y: Vec<u32> = (0..n).map(|i| (i * 7 % 3) as u32).collect();
+    let dataset = TensorDataset::new(
+        Tensor::from_vec(x, (n, 6), &Device::Cpu).map_err(s)?,
+        Tensor::from_vec(y, n, &Device::Cpu).map_err(s)?,
+    )
+    .map_err(e)?;
+    let mut loader = acc
+        .prepare(DataLoader::new(Arc::new(dataset), 4).shuffle(true).seed(1))
+        .map_err(e)?;
+    use candle_nn::Module;
+    for _ in 0..2 {
+        for batch in loader.iter() {
+            let (x, y) = batch.map_err(e)?;
+            let _step = acc.accumulate();
+            let h = l1
+                .forward(&x.to_dtype(acc.compute_dtype()).map_err(s)?)
+                .and_then(|h| h.tanh())
+                .and_then(|h| l2.forward(&h))
+                .and_then(|l| l.to_dtype(DType::F32))
+                .map_err(s)?;
+            let loss = candle_nn::loss::cross_entropy(&h, &y).map_err(s)?;
+            acc.backward(&loss).map_err(e)?;
+            opt.step().map_err(e)?;
+            opt.zero_grad();
+        }
+    }
+    let masters = flat(acc.parameters())?;
+    if masters.dtype() != DType::F32 {
+        return Err(format!(
+            "rank {r}: master weights are {:?}",
+            masters.dtype()
+        ));
+    }
+    let all = acc
+        .gather(&masters.unsqueeze(0).map_err(s)?)
+        .map_err(e)?
+        .to_vec2::<f32>()
+        .map_err(s)?;
+    let ours = masters.to_vec1::<f32>().map_err(s)?;
+    for (q, theirs) in all.iter().enumerate() {
+        let same = theirs
+            .iter()
+            .zip(&ours)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same {
+            return Err(format!(
+                "rank {r}: rank {q}'s master weights differ from ours"
+            ));
+        }
+    }
+    if ours == start {
+        return Err(format!("rank {r}: training did not move the weights"));
+    }
+    let compute: Vec<(String, candle_core::Var)> = {
+        let data = varmap.data().lock().map_err(|e| e.to_string())?;
+        let mut v: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let rounded = masters
+        .to_dtype(DType::BF16)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(s)?;
+    let compute = flat(&compute)?
+        .to_dtype(DType::F32)
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(s)?;
+    if compute != rounded {
+        return Err(format!(
+            "rank {r}: the bf16 compute copies do not hold the masters rounded"
+        ));
+    }
+    acc.print(format!(
+        "result: {}",
+        serde_json::json!({"identical": true, "steps": acc.optimizer_steps()})
+    ));
+    Ok(())
 }

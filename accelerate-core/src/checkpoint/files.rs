@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 pub(crate) const PARAMETERS_FILE: &str = "model.safetensors";
 /// The accumulation counters.
 pub(crate) const ACCUMULATION_FILE: &str = "accumulation.json";
+/// The fp16 loss scaler's state (only under fp16).
+pub(crate) const LOSS_SCALER_FILE: &str = "loss_scaler.json";
 
 pub(crate) fn optimizer_tensors_file(i: usize) -> String {
     format!("optimizer_{i}.safetensors")
@@ -53,6 +55,13 @@ pub(crate) struct AccumulationFile {
     pub window_len: usize,
     pub item_scale: Option<ExactF64>,
     pub optimizer_steps: u64,
+}
+
+/// `loss_scaler.json`.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct LossScalerFile {
+    pub scale: ExactF64,
+    pub growth_tracker: u64,
 }
 
 /// Where one data loader of a rank stands.

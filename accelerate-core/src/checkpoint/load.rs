@@ -7,13 +7,16 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 
-use super::files::{self, AccumulationFile, OptimizerScalars, RankFile, SchedulerFile};
+use super::files::{
+    self, AccumulationFile, LossScalerFile, OptimizerScalars, RankFile, SchedulerFile,
+};
 use super::manifest::{Manifest, MANIFEST_FILE};
 use super::naming::latest_checkpoint;
 use super::staging::Staging;
 use super::TrainingView;
 use crate::accumulate::AccumulationCounters;
 use crate::error::{Error, Result};
+use crate::mixed_precision::LossScalerState;
 use crate::optim::{OptimizerState, SchedulerState};
 use crate::prepared::lock;
 
@@ -68,6 +71,8 @@ struct Loaded {
     counters: AccumulationCounters,
     rank: RankFile,
     gradients: Option<BTreeMap<String, Tensor>>,
+    /// The fp16 loss scaler's state, when this run has a scaler and the checkpoint one.
+    loss_scaler: Option<LossScalerState>,
 }
 
 /// Loads the checkpoint at `dir` (or the latest under it); returns the directory loaded.
@@ -194,6 +199,8 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         .check_restorable(&counters)
         .map_err(|e| problem(&apath, e))?;
 
+    let loss_scaler = read_loss_scaler(view, &manifest, dir)?;
+
     let rpath = dir.join(files::rank_file(view.rank));
     let rank: RankFile = files::parse_json(
         &rpath,
@@ -262,7 +269,40 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         counters,
         rank,
         gradients,
+        loss_scaler,
     })
+}
+
+/// The saved fp16 loss scaler state, checked against this run's scaler. A checkpoint saved without
+/// fp16 has none (the scaler then starts afresh), and a run without fp16 ignores a saved one.
+fn read_loss_scaler(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+) -> Result<Option<LossScalerState>> {
+    let Some(mut scaler) = lock(&view.shared.mixed).scaler.clone() else {
+        return Ok(None);
+    };
+    if !manifest.files.contains_key(files::LOSS_SCALER_FILE) {
+        return Ok(None);
+    }
+    let path = dir.join(files::LOSS_SCALER_FILE);
+    let f: LossScalerFile = files::parse_json(
+        &path,
+        &manifest.read_verified(dir, files::LOSS_SCALER_FILE)?,
+    )?;
+    let state = LossScalerState {
+        scale: f
+            .scale
+            .get()
+            .map_err(|e| problem(&path, format!("scale: {e}")))?,
+        growth_tracker: f.growth_tracker,
+    };
+    // Checked on a copy: nothing changes before everything is verified.
+    scaler
+        .load_state(&state)
+        .map_err(|e| problem(&path, e.to_string()))?;
+    Ok(Some(state))
 }
 
 /// Applies a verified checkpoint; if an optimizer or scheduler still refuses its state, restores
@@ -325,6 +365,18 @@ fn apply(view: &TrainingView<'_>, loaded: Loaded) -> Result<()> {
         if let Some(buffers) = lock(&view.shared.grads).as_mut() {
             buffers.zero();
         }
+    }
+    {
+        let mut mixed = lock(&view.shared.mixed);
+        if let Some(scaler) = mixed.scaler.as_mut() {
+            match &loaded.loss_scaler {
+                Some(state) => scaler.load_state(state)?,
+                None => scaler.reset(),
+            }
+        }
+        mixed.window_overflowed = false;
+        // The compute copies take the loaded master weights.
+        mixed.refresh_compute()?;
     }
     lock(&view.shared.accumulation).restore(&loaded.counters);
     for (saved, progress) in loaded

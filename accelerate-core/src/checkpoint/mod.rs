@@ -4,10 +4,11 @@
 //!
 //! | file | written by | holds |
 //! |---|---|---|
-//! | `model.safetensors` | main process | the parameters, by name |
+//! | `model.safetensors` | main process | the parameters, by name (the f32 master weights under mixed precision) |
 //! | `optimizer_<i>.safetensors`, `optimizer_<i>.json` | main | optimizer `i`'s tensors (moments, buffers); its kind and scalars (step counts, hyper-parameters) |
 //! | `scheduler_<i>.json` | main | scheduler `i`'s step count and base learning rate |
 //! | `accumulation.json` | main | the micro-step counter of the current window, K, the optimizer step count |
+//! | `loss_scaler.json` | main, fp16 only | the dynamic loss scale and its growth tracker |
 //! | `rank_<r>.json` | rank `r` | the position of each of its data loaders (epoch, batches consumed) |
 //! | `rank_<r>_gradients.safetensors` | rank `r` | its partial gradient sums, only when saved inside an accumulation window |
 //! | `manifest.json` | main, last | format version, world size, parameter names/shapes/dtypes, size and CRC-32 of every file |

@@ -86,7 +86,8 @@ fn write_rank_part(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
     staging.write(&files::rank_file(view.rank), &files::json_bytes(&part)?)
 }
 
-/// Parameters, optimizers, schedulers and accumulation counters (main process only).
+/// Parameters (the f32 masters under mixed precision), optimizers, schedulers, the fp16 loss
+/// scaler and the accumulation counters (main process only).
 fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
     let params: Vec<(String, Tensor)> = view
         .params
@@ -132,6 +133,15 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
             base_lr: ExactF64::new(state.base_lr),
         };
         staging.write(&files::scheduler_file(i), &files::json_bytes(&file)?)?;
+    }
+
+    if let Some(scaler) = &lock(&view.shared.mixed).scaler {
+        let state = scaler.state();
+        let file = files::LossScalerFile {
+            scale: ExactF64::new(state.scale),
+            growth_tracker: state.growth_tracker,
+        };
+        staging.write(files::LOSS_SCALER_FILE, &files::json_bytes(&file)?)?;
     }
 
     let c = lock(&view.shared.accumulation).counters();
