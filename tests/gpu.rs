@@ -50,6 +50,16 @@ fn the_mlp_example_trains_on_every_gpu_under_the_launcher() {
     on_gpu::the_mlp_example_trains_on_every_gpu_under_the_launcher();
 }
 
+#[test]
+#[cfg_attr(
+    not(feature = "nccl"),
+    ignore = "needs a GPU and --features nccl (README, GPU tests)"
+)]
+fn mixed_precision_on_the_gpu_tracks_full_precision() {
+    #[cfg(feature = "nccl")]
+    on_gpu::mixed_precision_on_the_gpu_tracks_full_precision();
+}
+
 #[cfg(feature = "nccl")]
 mod on_gpu {
     use std::process::Command;
@@ -227,46 +237,50 @@ mod on_gpu {
         );
     }
 
+    /// Runs the `mlp` example under the launcher with `device_flags` and `extra` arguments;
+    /// returns its final loss and its output.
+    fn run_mlp(device_flags: &[&str], extra: &[&str]) -> (f64, String) {
+        let out = run_bounded(
+            Command::new(built_binary("accelerate-launch"))
+                .args(device_flags)
+                .arg(built_binary("examples/mlp"))
+                .args([
+                    "--max-steps",
+                    "40",
+                    "--grad-accum",
+                    "2",
+                    "--batch-size",
+                    "32",
+                ])
+                .args(extra),
+            Duration::from_secs(300),
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let finals: Vec<f64> = stdout
+            .lines()
+            .filter_map(|l| l.split("final_loss=").nth(1))
+            .filter_map(|v| v.split_whitespace().next()?.parse().ok())
+            .collect();
+        assert_eq!(finals.len(), 1, "{stdout}");
+        (finals[0], stdout)
+    }
+
     pub fn the_mlp_example_trains_on_every_gpu_under_the_launcher() {
         let n = visible_gpus();
         if n == 0 {
             eprintln!("skipped: no GPU; this test {NEEDS}");
             return;
         }
-        let run = |device_flags: &[&str]| -> (f64, String) {
-            let out = run_bounded(
-                Command::new(built_binary("accelerate-launch"))
-                    .args(device_flags)
-                    .arg(built_binary("examples/mlp"))
-                    .args([
-                        "--max-steps",
-                        "40",
-                        "--grad-accum",
-                        "2",
-                        "--batch-size",
-                        "32",
-                    ]),
-                Duration::from_secs(300),
-            );
-            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-            assert!(
-                out.status.success(),
-                "{stdout}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let finals: Vec<f64> = stdout
-                .lines()
-                .filter_map(|l| l.split("final_loss=").nth(1))
-                .filter_map(|v| v.split_whitespace().next()?.parse().ok())
-                .collect();
-            assert_eq!(finals.len(), 1, "{stdout}");
-            (finals[0], stdout)
-        };
         let n_str = n.to_string();
-        let (gpu_loss, gpu_out) = run(&["--num-gpus", &n_str]);
+        let (gpu_loss, gpu_out) = run_mlp(&["--num-gpus", &n_str], &[]);
         assert!(gpu_out.contains("Cuda"), "trained on the GPU: {gpu_out}");
         // The reference: the same job on the CPU (same seeds, samples and per-rank batches).
-        let (cpu_loss, _) = run(&["--cpu", "--num-processes", &n_str]);
+        let (cpu_loss, _) = run_mlp(&["--cpu", "--num-processes", &n_str], &[]);
         eprintln!("{gpu_out}\nfinal loss: GPU {gpu_loss}, CPU {cpu_loss}");
         // 10 classes: a model that learned nothing sits at ln 10 = 2.303.
         assert!(gpu_loss < 2.2, "final loss {gpu_loss} after 40 steps");
@@ -274,5 +288,24 @@ mod on_gpu {
             (gpu_loss - cpu_loss).abs() < 2e-3,
             "GPU {gpu_loss} vs CPU {cpu_loss}"
         );
+    }
+
+    pub fn mixed_precision_on_the_gpu_tracks_full_precision() {
+        if visible_gpus() == 0 {
+            eprintln!("skipped: no GPU; this test {NEEDS}");
+            return;
+        }
+        let gpu = ["--num-gpus", "1"];
+        let (f32_loss, _) = run_mlp(&gpu, &[]);
+        for mode in ["bf16", "fp16"] {
+            let (loss, out) = run_mlp(&gpu, &["--mixed-precision", mode]);
+            eprintln!("{mode}: final loss {loss} (f32: {f32_loss})");
+            assert!(out.contains(&format!("mixed_precision={mode}")), "{out}");
+            // Half-precision rounding moves the trajectory a little, not the learning.
+            assert!(
+                (loss - f32_loss).abs() < 0.05 * f32_loss,
+                "{mode} final loss {loss} vs f32 {f32_loss}"
+            );
+        }
     }
 }
