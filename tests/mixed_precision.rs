@@ -535,3 +535,89 @@ fn two_ranks_under_the_launchers_bf16_flag_end_with_identical_parameters() {
         text(&o)
     );
 }
+
+/// Two ranks as threads of this process, joined as under torchrun (rank 0 hosts the store on
+/// MASTER_PORT + 1); `f` runs on each rank's accelerator.
+fn two_ranks<R: Send>(
+    builder: impl Fn() -> accelerate_core::AcceleratorBuilder + Sync,
+    f: impl Fn(Accelerator) -> R + Sync,
+) -> Vec<R> {
+    use accelerate_core::state::Launcher;
+    let port = loop {
+        // A free port whose successor is free too.
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (builder, f) = (&builder, &f);
+                scope.spawn(move || {
+                    let state = ProcessState {
+                        rank,
+                        world_size: 2,
+                        local_rank: rank,
+                        local_world_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        job_token: String::new(),
+                        restart_count: 0,
+                        launcher: Launcher::Torchrun,
+                    };
+                    f(builder().process_state(state).build().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
+    // Each rank's gradient of sum(w * x) is its own x: the reduction can be checked by hand.
+    let xs: [Vec<f32>; 2] = [
+        (0..300).map(|i| (i as f32 * 0.731).sin() * 3.0).collect(),
+        (0..300)
+            .map(|i| (i as f32 * 1.377).cos() * 0.01 + 1.0)
+            .collect(),
+    ];
+    let run = |dtype: DType| {
+        two_ranks(
+            || Accelerator::builder().gradient_reduce_dtype(dtype),
+            |mut acc| {
+                let varmap = VarMap::new();
+                let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+                let w = vb.get(300, "w").unwrap();
+                acc.prepare(&varmap).unwrap();
+                let x = Tensor::new(xs[acc.process_index()].as_slice(), &Device::Cpu).unwrap();
+                let _step = acc.accumulate();
+                acc.backward(&(&w * &x).unwrap().sum_all().unwrap())
+                    .unwrap();
+                let g = values(&acc.gradient("w").unwrap().unwrap());
+                (g, acc.gradient_sync_stats().bytes)
+            },
+        )
+    };
+    let exact = run(DType::F32);
+    let compressed = run(DType::BF16);
+    // Both ranks agree, in either mode.
+    assert_eq!(exact[0].0, exact[1].0);
+    assert_eq!(compressed[0].0, compressed[1].0);
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    for i in 0..300 {
+        let (a, b) = (xs[0][i], xs[1][i]);
+        assert_eq!(exact[0].0[i], (a + b) / 2.0, "f32 mean at {i}");
+        // The ring adds the two bf16 values (exactly, in f32), rounds the sum to bf16 and halves it.
+        assert_eq!(
+            compressed[0].0[i],
+            bf(bf(a) + bf(b)) / 2.0,
+            "bf16 mean at {i}"
+        );
+    }
+    assert_ne!(exact[0].0, compressed[0].0, "the rounding is visible");
+    assert_eq!(exact[0].1, 300 * 4);
+    assert_eq!(compressed[0].1, 300 * 2);
+}

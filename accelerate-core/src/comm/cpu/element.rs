@@ -1,5 +1,5 @@
-//! The element types the CPU communicator moves and reduces (f32, f64, i64), their little-endian
-//! wire encoding, and in-place access to the data of CPU tensors of those types.
+//! The element types the CPU communicator moves and reduces (f32, f64, i64, bf16, f16), their
+//! little-endian wire encoding, and in-place access to the data of CPU tensors of those types.
 
 use std::sync::Mutex;
 
@@ -76,6 +76,51 @@ macro_rules! float_element {
 float_element!(f32, F32, 1);
 float_element!(f64, F64, 2);
 
+/// Half-precision elements: reduced in f32 and rounded once per addition, as NCCL does.
+macro_rules! half_element {
+    ($t:ty, $variant:ident, $code:expr) => {
+        impl Element for $t {
+            const SIZE: usize = 2;
+            const CODE: u8 = $code;
+
+            fn of_storage(storage: &CpuStorage) -> Option<&[Self]> {
+                match storage {
+                    CpuStorage::$variant(data) => Some(data),
+                    _ => None,
+                }
+            }
+            fn of_storage_mut(storage: &mut CpuStorage) -> Option<&mut [Self]> {
+                match storage {
+                    CpuStorage::$variant(data) => Some(data),
+                    _ => None,
+                }
+            }
+            fn from_le(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("caller passes SIZE bytes"))
+            }
+            fn put_le(value: Self, out: &mut [u8]) {
+                out.copy_from_slice(&value.to_le_bytes());
+            }
+            fn sum_of(a: Self, b: Self) -> Self {
+                <$t>::from_f32(a.to_f32() + b.to_f32())
+            }
+            fn max_of(a: Self, b: Self) -> Self {
+                if a.is_nan() || a >= b {
+                    a
+                } else {
+                    b
+                }
+            }
+            fn divided(a: Self, n: usize) -> Self {
+                <$t>::from_f32(a.to_f32() / n as f32)
+            }
+        }
+    };
+}
+
+half_element!(half::bf16, BF16, 4);
+half_element!(half::f16, F16, 5);
+
 impl Element for i64 {
     const SIZE: usize = 8;
     const CODE: u8 = 3;
@@ -115,6 +160,8 @@ pub(crate) fn describe_code(code: u8) -> String {
         c if c == <f32 as Element>::CODE => "f32".into(),
         c if c == <f64 as Element>::CODE => "f64".into(),
         c if c == <i64 as Element>::CODE => "i64".into(),
+        c if c == <half::bf16 as Element>::CODE => "bf16".into(),
+        c if c == <half::f16 as Element>::CODE => "f16".into(),
         other => format!("unknown element type {other}"),
     }
 }
@@ -152,7 +199,8 @@ pub(crate) fn decode_into<T: Element>(dst: &mut [T], bytes: &[u8]) {
 /// copying them wholesale is several times faster than encoding element by element.
 #[cfg(target_endian = "little")]
 fn native_bytes<T: Element>(values: &[T]) -> &[u8] {
-    // SAFETY: `Element` is implemented only for f32, f64 and i64: plain numbers without padding,
+    // SAFETY: `Element` is implemented only for f32, f64, i64, bf16 and f16: plain numbers without
+    // padding,
     // so every byte of the slice is initialized, and u8 has no alignment requirement.
     unsafe {
         std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
@@ -162,7 +210,7 @@ fn native_bytes<T: Element>(values: &[T]) -> &[u8] {
 /// Mutable counterpart of [`native_bytes`].
 #[cfg(target_endian = "little")]
 fn native_bytes_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
-    // SAFETY: as in `native_bytes`; in addition every bit pattern is a valid f32, f64 or i64, so
+    // SAFETY: as in `native_bytes`; in addition every bit pattern is a valid value of each, so
     // any bytes written through the view leave valid values.
     unsafe {
         std::slice::from_raw_parts_mut(
@@ -215,8 +263,8 @@ pub(crate) fn check_cpu_contiguous(tensor: &Tensor, op: &'static str) -> Result<
 /// The error for a dtype the CPU communicator does not carry.
 pub(crate) fn unsupported_dtype(op: &'static str, dtype: DType) -> Error {
     Error::Config(format!(
-        "{op}: dtype {dtype:?} is not supported by the CPU communicator (f32, f64 and i64 are); \
-         convert with to_dtype before the collective"
+        "{op}: dtype {dtype:?} is not supported by the CPU communicator (f32, f64, i64, bf16 and \
+         f16 are); convert with to_dtype before the collective"
     ))
 }
 

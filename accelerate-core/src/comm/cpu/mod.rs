@@ -315,6 +315,8 @@ impl Communicator for CpuCommunicator {
             DType::F32 => self.all_reduce_as::<f32>(tensor, op),
             DType::F64 => self.all_reduce_as::<f64>(tensor, op),
             DType::I64 => self.all_reduce_as::<i64>(tensor, op),
+            DType::BF16 => self.all_reduce_as::<half::bf16>(tensor, op),
+            DType::F16 => self.all_reduce_as::<half::f16>(tensor, op),
             other => Err(unsupported_dtype("all_reduce", other)),
         }
     }
@@ -331,6 +333,8 @@ impl Communicator for CpuCommunicator {
             DType::F32 => self.broadcast_as::<f32>(tensor, root),
             DType::F64 => self.broadcast_as::<f64>(tensor, root),
             DType::I64 => self.broadcast_as::<i64>(tensor, root),
+            DType::BF16 => self.broadcast_as::<half::bf16>(tensor, root),
+            DType::F16 => self.broadcast_as::<half::f16>(tensor, root),
             other => Err(unsupported_dtype("broadcast", other)),
         }
     }
@@ -348,6 +352,8 @@ impl Communicator for CpuCommunicator {
             DType::F32 => self.all_gather_as::<f32>(&tensor),
             DType::F64 => self.all_gather_as::<f64>(&tensor),
             DType::I64 => self.all_gather_as::<i64>(&tensor),
+            DType::BF16 => self.all_gather_as::<half::bf16>(&tensor),
+            DType::F16 => self.all_gather_as::<half::f16>(&tensor),
             other => Err(unsupported_dtype("all_gather", other)),
         }
     }

@@ -328,7 +328,7 @@ impl ShmSession<'_> {
         assert!((offset + len) * T::SIZE <= bytes, "staging overread");
         // SAFETY: in bounds (checked) and aligned; the caller awaited the peer's mark for this
         // round, and the peer does not rewrite the half before this rank's `Consumed` mark.
-        // Every bit pattern is a valid f32, f64 or i64.
+        // Every bit pattern is a valid value of every element type.
         unsafe { std::slice::from_raw_parts(base.cast::<T>().add(offset).cast_const(), len) }
     }
 
