@@ -152,7 +152,7 @@ fn check_flags(args: &Args) -> Result<()> {
             bail!("{flag} must be at least 1");
         }
     }
-    if args.width % args.heads != 0 {
+    if !args.width.is_multiple_of(args.heads) {
         bail!(
             "--width {} is not divisible by --heads {}: every head takes width / heads dimensions \
              (e.g. --width {} --heads {})",
@@ -191,7 +191,9 @@ fn run(args: &Args) -> Result<()> {
         );
     }
     let vocab = CharVocab::from_text(&text);
-    let tokens = vocab.encode(&text).expect("the vocabulary holds every character");
+    let tokens = vocab
+        .encode(&text)
+        .expect("the vocabulary holds every character");
     let entropy = gpt::unigram_entropy(&tokens);
     let dataset = TextWindows::tiled(tokens, args.context, args.seed)?;
 
@@ -373,10 +375,7 @@ fn run(args: &Args) -> Result<()> {
                 }
                 if let Some(bar) = &progress {
                     bar.set_position(n);
-                    bar.set_message(format!(
-                        "loss {loss:.4}  {:.0} tokens/s",
-                        tokens / seconds
-                    ));
+                    bar.set_message(format!("loss {loss:.4}  {:.0} tokens/s", tokens / seconds));
                 }
                 window_start = Instant::now();
                 if args

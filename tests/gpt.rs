@@ -142,7 +142,11 @@ fn it_learns_a_text_file_given_with_text_almost_perfectly() {
     assert!((summary_value(&o, "unigram_entropy") - entropy).abs() < 1e-5);
     let l = losses(&metrics);
     let end = mean(&l[l.len() - 10..]);
-    assert!(end < entropy / 3.0, "last losses {:?}; unigram entropy {entropy}", &l[l.len() - 10..]);
+    assert!(
+        end < entropy / 3.0,
+        "last losses {:?}; unigram entropy {entropy}",
+        &l[l.len() - 10..]
+    );
 }
 
 fn small_model_args(out: &Path, batch: usize, steps: u64) -> Vec<String> {
@@ -200,8 +204,14 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
     let (a, b) = (load_flat(&dist), load_flat(&single));
     assert!(a.contains_key("h.0.attn.c_attn.weight") && a.contains_key("lm_head.weight"));
     let diff = max_abs_diff_flat(&a, &b);
-    assert!(diff < 1e-4, "max |Δθ| between 2 ranks x K=2 and 1 process = {diff}");
-    let (ld, ls) = (summary_value(&d, "final_loss"), summary_value(&s, "final_loss"));
+    assert!(
+        diff < 1e-4,
+        "max |Δθ| between 2 ranks x K=2 and 1 process = {diff}"
+    );
+    let (ld, ls) = (
+        summary_value(&d, "final_loss"),
+        summary_value(&s, "final_loss"),
+    );
     assert!((ld - ls).abs() < 1e-4, "final loss {ld} vs {ls}");
 
     // The comparison could have failed: training moved the weights far more than the tolerance.

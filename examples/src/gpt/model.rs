@@ -121,7 +121,7 @@ impl Gpt {
     /// [`init_weights`] replaces them with GPT-2's). `width` must be divisible by `heads`.
     pub fn new(vb: VarBuilder, config: GptConfig) -> Result<Self> {
         let c = config;
-        if c.heads == 0 || c.width % c.heads != 0 {
+        if c.heads == 0 || !c.width.is_multiple_of(c.heads) {
             candle_core::bail!(
                 "width {} is not divisible by heads {}: every head takes width / heads dimensions",
                 c.width,
@@ -267,11 +267,21 @@ mod tests {
     }
 
     fn tokens(rows: &[&[u32]]) -> Tensor {
-        Tensor::new(rows.iter().map(|r| r.to_vec()).collect::<Vec<_>>(), &Device::Cpu).unwrap()
+        Tensor::new(
+            rows.iter().map(|r| r.to_vec()).collect::<Vec<_>>(),
+            &Device::Cpu,
+        )
+        .unwrap()
     }
 
     fn row(logits: &Tensor, r: usize, upto: usize) -> Vec<Vec<f32>> {
-        logits.get(r).unwrap().narrow(0, 0, upto).unwrap().to_vec2().unwrap()
+        logits
+            .get(r)
+            .unwrap()
+            .narrow(0, 0, upto)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
     }
 
     #[test]
@@ -351,7 +361,13 @@ mod tests {
             let g = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{name} has no gradient"));
-            let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            let norm = g
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
             // wpe rows 4..8 are unused, but the rows 0..4 are not: the sum is positive.
             assert!(norm > 0.0, "{name}: zero gradient");
         }

@@ -170,9 +170,15 @@ mod tests {
         assert!(lens.iter().all(|&l| (5..=10).contains(&l)), "{lens:?}");
         assert!(lens.iter().any(|&l| l != lens[0]), "lengths vary: {lens:?}");
         let b = TextWindows::tiled(tokens.clone(), 10, 3).unwrap();
-        assert_eq!(lens, (0..b.len()).map(|i| b.window(i).1).collect::<Vec<_>>());
+        assert_eq!(
+            lens,
+            (0..b.len()).map(|i| b.window(i).1).collect::<Vec<_>>()
+        );
         let c = TextWindows::tiled(tokens, 10, 4).unwrap();
-        assert_ne!(lens, (0..c.len()).map(|i| c.window(i).1).collect::<Vec<_>>());
+        assert_ne!(
+            lens,
+            (0..c.len()).map(|i| c.window(i).1).collect::<Vec<_>>()
+        );
     }
 
     #[test]
