@@ -607,8 +607,7 @@ fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
     assert_eq!(exact[0].0, exact[1].0);
     assert_eq!(compressed[0].0, compressed[1].0);
     let bf = |v: f32| half::bf16::from_f32(v).to_f32();
-    for i in 0..300 {
-        let (a, b) = (xs[0][i], xs[1][i]);
+    for (i, (&a, &b)) in xs[0].iter().zip(&xs[1]).enumerate() {
         assert_eq!(exact[0].0[i], (a + b) / 2.0, "f32 mean at {i}");
         // The ring adds the two bf16 values (exactly, in f32), rounds the sum to bf16 and halves it.
         assert_eq!(
