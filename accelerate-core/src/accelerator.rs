@@ -696,8 +696,8 @@ impl Accelerator {
     /// [`gather`](Self::gather) for evaluation metrics: at the end of an epoch of a prepared
     /// loader, the rows of the wrap-around samples (which complete the last round so that every
     /// rank steps equally) are dropped, so an epoch gathers exactly the dataset's samples. Pass
-    /// one row per sample of the current batch, iterating the loader with `iter()` (a `windows()`
-    /// iteration reports each window's first batch, for accumulation).
+    /// one row per sample of the current batch, iterating the loader with `iter()`, or with
+    /// `windows()` and one [`accumulate`](Self::accumulate) per batch.
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
         let gathered = self.gather(tensor)?;
         let Some(loader) = self.active_loader() else {

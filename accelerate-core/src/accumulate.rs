@@ -174,6 +174,10 @@ impl Accumulation {
     /// Begins a micro-step. `loader` is the training loader, if one was prepared; it has already
     /// handed out this micro-step's batch.
     pub fn begin(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
+        if let Some(p) = loader {
+            // Iterating `windows()`: this micro-step's batch counts as handed out now.
+            p.begin_window_batch();
+        }
         if self.taken != 0 && self.loader_generation.is_none() {
             // A window restored from a checkpoint continues in the resumed iteration.
             self.loader_generation = loader.map(|p| p.generation());

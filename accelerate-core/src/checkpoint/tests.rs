@@ -107,6 +107,36 @@ impl Run {
         false
     }
 
+    /// As [`Run::train`], iterating `windows(3)` with item-weighted accumulation (a sample is an
+    /// item; the loss is the batch's summed cross-entropy), stopping after `stop_after` whole
+    /// windows (counted from this call).
+    fn train_windows(&mut self, epochs: u64, stop_after: Option<usize>) -> bool {
+        let mut windows = 0;
+        for _ in self.loader.next_epoch()..epochs {
+            for window in self.loader.windows(3) {
+                let window = window.unwrap();
+                let items: usize = window.iter().map(|(x, _)| x.dims()[0]).sum();
+                self.acc.set_window_items(items).unwrap();
+                for (x, y) in window {
+                    let _step = self.acc.accumulate();
+                    let logits = self.model.forward(&x).unwrap();
+                    let mean = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
+                    self.acc
+                        .backward(&(mean * x.dims()[0] as f64).unwrap())
+                        .unwrap();
+                    self.opt.step().unwrap();
+                    self.sched.step();
+                    self.opt.zero_grad();
+                }
+                windows += 1;
+                if stop_after == Some(windows) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
     fn values(&self) -> Vec<(String, Vec<u32>)> {
         self.params
             .iter()
@@ -184,6 +214,40 @@ fn a_save_inside_an_accumulation_window_resumes_bitwise() {
     );
     assert_eq!(resumed.optimizer_bits(), whole.optimizer_bits());
     assert_eq!(resumed.sched.steps(), whole.sched.steps());
+}
+
+#[test]
+fn a_save_after_a_window_of_windows_resumes_after_that_window_bitwise() {
+    let mut whole = run(3);
+    assert!(!whole.train_windows(2, None));
+    assert_eq!(
+        whole.acc.optimizer_steps(),
+        8,
+        "4 windows (3+3+3+1) per epoch"
+    );
+    // Inside epoch 0, at its end (the short last window), and inside epoch 1.
+    for (windows, epoch) in [(2, 0), (3, 0), (4, 1), (6, 1)] {
+        let root = tempfile::tempdir().unwrap();
+        let mut first = run(3);
+        assert!(first.train_windows(2, Some(windows)));
+        assert_eq!(first.acc.optimizer_steps(), windows as u64);
+        first.acc.save_state(root.path()).unwrap();
+
+        let mut resumed = run(3);
+        resumed.acc.load_state(root.path()).unwrap();
+        assert_eq!(
+            resumed.loader.next_epoch(),
+            epoch,
+            "after {windows} windows"
+        );
+        assert!(!resumed.train_windows(2, None));
+        assert_eq!(resumed.acc.optimizer_steps(), 8, "after {windows} windows");
+        assert_eq!(
+            resumed.values(),
+            whole.values(),
+            "saved after {windows} windows: final parameters, bit for bit"
+        );
+    }
 }
 
 fn rewrite(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {

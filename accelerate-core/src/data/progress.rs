@@ -23,6 +23,10 @@ pub struct LoaderProgress {
     samples_per_epoch: AtomicUsize,
     batch_size: AtomicUsize,
     world_size: AtomicUsize,
+    /// Batches of the window last handed out by `DataLoader::windows` that no micro-step has begun
+    /// yet: the loop consumes a window one batch per micro-step, and each counts as handed out
+    /// when its micro-step begins (so a checkpoint saved at the window's end resumes after it).
+    window_pending: AtomicUsize,
     /// A position restored from a checkpoint, `(epoch, batches to skip)`, that the loader's next
     /// `iter()` starts from (set by `Accelerator::load_state`, which cannot reach the loader).
     pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
@@ -83,6 +87,7 @@ impl LoaderProgress {
         self.batches_per_epoch
             .store(batches_per_epoch, Ordering::Release);
         self.batches_yielded.store(skip, Ordering::Release);
+        self.window_pending.store(0, Ordering::Release);
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.touch();
     }
@@ -91,6 +96,28 @@ impl LoaderProgress {
     pub(crate) fn record_yielded(&self, count: usize) {
         self.batches_yielded.store(count, Ordering::Release);
         self.touch();
+    }
+
+    /// Records that a window of `len` batches from batch `start` on has been handed out as a
+    /// whole: none of it counts as consumed until [`begin_window_batch`](Self::begin_window_batch)
+    /// counts its batches one by one.
+    pub(crate) fn record_window(&self, start: usize, len: usize) {
+        self.batches_yielded.store(start, Ordering::Release);
+        self.window_pending.store(len, Ordering::Release);
+        self.touch();
+    }
+
+    /// Counts the next batch of the pending window as handed out (a micro-step is beginning on
+    /// it); does nothing when no window is pending (batches handed out one by one are counted by
+    /// the iterator itself).
+    pub(crate) fn begin_window_batch(&self) {
+        let took = self
+            .window_pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if took.is_ok() {
+            self.batches_yielded.fetch_add(1, Ordering::AcqRel);
+            self.touch();
+        }
     }
 
     fn touch(&self) {
@@ -179,6 +206,30 @@ mod tests {
         p.start_epoch(3, 0, 4);
         assert_eq!((p.epoch(), p.batches_yielded(), p.generation()), (3, 0, 2));
         assert!(!p.at_end());
+    }
+
+    #[test]
+    fn a_window_counts_its_batches_as_their_micro_steps_begin() {
+        let p = LoaderProgress::new(10);
+        p.start_epoch(0, 0, 10);
+        p.record_window(6, 3);
+        assert_eq!(p.batches_yielded(), 6, "handed out, none begun");
+        p.begin_window_batch();
+        assert_eq!(p.batches_yielded(), 7);
+        p.begin_window_batch();
+        p.begin_window_batch();
+        assert_eq!(p.resume_position(), (0, 9), "the whole window consumed");
+        p.begin_window_batch();
+        assert_eq!(p.batches_yielded(), 9, "nothing pending: no change");
+        p.record_window(9, 1);
+        p.begin_window_batch();
+        assert!(p.at_end());
+        assert_eq!(p.resume_position(), (1, 0));
+        // A new epoch drops what is left of a window.
+        p.record_window(0, 3);
+        p.start_epoch(1, 0, 10);
+        p.begin_window_batch();
+        assert_eq!(p.batches_yielded(), 0);
     }
 
     #[test]

@@ -67,10 +67,13 @@ impl<D: Dataset> Iterator for WindowIter<D> {
             self.finished = true;
             None
         } else {
-            // The loop consumes the window's batches after this returns: report progress as if only
-            // the window's first batch were handed out, so the accelerator sees the window start
-            // (and how many batches remain from there) when the window's first micro-step begins.
-            self.batches.progress_handle().record_yielded(start + 1);
+            // The loop consumes the window's batches after this returns, one per micro-step: the
+            // accelerator counts each as handed out when its micro-step begins, so it sees the
+            // window start (and how many batches remain from there) at the first micro-step, and
+            // a checkpoint saved at the window's end resumes after the window.
+            self.batches
+                .progress_handle()
+                .record_window(start, window.len());
             Some(Ok(window))
         }
     }

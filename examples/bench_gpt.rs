@@ -1,0 +1,423 @@
+//! Benchmarks of the `gpt` workload, one process, CPU:
+//!
+//! - **memory**: what gradient accumulation trades. Batch B with K = 1 against batch B/4 with
+//!   K = 4 (the same windows per optimizer step): peak resident memory and samples/s. Each
+//!   configuration runs in a child process of this benchmark (re-executed with a hidden flag),
+//!   which reports its `VmHWM` (peak resident set) from `/proc/self/status` after its last step,
+//!   and after its setup (model, gradient buffers, data) for comparison.
+//! - **overhead**: the cost of the runtime itself. The Accelerator loop at world size 1 against a
+//!   plain candle loop doing the same arithmetic: the same model, the same summed token loss
+//!   divided by the batch's tokens, the gradients added into the same gradient buffers, the same
+//!   AdamW. The two run in interleaved rounds so that machine noise hits both alike; the median
+//!   round is reported.
+//!
+//! Windows all have the full context length here, so the configurations compute on the same
+//! tokens (with varying lengths, smaller batches would pad less and do less work).
+//!
+//! `cargo run --release --example bench_gpt -- --part memory` (see BENCHMARKS.md).
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use accelerate_core::data::{DataLoader, Dataset};
+use accelerate_core::grads::GradientBuffers;
+use accelerate_core::optim::{AdamW, AdamWConfig, Optimizer};
+use accelerate_core::{Accelerator, ProcessState};
+use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Var};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Part {
+    Memory,
+    Overhead,
+    All,
+}
+
+/// Benchmark the gpt training step: accumulation's memory/throughput trade-off and the runtime's
+/// overhead over a plain candle loop.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Which benchmark to run.
+    #[arg(long, value_enum, default_value_t = Part::All)]
+    part: Part,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Embedding width.
+    #[arg(long, default_value_t = 256)]
+    width: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Window length (every window has it).
+    #[arg(long, default_value_t = 256)]
+    context: usize,
+    /// Windows per optimizer step (B; the K = 4 configuration takes B/4 per micro-batch).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Optimizer steps measured per configuration per round, after 2 warm-up steps.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Rounds (each runs every configuration once).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Prefetch depth of the Accelerator loop's data loader.
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
+    /// Seconds a child process may run before it is killed and the benchmark fails.
+    #[arg(long, default_value_t = 3600)]
+    child_timeout: u64,
+    /// Internal: run one memory configuration with this K and report (used by the parent).
+    #[arg(long, hide = true)]
+    child_k: Option<usize>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if !args.batch_size.is_multiple_of(4) || args.batch_size == 0 {
+        bail!(
+            "--batch-size {} must be a positive multiple of 4 (the K = 4 configuration takes \
+             batch / 4 per micro-batch)",
+            args.batch_size
+        );
+    }
+    if args.steps == 0 || args.rounds == 0 {
+        bail!("--steps and --rounds must be at least 1");
+    }
+    if args.heads == 0 || !args.width.is_multiple_of(args.heads) {
+        bail!(
+            "--width {} is not divisible by --heads {}",
+            args.width,
+            args.heads
+        );
+    }
+    // Every configuration runs with the same allocator settings (the Accelerator applies them
+    // when it is built; the plain loop must not be measured with glibc's defaults instead).
+    accelerate_core::malloc::keep_freed_memory();
+    if let Some(k) = args.child_k {
+        return child(&args, k);
+    }
+    let (dataset, vocab) = fixed_windows(&args)?;
+    let config = model_config(&args, vocab);
+    println!(
+        "gpt: {} layers, width {}, {} heads, context {} (every window full), vocabulary {}, {} \
+         windows per optimizer step, {} steps x {} rounds, {} threads",
+        args.layers,
+        args.width,
+        args.heads,
+        args.context,
+        config.vocab,
+        args.batch_size,
+        args.steps,
+        args.rounds,
+        candle_core::utils::get_num_threads()
+    );
+    if args.part != Part::Overhead {
+        memory(&args)?;
+    }
+    if args.part != Part::Memory {
+        overhead(&args, &dataset, config)?;
+    }
+    Ok(())
+}
+
+fn model_config(args: &Args, vocab: usize) -> GptConfig {
+    GptConfig {
+        vocab,
+        context: args.context,
+        width: args.width,
+        heads: args.heads,
+        layers: args.layers,
+    }
+}
+
+/// Full-length windows of the built-in text for `steps + 2` optimizer steps (the text is
+/// repeated when it is too short), and the vocabulary size.
+fn fixed_windows(args: &Args) -> Result<(Arc<TextWindows>, usize)> {
+    let vocab = CharVocab::from_text(gpt::DEFAULT_TEXT);
+    let text = vocab
+        .encode(gpt::DEFAULT_TEXT)
+        .expect("the vocabulary holds every character");
+    let windows = (args.steps + 2) * args.batch_size;
+    let stride = (args.context / 2).max(1);
+    let needed = (windows - 1) * stride + args.context + 1;
+    let tokens: Vec<u32> = text.iter().copied().cycle().take(needed).collect();
+    let dataset = TextWindows::new(tokens, args.context, args.context, stride, 0)?;
+    assert_eq!(dataset.len(), windows);
+    Ok((Arc::new(dataset), vocab.len()))
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One child's report.
+#[derive(Debug, Clone, Copy)]
+struct ChildReport {
+    ms_per_step: f64,
+    setup_kib: f64,
+    peak_kib: f64,
+}
+
+/// The memory part: each configuration in a child process, rounds interleaved.
+fn memory(args: &Args) -> Result<()> {
+    let ks = [1usize, 4];
+    let mut reports: Vec<Vec<ChildReport>> = vec![Vec::new(); ks.len()];
+    for round in 0..args.rounds {
+        for (i, &k) in ks.iter().enumerate() {
+            reports[i].push(run_child(args, k)?);
+        }
+        eprintln!("memory: round {} of {} done", round + 1, args.rounds);
+    }
+    println!();
+    println!(
+        "{:<34} {:>10} {:>10} {:>13} {:>14}",
+        "configuration", "ms/step", "samples/s", "peak RSS MiB", "after setup MiB"
+    );
+    let mib = |kib: f64| kib / 1024.0;
+    let mut rows = Vec::new();
+    for (&k, r) in ks.iter().zip(&reports) {
+        let ms = median(&r.iter().map(|x| x.ms_per_step).collect::<Vec<_>>());
+        let peak = median(&r.iter().map(|x| x.peak_kib).collect::<Vec<_>>());
+        let setup = median(&r.iter().map(|x| x.setup_kib).collect::<Vec<_>>());
+        println!(
+            "{:<34} {ms:>10.1} {:>10.2} {:>13.0} {:>14.0}",
+            format!("batch {} x K={k}", args.batch_size / k),
+            args.batch_size as f64 / ms * 1e3,
+            mib(peak),
+            mib(setup)
+        );
+        rows.push((ms, peak, setup));
+    }
+    let (ms1, peak1, setup1) = rows[0];
+    let (ms4, peak4, _) = rows[1];
+    println!(
+        "K=4 vs K=1: peak memory {:+.1} % ({:.0} of the {:.0} MiB above setup saved), throughput \
+         {:+.1} %",
+        (peak4 / peak1 - 1.0) * 100.0,
+        mib(peak1 - peak4),
+        mib(peak1 - setup1),
+        (ms1 / ms4 - 1.0) * 100.0
+    );
+    Ok(())
+}
+
+/// Re-executes this benchmark with `--child-k k` and reads its report.
+fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
+    let exe = std::env::current_exe().context("locating the benchmark's own executable")?;
+    let mut child = Command::new(exe)
+        .args([
+            "--layers",
+            &args.layers.to_string(),
+            "--width",
+            &args.width.to_string(),
+            "--heads",
+            &args.heads.to_string(),
+            "--context",
+            &args.context.to_string(),
+            "--batch-size",
+            &args.batch_size.to_string(),
+            "--steps",
+            &args.steps.to_string(),
+            "--prefetch",
+            &args.prefetch.to_string(),
+            "--child-k",
+            &k.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting a child configuration")?;
+    let deadline = Instant::now() + Duration::from_secs(args.child_timeout);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the K={k} configuration ran longer than --child-timeout {} s; lower --steps or \
+                 the model size",
+                args.child_timeout
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        std::io::Read::read_to_string(&mut stdout, &mut out)?;
+    }
+    if !status.success() {
+        bail!("the K={k} configuration failed ({status}):\n{out}");
+    }
+    let value = |key: &str| -> Result<f64> {
+        out.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("no {key}= in the K={k} child's report:\n{out}"))
+    };
+    Ok(ChildReport {
+        ms_per_step: value("ms_per_step")?,
+        setup_kib: value("setup_hwm_kib")?,
+        peak_kib: value("peak_hwm_kib")?,
+    })
+}
+
+/// `VmHWM` (peak resident set) of this process in KiB.
+fn peak_resident_kib() -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM line in /proc/self/status (Linux only)")
+}
+
+/// A child: the Accelerator loop with K micro-batches of B/K; prints its report on stdout.
+fn child(args: &Args, k: usize) -> Result<()> {
+    let (dataset, vocab) = fixed_windows(args)?;
+    let ms = accelerated(args, &dataset, model_config(args, vocab), k, |_| {
+        println!("setup_hwm_kib={}", peak_resident_kib()?);
+        Ok(())
+    })?;
+    println!(
+        "k={k} ms_per_step={ms} peak_hwm_kib={}",
+        peak_resident_kib()?
+    );
+    Ok(())
+}
+
+/// Milliseconds per optimizer step of the Accelerator loop, K micro-batches of B/K, item-weighted
+/// (the example's loop); `after_setup` runs once everything is built, before the first step.
+fn accelerated(
+    args: &Args,
+    dataset: &Arc<TextWindows>,
+    config: GptConfig,
+    k: usize,
+    after_setup: impl FnOnce(&Accelerator) -> Result<()>,
+) -> Result<f64> {
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(k)
+        .process_state(ProcessState::single())
+        .build()?;
+    let (varmap, model) = gpt::build_in(config, 0, acc.device(), DType::F32)?;
+    let params = acc.prepare(&varmap)?;
+    let mut opt = acc.prepare(AdamW::new(params, adamw())?)?;
+    let loader = DataLoader::new(dataset.clone(), args.batch_size / k).prefetch(args.prefetch);
+    let mut loader = acc.prepare(loader)?;
+    after_setup(&acc)?;
+    let mut start = Instant::now();
+    for window in loader.windows(k) {
+        let window = window?;
+        acc.set_window_items(window.iter().map(|b| b.tokens).sum())?;
+        for batch in window {
+            let _step = acc.accumulate();
+            let logits = model.forward(&batch.inputs)?;
+            let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
+            acc.backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad();
+        }
+        if acc.optimizer_steps() == 2 {
+            // Two warm-up steps, as for the plain loop.
+            start = Instant::now();
+        }
+    }
+    let measured = acc.optimizer_steps() - 2;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / measured as f64)
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        lr: 1e-3,
+        ..AdamWConfig::default()
+    }
+}
+
+/// Milliseconds per optimizer step of a plain candle loop doing the Accelerator loop's arithmetic
+/// at K = 1 without the runtime: batches built inline from the same dataset, the summed loss's
+/// gradients added into gradient buffers scaled by 1/tokens, our AdamW.
+fn plain(args: &Args, dataset: &TextWindows, config: GptConfig) -> Result<f64> {
+    let (varmap, model) = gpt::build_in(config, 0, &Device::Cpu, DType::F32)?;
+    let mut params: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut opt = AdamW::new(params.clone(), adamw())?;
+    // Allocated once, like the Accelerator's buckets.
+    let mut buffers = GradientBuffers::new(&params, usize::MAX)?;
+    let b = args.batch_size;
+    let mut step = |i: usize| -> Result<()> {
+        let batch = dataset.get_batch(&(i * b..(i + 1) * b).collect::<Vec<_>>())?;
+        let logits = model.forward(&batch.inputs)?;
+        let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
+        let grads = loss.backward()?;
+        buffers.zero();
+        for (name, var) in &params {
+            let g = grads
+                .get(var.as_tensor())
+                .expect("every parameter has a gradient");
+            buffers.accumulate_one(name, g, 1.0 / batch.tokens as f64)?;
+        }
+        opt.step(&buffers)?;
+        Ok(())
+    };
+    step(0)?;
+    step(1)?;
+    let start = Instant::now();
+    for i in 2..args.steps + 2 {
+        step(i)?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / args.steps as f64)
+}
+
+/// The overhead part: plain loop vs Accelerator loop at K = 1, rounds interleaved, in this process.
+fn overhead(args: &Args, dataset: &Arc<TextWindows>, config: GptConfig) -> Result<()> {
+    let mut plain_ms = Vec::new();
+    let mut acc_ms = Vec::new();
+    for round in 0..args.rounds {
+        plain_ms.push(plain(args, dataset, config)?);
+        acc_ms.push(accelerated(args, dataset, config, 1, |_| Ok(()))?);
+        eprintln!("overhead: round {} of {} done", round + 1, args.rounds);
+    }
+    let (p, a) = (median(&plain_ms), median(&acc_ms));
+    println!();
+    println!(
+        "{:<52} {:>10} {:>10} {:>10}",
+        "configuration (K=1)", "ms/step", "samples/s", "tokens/s"
+    );
+    let tokens = (args.batch_size * args.context) as f64;
+    for (name, ms) in [
+        ("plain candle loop, our AdamW, same arithmetic", p),
+        ("Accelerator loop, world size 1", a),
+    ] {
+        println!(
+            "{name:<52} {ms:>10.2} {:>10.1} {:>10.0}",
+            args.batch_size as f64 / ms * 1e3,
+            tokens / ms * 1e3
+        );
+    }
+    println!(
+        "Accelerator vs plain: {:+.2} % time per step (rounds: plain {:?} ms, accelerator {:?} ms)",
+        (a / p - 1.0) * 100.0,
+        plain_ms
+            .iter()
+            .map(|x| (x * 10.0).round() / 10.0)
+            .collect::<Vec<_>>(),
+        acc_ms
+            .iter()
+            .map(|x| (x * 10.0).round() / 10.0)
+            .collect::<Vec<_>>()
+    );
+    Ok(())
+}
