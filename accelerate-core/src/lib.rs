@@ -60,6 +60,8 @@ pub mod cpu_slices;
 pub mod data;
 pub mod error;
 pub mod files;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grads;
 pub mod malloc;
 pub mod optim;

@@ -12,6 +12,8 @@ pub mod cpu;
 pub mod join;
 mod local;
 pub mod store;
+#[cfg(test)]
+mod wire_properties;
 
 pub use cpu::{CpuCommOptions, CpuCommunicator};
 pub use local::LocalCommunicator;
