@@ -3,6 +3,7 @@
 //! whole group stopped when one rank fails).
 
 mod cli;
+mod program;
 mod supervise;
 mod worker_env;
 
@@ -38,6 +39,7 @@ fn gpu_count() -> usize {
 
 fn launch(args: cli::Args) -> Result<ExitCode, String> {
     args.validate()?;
+    program::check_program(&args.program)?;
     let gpus = gpu_count();
     let (world_size, cpu) = match (args.num_gpus, args.num_processes) {
         (Some(n), _) if args.cpu => {
