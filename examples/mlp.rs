@@ -142,33 +142,38 @@ fn run(args: &Args) -> Result<()> {
 
     let dataset = match &args.data {
         Some(path) => {
-            let ds = TensorDataset::from_safetensors(path)?;
+            let ds = TensorDataset::from_safetensors(path)
+                .with_context(|| format!("--data {}", path.display()))?;
             let x = ds.x();
             if x.rank() != 2 || x.dims()[1] != mlp::INPUTS {
                 bail!(
-                    "{}: `x` has shape {:?}; this model takes [N, {}] (flattened 28x28 images)",
+                    "--data {}: `x` has shape {:?}; this model takes [N, {}] (flattened 28x28 \
+                     images): save x with {} features per sample",
                     path.display(),
                     x.dims(),
+                    mlp::INPUTS,
                     mlp::INPUTS
                 );
             }
             if !ds.x().dtype().is_float() {
                 bail!(
-                    "{}: `x` holds {:?}; expected floating-point features",
+                    "--data {}: `x` holds {:?}; expected floating-point features (save x as \
+                     float32)",
                     path.display(),
                     ds.x().dtype()
                 );
             }
             if ds.y().dtype().is_float() {
                 bail!(
-                    "{}: `y` holds {:?}; expected integer class labels (int64 from PyTorch works)",
+                    "--data {}: `y` holds {:?}; expected integer class labels (int64 from \
+                     PyTorch works)",
                     path.display(),
                     ds.y().dtype()
                 );
             }
             if ds.y().rank() != 1 {
                 bail!(
-                    "{}: `y` has shape {:?}; expected one integer label per sample, [N]",
+                    "--data {}: `y` has shape {:?}; expected one integer label per sample, [N]",
                     path.display(),
                     ds.y().dims()
                 );
@@ -191,8 +196,13 @@ fn run(args: &Args) -> Result<()> {
     let (varmap, model) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
     let params = acc.prepare(&varmap)?;
     if let Some(path) = &args.init_weights {
-        accelerate_core::files::load_into_vars(path, &params)
-            .with_context(|| format!("--init-weights {}", path.display()))?;
+        accelerate_core::files::load_into_vars(path, &params).with_context(|| {
+            format!(
+                "--init-weights {} (this model: --hidden {})",
+                path.display(),
+                args.hidden
+            )
+        })?;
         acc.refresh_compute_parameters()?;
     }
 
@@ -262,10 +272,20 @@ fn train<O: Optimizer>(
     let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
     if args.resume {
         let root = &args.checkpoint_dir;
-        if accelerate_core::checkpoint::latest_checkpoint(root)?.is_some() {
-            let dir = acc
-                .load_state(root)
-                .with_context(|| format!("--resume from {}", root.display()))?;
+        let latest = accelerate_core::checkpoint::latest_checkpoint(root)
+            .with_context(|| format!("--resume: --checkpoint-dir {}", root.display()))?;
+        if let Some(latest) = latest {
+            // The cause names the file and the problem; the way out depends on what the user
+            // wants, so both are offered.
+            let dir = acc.load_state(root).map_err(|e| {
+                anyhow::anyhow!(
+                    "--resume from {}: {e}; nothing was loaded or changed. If the checkpoint is \
+                     damaged, delete {} to resume from the one before it, or run without \
+                     --resume to start over",
+                    root.display(),
+                    latest.display()
+                )
+            })?;
             acc.print(format!(
                 "resumed from {} at optimizer step {} (epoch {})",
                 dir.display(),

@@ -8,18 +8,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use accelerate_tests::{built_binary, children_by_rank, load_flat, run_bounded, tiny_mlp};
+use accelerate_tests::{
+    built_binary, children_by_rank, load_flat, output_text, run_bounded, tiny_mlp,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
-
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// Runs the mlp on `n` processes (directly when 1, through the launcher otherwise) with K = 2,
 /// batch 4, 5 batches per rank per epoch (windows of 2, 2, 1: 3 optimizer steps per epoch), two
@@ -73,7 +66,7 @@ fn mlp(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Outpu
         .env_remove("WORLD_SIZE")
         .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
     let o = run_bounded(&mut cmd, LIMIT);
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", output_text(&o));
     o
 }
 
@@ -106,7 +99,7 @@ fn stop_and_resume(n: usize, stop_at: u64) {
     assert!(
         out.contains(&format!("at optimizer step {stop_at}")) && out.contains("steps=6"),
         "{}",
-        text(&o)
+        output_text(&o)
     );
     // The stop happened before the end: the comparison below could have failed.
     assert_ne!(bits(&stopped), bits(&whole));
@@ -157,7 +150,7 @@ fn keep_limit_and_resume_without_a_checkpoint() {
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("no checkpoint in"),
         "{}",
-        text(&o)
+        output_text(&o)
     );
     let mut left: Vec<String> = std::fs::read_dir(&ckpt)
         .unwrap()
@@ -217,11 +210,11 @@ fn python_safetensors_reads_save_model_output() {
                 .arg(dir.path().join("expected.json")),
             Duration::from_secs(60),
         );
-        assert!(o.status.success(), "{}", text(&o));
+        assert!(o.status.success(), "{}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("ok"),
             "{}",
-            text(&o)
+            output_text(&o)
         );
     }
 }
@@ -286,7 +279,7 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
         launch().args(args(&whole, &dir.path().join("ckpt_whole"))),
         LIMIT,
     );
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", output_text(&o));
 
     let ckpt = dir.path().join("ckpt");
     let killed = dir.path().join("killed.safetensors");

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use accelerate_tests::{
-    alive, built_binary, children_by_rank, load_flat, max_abs_diff_flat, run_bounded,
+    alive, built_binary, children_by_rank, load_flat, max_abs_diff_flat, output_text, run_bounded,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -67,22 +67,13 @@ fn launch(n: usize, program: &Path, args: &[String]) -> std::process::Output {
     run_bounded(&mut cmd, LIMIT)
 }
 
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// A `key=value` figure from the mlp summary line.
 fn summary_value(o: &std::process::Output, key: &str) -> u64 {
     let out = String::from_utf8_lossy(&o.stdout);
     out.split_whitespace()
         .find_map(|w| w.strip_prefix(&format!("{key}=")))
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", text(o)))
+        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", output_text(o)))
 }
 
 fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
@@ -95,8 +86,8 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         let mut args = mlp_args(samples, b, optimizer, &dist_out);
         args.extend(["--grad-accum".to_string(), k.to_string()]);
         let o = launch(n, &mlp(), &args);
-        assert!(o.status.success(), "{}", text(&o));
-        assert_eq!(summary_value(&o, "steps"), 10, "{}", text(&o));
+        assert!(o.status.success(), "{}", output_text(&o));
+        assert_eq!(summary_value(&o, "steps"), 10, "{}", output_text(&o));
 
         let single_out = dir.path().join(format!("single_{n}_{k}.safetensors"));
         let mut cmd = Command::new(mlp());
@@ -104,7 +95,7 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
             .env_remove("RANK")
             .env_remove("WORLD_SIZE");
         let s = run_bounded(&mut cmd, LIMIT);
-        assert!(s.status.success(), "{}", text(&s));
+        assert!(s.status.success(), "{}", output_text(&s));
         assert_eq!(summary_value(&s, "steps"), 10);
 
         let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
@@ -160,9 +151,9 @@ fn gradients_are_reduced_once_per_bucket_per_optimizer_step() {
         .args(&args)
         .env("ACCELERATE_BUCKET_CAP_MB", format!("{}", 10.0 / 1024.0));
     let o = run_bounded(&mut cmd, LIMIT);
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", output_text(&o));
     let (steps, micro) = (summary_value(&o, "steps"), summary_value(&o, "micro_steps"));
-    assert_eq!((steps, micro), (10, 40), "{}", text(&o));
+    assert_eq!((steps, micro), (10, 40), "{}", output_text(&o));
     assert_eq!(summary_value(&o, "buckets"), 3);
     assert_eq!(summary_value(&o, "grad_all_reduces"), steps * 3);
     let params = 16 * 784 + 16 + 16 * 16 + 16 + 10 * 16 + 10;
@@ -173,11 +164,11 @@ fn gradients_are_reduced_once_per_bucket_per_optimizer_step() {
 fn non_sync_micro_steps_send_nothing() {
     for n in [2, 3] {
         let o = launch(n, Path::new(worker()), &["nosync".to_string()]);
-        assert!(o.status.success(), "{n} ranks: {}", text(&o));
+        assert!(o.status.success(), "{n} ranks: {}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
             "{}",
-            text(&o)
+            output_text(&o)
         );
     }
 }
@@ -191,15 +182,15 @@ fn a_partial_last_window_on_two_ranks_equals_the_short_last_batch() {
     let mut args = mlp_args(80, 4, "sgd", &dist_out);
     args.extend(["--grad-accum".to_string(), "4".to_string()]);
     let o = launch(2, &mlp(), &args);
-    assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(summary_value(&o, "steps"), 6, "{}", text(&o));
+    assert!(o.status.success(), "{}", output_text(&o));
+    assert_eq!(summary_value(&o, "steps"), 6, "{}", output_text(&o));
     let single_out = dir.path().join("single.safetensors");
     let mut cmd = Command::new(mlp());
     cmd.args(mlp_args(80, 32, "sgd", &single_out))
         .env_remove("RANK")
         .env_remove("WORLD_SIZE");
     let s = run_bounded(&mut cmd, LIMIT);
-    assert!(s.status.success(), "{}", text(&s));
+    assert!(s.status.success(), "{}", output_text(&s));
     let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
     assert!(d < 2e-5, "max |Δθ| = {d}");
 }
@@ -217,7 +208,7 @@ fn gather_for_metrics_returns_each_sample_once() {
         .map(|s| s.to_string())
         .collect();
         let o = launch(n, Path::new(worker()), &args);
-        assert!(o.status.success(), "{}", text(&o));
+        assert!(o.status.success(), "{}", output_text(&o));
         let out = String::from_utf8_lossy(&o.stdout);
         let line = out
             .lines()
@@ -245,11 +236,11 @@ fn gather_for_metrics_returns_each_sample_once() {
 fn collectives_match_closed_forms_on_two_and_three_ranks() {
     for n in [2, 3] {
         let o = launch(n, Path::new(worker()), &["collectives".to_string()]);
-        assert!(o.status.success(), "{}", text(&o));
+        assert!(o.status.success(), "{}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
             "{}",
-            text(&o)
+            output_text(&o)
         );
     }
 }
@@ -258,11 +249,11 @@ fn collectives_match_closed_forms_on_two_and_three_ranks() {
 fn ring_all_reduce_between_processes_for_world_sizes_one_to_five() {
     for n in 1..=5 {
         let o = launch(n, Path::new(worker()), &["allreduce".to_string()]);
-        assert!(o.status.success(), "{n} ranks: {}", text(&o));
+        assert!(o.status.success(), "{n} ranks: {}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
             "{}",
-            text(&o)
+            output_text(&o)
         );
     }
 }
@@ -347,7 +338,7 @@ fn two_launchers_as_two_machines_equal_one_process() {
         .collect();
     for m in machines {
         let o = m.join().unwrap();
-        assert!(o.status.success(), "{}", text(&o));
+        assert!(o.status.success(), "{}", output_text(&o));
     }
     let single_out = dir.path().join("single.safetensors");
     let mut cmd = Command::new(mlp());
@@ -377,7 +368,11 @@ fn a_multi_machine_job_without_a_shared_token_is_refused() {
         LIMIT,
     );
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("ACCELERATE_JOB_TOKEN"), "{}", text(&o));
+    assert!(
+        output_text(&o).contains("ACCELERATE_JOB_TOKEN"),
+        "{}",
+        output_text(&o)
+    );
 }
 
 #[test]
@@ -396,8 +391,8 @@ fn max_restarts_starts_a_new_round_after_a_failure() {
     .arg(worker())
     .arg("flaky");
     let o = run_bounded(&mut cmd, LIMIT);
-    assert!(o.status.success(), "{}", text(&o));
-    let all = text(&o);
+    assert!(o.status.success(), "{}", output_text(&o));
+    let all = output_text(&o);
     assert!(
         all.contains("rank 1") && all.contains("exited with code 3"),
         "{all}"
@@ -421,7 +416,7 @@ fn max_restarts_starts_a_new_round_after_a_failure() {
     .arg(worker())
     .arg("flaky");
     let o = run_bounded(&mut cmd, LIMIT);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
 }
 
 /// Starts a 2-rank mlp job that would train for a very long time and waits until both workers
@@ -483,7 +478,7 @@ fn sigterm_to_the_launcher_reaches_every_worker() {
 fn different_parameters_on_different_ranks_are_refused() {
     let o = launch(2, Path::new(worker()), &["mismatch".to_string()]);
     assert!(!o.status.success());
-    let all = text(&o);
+    let all = output_text(&o);
     assert!(
         all.contains("rank 1 has different parameters than rank 0"),
         "{all}"
@@ -561,7 +556,7 @@ fn a_single_process_opens_no_socket() {
         .env_remove("WORLD_SIZE")
         .env_remove("ACCELERATE_RANK");
     let o = run_bounded(&mut cmd, LIMIT);
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", output_text(&o));
     let calls = std::fs::read_to_string(&trace).unwrap();
     let network: Vec<&str> = calls
         .lines()

@@ -279,6 +279,16 @@ pub fn run_bounded(
     }
 }
 
+/// A finished command's status, stdout and stderr, for assertion messages.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// Reads every tensor of a safetensors file as flat f32 values, by name.
 pub fn load_flat(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     candle_core::safetensors::load(path, &Device::Cpu)
@@ -331,6 +341,7 @@ pub fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
     found
 }
 
+/// Whether process `pid` exists and is not a zombie.
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| {

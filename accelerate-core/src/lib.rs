@@ -97,6 +97,8 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod files;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grads;
 pub mod malloc;
 pub mod mixed_precision;

@@ -39,7 +39,8 @@ pub struct Args {
         long,
         alias = "main_process_port",
         default_value_t = 29500,
-        value_name = "PORT"
+        value_name = "PORT",
+        value_parser = parse_port
     )]
     pub main_process_port: u16,
 
@@ -76,6 +77,13 @@ pub struct Args {
     /// Arguments passed to the program.
     #[arg(allow_hyphen_values = true, value_name = "ARGS")]
     pub program_args: Vec<String>,
+}
+
+/// Parses `--main-process-port`; clap shows the message after the flag and the value.
+fn parse_port(value: &str) -> Result<u16, String> {
+    value.trim().parse::<u16>().map_err(|_| {
+        "not a port number: give a TCP port from 1 to 65535, or 0 to pick a free one".to_string()
+    })
 }
 
 impl Args {
@@ -172,6 +180,12 @@ mod tests {
         assert!(parse(&["l", "--num-processes", "0", "p"]).contains("--num-processes 0"));
         assert!(parse(&["l", "--num-machines", "2", "p"]).contains("--main-process-ip"));
         assert!(parse(&["l", "--machine-rank", "1", "p"]).contains("--machine-rank 1"));
-        assert!(Args::try_parse_from(["l", "--main-process-port", "70000", "p"]).is_err());
+        for bad in ["70000", "80x", "http"] {
+            let e = Args::try_parse_from(["l", "--main-process-port", bad, "p"])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("'{bad}'")), "{e}");
+            assert!(e.contains("from 1 to 65535, or 0"), "{e}");
+        }
     }
 }

@@ -4,6 +4,7 @@
 
 mod cli;
 mod gpus;
+mod program;
 mod supervise;
 mod worker_env;
 
@@ -34,6 +35,7 @@ fn main() -> ExitCode {
 
 fn launch(args: cli::Args) -> Result<ExitCode, String> {
     args.validate()?;
+    program::check_program(&args.program)?;
     let gpus = gpus::visible_gpu_count();
     let (world_size, cpu) = match (args.num_gpus, args.num_processes) {
         (Some(n), _) if args.cpu => {

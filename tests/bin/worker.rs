@@ -19,9 +19,10 @@ fn main() {
         Some("nosync") => nosync(),
         Some("flaky") => flaky(),
         Some("mixed") => mixed(),
+        Some("stall") => stall(),
         other => Err(format!(
             "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync, \
-             flaky or mixed"
+             flaky, mixed or stall"
         )),
     };
     if let Err(e) = result {
@@ -480,4 +481,20 @@ fn mixed() -> Result<(), String> {
         serde_json::json!({"identical": true, "steps": acc.optimizer_steps()})
     ));
     Ok(())
+}
+
+/// Rank 1 stalls (sleeps far longer than any test waits) before a collective that the other
+/// ranks enter: they must give up after `ACCELERATE_COLLECTIVE_TIMEOUT` with an error naming
+/// rank 1, and the launcher must stop rank 1.
+fn stall() -> Result<(), String> {
+    let acc = Accelerator::new().map_err(|e| e.to_string())?;
+    if acc.process_index() == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return Err("rank 1 stalled for 600 s and nobody stopped it".into());
+    }
+    let t = Tensor::new(&[1f32], &Device::Cpu).map_err(|e| e.to_string())?;
+    match acc.reduce(&t, ReduceOp::Sum) {
+        Ok(_) => Err("the all-reduce completed although rank 1 never entered it".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }

@@ -14,6 +14,8 @@ mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod store;
+#[cfg(test)]
+mod wire_properties;
 
 pub use cpu::{CpuCommOptions, CpuCommunicator};
 pub use local::LocalCommunicator;

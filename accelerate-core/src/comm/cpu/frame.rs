@@ -12,7 +12,8 @@
 //! | 8..16  | sequence number of the collective on this communicator                  |
 //! | 16..24 | payload length in bytes                                                 |
 //!
-//! All integers are little-endian.
+//! All integers are little-endian. An abort frame's payload is the reporting rank (`u64`) followed
+//! by the reason as UTF-8 text, [`MAX_ABORT_BYTES`] in all at most.
 
 use crate::comm::ReduceOp;
 
@@ -150,9 +151,50 @@ impl Header {
     }
 }
 
+/// Makes an abort frame's payload: the reporting rank, then as much of `reason` as fits.
+pub(crate) fn encode_abort(reporter: u64, reason: &str) -> Vec<u8> {
+    let text = reason.as_bytes();
+    let mut payload = reporter.to_le_bytes().to_vec();
+    payload.extend_from_slice(&text[..text.len().min(MAX_ABORT_BYTES - 8)]);
+    payload
+}
+
+/// Parses an abort frame's payload into the reporting rank and the reason. The reason may have
+/// been cut inside a character by [`encode_abort`]; it is decoded leniently, since it is only shown.
+pub(crate) fn parse_abort(payload: &[u8]) -> Result<(u64, String), String> {
+    if payload.len() < 8 || payload.len() > MAX_ABORT_BYTES {
+        return Err(format!(
+            "abort frame with a payload of {} bytes (8 to {MAX_ABORT_BYTES} expected)",
+            payload.len()
+        ));
+    }
+    let reporter = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+    Ok((
+        reporter,
+        String::from_utf8_lossy(&payload[8..]).into_owned(),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn abort_payloads_round_trip_and_are_bounded() {
+        let payload = encode_abort(3, "rank 2 closed its connection");
+        assert_eq!(payload[..8], 3u64.to_le_bytes());
+        assert_eq!(
+            parse_abort(&payload).unwrap(),
+            (3, "rank 2 closed its connection".to_string())
+        );
+        // A reason longer than the frame allows is cut to fit, and still parses.
+        let long = "x".repeat(2 * MAX_ABORT_BYTES);
+        let payload = encode_abort(0, &long);
+        assert_eq!(payload.len(), MAX_ABORT_BYTES);
+        assert_eq!(parse_abort(&payload).unwrap().1.len(), MAX_ABORT_BYTES - 8);
+        assert!(parse_abort(&payload[..7]).is_err());
+        assert!(parse_abort(&vec![0; MAX_ABORT_BYTES + 1]).is_err());
+    }
 
     #[test]
     fn headers_round_trip_and_have_the_documented_layout() {

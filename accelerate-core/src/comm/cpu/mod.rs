@@ -18,11 +18,11 @@
 //! refuses further collectives: the job has to be restarted, as with NCCL.
 
 mod element;
-mod frame;
+pub(crate) mod frame;
 mod options;
-mod rendezvous;
+pub(crate) mod rendezvous;
 mod ring;
-mod shm;
+pub(crate) mod shm;
 mod transport;
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 /// Identifies a hello on a ring connection (and its version).
 const HELLO_MAGIC: [u8; 4] = *b"ACR1";
 /// magic, from rank, world size, instance, nonce.
-const HELLO_BYTES: usize = 4 + 8 + 8 + 8 + 16;
+pub(crate) const HELLO_BYTES: usize = 4 + 8 + 8 + 8 + 16;
 /// The byte a listener answers an accepted hello with.
 const ACCEPTED: u8 = 1;
 /// Pause between polls of the listener and between connection attempts.
@@ -29,10 +29,25 @@ const POLL: Duration = Duration::from_millis(2);
 
 /// What a rank publishes about itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-struct PeerCard {
-    addr: SocketAddr,
-    nonce: u128,
-    world_size: u64,
+pub(crate) struct PeerCard {
+    /// Where it listens for its predecessor.
+    pub addr: SocketAddr,
+    /// What its predecessor must present.
+    pub nonce: u128,
+    /// Its view of the world size.
+    pub world_size: u64,
+}
+
+impl PeerCard {
+    /// The card as published in the store.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        bincode::serialize(self).expect("a card of fixed-size fields always serializes")
+    }
+
+    /// Reads a card published in the store; `Err` says what is malformed.
+    pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
+        bincode::deserialize(bytes).map_err(|e| e.to_string())
+    }
 }
 
 /// Connects `rank` to its ring neighbours; `options.timeout` bounds the whole setup. `instance`
@@ -67,9 +82,7 @@ pub(crate) fn connect_ring(
         nonce,
         world_size: world_size as u64,
     };
-    let encoded = bincode::serialize(&card)
-        .map_err(|e| Error::Store(format!("rank {rank}: encoding the ring address: {e}")))?;
-    store.set(&card_key(rank), &encoded)?;
+    store.set(&card_key(rank), &card.encode())?;
 
     let next_card = read_card(
         store,
@@ -81,12 +94,13 @@ pub(crate) fn connect_ring(
         options,
     )?;
     let mut to_next = connect_to(next_card.addr, next, rank, deadline, options)?;
-    let mut hello = Vec::with_capacity(HELLO_BYTES);
-    hello.extend_from_slice(&HELLO_MAGIC);
-    hello.extend_from_slice(&(rank as u64).to_le_bytes());
-    hello.extend_from_slice(&(world_size as u64).to_le_bytes());
-    hello.extend_from_slice(&instance.to_le_bytes());
-    hello.extend_from_slice(&next_card.nonce.to_le_bytes());
+    let hello = Hello {
+        from: rank as u64,
+        world_size: world_size as u64,
+        instance,
+        nonce: next_card.nonce,
+    }
+    .encode();
     to_next
         .write_all(&hello)
         .map_err(|e| disconnect(next, rank, "sending the ring hello to", e))?;
@@ -146,7 +160,7 @@ fn read_card(
         Err(Error::Timeout { .. }) => return Err(setup_timeout(peer, rank, options, "publish")),
         Err(e) => return Err(e),
     };
-    let card: PeerCard = bincode::deserialize(&bytes).map_err(|e| {
+    let card = PeerCard::decode(&bytes).map_err(|e| {
         Error::Store(format!(
             "rank {rank}: the ring address of rank {peer} under {key:?} is unreadable ({e}); \
              another program may be using the same store keys"
@@ -189,15 +203,34 @@ fn connect_to(
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
-struct Hello {
-    from: u64,
-    world_size: u64,
-    instance: u64,
-    nonce: u128,
+/// The first bytes on a ring connection: who connects, and the proof that it belongs to the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    /// The connecting rank.
+    pub from: u64,
+    /// Its view of the world size.
+    pub world_size: u64,
+    /// The communicator instance it connects for.
+    pub instance: u64,
+    /// The nonce the accepting rank published.
+    pub nonce: u128,
 }
 
-fn parse_hello(bytes: &[u8; HELLO_BYTES]) -> Option<Hello> {
+impl Hello {
+    /// The hello as sent: magic, then the fields, little-endian.
+    pub(crate) fn encode(&self) -> [u8; HELLO_BYTES] {
+        let mut out = [0u8; HELLO_BYTES];
+        out[..4].copy_from_slice(&HELLO_MAGIC);
+        out[4..12].copy_from_slice(&self.from.to_le_bytes());
+        out[12..20].copy_from_slice(&self.world_size.to_le_bytes());
+        out[20..28].copy_from_slice(&self.instance.to_le_bytes());
+        out[28..44].copy_from_slice(&self.nonce.to_le_bytes());
+        out
+    }
+}
+
+/// Reads a hello; `None` when the bytes do not start with the magic (not our protocol).
+pub(crate) fn parse_hello(bytes: &[u8; HELLO_BYTES]) -> Option<Hello> {
     if bytes[..4] != HELLO_MAGIC {
         return None;
     }
@@ -210,7 +243,10 @@ fn parse_hello(bytes: &[u8; HELLO_BYTES]) -> Option<Hello> {
     })
 }
 
-fn accept_from(
+/// Accepts the ring connection of `prev`: the first connection on `listener` whose hello equals
+/// `expected`. Other connections (stray, of another job, instance or round) are dropped; after
+/// `deadline` the wait fails with a timeout naming `prev`.
+pub(crate) fn accept_from(
     listener: &TcpListener,
     prev: usize,
     rank: usize,

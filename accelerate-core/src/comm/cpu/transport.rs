@@ -20,7 +20,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::element::{self, Element};
-use super::frame::{FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES};
+use super::frame::{
+    encode_abort, parse_abort, FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES,
+};
 use crate::error::{Error, Result};
 
 /// The two ring connections of a rank.
@@ -242,12 +244,13 @@ impl Session<'_> {
         if let Err(e) = self.reader.read_exact(&mut payload) {
             return Relay::Detected(prev, self.read_error(e));
         }
-        let reporter = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")) as usize;
-        let reason = String::from_utf8_lossy(&payload[8..]).into_owned();
-        Relay::Aborted {
-            failed: header.index as usize,
-            reporter,
-            reason,
+        match parse_abort(&payload) {
+            Ok((reporter, reason)) => Relay::Aborted {
+                failed: header.index as usize,
+                reporter: reporter as usize,
+                reason,
+            },
+            Err(problem) => Relay::Detected(prev, self.mismatch(problem)),
         }
     }
 
@@ -476,9 +479,7 @@ fn send_loop(
                 reporter,
                 reason,
             }) => {
-                let mut payload = (reporter as u64).to_le_bytes().to_vec();
-                let text = reason.as_bytes();
-                payload.extend_from_slice(&text[..text.len().min(MAX_ABORT_BYTES - 8)]);
+                let payload = encode_abort(reporter as u64, &reason);
                 let mut frame = vec![0u8; HEADER_BYTES];
                 header(FrameKind::Abort, failed as u32, payload.len()).write(&mut frame);
                 frame.extend_from_slice(&payload);

@@ -7,7 +7,7 @@
 
 mod client;
 mod server;
-mod wire;
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod tests;

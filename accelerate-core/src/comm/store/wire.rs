@@ -2,8 +2,10 @@
 //!
 //! A frame is a little-endian `u32` byte length followed by that many bytes of bincode. The length
 //! is checked against a limit *before* anything is allocated, so a peer cannot make the server
-//! reserve memory by announcing a huge frame. Until a connection has presented the job token, its
-//! limit is [`HELLO_FRAME_LIMIT`]; afterwards it is [`MAX_FRAME_BYTES`].
+//! reserve memory by announcing a huge frame, and the body's buffer grows only as its bytes
+//! arrive, so announcing a large frame and sending little costs the reader little. Until a
+//! connection has presented the job token, its limit is [`HELLO_FRAME_LIMIT`]; afterwards it is
+//! [`MAX_FRAME_BYTES`].
 
 use std::io::{Read, Write};
 
@@ -118,14 +120,35 @@ fn check_length(prefix: [u8; 4], limit: usize) -> Result<usize, FrameError> {
     Ok(announced)
 }
 
+/// Capacity reserved for a frame body before its bytes arrive; beyond it the buffer grows as
+/// they do.
+const INITIAL_BODY_CAPACITY: usize = 64 * 1024;
+
+/// The body read so far, checked to be complete.
+fn complete(body: Vec<u8>, len: usize) -> Result<Vec<u8>, FrameError> {
+    if body.len() < len {
+        return Err(FrameError::Io(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "the connection closed after {} of the frame's {len} bytes",
+                body.len()
+            ),
+        )));
+    }
+    Ok(body)
+}
+
 /// Reads one frame body from a blocking stream.
 pub(crate) fn read_frame(stream: &mut impl Read, limit: usize) -> Result<Vec<u8>, FrameError> {
     let mut prefix = [0u8; 4];
     stream.read_exact(&mut prefix).map_err(FrameError::Io)?;
     let len = check_length(prefix, limit)?;
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).map_err(FrameError::Io)?;
-    Ok(body)
+    let mut body = Vec::with_capacity(len.min(INITIAL_BODY_CAPACITY));
+    stream
+        .take(len as u64)
+        .read_to_end(&mut body)
+        .map_err(FrameError::Io)?;
+    complete(body, len)
 }
 
 /// Writes a complete frame (as made by [`encode`]) to a blocking stream.
@@ -145,9 +168,13 @@ pub(crate) async fn read_frame_async(
         .await
         .map_err(FrameError::Io)?;
     let len = check_length(prefix, limit)?;
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).await.map_err(FrameError::Io)?;
-    Ok(body)
+    let mut body = Vec::with_capacity(len.min(INITIAL_BODY_CAPACITY));
+    stream
+        .take(len as u64)
+        .read_to_end(&mut body)
+        .await
+        .map_err(FrameError::Io)?;
+    complete(body, len)
 }
 
 /// Writes a complete frame to an async stream.

@@ -16,10 +16,10 @@
 
 mod collectives;
 mod futex;
-mod process;
-mod region;
-mod session;
-mod setup;
+pub(crate) mod process;
+pub(crate) mod region;
+pub(crate) mod session;
+pub(crate) mod setup;
 
 #[cfg(test)]
 mod tests;

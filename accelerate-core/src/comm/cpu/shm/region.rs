@@ -114,6 +114,20 @@ impl Layout {
         self.staging_base() + 2 * self.world_size * self.half_bytes()
     }
 
+    /// [`Layout::total_bytes`], or `None` where it does not fit in a `usize` (a layout read from
+    /// a file, not one this process made).
+    fn checked_total_bytes(&self) -> Option<usize> {
+        let base = (self.world_size.checked_mul(CONTROL_BYTES)?)
+            .checked_add(HEADER_BYTES)?
+            .checked_next_multiple_of(PAGE)?;
+        let half = (self.world_size.checked_mul(self.piece_bytes)?)
+            .checked_add(TAG_BYTES)?
+            .checked_next_multiple_of(PAGE)?;
+        half.checked_mul(2)?
+            .checked_mul(self.world_size)?
+            .checked_add(base)
+    }
+
     fn half_offset(&self, rank: usize, half: usize) -> usize {
         self.staging_base() + (2 * rank + half) * self.half_bytes()
     }
@@ -133,6 +147,75 @@ pub(crate) fn piece_bytes_for(
 
 fn align_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
+}
+
+/// Words of the header: magic, world size, nonce (two words), piece size, total size.
+pub(crate) const HEADER_WORDS: usize = 6;
+
+/// The header words of a mapping with `layout` for the job with `nonce` (see [`parse_header`]).
+pub(crate) fn header_words(layout: Layout, nonce: u128) -> [u64; HEADER_WORDS] {
+    [
+        MAGIC,
+        layout.world_size as u64,
+        nonce as u64,
+        (nonce >> 64) as u64,
+        layout.piece_bytes as u64,
+        layout.total_bytes() as u64,
+    ]
+}
+
+/// Checks the header words of a mapping of `file_len` bytes against what this rank expects (the
+/// job's `nonce`, its `world_size`) and returns the layout they describe. The words come from a
+/// file another process wrote: every size is checked, with overflow-checked arithmetic, before
+/// anything is addressed through it.
+pub(crate) fn parse_header(
+    header: &[u64; HEADER_WORDS],
+    world_size: usize,
+    nonce: u128,
+    file_len: usize,
+) -> Result<Layout, String> {
+    let found_nonce = header[2] as u128 | ((header[3] as u128) << 64);
+    if header[0] != MAGIC || found_nonce != nonce {
+        return Err("not the shared memory of this job (wrong magic or nonce)".into());
+    }
+    if header[1] != world_size as u64 {
+        return Err(format!(
+            "created for {} ranks, this rank expects {world_size}",
+            header[1]
+        ));
+    }
+    let inconsistent = || {
+        format!(
+            "inconsistent layout (piece {} bytes, {} bytes recorded, {file_len} bytes in the \
+             file)",
+            header[4], header[5]
+        )
+    };
+    let piece_bytes = usize::try_from(header[4]).map_err(|_| inconsistent())?;
+    let layout = Layout {
+        world_size,
+        piece_bytes,
+    };
+    let sane = piece_bytes >= PIECE_ALIGN
+        && piece_bytes % PIECE_ALIGN == 0
+        && header[5] == file_len as u64
+        && layout.checked_total_bytes() == Some(file_len);
+    if !sane {
+        return Err(inconsistent());
+    }
+    Ok(layout)
+}
+
+/// Decodes an abort record another rank wrote: the words (failed rank, reporting rank, reason
+/// length) and the reason area. A length beyond the area is cut to it; the text is decoded
+/// leniently (it may have been cut inside a character), since it is only shown.
+pub(crate) fn parse_abort_record(
+    words: [u32; 3],
+    area: &[u8; MAX_REASON_BYTES],
+) -> (usize, usize, String) {
+    let [failed, reporter, len] = words.map(|w| w as usize);
+    let text = String::from_utf8_lossy(&area[..len.min(MAX_REASON_BYTES)]).into_owned();
+    (failed, reporter, text)
 }
 
 /// A mapped shared region.
@@ -157,18 +240,12 @@ impl Region {
             map: map(&file, total)?,
             layout,
         };
-        region
-            .word64(8)
-            .store(layout.world_size as u64, Ordering::Relaxed);
-        region.word64(16).store(nonce as u64, Ordering::Relaxed);
-        region
-            .word64(24)
-            .store((nonce >> 64) as u64, Ordering::Relaxed);
-        region
-            .word64(32)
-            .store(layout.piece_bytes as u64, Ordering::Relaxed);
-        region.word64(40).store(total as u64, Ordering::Relaxed);
-        region.word64(0).store(MAGIC, Ordering::SeqCst);
+        let header = header_words(layout, nonce);
+        // The magic goes last: a rank that sees it sees the whole header.
+        for (i, word) in header.iter().enumerate().skip(1) {
+            region.word64(8 * i).store(*word, Ordering::Relaxed);
+        }
+        region.word64(0).store(header[0], Ordering::SeqCst);
         Ok(region)
     }
 
@@ -195,36 +272,10 @@ impl Region {
                 piece_bytes: PIECE_ALIGN,
             },
         };
-        let read = |offset: usize| provisional.word64(offset).load(Ordering::SeqCst);
-        let found_nonce = read(16) as u128 | ((read(24) as u128) << 64);
-        if read(0) != MAGIC || found_nonce != nonce {
-            return Err(format!(
-                "{} is not the shared memory of this job (wrong magic or nonce)",
-                path.display()
-            ));
-        }
-        if read(8) != world_size as u64 {
-            return Err(format!(
-                "{} was created for {} ranks, this rank expects {world_size}",
-                path.display(),
-                read(8)
-            ));
-        }
-        let layout = Layout {
-            world_size,
-            piece_bytes: read(32) as usize,
-        };
-        let sane = layout.piece_bytes >= PIECE_ALIGN
-            && layout.piece_bytes % PIECE_ALIGN == 0
-            && read(40) == len as u64
-            && layout.total_bytes() == len;
-        if !sane {
-            return Err(format!(
-                "{} has an inconsistent layout (piece {} bytes, {len} bytes in all)",
-                path.display(),
-                layout.piece_bytes
-            ));
-        }
+        let header: [u64; HEADER_WORDS] =
+            std::array::from_fn(|i| provisional.word64(8 * i).load(Ordering::SeqCst));
+        let layout = parse_header(&header, world_size, nonce, len)
+            .map_err(|problem| format!("{}: {problem}", path.display()))?;
         Ok(Self {
             map: provisional.map,
             layout,
@@ -312,24 +363,19 @@ impl Region {
 
     /// Reads a posted abort record: failed rank, reporting rank, reason.
     pub fn read_abort(&self) -> (usize, usize, String) {
-        let failed = self.word32(ABORT_FAILED).load(Ordering::Relaxed) as usize;
-        let reporter = self.word32(ABORT_REPORTER).load(Ordering::Relaxed) as usize;
-        let len = (self.word32(ABORT_LEN).load(Ordering::Relaxed) as usize).min(MAX_REASON_BYTES);
-        let mut bytes = vec![0u8; len];
+        let words = [ABORT_FAILED, ABORT_REPORTER, ABORT_LEN]
+            .map(|offset| self.word32(offset).load(Ordering::Relaxed));
+        let mut area = [0u8; MAX_REASON_BYTES];
         // SAFETY: inside the header page; written once before ABORT_POSTED, which the caller
         // observed with acquire ordering.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.map.as_ptr().add(ABORT_REASON),
-                bytes.as_mut_ptr(),
-                len,
+                area.as_mut_ptr(),
+                MAX_REASON_BYTES,
             );
         }
-        (
-            failed,
-            reporter,
-            String::from_utf8_lossy(&bytes).into_owned(),
-        )
+        parse_abort_record(words, &area)
     }
 
     /// The round tag words of `rank`'s staging half `half`.
@@ -441,5 +487,24 @@ mod tests {
         assert!(Region::open(&path, 3, 42).unwrap_err().contains("2 ranks"));
         created.write_abort(1, 0, "why");
         assert_eq!(opened.read_abort(), (1, 0, "why".to_string()));
+    }
+
+    #[test]
+    fn a_header_whose_sizes_overflow_is_refused() {
+        // Regression (found while writing the shm_region_header fuzz target): a piece size near
+        // 2^63 made the layout arithmetic overflow, which panics in debug builds and, wrapped in
+        // release builds, could match a real file size and let offsets point outside the mapping.
+        let real = Layout {
+            world_size: 2,
+            piece_bytes: 64,
+        };
+        let len = real.total_bytes();
+        let mut header = header_words(real, 5);
+        assert_eq!(parse_header(&header, 2, 5, len), Ok(real));
+        header[4] = 1 << 63; // 2 * 2^63 wraps to 0: the same total as one 64-byte piece
+        let e = parse_header(&header, 2, 5, len).unwrap_err();
+        assert!(e.contains("inconsistent layout"), "{e}");
+        header[4] = u64::MAX - 63;
+        assert!(parse_header(&header, 2, 5, len).is_err());
     }
 }

@@ -152,24 +152,34 @@ struct Shape {
 
 /// The round tag: what a rank writes at the start of its staging half before publishing it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RoundTag {
-    seq: u64,
-    round: u64,
-    index: u64,
-    len: u64,
-    op: u64,
-    dtype: u64,
-    root: u64,
+pub(crate) struct RoundTag {
+    /// Sequence number of the collective on the communicator.
+    pub seq: u64,
+    /// Round of the job (counts every round of every collective).
+    pub round: u64,
+    /// Index of the round within its collective.
+    pub index: u64,
+    /// Elements per rank.
+    pub len: u64,
+    /// [`OpCode::code`] of the collective.
+    pub op: u64,
+    /// Element type code.
+    pub dtype: u64,
+    /// Broadcast root (0 otherwise).
+    pub root: u64,
 }
 
 impl RoundTag {
-    fn words(self) -> [u64; 8] {
+    /// The tag as the words written to the staging half (the last one is reserved, 0).
+    pub(crate) fn words(self) -> [u64; 8] {
         [
             self.seq, self.round, self.index, self.len, self.op, self.dtype, self.root, 0,
         ]
     }
 
-    fn from_words(w: [u64; 8]) -> Self {
+    /// The tag a peer wrote; every value is possible (a peer in another collective, or of
+    /// another version), and [`RoundTag::describe`] must show any of them.
+    pub(crate) fn from_words(w: [u64; 8]) -> Self {
         Self {
             seq: w[0],
             round: w[1],
@@ -181,7 +191,8 @@ impl RoundTag {
         }
     }
 
-    fn describe(&self) -> String {
+    /// The tag in words, for mismatch errors.
+    pub(crate) fn describe(&self) -> String {
         let root = if self.op == OpCode::Broadcast.code() as u64 {
             format!(" from rank {}", self.root)
         } else {

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use super::process::{self, HostIdentity};
 use super::region::{self, Layout, Region};
@@ -38,16 +38,18 @@ const SHM_DIR: &str = "/dev/shm";
 pub(crate) const MAX_SLOT_BYTES: usize = 4 << 20;
 
 /// What a rank publishes in step 1.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct HostCard {
-    choice: TransportChoice,
-    world_size: u64,
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct HostCard {
+    /// The transport the rank was asked to use.
+    pub choice: TransportChoice,
+    /// Its view of the world size.
+    pub world_size: u64,
     /// `None` where this system does not identify itself: never matches anybody.
-    host: Option<HostIdentity>,
+    pub host: Option<HostIdentity>,
 }
 
 /// Rank 0's decision in step 2.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Plan {
     /// Connect the TCP ring; the reason is logged.
     Tcp(String),
@@ -301,13 +303,19 @@ impl Drop for Unlink {
     }
 }
 
+/// Decodes a record (a [`HostCard`] or [`Plan`]) read from the store; `Err` says what is
+/// malformed.
+pub(crate) fn decode_record<T: DeserializeOwned>(bytes: &[u8]) -> std::result::Result<T, String> {
+    bincode::deserialize(bytes).map_err(|e| e.to_string())
+}
+
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     bincode::serialize(value)
         .map_err(|e| Error::Store(format!("encoding the shared memory setup: {e}")))
 }
 
 /// Reads what rank `peer` published under `key`, waiting until `deadline`.
-fn read<T: for<'de> Deserialize<'de>>(
+fn read<T: DeserializeOwned>(
     store: &dyn Store,
     key: &str,
     peer: usize,
@@ -336,7 +344,7 @@ fn read<T: for<'de> Deserialize<'de>>(
         }
         Err(e) => return Err(e),
     };
-    bincode::deserialize(&bytes).map_err(|e| {
+    decode_record(&bytes).map_err(|e| {
         Error::Store(format!(
             "rank {rank}: what rank {peer} published under {key:?} is unreadable ({e}); every \
              process of a job must run the same version, and no other program may use these \
