@@ -32,8 +32,11 @@ pub(crate) trait Element: candle_core::WithDType + Default {
     fn divided(a: Self, n: usize) -> Self;
 }
 
+/// A floating-point element type. `$sum` and `$div` say how two values are added and how one is
+/// divided by the world size: natively for f32 and f64; in f32, rounded once per operation (as
+/// NCCL does), for bf16 and f16.
 macro_rules! float_element {
-    ($t:ty, $variant:ident, $code:expr) => {
+    ($t:ty, $variant:ident, $code:expr, |$a:ident, $b:ident| $sum:expr, |$x:ident, $n:ident| $div:expr) => {
         impl Element for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
             const CODE: u8 = $code;
@@ -56,8 +59,8 @@ macro_rules! float_element {
             fn put_le(value: Self, out: &mut [u8]) {
                 out.copy_from_slice(&value.to_le_bytes());
             }
-            fn sum_of(a: Self, b: Self) -> Self {
-                a + b
+            fn sum_of($a: Self, $b: Self) -> Self {
+                $sum
             }
             fn max_of(a: Self, b: Self) -> Self {
                 if a.is_nan() || a >= b {
@@ -66,60 +69,29 @@ macro_rules! float_element {
                     b
                 }
             }
-            fn divided(a: Self, n: usize) -> Self {
-                a / n as $t
+            fn divided($x: Self, $n: usize) -> Self {
+                $div
             }
         }
     };
 }
 
-float_element!(f32, F32, 1);
-float_element!(f64, F64, 2);
-
-/// Half-precision elements: reduced in f32 and rounded once per addition, as NCCL does.
-macro_rules! half_element {
-    ($t:ty, $variant:ident, $code:expr) => {
-        impl Element for $t {
-            const SIZE: usize = 2;
-            const CODE: u8 = $code;
-
-            fn of_storage(storage: &CpuStorage) -> Option<&[Self]> {
-                match storage {
-                    CpuStorage::$variant(data) => Some(data),
-                    _ => None,
-                }
-            }
-            fn of_storage_mut(storage: &mut CpuStorage) -> Option<&mut [Self]> {
-                match storage {
-                    CpuStorage::$variant(data) => Some(data),
-                    _ => None,
-                }
-            }
-            fn from_le(bytes: &[u8]) -> Self {
-                <$t>::from_le_bytes(bytes.try_into().expect("caller passes SIZE bytes"))
-            }
-            fn put_le(value: Self, out: &mut [u8]) {
-                out.copy_from_slice(&value.to_le_bytes());
-            }
-            fn sum_of(a: Self, b: Self) -> Self {
-                <$t>::from_f32(a.to_f32() + b.to_f32())
-            }
-            fn max_of(a: Self, b: Self) -> Self {
-                if a.is_nan() || a >= b {
-                    a
-                } else {
-                    b
-                }
-            }
-            fn divided(a: Self, n: usize) -> Self {
-                <$t>::from_f32(a.to_f32() / n as f32)
-            }
-        }
-    };
-}
-
-half_element!(half::bf16, BF16, 4);
-half_element!(half::f16, F16, 5);
+float_element!(f32, F32, 1, |a, b| a + b, |a, n| a / n as f32);
+float_element!(f64, F64, 2, |a, b| a + b, |a, n| a / n as f64);
+float_element!(
+    half::bf16,
+    BF16,
+    4,
+    |a, b| half::bf16::from_f32(a.to_f32() + b.to_f32()),
+    |a, n| half::bf16::from_f32(a.to_f32() / n as f32)
+);
+float_element!(
+    half::f16,
+    F16,
+    5,
+    |a, b| half::f16::from_f32(a.to_f32() + b.to_f32()),
+    |a, n| half::f16::from_f32(a.to_f32() / n as f32)
+);
 
 impl Element for i64 {
     const SIZE: usize = 8;
