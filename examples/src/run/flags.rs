@@ -131,3 +131,82 @@ impl RunArgs {
         Ok(self.reached_max_steps(step))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// A program that takes nothing but the shared flags.
+    #[derive(Debug, Parser)]
+    struct Only {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn parse(flags: &[&str]) -> RunArgs {
+        Only::try_parse_from(std::iter::once("prog").chain(flags.iter().copied()))
+            .expect("valid flags")
+            .run
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let run = parse(&[]);
+        assert_eq!(run.grad_accum, None);
+        assert_eq!(run.max_steps, None);
+        assert_eq!(run.warmup_steps, 0);
+        assert_eq!(run.checkpoint_dir, PathBuf::from("checkpoints"));
+        assert!(!run.resume);
+        assert_eq!(run.schedule(10), Schedule::Constant);
+    }
+
+    #[test]
+    fn schedule_flags_pick_the_schedule_over_the_whole_run() {
+        let warm = ["--warmup-steps", "3"];
+        let with = |kind: &str| parse(&[&["--schedule", kind][..], &warm[..]].concat());
+        assert_eq!(
+            with("constant").schedule(40),
+            Schedule::ConstantWithWarmup { warmup_steps: 3 }
+        );
+        assert_eq!(
+            with("linear").schedule(40),
+            Schedule::LinearWarmupDecay {
+                warmup_steps: 3,
+                total_steps: 40
+            }
+        );
+        assert_eq!(
+            with("cosine").schedule(40),
+            Schedule::CosineWithWarmup {
+                warmup_steps: 3,
+                total_steps: 40
+            }
+        );
+    }
+
+    #[test]
+    fn zero_checkpoint_flags_are_refused_by_name() {
+        let every = parse(&["--checkpoint-every", "0"]).check().unwrap_err();
+        assert!(every
+            .to_string()
+            .starts_with("--checkpoint-every must be at least 1"));
+        let keep = parse(&["--checkpoints-keep", "0"]).check().unwrap_err();
+        assert!(keep
+            .to_string()
+            .starts_with("--checkpoints-keep must be at least 1"));
+        assert!(
+            parse(&["--checkpoint-every", "1", "--checkpoints-keep", "1"])
+                .check()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn max_steps_stops_at_the_limit_and_not_before() {
+        let run = parse(&["--max-steps", "5"]);
+        assert!(!run.reached_max_steps(4));
+        assert!(run.reached_max_steps(5));
+        assert!(!parse(&[]).reached_max_steps(u64::MAX));
+    }
+}
