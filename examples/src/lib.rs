@@ -5,3 +5,4 @@
 
 pub mod gpt;
 pub mod mlp;
+pub mod run;

@@ -1,0 +1,212 @@
+//! The flags every training run takes, whatever it trains.
+
+use std::path::PathBuf;
+
+use accelerate_core::optim::Schedule;
+use accelerate_core::{Accelerator, MixedPrecision};
+use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+
+/// The learning-rate schedule a run picks with `--schedule`: `constant` (the peak rate after the
+/// warmup, if any), `linear` or `cosine` (warmup, then decay to zero at the last step).
+// The variants carry no doc comments on purpose: clap would print them, changing `--help`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ScheduleKind {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// Flags shared by the training examples; use with `#[command(flatten)]`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Micro-batches per optimizer step (default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 1).
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Stop after this many optimizer steps (default: run all epochs).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Learning-rate schedule, counted in optimizer steps.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Constant)]
+    pub schedule: ScheduleKind,
+    /// Warmup steps of the schedule.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// Clip the gradient's global L2 norm to this value.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Save the training state every N optimizer steps, as CHECKPOINT_DIR/checkpoint_<step>.
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Where checkpoints go (and where --resume looks).
+    #[arg(long, default_value = "checkpoints")]
+    pub checkpoint_dir: PathBuf,
+    /// Keep only the newest N checkpoints.
+    #[arg(long)]
+    pub checkpoints_keep: Option<usize>,
+    /// Continue from the latest checkpoint in --checkpoint-dir (from the start if there is none
+    /// yet, so a restarted job can always pass it).
+    #[arg(long)]
+    pub resume: bool,
+    /// Forward and backward in no|bf16|fp16 with f32 master weights (default:
+    /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
+    #[arg(long, value_name = "MODE")]
+    pub mixed_precision: Option<MixedPrecision>,
+}
+
+impl RunArgs {
+    /// Refuses checkpoint flags that cannot work, before anything is built or written.
+    pub fn check(&self) -> Result<()> {
+        if self.checkpoint_every == Some(0) {
+            bail!("--checkpoint-every must be at least 1 (optimizer steps between checkpoints)");
+        }
+        if self.checkpoints_keep == Some(0) {
+            bail!("--checkpoints-keep must be at least 1 (0 would delete the newest checkpoint)");
+        }
+        Ok(())
+    }
+
+    /// The accelerator these flags ask for, seeded with `seed`.
+    pub fn accelerator(&self, seed: u64) -> Result<Accelerator> {
+        let mut builder = Accelerator::builder().seed(seed);
+        if let Some(k) = self.grad_accum {
+            builder = builder.gradient_accumulation_steps(k);
+        }
+        if let Some(mode) = self.mixed_precision {
+            builder = builder.mixed_precision(mode);
+        }
+        Ok(builder.build()?)
+    }
+
+    /// Optimizer steps of the whole run: those of `epochs` passes over a prepared loader of
+    /// `batches_per_epoch` batches, capped by --max-steps.
+    pub fn total_steps(&self, acc: &Accelerator, batches_per_epoch: usize, epochs: usize) -> u64 {
+        let per_run = acc.num_update_steps(batches_per_epoch) as u64 * epochs as u64;
+        self.max_steps.map_or(per_run, |m| m.min(per_run))
+    }
+
+    /// The schedule of --schedule and --warmup-steps over a run of `total_steps` optimizer steps.
+    pub fn schedule(&self, total_steps: u64) -> Schedule {
+        let (warmup_steps, total_steps) = (self.warmup_steps, total_steps as usize);
+        match self.schedule {
+            ScheduleKind::Constant if warmup_steps == 0 => Schedule::Constant,
+            ScheduleKind::Constant => Schedule::ConstantWithWarmup { warmup_steps },
+            ScheduleKind::Linear => Schedule::LinearWarmupDecay {
+                warmup_steps,
+                total_steps,
+            },
+            ScheduleKind::Cosine => Schedule::CosineWithWarmup {
+                warmup_steps,
+                total_steps,
+            },
+        }
+    }
+
+    /// Clips the gradient to --max-grad-norm on the micro-step that syncs (the only one where the
+    /// gradient is whole).
+    pub fn clip_if_syncing(&self, acc: &Accelerator) -> Result<()> {
+        if acc.sync_gradients() {
+            if let Some(max) = self.max_grad_norm {
+                acc.clip_grad_norm(max)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the run has taken all the optimizer steps --max-steps allows.
+    pub fn reached_max_steps(&self, steps: u64) -> bool {
+        self.max_steps.is_some_and(|m| steps >= m)
+    }
+
+    /// Closes optimizer step `step`: saves a checkpoint when --checkpoint-every is due, and says
+    /// whether the run should stop here (--max-steps reached).
+    pub fn end_of_step(&self, acc: &Accelerator, step: u64) -> Result<bool> {
+        if self
+            .checkpoint_every
+            .is_some_and(|every| step.is_multiple_of(every))
+        {
+            acc.save_checkpoint(&self.checkpoint_dir, self.checkpoints_keep)
+                .with_context(|| format!("--checkpoint-dir {}", self.checkpoint_dir.display()))?;
+        }
+        Ok(self.reached_max_steps(step))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// A program that takes nothing but the shared flags.
+    #[derive(Debug, Parser)]
+    struct Only {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn parse(flags: &[&str]) -> RunArgs {
+        Only::try_parse_from(std::iter::once("prog").chain(flags.iter().copied()))
+            .expect("valid flags")
+            .run
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let run = parse(&[]);
+        assert_eq!(run.grad_accum, None);
+        assert_eq!(run.max_steps, None);
+        assert_eq!(run.warmup_steps, 0);
+        assert_eq!(run.checkpoint_dir, PathBuf::from("checkpoints"));
+        assert!(!run.resume);
+        assert_eq!(run.schedule(10), Schedule::Constant);
+    }
+
+    #[test]
+    fn schedule_flags_pick_the_schedule_over_the_whole_run() {
+        let warm = ["--warmup-steps", "3"];
+        let with = |kind: &str| parse(&[&["--schedule", kind][..], &warm[..]].concat());
+        assert_eq!(
+            with("constant").schedule(40),
+            Schedule::ConstantWithWarmup { warmup_steps: 3 }
+        );
+        assert_eq!(
+            with("linear").schedule(40),
+            Schedule::LinearWarmupDecay {
+                warmup_steps: 3,
+                total_steps: 40
+            }
+        );
+        assert_eq!(
+            with("cosine").schedule(40),
+            Schedule::CosineWithWarmup {
+                warmup_steps: 3,
+                total_steps: 40
+            }
+        );
+    }
+
+    #[test]
+    fn zero_checkpoint_flags_are_refused_by_name() {
+        let every = parse(&["--checkpoint-every", "0"]).check().unwrap_err();
+        assert!(every
+            .to_string()
+            .starts_with("--checkpoint-every must be at least 1"));
+        let keep = parse(&["--checkpoints-keep", "0"]).check().unwrap_err();
+        assert!(keep
+            .to_string()
+            .starts_with("--checkpoints-keep must be at least 1"));
+        assert!(
+            parse(&["--checkpoint-every", "1", "--checkpoints-keep", "1"])
+                .check()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn max_steps_stops_at_the_limit_and_not_before() {
+        let run = parse(&["--max-steps", "5"]);
+        assert!(!run.reached_max_steps(4));
+        assert!(run.reached_max_steps(5));
+        assert!(!parse(&[]).reached_max_steps(u64::MAX));
+    }
+}

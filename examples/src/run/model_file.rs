@@ -1,0 +1,27 @@
+//! `--save-model`: writing the trained weights.
+
+use std::path::Path;
+
+use accelerate_core::Accelerator;
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+
+/// Writes the prepared parameters to `path` as safetensors (main process), then waits for every
+/// rank so none exits before the file is complete. Does nothing without a path.
+pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    if acc.is_main_process() {
+        // The prepared parameters: sorted by name, and the f32 masters under mixed precision.
+        let tensors: Vec<(String, Tensor)> = acc
+            .parameters()
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        accelerate_core::files::save_safetensors(path, &tensors)
+            .with_context(|| format!("--save-model {}", path.display()))?;
+    }
+    acc.wait_for_everyone()?;
+    Ok(())
+}
