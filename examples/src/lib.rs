@@ -4,5 +4,6 @@
 //! job (and every test reference run) builds the same data and the same initial weights.
 
 pub mod gpt;
+pub mod layers;
 pub mod mlp;
 pub mod run;

@@ -9,7 +9,9 @@
 //! f32 (as autocast does for losses).
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_nn::{Linear, Module, VarBuilder, VarMap};
+use candle_nn::{Linear, VarBuilder, VarMap};
+
+use crate::layers::linear;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -41,9 +43,9 @@ impl Mlp {
 
     /// Logits `[batch, 10]`, in f32 whatever the model's dtype (`x` is cast to it first).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.l1.forward(&x.to_dtype(self.dtype)?)?.relu()?;
-        let h = self.l2.forward(&h)?.relu()?;
-        self.l3.forward(&h)?.to_dtype(DType::F32)
+        let h = linear(&self.l1, &x.to_dtype(self.dtype)?)?.relu()?;
+        let h = linear(&self.l2, &h)?.relu()?;
+        linear(&self.l3, &h)?.to_dtype(DType::F32)
     }
 }
 

@@ -1,0 +1,68 @@
+//! Layer helpers shared by the workloads.
+
+use candle_core::{Result, Tensor};
+use candle_nn::Linear;
+
+/// `x · Wᵀ + b` for `x` of shape `[..., in]`, computed as `(W · xᵀ)ᵀ + b` over the rows of `x`.
+///
+/// The same products as candle-nn's `Linear::forward`, arranged so that candle's backward pass
+/// produces the weight's gradient in the weight's own layout. With `x.matmul(&w.t())` a transpose
+/// sits between the weight and the product, and candle adds the transposed gradient into a zero
+/// tensor element by element with strided reads: that one add took ~38 % of a K = 4 micro-step of
+/// the `mlp` workload (`perf`; BENCHMARKS.md), and it went away with this arrangement.
+pub fn linear(layer: &Linear, x: &Tensor) -> Result<Tensor> {
+    let w = layer.weight();
+    let (out, inp) = w.dims2()?;
+    let mut dims = x.dims().to_vec();
+    let rows = x.elem_count() / inp.max(1);
+    let y = w.matmul(&x.reshape((rows, inp))?.t()?)?.t()?;
+    let y = match layer.bias() {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    if dims.len() == 2 {
+        return Ok(y);
+    }
+    *dims.last_mut().expect("x has a last dimension") = out;
+    y.reshape(dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Module, Var};
+
+    #[test]
+    fn matches_candle_nns_linear_values_and_gradients() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(
+            &Tensor::arange(0f32, 12., &dev)
+                .unwrap()
+                .reshape((3, 4))
+                .unwrap(),
+        )
+        .unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[0.5f32, -1.0, 2.0], &dev).unwrap()).unwrap();
+        let layer = Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        let x = Tensor::arange(0f32, 24., &dev)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let x = (x * 0.25).unwrap();
+        let ours = linear(&layer, &x).unwrap();
+        let theirs = layer.forward(&x).unwrap();
+        assert_eq!(ours.dims(), &[2, 3, 3]);
+        assert_eq!(
+            ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let g_ours = ours.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = theirs.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&w, &b] {
+            let a = g_ours.get(v.as_tensor()).unwrap().flatten_all().unwrap();
+            let c = g_theirs.get(v.as_tensor()).unwrap().flatten_all().unwrap();
+            assert_eq!(a.to_vec1::<f32>().unwrap(), c.to_vec1::<f32>().unwrap());
+            assert!(g_ours.get(v.as_tensor()).unwrap().is_contiguous());
+        }
+    }
+}
