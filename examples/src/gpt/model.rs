@@ -13,8 +13,6 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder, VarMap};
-
-use crate::layers::linear;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -93,8 +91,8 @@ impl Block {
 
     fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let x = (x + self.attention(&self.ln_1.forward(x)?, mask)?)?;
-        let h = linear(&self.c_fc, &self.ln_2.forward(&x)?)?.gelu()?;
-        x + linear(&self.mlp_proj, &h)?
+        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?;
+        x + self.mlp_proj.forward(&h)?
     }
 
     /// Causal multi-head self-attention of `x` `[b, t, width]`; `mask` is `[t, t]` f32.
@@ -102,7 +100,9 @@ impl Block {
         let (b, t, w) = x.dims3()?;
         let hd = w / self.heads;
         // [b, t, 3w] -> [3, b, heads, t, hd]
-        let qkv = linear(&self.c_attn, x)?
+        let qkv = self
+            .c_attn
+            .forward(x)?
             .reshape((b, t, 3, self.heads, hd))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
@@ -112,7 +112,7 @@ impl Block {
         let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
         let att = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(x.dtype())?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
-        linear(&self.attn_proj, &y)
+        self.attn_proj.forward(&y)
     }
 }
 
@@ -179,7 +179,9 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward(&x, &mask)?;
         }
-        linear(&self.lm_head, &self.ln_f.forward(&x)?)?.to_dtype(DType::F32)
+        self.lm_head
+            .forward(&self.ln_f.forward(&x)?)?
+            .to_dtype(DType::F32)
     }
 }
 
