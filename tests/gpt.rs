@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use accelerate_tests::{built_binary, load_flat, max_abs_diff_flat, run_bounded};
+use accelerate_tests::{
+    built_binary, load_flat, max_abs_diff_flat, metric_losses, output_text as text, run_bounded,
+    summary_value,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -52,36 +55,6 @@ fn run_gpt(args: &[&str]) -> Output {
     run_bounded(&mut cmd, LIMIT)
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// A `key=value` figure from the summary line.
-fn summary_value(o: &Output, key: &str) -> f64 {
-    let out = String::from_utf8_lossy(&o.stdout);
-    out.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.trim_end_matches('s').parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", text(o)))
-}
-
-/// The per-step losses of a `--metrics` file.
-fn losses(path: &Path) -> Vec<f64> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap()
-        })
-        .collect()
-}
-
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
@@ -104,7 +77,7 @@ fn it_learns_the_built_in_text_well_below_its_unigram_entropy() {
     // The example reports the same entropy (its own computation, from its tokens).
     let reported = summary_value(&o, "unigram_entropy");
     assert!((reported - entropy).abs() < 1e-5, "{reported} vs {entropy}");
-    let l = losses(&metrics);
+    let l = metric_losses(&metrics);
     assert_eq!(l.len(), 150);
     // Small initial weights give near-uniform predictions: the first loss per token is about
     // ln(vocabulary), which also shows the loss is normalized per token.
@@ -143,7 +116,7 @@ fn it_learns_a_text_file_given_with_text_almost_perfectly() {
     assert!(o.status.success(), "{}", text(&o));
     let entropy = char_entropy(&fox);
     assert!((summary_value(&o, "unigram_entropy") - entropy).abs() < 1e-5);
-    let l = losses(&metrics);
+    let l = metric_losses(&metrics);
     let end = mean(&l[l.len() - 10..]);
     assert!(
         end < entropy / 3.0,
@@ -286,7 +259,7 @@ fn bf16_mixed_precision_trains_below_the_unigram_entropy() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("mixed_precision=bf16"));
-    let l = losses(&metrics);
+    let l = metric_losses(&metrics);
     let end = mean(&l[l.len() - 10..]);
     let entropy = char_entropy(&sonnets());
     assert!(end < entropy - 0.3, "{end} vs {entropy}");

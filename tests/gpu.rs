@@ -10,55 +10,29 @@
 
 const NEEDS: &str = "needs a GPU and --features nccl (README, GPU tests)";
 
-#[test]
-#[cfg_attr(
-    not(feature = "nccl"),
-    ignore = "needs a GPU and --features nccl (README, GPU tests)"
-)]
-fn nccl_collectives_on_one_gpu_match_the_host() {
-    #[cfg(feature = "nccl")]
-    on_gpu::nccl_collectives_on_one_gpu_match_the_host();
+/// One `#[test]` per GPU test body in `on_gpu`: ignored (with the reason) without the `nccl`
+/// feature, run otherwise.
+macro_rules! gpu_tests {
+    ($($name:ident),* $(,)?) => {$(
+        #[test]
+        #[cfg_attr(
+            not(feature = "nccl"),
+            ignore = "needs a GPU and --features nccl (README, GPU tests)"
+        )]
+        fn $name() {
+            #[cfg(feature = "nccl")]
+            on_gpu::$name();
+        }
+    )*};
 }
 
-#[test]
-#[cfg_attr(
-    not(feature = "nccl"),
-    ignore = "needs a GPU and --features nccl (README, GPU tests)"
-)]
-fn nccl_all_reduce_across_gpus_matches_the_formula() {
-    #[cfg(feature = "nccl")]
-    on_gpu::nccl_all_reduce_across_gpus_matches_the_formula();
-}
-
-#[test]
-#[cfg_attr(
-    not(feature = "nccl"),
-    ignore = "needs a GPU and --features nccl (README, GPU tests)"
-)]
-fn k_micro_batches_on_the_gpu_equal_one_big_batch_on_the_cpu() {
-    #[cfg(feature = "nccl")]
-    on_gpu::k_micro_batches_on_the_gpu_equal_one_big_batch_on_the_cpu();
-}
-
-#[test]
-#[cfg_attr(
-    not(feature = "nccl"),
-    ignore = "needs a GPU and --features nccl (README, GPU tests)"
-)]
-fn the_mlp_example_trains_on_every_gpu_under_the_launcher() {
-    #[cfg(feature = "nccl")]
-    on_gpu::the_mlp_example_trains_on_every_gpu_under_the_launcher();
-}
-
-#[test]
-#[cfg_attr(
-    not(feature = "nccl"),
-    ignore = "needs a GPU and --features nccl (README, GPU tests)"
-)]
-fn mixed_precision_on_the_gpu_tracks_full_precision() {
-    #[cfg(feature = "nccl")]
-    on_gpu::mixed_precision_on_the_gpu_tracks_full_precision();
-}
+gpu_tests!(
+    nccl_collectives_on_one_gpu_match_the_host,
+    nccl_all_reduce_across_gpus_matches_the_formula,
+    k_micro_batches_on_the_gpu_equal_one_big_batch_on_the_cpu,
+    the_mlp_example_trains_on_every_gpu_under_the_launcher,
+    mixed_precision_on_the_gpu_tracks_full_precision,
+);
 
 #[cfg(feature = "nccl")]
 mod on_gpu {

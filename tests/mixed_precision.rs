@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use accelerate_core::optim::{LrScheduler, Schedule, Sgd, SgdConfig};
 use accelerate_core::{Accelerator, LossScalerConfig, MixedPrecision, ProcessState};
-use accelerate_tests::{built_binary, named_vars, run_bounded};
+use accelerate_tests::{built_binary, metric_losses, named_vars, output_text as text, run_bounded};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 
@@ -410,15 +410,6 @@ fn the_loss_scaler_and_the_master_weights_come_back_from_a_checkpoint() {
     }
 }
 
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Trains the `mlp` example alone in `mode`; returns the per-step losses.
 fn train_mlp(mode: &str, metrics: &Path, model: &Path) -> Vec<f64> {
     let mut cmd = Command::new(built_binary("examples/mlp"));
@@ -449,14 +440,7 @@ fn train_mlp(mode: &str, metrics: &Path, model: &Path) -> Vec<f64> {
         "{}",
         text(&o)
     );
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap()
-        })
-        .collect()
+    metric_losses(metrics)
 }
 
 #[test]

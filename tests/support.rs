@@ -353,3 +353,24 @@ pub fn alive(pid: u32) -> bool {
         })
         .unwrap_or(false)
 }
+
+/// A `key=value` figure from an example's summary line (a trailing `s` unit is dropped).
+pub fn summary_value(o: &std::process::Output, key: &str) -> f64 {
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.trim_end_matches('s').parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", output_text(o)))
+}
+
+/// The per-step losses of an example's `--metrics` file (one JSON object per line).
+pub fn metric_losses(path: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["loss"].as_f64().unwrap()
+        })
+        .collect()
+}

@@ -121,12 +121,31 @@ fn no_gpu(request: Request, why: &str) -> Result<Device> {
     Ok(Device::Cpu)
 }
 
-/// Whether the machine has an NVIDIA GPU at all, read from the driver's files so that a build
+/// Whether the machine has an NVIDIA GPU at all (see [`physical_gpu_count`]), so that a build
 /// without CUDA can tell (only worth a warning then).
 pub fn gpu_present() -> bool {
-    std::fs::read_dir("/proc/driver/nvidia/gpus")
-        .map(|d| d.count() > 0)
-        .unwrap_or(false)
+    physical_gpu_count() > 0
+}
+
+/// The NVIDIA GPUs of this machine, whatever `CUDA_VISIBLE_DEVICES` says, counted without CUDA:
+/// the driver lists them under `/proc/driver/nvidia/gpus` (or `nvidia-smi -L` where that is not
+/// mounted). The launcher counts GPUs with it too, so it links no CUDA.
+pub fn physical_gpu_count() -> usize {
+    if let Ok(dir) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
+        return dir.count();
+    }
+    std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -1,32 +1,14 @@
-//! How many GPUs the workers will see, without linking CUDA into the launcher: the NVIDIA driver
-//! lists its GPUs under `/proc/driver/nvidia/gpus` (or `nvidia-smi -L` where that is not mounted),
-//! and `CUDA_VISIBLE_DEVICES` narrows the list the way the CUDA runtime does.
+//! How many GPUs the workers will see, without linking CUDA into the launcher: the machine's GPUs
+//! as the driver lists them (`accelerate_core::device::physical_gpu_count`), narrowed by
+//! `CUDA_VISIBLE_DEVICES` the way the CUDA runtime does.
 
 /// GPUs visible to a worker started with this process's environment.
 pub fn visible_gpu_count() -> usize {
-    let physical = physical_gpu_count();
+    let physical = accelerate_core::device::physical_gpu_count();
     visible_count(
         physical,
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
     )
-}
-
-fn physical_gpu_count() -> usize {
-    if let Ok(dir) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
-        return dir.count();
-    }
-    std::process::Command::new("nvidia-smi")
-        .arg("-L")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// The number of devices CUDA exposes for `CUDA_VISIBLE_DEVICES=visible` on a machine with
