@@ -2,7 +2,7 @@
 """All-reduce side by side, in one run on one machine: accelerate-rs's CPU communicator (shared
 memory between ranks of one machine) against PyTorch's gloo backend, and one core's memcpy.
 
-    cargo build --release -p accelerate-launch -p accelerate-examples --examples
+    cargo build --release -p accelerate-launch -p accelerate-examples --bins --examples
     python3 benchmarks/allreduce.py            # needs torch, numpy, matplotlib (pip install)
 
 For each world size (2, 3, 4 by default) and message size (1 KiB to 256 MiB, f32, sum) it prints

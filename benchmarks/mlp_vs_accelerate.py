@@ -3,7 +3,7 @@
 `accelerate-launch` against the same model in PyTorch with Hugging Face Accelerate under torchrun
 (gloo, one thread per process, as torchrun sets). CPU, AdamW, 60 optimizer steps per run.
 
-    cargo build --release -p accelerate-launch -p accelerate-examples --examples
+    cargo build --release -p accelerate-launch -p accelerate-examples --bins --examples
     python3 benchmarks/mlp_vs_accelerate.py        # needs torch and accelerate (pip install)
 
 Configurations (processes, per-rank batch, K) run in interleaved rounds; the median of each is
