@@ -6,8 +6,9 @@
 //!    B/4, gradients summed with tensor ops, then our AdamW — the cost of the smaller batches alone;
 //! 5. the same hand-written loop at K = 1, batch B: what 2 does without the runtime (its overhead).
 //!
-//! The configurations run in interleaved rounds so that machine noise hits all of them alike;
-//! the median round is reported. `cargo run --release --example bench_mlp`.
+//! The configurations run in interleaved rounds (in reverse order every other round) so that
+//! machine noise hits all of them alike; the median round is reported, and for the runtime's
+//! overhead (2 against 5) also the spread of the per-round ratios. `cargo run --release --example bench_mlp`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +16,7 @@ use std::time::Instant;
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::{Accelerator, ProcessState};
+use accelerate_examples::bench::{median, Overhead};
 use accelerate_examples::mlp;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -39,9 +41,10 @@ struct Args {
     /// Prefetch depth of the Accelerator loops' data loader (0 builds batches inline).
     #[arg(long, default_value_t = 2)]
     prefetch: usize,
-    /// Run only this configuration (1-5), e.g. under a profiler.
-    #[arg(long)]
-    only: Option<usize>,
+    /// Run only these configurations (1-5, comma-separated), e.g. `--only 2,5` for the
+    /// runtime's overhead alone, or one under a profiler.
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<usize>>,
 }
 
 fn main() -> Result<()> {
@@ -66,34 +69,34 @@ fn main() -> Result<()> {
         "plain candle loop, our AdamW, K=1".to_string(),
     ];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let selected: Vec<usize> = match &args.only {
+        Some(only) => only.iter().map(|&c| c - 1).collect(),
+        None => (0..names.len()).collect(),
+    };
+    if let Some(bad) = selected.iter().find(|&&c| c >= names.len()) {
+        anyhow::bail!(
+            "--only {}: configurations are numbered 1 to {}",
+            bad + 1,
+            names.len()
+        );
+    }
     for round in 0..args.rounds {
-        let run = |i: usize| args.only.is_none_or(|o| o == i + 1);
-        let skipped = f64::NAN;
-        results[0].push(if run(0) {
-            plain_candle(&args, &x, &y)?
-        } else {
-            skipped
-        });
-        results[1].push(if run(1) {
-            accelerated(&args, &dataset, 1)?
-        } else {
-            skipped
-        });
-        results[2].push(if run(2) {
-            accelerated(&args, &dataset, 4)?
-        } else {
-            skipped
-        });
-        results[3].push(if run(3) {
-            hand_accumulated(&args, &x, &y, 4)?
-        } else {
-            skipped
-        });
-        results[4].push(if run(4) {
-            hand_accumulated(&args, &x, &y, 1)?
-        } else {
-            skipped
-        });
+        // Every other round runs the configurations in reverse order, so that none of them
+        // always follows the same one (caches, allocator and CPU frequency carry over).
+        let mut order = selected.clone();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for &config in &order {
+            let ms = match config {
+                0 => plain_candle(&args, &x, &y)?,
+                1 => accelerated(&args, &dataset, 1)?,
+                2 => accelerated(&args, &dataset, 4)?,
+                3 => hand_accumulated(&args, &x, &y, 4)?,
+                _ => hand_accumulated(&args, &x, &y, 1)?,
+            };
+            results[config].push(ms);
+        }
         eprintln!("round {} of {} done", round + 1, args.rounds);
     }
     println!(
@@ -110,8 +113,12 @@ fn main() -> Result<()> {
         "{:<48} {:>12} {:>12} {:>8}",
         "configuration", "ms/step", "samples/s", "ratio"
     );
+    // Ratios are to the plain candle-nn loop (NaN when it did not run).
     let base = median(&results[0]);
     for (name, r) in names.iter().zip(&results) {
+        if r.is_empty() {
+            continue;
+        }
         let ms = median(r);
         println!(
             "{name:<48} {ms:>12.2} {:>12.0} {:>8.2}",
@@ -119,18 +126,16 @@ fn main() -> Result<()> {
             base / ms
         );
     }
-    // The runtime's own cost: the same arithmetic and optimizer with and without the Accelerator.
-    println!(
-        "runtime overhead at K=1 (Accelerator vs plain loop, both our AdamW): {:+.1}%",
-        (median(&results[1]) / median(&results[4]) - 1.0) * 100.0
-    );
+    // The runtime's own cost: the same arithmetic and optimizer with and without the
+    // Accelerator. Each round's pair ran back to back, so the per-round ratio cancels the slow
+    // drift of this machine; its spread says how far the figure can be trusted.
+    if !results[1].is_empty() && !results[4].is_empty() {
+        println!(
+            "runtime overhead at K=1 (Accelerator vs plain loop, both our AdamW): {}",
+            Overhead::new(&results[1], &results[4])
+        );
+    }
     Ok(())
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Runs `run(0)` and `run(1)` as warm-up, then `steps` timed steps; milliseconds per step.
