@@ -175,6 +175,24 @@ pub(crate) fn parse_abort(payload: &[u8]) -> Result<(u64, String), String> {
     ))
 }
 
+/// Checks that an abort frame names ranks of this job: the failed rank (from the header) and the
+/// reporting rank (from the payload) must both be below `world_size`, or the frame came from a
+/// peer of another job or version and its culprit would be a rank that does not exist.
+pub(crate) fn check_abort_ranks(
+    failed: u64,
+    reporter: u64,
+    world_size: usize,
+) -> Result<(), String> {
+    for (role, rank) in [("failed", failed), ("reporting", reporter)] {
+        if rank >= world_size as u64 {
+            return Err(format!(
+                "abort frame names {role} rank {rank} in a job of {world_size} ranks"
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,6 +212,19 @@ mod tests {
         assert_eq!(parse_abort(&payload).unwrap().1.len(), MAX_ABORT_BYTES - 8);
         assert!(parse_abort(&payload[..7]).is_err());
         assert!(parse_abort(&vec![0; MAX_ABORT_BYTES + 1]).is_err());
+    }
+
+    #[test]
+    fn abort_frames_must_name_ranks_of_the_job() {
+        assert!(check_abort_ranks(3, 0, 4).is_ok());
+        let failed = check_abort_ranks(4, 0, 4).unwrap_err();
+        assert!(
+            failed.contains("failed rank 4") && failed.contains("4 ranks"),
+            "{failed}"
+        );
+        let reporter = check_abort_ranks(1, 9, 4).unwrap_err();
+        assert!(reporter.contains("reporting rank 9"), "{reporter}");
+        assert!(check_abort_ranks(u64::MAX, 0, 2).is_err());
     }
 
     #[test]

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::element::{self, Element};
 use super::frame::{
-    encode_abort, parse_abort, FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES,
+    check_abort_ranks, encode_abort, parse_abort, FrameKind, Header, OpCode, HEADER_BYTES,
+    MAX_ABORT_BYTES,
 };
 use crate::error::{Error, Result};
 
@@ -244,7 +245,11 @@ impl Session<'_> {
         if let Err(e) = self.reader.read_exact(&mut payload) {
             return Relay::Detected(prev, self.read_error(e));
         }
-        match parse_abort(&payload) {
+        let parsed = parse_abort(&payload).and_then(|(reporter, reason)| {
+            check_abort_ranks(header.index as u64, reporter, self.pos.world_size)?;
+            Ok((reporter, reason))
+        });
+        match parsed {
             Ok((reporter, reason)) => Relay::Aborted {
                 failed: header.index as usize,
                 reporter: reporter as usize,
