@@ -271,7 +271,7 @@ impl Training<'_> {
         let sync = acc.gradient_sync_stats();
         acc.print(format!(
             "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
-             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={}",
+             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={}",
             total_samples as f64 / totals.wall,
             totals.last_loss,
             totals.wall,
@@ -281,7 +281,8 @@ impl Training<'_> {
             sync.all_reduces,
             sync.bytes,
             acc.mixed_precision(),
-            totals.skipped_steps
+            totals.skipped_steps,
+            u8::from(acc.overlaps_gradient_reduction())
         ));
         Ok(())
     }

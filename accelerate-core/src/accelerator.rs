@@ -14,7 +14,9 @@ use crate::comm::{CommStats, Communicator, ReduceOp};
 use crate::data::LoaderProgress;
 use crate::data::{DataLoader, Dataset};
 use crate::error::{Error, Result};
-use crate::grads::{sorted_named_vars, GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
+use crate::grads::{
+    sorted_named_vars, GradientBucket, GradientBuffers, SyncOptions, DEFAULT_BUCKET_CAP_BYTES,
+};
 use crate::mixed_precision::{
     LossScalerConfig, MasterWeights, MixedPrecision, MixedPrecisionState,
 };
@@ -29,6 +31,16 @@ pub const GRADIENT_ACCUMULATION_STEPS_ENV: &str = "ACCELERATE_GRADIENT_ACCUMULAT
 /// Environment variable read for the gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
 pub const BUCKET_CAP_MB_ENV: &str = "ACCELERATE_BUCKET_CAP_MB";
 
+/// Environment variable read for whether the sync micro-step overlaps the reduction of one
+/// gradient bucket with the preparation of the next (`1`/`0`, `true`/`false`, `on`/`off`,
+/// `yes`/`no`); see [`AcceleratorBuilder::overlap_gradient_reduction`].
+pub const OVERLAP_GRADIENT_REDUCTION_ENV: &str = "ACCELERATE_OVERLAP_GRADIENT_REDUCTION";
+
+/// Whether gradient reduction overlaps bucket preparation when neither the builder nor
+/// [`OVERLAP_GRADIENT_REDUCTION_ENV`] says (see BENCHMARKS.md, "Overlap of reduction and
+/// preparation", for the measurement behind it).
+pub const DEFAULT_OVERLAP_GRADIENT_REDUCTION: bool = false;
+
 /// Configures an [`Accelerator`].
 #[derive(Debug, Default, Clone)]
 pub struct AcceleratorBuilder {
@@ -40,6 +52,7 @@ pub struct AcceleratorBuilder {
     mixed_precision: Option<MixedPrecision>,
     loss_scaler: LossScalerConfig,
     gradient_reduce_dtype: Option<candle_core::DType>,
+    overlap_gradient_reduction: Option<bool>,
 }
 
 impl AcceleratorBuilder {
@@ -98,6 +111,24 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Whether the sync micro-step overlaps communication with preparation: while gradient
+    /// bucket i is all-reduced on the calling thread, a worker thread adds the backward pass's
+    /// gradients into buckets i+1, i+2, ... (and fills the missing ones with zeros). The averaged
+    /// gradients are bitwise the same either way; only the time differs, and it only can with
+    /// several buckets (a model larger than the bucket cap, or a smaller
+    /// [`bucket_cap_bytes`](Self::bucket_cap_bytes)) and more than one rank.
+    ///
+    /// It applies to CPU devices. On CUDA the accumulation is already queued asynchronously on the
+    /// device's stream, and candle's work from another thread would go to that thread's stream,
+    /// unordered with the NCCL reduction, so there the option changes nothing.
+    ///
+    /// Default: `ACCELERATE_OVERLAP_GRADIENT_REDUCTION`, else
+    /// [`DEFAULT_OVERLAP_GRADIENT_REDUCTION`].
+    pub fn overlap_gradient_reduction(mut self, overlap: bool) -> Self {
+        self.overlap_gradient_reduction = Some(overlap);
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         use candle_core::DType;
@@ -151,6 +182,22 @@ impl AcceleratorBuilder {
                 _ => DEFAULT_BUCKET_CAP_BYTES,
             },
         };
+        let overlap_gradient_reduction = match self.overlap_gradient_reduction {
+            Some(overlap) => overlap,
+            None => match std::env::var(OVERLAP_GRADIENT_REDUCTION_ENV) {
+                Ok(v) if !v.trim().is_empty() => match parse_switch(&v) {
+                    Some(overlap) => overlap,
+                    None => {
+                        return Err(Error::Env {
+                            name: OVERLAP_GRADIENT_REDUCTION_ENV.into(),
+                            value: v.clone(),
+                            problem: "expected 1 or 0 (also true/false, on/off, yes/no)".into(),
+                        })
+                    }
+                },
+                _ => DEFAULT_OVERLAP_GRADIENT_REDUCTION,
+            },
+        };
         let device = match self.device {
             Some(device) => device,
             None => crate::device::select_device(&state)?,
@@ -170,6 +217,7 @@ impl AcceleratorBuilder {
             device,
             seed,
             bucket_cap_bytes,
+            overlap_gradient_reduction,
             comm: membership.comm,
             store: membership.store,
             _hosted_store: membership.hosted,
@@ -195,6 +243,8 @@ pub struct Accelerator {
     device: Device,
     seed: u64,
     bucket_cap_bytes: usize,
+    /// Whether the sync micro-step fills later buckets while earlier ones are reduced.
+    overlap_gradient_reduction: bool,
     comm: Box<dyn Communicator>,
     store: Option<Arc<dyn Store>>,
     /// The store this process hosts (rank 0 under torchrun or SLURM); serves until dropped.
@@ -422,6 +472,14 @@ impl Accelerator {
             .map_or(0, |g| g.buckets().len())
     }
 
+    /// Whether the sync micro-step overlaps the reduction of a gradient bucket with the
+    /// preparation of the next, as configured
+    /// ([`AcceleratorBuilder::overlap_gradient_reduction`]). It takes effect only with more than
+    /// one rank, on the CPU, and with more than one bucket.
+    pub fn overlaps_gradient_reduction(&self) -> bool {
+        self.overlap_gradient_reduction
+    }
+
     /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
     pub fn parameters(&self) -> &[(String, Var)] {
         &self.params
@@ -574,37 +632,49 @@ impl Accelerator {
         }
         let mut mixed = lock(&self.shared.mixed);
         let sources = mixed.grad_sources(&self.params);
-        buffers.accumulate(sources, &grad_store, step.loss_scale / loss_scale)?;
-        if step.sync && self.state.world_size > 1 {
-            // Whole buckets are reduced, so a parameter without a gradient on this rank takes part
-            // with zeros (DDP's behaviour). Alone, it keeps no gradient and the optimizer skips it,
-            // as a plain candle or PyTorch loop would.
-            buffers.fill_missing_with_zeros()?;
-        }
+        let scale = step.loss_scale / loss_scale;
         if step.sync {
-            // At world size 1 the reduction is the identity, but it is still counted, so the
-            // traffic accounting reads the same at any size.
+            let options = SyncOptions {
+                // Whole buckets are reduced, so a parameter without a gradient on this rank takes
+                // part with zeros (DDP's behaviour). Alone, it keeps no gradient and the optimizer
+                // skips it, as a plain candle or PyTorch loop would.
+                fill_missing: self.state.world_size > 1,
+                // Alone, the reduction is the identity: there is nothing to overlap with.
+                overlap: self.overlap_gradient_reduction
+                    && self.state.world_size > 1
+                    && self.device.is_cpu(),
+            };
             let mut stats = self.grad_sync.get();
-            for bucket in buffers.buckets() {
-                let flat = bucket.flat();
-                if flat.dtype() == self.reduce_dtype || self.state.world_size == 1 {
-                    self.comm.all_reduce(flat, ReduceOp::Mean)?;
-                    stats.bytes += bucket.size_in_bytes() as u64;
-                } else {
-                    // Compressed: the average travels in the smaller type and is widened back
-                    // into the bucket, as DDP's bf16_compress_hook does.
-                    let wire = flat.to_dtype(self.reduce_dtype)?;
-                    self.comm.all_reduce(&wire, ReduceOp::Mean)?;
-                    flat.slice_set(&wire.to_dtype(flat.dtype())?, 0, 0)?;
-                    stats.bytes += (wire.elem_count() * wire.dtype().size_in_bytes()) as u64;
-                }
-                stats.all_reduces += 1;
-            }
+            buffers.accumulate_and_reduce(sources, &grad_store, scale, options, |bucket| {
+                self.reduce_bucket(bucket, &mut stats)
+            })?;
             self.grad_sync.set(stats);
             // After the reduction, so that every rank sees the same gradients and decides alike.
             mixed.after_sync(buffers)?;
+        } else {
+            buffers.accumulate(sources, &grad_store, scale)?;
         }
         acc.backward_finished();
+        Ok(())
+    }
+
+    /// Averages one gradient bucket across ranks in place and counts it. At world size 1 the
+    /// reduction is the identity, but it is still counted, so the traffic accounting reads the
+    /// same at any size.
+    fn reduce_bucket(&self, bucket: &GradientBucket, stats: &mut GradientSyncStats) -> Result<()> {
+        let flat = bucket.flat();
+        if flat.dtype() == self.reduce_dtype || self.state.world_size == 1 {
+            self.comm.all_reduce(flat, ReduceOp::Mean)?;
+            stats.bytes += bucket.size_in_bytes() as u64;
+        } else {
+            // Compressed: the average travels in the smaller type and is widened back into the
+            // bucket, as DDP's bf16_compress_hook does.
+            let wire = flat.to_dtype(self.reduce_dtype)?;
+            self.comm.all_reduce(&wire, ReduceOp::Mean)?;
+            flat.slice_set(&wire.to_dtype(flat.dtype())?, 0, 0)?;
+            stats.bytes += (wire.elem_count() * wire.dtype().size_in_bytes()) as u64;
+        }
+        stats.all_reduces += 1;
         Ok(())
     }
 
@@ -838,6 +908,15 @@ impl Accelerator {
     }
 }
 
+/// An on/off environment value: `1`/`0`, `true`/`false`, `on`/`off`, `yes`/`no` (any case).
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
 /// A contiguous tensor of a dtype every communicator carries (f32, f64, i64), and the dtype to
 /// convert the result back to, if it differs.
 fn wire_dtype(tensor: &Tensor) -> Result<(Tensor, Option<candle_core::DType>)> {
@@ -897,5 +976,23 @@ impl<D: Dataset> Prepare for DataLoader<D> {
     type Prepared = DataLoader<D>;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
         Ok(accelerator.prepare_data_loader(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_off_switches_read_the_usual_spellings_and_refuse_others() {
+        for on in ["1", "true", "ON", " yes "] {
+            assert_eq!(parse_switch(on), Some(true), "{on:?}");
+        }
+        for off in ["0", "False", "off", "no"] {
+            assert_eq!(parse_switch(off), Some(false), "{off:?}");
+        }
+        for bad in ["2", "overlap", "y"] {
+            assert_eq!(parse_switch(bad), None, "{bad:?}");
+        }
     }
 }

@@ -151,18 +151,130 @@ impl GradientBuffers {
         grads: &GradStore,
         scale: f64,
     ) -> Result<()> {
+        self.check_param_count(params)?;
+        accumulate_slots(&mut self.slots, params, grads, scale)
+    }
+
+    /// Adds `scale * grad(p)` into the buffer of every parameter `p` of bucket `bucket` that has a
+    /// gradient in `grads`, leaving the other buckets untouched. `params` is the whole sorted list
+    /// the buffers were built from. Accumulating every bucket this way gives bitwise the same
+    /// buffers as [`accumulate`](Self::accumulate): the same additions in the same order.
+    pub fn accumulate_bucket(
+        &mut self,
+        bucket: usize,
+        params: &[(String, Var)],
+        grads: &GradStore,
+        scale: f64,
+    ) -> Result<()> {
+        self.check_param_count(params)?;
+        let range = self
+            .buckets
+            .get(bucket)
+            .ok_or_else(|| {
+                Error::Parameters(format!(
+                    "bucket {bucket} does not exist; the buffers have {} buckets",
+                    self.buckets.len()
+                ))
+            })?
+            .params();
+        accumulate_slots(&mut self.slots[range.clone()], &params[range], grads, scale)
+    }
+
+    /// The sync micro-step's work on the buffers: adds `scale * grad(p)` for every parameter (as
+    /// [`accumulate`](Self::accumulate)), fills the buffers that received no gradient this window
+    /// with zeros when `options.fill_missing` is set (see
+    /// [`fill_missing_with_zeros`](Self::fill_missing_with_zeros)), and hands every bucket, in
+    /// order, to `reduce` once its gradients are complete.
+    ///
+    /// With `options.overlap`, a scoped worker thread fills buckets 1, 2, ... while `reduce` runs
+    /// on the calling thread for the buckets already filled, so the reduction of bucket i overlaps
+    /// the preparation of the buckets after it. `reduce` stays on the calling thread because a
+    /// communicator is neither `Send` nor `Sync` (NCCL's holds the thread's CUDA state). Each
+    /// bucket is still filled by the same additions in the same order and reduced only once it
+    /// is complete, so the result is bitwise the same with and without overlap.
+    ///
+    /// On an error (of `reduce` or of an accumulation) the first one is returned and the buffers
+    /// hold a partial window, as after a failed [`accumulate`](Self::accumulate).
+    pub fn accumulate_and_reduce(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &GradStore,
+        scale: f64,
+        options: SyncOptions,
+        mut reduce: impl FnMut(&GradientBucket) -> Result<()>,
+    ) -> Result<()> {
+        self.check_param_count(params)?;
+        let fill_missing = options.fill_missing;
+        if !options.overlap || self.buckets.len() < 2 {
+            accumulate_slots(&mut self.slots, params, grads, scale)?;
+            if fill_missing {
+                self.fill_missing_with_zeros()?;
+            }
+            return self.buckets.iter().try_for_each(reduce);
+        }
+        let ranges: Vec<_> = self.buckets.iter().map(|b| b.params()).collect();
+        let (first_slots, later_slots) = self.slots.split_at_mut(ranges[0].end);
+        prepare_bucket(
+            first_slots,
+            &params[ranges[0].clone()],
+            grads,
+            scale,
+            fill_missing,
+        )?;
+        let buckets = &self.buckets;
+        std::thread::scope(|scope| {
+            // The worker announces each bucket it has filled (or the error that stopped it); the
+            // calling thread reduces a bucket only after its announcement.
+            let (filled_tx, filled_rx) = std::sync::mpsc::channel::<Result<usize>>();
+            let worker = scope.spawn(move || {
+                let mut rest = later_slots;
+                for (b, range) in ranges.iter().enumerate().skip(1) {
+                    let (slots, tail) = std::mem::take(&mut rest).split_at_mut(range.len());
+                    rest = tail;
+                    let filled =
+                        prepare_bucket(slots, &params[range.clone()], grads, scale, fill_missing)
+                            .map(|()| b);
+                    let failed = filled.is_err();
+                    // A closed channel means the calling thread stopped on an error of its own.
+                    if filled_tx.send(filled).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            let mut outcome = Ok(());
+            for (b, bucket) in buckets.iter().enumerate() {
+                if b > 0 {
+                    match filled_rx.recv() {
+                        Ok(Ok(filled)) => debug_assert_eq!(filled, b),
+                        Ok(Err(e)) => {
+                            outcome = Err(e);
+                            break;
+                        }
+                        // The worker ended without a word: it panicked (re-raised below).
+                        Err(_) => break,
+                    }
+                }
+                if let Err(e) = reduce(bucket) {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+            // Lets a worker that is still filling stop at its next announcement.
+            drop(filled_rx);
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+            outcome
+        })
+    }
+
+    fn check_param_count(&self, params: &[(String, Var)]) -> Result<()> {
         if params.len() != self.slots.len() {
             return Err(Error::Parameters(format!(
                 "gradient buffers hold {} parameters but {} were given",
                 self.slots.len(),
                 params.len()
             )));
-        }
-        for (slot, (name, var)) in self.slots.iter_mut().zip(params) {
-            debug_assert_eq!(&slot.name, name);
-            if let Some(grad) = grads.get(var.as_tensor()) {
-                add_scaled(slot, grad, scale)?;
-            }
         }
         Ok(())
     }
@@ -179,11 +291,7 @@ impl GradientBuffers {
     /// holding a gradient, so whole buckets can be reduced across ranks (unused parameters get a
     /// zero gradient, as under DDP's `find_unused_parameters`).
     pub fn fill_missing_with_zeros(&mut self) -> Result<()> {
-        for slot in self.slots.iter_mut().filter(|s| !s.written) {
-            fill(&slot.view, 0.0)?;
-            slot.written = true;
-        }
-        Ok(())
+        fill_missing_slots(&mut self.slots)
     }
 
     /// Whether any parameter has received a gradient since the last [`zero`](Self::zero).
@@ -248,6 +356,56 @@ impl GradientBuffers {
         }
         Ok(true)
     }
+}
+
+/// How [`GradientBuffers::accumulate_and_reduce`] runs the sync micro-step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncOptions {
+    /// Fill the buffers that received no gradient this window with zeros before their bucket is
+    /// reduced (needed when whole buckets are reduced across ranks).
+    pub fill_missing: bool,
+    /// Fill later buckets on a worker thread while earlier ones are reduced.
+    pub overlap: bool,
+}
+
+/// Accumulates into consecutive slots from the matching `params` (same names, same order).
+fn accumulate_slots(
+    slots: &mut [Slot],
+    params: &[(String, Var)],
+    grads: &GradStore,
+    scale: f64,
+) -> Result<()> {
+    for (slot, (name, var)) in slots.iter_mut().zip(params) {
+        debug_assert_eq!(&slot.name, name);
+        if let Some(grad) = grads.get(var.as_tensor()) {
+            add_scaled(slot, grad, scale)?;
+        }
+    }
+    Ok(())
+}
+
+fn fill_missing_slots(slots: &mut [Slot]) -> Result<()> {
+    for slot in slots.iter_mut().filter(|s| !s.written) {
+        fill(&slot.view, 0.0)?;
+        slot.written = true;
+    }
+    Ok(())
+}
+
+/// One bucket's share of the sync micro-step: its gradients accumulated, then (optionally) its
+/// missing ones filled with zeros.
+fn prepare_bucket(
+    slots: &mut [Slot],
+    params: &[(String, Var)],
+    grads: &GradStore,
+    scale: f64,
+    fill_missing: bool,
+) -> Result<()> {
+    accumulate_slots(slots, params, grads, scale)?;
+    if fill_missing {
+        fill_missing_slots(slots)?;
+    }
+    Ok(())
 }
 
 /// `slot += scale * grad` (or `slot = scale * grad` when the slot is not yet written), in one pass
@@ -394,6 +552,203 @@ mod tests {
                 Var::zeros((3, 2), DType::F32, &Device::Cpu).unwrap(),
             ),
         ]
+    }
+
+    fn value(i: usize, seed: u64) -> f32 {
+        ((i as u64 * 7919 + seed * 104_729) % 1000) as f32 / 500.0 - 1.0
+    }
+
+    /// Layer sizes of `model()`: large enough that filling a bucket takes the worker thread a
+    /// while, so that a reduction not waiting for it would see an incomplete bucket.
+    const LAYERS: [(usize, usize); 4] = [(384, 320), (320, 256), (256, 192), (192, 128)];
+
+    /// Parameters of several shapes: four linear layers and one parameter no loss uses.
+    fn model() -> Vec<(String, Var)> {
+        let dev = &Device::Cpu;
+        let mut params = Vec::new();
+        for (i, (rows, cols)) in LAYERS.iter().enumerate() {
+            let gain = 1.0 / (*cols as f32).sqrt();
+            let w: Vec<f32> = (0..rows * cols).map(|k| value(k + i, 0) * gain).collect();
+            let b: Vec<f32> = (0..*rows).map(|k| value(k * 3 + i, 0)).collect();
+            let w = Tensor::from_vec(w, (*rows, *cols), dev).unwrap();
+            let b = Tensor::from_vec(b, *rows, dev).unwrap();
+            params.push((format!("l{i}.bias"), Var::from_tensor(&b).unwrap()));
+            params.push((format!("l{i}.weight"), Var::from_tensor(&w).unwrap()));
+        }
+        params.push(("unused".into(), Var::zeros(5, DType::F32, dev).unwrap()));
+        sorted_named_vars(params).unwrap()
+    }
+
+    /// The gradients of one backward pass of `model()` on a batch that `seed` picks. The weight
+    /// gradients come back as transposed views, as from every `Linear`.
+    fn grads(params: &[(String, Var)], seed: u64) -> GradStore {
+        let var = |name: &str| params.iter().find(|(n, _)| n == name).unwrap().1.clone();
+        let inputs = LAYERS[3].1;
+        let x: Vec<f32> = (0..8 * inputs).map(|k| value(k * 5, seed)).collect();
+        let mut h = Tensor::from_vec(x, (8, inputs), &Device::Cpu).unwrap();
+        for i in (0..4).rev() {
+            let w = var(&format!("l{i}.weight"));
+            let b = var(&format!("l{i}.bias"));
+            h = h.matmul(&w.as_tensor().t().unwrap()).unwrap();
+            h = h.broadcast_add(b.as_tensor()).unwrap().tanh().unwrap();
+        }
+        h.sqr().unwrap().sum_all().unwrap().backward().unwrap()
+    }
+
+    /// A bucket's values as bits, to compare bitwise.
+    type BucketBits = Vec<u32>;
+
+    fn flats(g: &GradientBuffers) -> Vec<BucketBits> {
+        g.buckets()
+            .iter()
+            .map(|b| {
+                let v = b.flat().to_vec1::<f32>().unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            })
+            .collect()
+    }
+
+    /// A cap that splits `model()` into six buckets: [l0.bias], [l0.weight], [l1.bias],
+    /// [l1.weight], [l2.bias, l2.weight, l3.bias], [l3.weight, unused].
+    const SMALL_CAP: usize = 256 * 1024;
+
+    #[test]
+    fn accumulating_bucket_by_bucket_equals_accumulating_all_bitwise() {
+        let params = model();
+        let micro_steps = [(grads(&params, 1), 0.25), (grads(&params, 2), 0.75)];
+        let mut whole = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        let mut by_bucket = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        let n = whole.buckets().len();
+        assert_eq!(n, 6, "the cap splits the model into six buckets");
+        // Overwrite, then add: two micro-steps with different gradients and scales.
+        for (micro_step, scale) in &micro_steps {
+            whole.accumulate(&params, micro_step, *scale).unwrap();
+            for b in 0..n {
+                by_bucket
+                    .accumulate_bucket(b, &params, micro_step, *scale)
+                    .unwrap();
+            }
+        }
+        assert_eq!(flats(&whole), flats(&by_bucket));
+        assert!(by_bucket.get("l0.weight").is_some());
+        assert!(by_bucket.get("unused").is_none(), "no gradient stays None");
+
+        // One bucket alone touches nothing else.
+        let mut one = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        let first = &micro_steps[0].0;
+        one.accumulate_bucket(1, &params, first, 1.0).unwrap();
+        let names: Vec<String> = one.names().map(str::to_string).collect();
+        for (b, bucket) in one.buckets().iter().enumerate() {
+            for i in bucket.params() {
+                assert_eq!(
+                    one.get(&names[i]).is_some(),
+                    b == 1,
+                    "{} in bucket {b}",
+                    names[i]
+                );
+            }
+        }
+        assert!(one.accumulate_bucket(n, &params, first, 1.0).is_err());
+    }
+
+    /// Runs a sync step after one non-sync micro-step; returns the buckets as `reduce` saw them
+    /// (in call order) and the buffers afterwards.
+    fn sync_step(overlap: bool) -> (Vec<(usize, BucketBits)>, Vec<BucketBits>) {
+        let params = model();
+        let mut g = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        g.accumulate(&params, &grads(&params, 3), 0.5).unwrap();
+        let first_param: Vec<usize> = g.buckets().iter().map(|b| b.params().start).collect();
+        let mut seen = Vec::new();
+        let options = SyncOptions {
+            fill_missing: true,
+            overlap,
+        };
+        g.accumulate_and_reduce(&params, &grads(&params, 4), 0.5, options, |bucket| {
+            let b = first_param
+                .iter()
+                .position(|&p| p == bucket.params().start)
+                .unwrap();
+            let v = bucket.flat().to_vec1::<f32>().unwrap();
+            seen.push((b, v.iter().map(|x| x.to_bits()).collect()));
+            // Stands in for the average over ranks: every element changes.
+            scale_in_place(bucket.flat(), 1.0 / 3.0)
+        })
+        .unwrap();
+        (seen, flats(&g))
+    }
+
+    #[test]
+    fn an_overlapped_sync_step_reduces_complete_buckets_in_order_and_equals_the_plain_one() {
+        let (seen_plain, after_plain) = sync_step(false);
+        let (seen_overlap, after_overlap) = sync_step(true);
+        let order: Vec<usize> = seen_overlap.iter().map(|(b, _)| *b).collect();
+        assert_eq!(order, (0..after_plain.len()).collect::<Vec<_>>());
+        // Each bucket was complete (both micro-steps added, missing ones zero) when reduced.
+        assert_eq!(seen_plain, seen_overlap);
+        assert_eq!(after_plain, after_overlap);
+        // The reduction did act (the comparison could have failed).
+        assert_ne!(
+            seen_plain
+                .iter()
+                .map(|(_, v)| v.clone())
+                .collect::<Vec<_>>(),
+            after_plain
+        );
+    }
+
+    #[test]
+    fn errors_of_the_worker_and_of_the_reduction_are_returned() {
+        let params = model();
+        let grads = grads(&params, 5);
+        let options = SyncOptions {
+            fill_missing: true,
+            overlap: true,
+        };
+        // A reduction failing at bucket 1: returned, and no bucket after it is reduced.
+        let mut g = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        let mut calls = 0;
+        let r = g.accumulate_and_reduce(&params, &grads, 1.0, options, |_| {
+            calls += 1;
+            if calls == 2 {
+                Err(Error::Config("reduction failed".into()))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(matches!(r, Err(Error::Config(m)) if m == "reduction failed"));
+        assert_eq!(calls, 2);
+
+        // An accumulation failing on the worker (a gradient whose shape does not fit the last
+        // bucket's parameter): returned, and that bucket is never reduced.
+        let mut g = GradientBuffers::new(&params, SMALL_CAP).unwrap();
+        let last = g.buckets().len() - 1;
+        let (last_name, last_var) = params[g.buckets()[last].params().start].clone();
+        let mut wrong = params.clone();
+        let stranger = Var::zeros(3, DType::F32, &Device::Cpu).unwrap();
+        let stranger_grads = (stranger.as_tensor() * 2.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut merged = grads;
+        merged.insert(
+            stranger.as_tensor(),
+            stranger_grads.get(&stranger).unwrap().clone(),
+        );
+        let i = params.iter().position(|(n, _)| *n == last_name).unwrap();
+        wrong[i] = (last_name.clone(), stranger);
+        assert_ne!(last_var.dims(), wrong[i].1.dims());
+        let mut reduced = Vec::new();
+        let r = g.accumulate_and_reduce(&wrong, &merged, 1.0, options, |bucket| {
+            reduced.push(bucket.params().start);
+            Ok(())
+        });
+        assert!(
+            matches!(&r, Err(Error::Parameters(m)) if m.contains(&last_name)),
+            "{r:?}"
+        );
+        assert_eq!(reduced.len(), last);
     }
 
     #[test]
