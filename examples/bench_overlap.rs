@@ -13,7 +13,8 @@
 //!   accumulation, no communication), for scale.
 //!
 //! `cargo build --release --workspace --examples && target/release/examples/bench_overlap`
-//! (see BENCHMARKS.md, "Overlap of reduction and preparation").
+//! (see BENCHMARKS.md, "Overlap of reduction and preparation"). The workers inherit the
+//! environment, so `ACCELERATE_CPU_TRANSPORT=tcp` measures the TCP ring instead of shared memory.
 
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -131,9 +132,10 @@ fn main() -> Result<()> {
     let threads = args
         .rayon_threads
         .map_or("launcher default".to_string(), |t| t.to_string());
+    let transport = std::env::var("ACCELERATE_CPU_TRANSPORT").unwrap_or("auto".into());
     println!(
         "{:?}, {} ranks, K={}, batch {} per micro-step, bucket cap {} MiB ({} buckets), \
-         RAYON_NUM_THREADS {threads}, {} steps x {} rounds (medians)",
+         RAYON_NUM_THREADS {threads}, transport {transport}, {} steps x {} rounds (medians)",
         args.workload,
         args.num_processes,
         args.grad_accum,

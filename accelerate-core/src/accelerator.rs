@@ -37,8 +37,9 @@ pub const BUCKET_CAP_MB_ENV: &str = "ACCELERATE_BUCKET_CAP_MB";
 pub const OVERLAP_GRADIENT_REDUCTION_ENV: &str = "ACCELERATE_OVERLAP_GRADIENT_REDUCTION";
 
 /// Whether gradient reduction overlaps bucket preparation when neither the builder nor
-/// [`OVERLAP_GRADIENT_REDUCTION_ENV`] says (see BENCHMARKS.md, "Overlap of reduction and
-/// preparation", for the measurement behind it).
+/// [`OVERLAP_GRADIENT_REDUCTION_ENV`] says. Off: with 2 ranks on 2 cores no core is idle while a
+/// rank reduces, and overlap measured 1-4 % slower per step (BENCHMARKS.md, "Overlap of reduction
+/// and preparation").
 pub const DEFAULT_OVERLAP_GRADIENT_REDUCTION: bool = false;
 
 /// Configures an [`Accelerator`].
