@@ -16,7 +16,7 @@
 //!
 //! `cargo run --release --example bench_gpt -- --part memory` (see BENCHMARKS.md).
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::grads::GradientBuffers;
 use accelerate_core::optim::{AdamW, AdamWConfig, Optimizer};
 use accelerate_core::{Accelerator, ProcessState};
-use accelerate_examples::bench::{median, Overhead};
+use accelerate_examples::bench::{median, report_value, run_within, Overhead};
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Var};
@@ -205,58 +205,37 @@ fn memory(args: &Args) -> Result<()> {
 /// Re-executes this benchmark with `--child-k k` and reads its report.
 fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
     let exe = std::env::current_exe().context("locating the benchmark's own executable")?;
-    let mut child = Command::new(exe)
-        .args([
-            "--layers",
-            &args.layers.to_string(),
-            "--width",
-            &args.width.to_string(),
-            "--heads",
-            &args.heads.to_string(),
-            "--context",
-            &args.context.to_string(),
-            "--batch-size",
-            &args.batch_size.to_string(),
-            "--steps",
-            &args.steps.to_string(),
-            "--prefetch",
-            &args.prefetch.to_string(),
-            "--child-k",
-            &k.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting a child configuration")?;
-    let deadline = Instant::now() + Duration::from_secs(args.child_timeout);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "the K={k} configuration ran longer than --child-timeout {} s; lower --steps or \
-                 the model size",
-                args.child_timeout
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "--layers",
+        &args.layers.to_string(),
+        "--width",
+        &args.width.to_string(),
+        "--heads",
+        &args.heads.to_string(),
+        "--context",
+        &args.context.to_string(),
+        "--batch-size",
+        &args.batch_size.to_string(),
+        "--steps",
+        &args.steps.to_string(),
+        "--prefetch",
+        &args.prefetch.to_string(),
+        "--child-k",
+        &k.to_string(),
+    ]);
+    let Some((status, out)) = run_within(&mut cmd, Duration::from_secs(args.child_timeout))? else {
+        bail!(
+            "the K={k} configuration ran longer than --child-timeout {} s; lower --steps or \
+             the model size",
+            args.child_timeout
+        );
     };
-    let mut out = String::new();
-    if let Some(mut stdout) = child.stdout.take() {
-        std::io::Read::read_to_string(&mut stdout, &mut out)?;
-    }
     if !status.success() {
         bail!("the K={k} configuration failed ({status}):\n{out}");
     }
-    let value = |key: &str| -> Result<f64> {
-        out.split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{key}=")))
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("no {key}= in the K={k} child's report:\n{out}"))
-    };
+    let what = format!("the K={k} child");
+    let value = |key: &str| report_value(&out, key, &what);
     Ok(ChildReport {
         ms_per_step: value("ms_per_step")?,
         setup_kib: value("setup_hwm_kib")?,

@@ -16,13 +16,14 @@
 //! (see BENCHMARKS.md, "Overlap of reduction and preparation"). The workers inherit the
 //! environment, so `ACCELERATE_CPU_TRANSPORT=tcp` measures the TCP ring instead of shared memory.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::Accelerator;
+use accelerate_examples::bench::{median, report_value, run_within};
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use accelerate_examples::mlp;
 use anyhow::{bail, Context, Result};
@@ -153,9 +154,9 @@ fn main() -> Result<()> {
         .iter()
         .map(|r| {
             (
-                median(r.iter().map(|x| x.step_ms)),
-                median(r.iter().map(|x| x.sync_backward_ms)),
-                median(r.iter().map(|x| x.other_backward_ms)),
+                median(&r.iter().map(|x| x.step_ms).collect::<Vec<_>>()),
+                median(&r.iter().map(|x| x.sync_backward_ms).collect::<Vec<_>>()),
+                median(&r.iter().map(|x| x.other_backward_ms).collect::<Vec<_>>()),
             )
         })
         .collect();
@@ -176,16 +177,6 @@ fn main() -> Result<()> {
     };
     println!("step ms by round: off {:?}, on {:?}", rounds(0), rounds(1));
     Ok(())
-}
-
-fn median(values: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = values.collect();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
 }
 
 /// Runs one job through the launcher and reads rank 0's report.
@@ -218,46 +209,20 @@ fn run_job(args: &Args, overlap: bool) -> Result<RunReport> {
         if overlap { "1" } else { "0" },
     )
     .env_remove("RANK")
-    .env_remove("WORLD_SIZE")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    .env_remove("WORLD_SIZE");
     if let Some(t) = args.rayon_threads {
         cmd.env("RAYON_NUM_THREADS", t.to_string());
     }
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("starting {}", launcher.display()))?;
-    let mut stdout = child.stdout.take().context("the launcher's stdout")?;
-    let reader = std::thread::spawn(move || {
-        let mut out = String::new();
-        let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
-        out
-    });
-    let deadline = Instant::now() + Duration::from_secs(args.run_timeout);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "a run took longer than --run-timeout {} s; lower --steps",
-                args.run_timeout
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let Some((status, out)) = run_within(&mut cmd, Duration::from_secs(args.run_timeout))? else {
+        bail!(
+            "a run took longer than --run-timeout {} s; lower --steps",
+            args.run_timeout
+        );
     };
-    let out = reader.join().unwrap_or_default();
     if !status.success() {
         bail!("a run (overlap {overlap}) failed ({status}):\n{out}");
     }
-    let value = |key: &str| -> Result<f64> {
-        out.split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{key}=")))
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("no {key}= in the run's report:\n{out}"))
-    };
+    let value = |key: &str| report_value(&out, key, "the run");
     Ok(RunReport {
         step_ms: value("step_ms")?,
         sync_backward_ms: value("sync_backward_ms")?,
@@ -316,9 +281,9 @@ impl StepTimes {
     fn report(&self, acc: &Accelerator) {
         acc.print(format!(
             "step_ms={:.3} sync_backward_ms={:.3} other_backward_ms={:.3} buckets={} overlap={}",
-            median(self.step_ms.iter().copied()),
-            median(self.sync_backward_ms.iter().copied()),
-            median(self.other_backward_ms.iter().copied()),
+            median(&self.step_ms),
+            median(&self.sync_backward_ms),
+            median(&self.other_backward_ms),
             acc.gradient_buckets(),
             u8::from(acc.overlaps_gradient_reduction())
         ));

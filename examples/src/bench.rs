@@ -1,6 +1,10 @@
-//! Statistics shared by the benchmark programs.
+//! Statistics and child-process plumbing shared by the benchmark programs.
 
 use std::fmt;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
 
 /// The median of `values` (the upper one of the middle two for an even count); NaN when empty.
 pub fn median(values: &[f64]) -> f64 {
@@ -67,6 +71,46 @@ impl fmt::Display for Overhead {
     }
 }
 
+/// Runs `cmd` with its standard output captured (standard error passes through) and returns its
+/// exit status and output, or `None` when it ran longer than `timeout` (it is then killed).
+/// The output is read on a thread while the child runs, so a chatty child cannot fill the pipe
+/// and stall.
+pub fn run_within(cmd: &mut Command, timeout: Duration) -> Result<Option<(ExitStatus, String)>> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
+    let mut stdout = child.stdout.take().context("the child's standard output")?;
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
+        out
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Ok(Some((status, reader.join().unwrap_or_default())))
+}
+
+/// The number after `key=` in a child's `key=value` report; `what` names the child in the error.
+pub fn report_value(report: &str, key: &str, what: &str) -> Result<f64> {
+    report
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no {key}= in {what}'s report:\n{report}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,5 +129,17 @@ mod tests {
         assert_eq!(o.rounds, 5);
         assert!(median(&[]).is_nan());
         assert_eq!(median(&[3.0, 1.0, 2.0, 4.0]), 3.0);
+    }
+
+    #[test]
+    fn report_values_are_read_by_key() {
+        let report = "[rank 0] step_ms=12.5 buckets=5 overlap=x";
+        assert_eq!(report_value(report, "step_ms", "the run").unwrap(), 12.5);
+        assert_eq!(report_value(report, "buckets", "the run").unwrap(), 5.0);
+        let missing = report_value(report, "sync_ms", "the run").unwrap_err();
+        assert!(missing
+            .to_string()
+            .contains("no sync_ms= in the run's report"));
+        assert!(report_value(report, "overlap", "the run").is_err());
     }
 }
