@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use accelerate_tests::{
-    built_binary, children_by_rank, load_flat, output_text, run_bounded, tiny_mlp,
+    built_binary, children_by_rank, cpu_launcher, load_flat, output_text, run_bounded, tiny_mlp,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -50,16 +50,8 @@ fn mlp(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Outpu
         c.args(&args);
         c
     } else {
-        let mut c = Command::new(built_binary("accelerate-launch"));
-        c.args([
-            "--cpu",
-            "--num-processes",
-            &n.to_string(),
-            "--main-process-port",
-            "0",
-        ])
-        .arg(built_binary("examples/mlp"))
-        .args(&args);
+        let mut c = cpu_launcher(n);
+        c.arg(built_binary("examples/mlp")).args(&args);
         c
     };
     cmd.env_remove("RANK")

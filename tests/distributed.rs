@@ -8,7 +8,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use accelerate_tests::{
-    alive, built_binary, children_by_rank, load_flat, max_abs_diff_flat, output_text, run_bounded,
+    alive, built_binary, children_by_rank, cpu_launcher, load_flat, max_abs_diff_flat, output_text,
+    run_bounded, small_mlp_args,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -27,43 +28,12 @@ fn worker() -> &'static str {
 
 /// Common arguments: a small model, shuffled, no progress noise.
 fn mlp_args(samples: usize, batch: usize, optimizer: &str, out: &Path) -> Vec<String> {
-    let lr = if optimizer == "sgd" { "0.1" } else { "0.003" };
-    [
-        "--hidden",
-        "16",
-        "--samples",
-        &samples.to_string(),
-        "--batch-size",
-        &batch.to_string(),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        lr,
-        "--seed",
-        "11",
-        "--epochs",
-        "2",
-        "--save-model",
-        out.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    small_mlp_args(samples, batch, optimizer, 11, out)
 }
 
 fn launch(n: usize, program: &Path, args: &[String]) -> std::process::Output {
-    let mut cmd = Command::new(launcher());
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        &n.to_string(),
-        "--main-process-port",
-        "0",
-    ])
-    .arg(program)
-    .args(args)
-    .env_remove("RANK")
-    .env_remove("WORLD_SIZE");
+    let mut cmd = cpu_launcher(n);
+    cmd.arg(program).args(args);
     run_bounded(&mut cmd, LIMIT)
 }
 

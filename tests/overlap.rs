@@ -6,8 +6,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use accelerate_tests::summary_value;
-use accelerate_tests::{built_binary, load_flat, max_abs_diff_flat, output_text, run_bounded};
+use accelerate_tests::{
+    built_binary, cpu_launcher, load_flat, max_abs_diff_flat, output_text, run_bounded,
+    small_mlp_args, summary_value,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -16,52 +18,24 @@ const LIMIT: Duration = Duration::from_secs(240);
 const SMALL_CAP_MB: f64 = 1.0 / 1024.0;
 const BUCKETS_AT_SMALL_CAP: f64 = 5.0;
 
-/// Arguments of a small, shuffled MLP run that saves its weights to `out`.
+/// Arguments of a small, shuffled MLP run with K = `k` that saves its weights to `out`.
 fn mlp_args(samples: usize, batch: usize, optimizer: &str, k: usize, out: &Path) -> Vec<String> {
-    let lr = if optimizer == "sgd" { "0.1" } else { "0.003" };
-    let args = [
-        "--hidden",
-        "16",
-        "--samples",
-        &samples.to_string(),
-        "--batch-size",
-        &batch.to_string(),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        lr,
-        "--seed",
-        "5",
-        "--epochs",
-        "2",
-        "--grad-accum",
-        &k.to_string(),
-        "--save-model",
-        out.to_str().unwrap(),
-    ];
-    args.iter().map(|s| s.to_string()).collect()
+    let mut args = small_mlp_args(samples, batch, optimizer, 5, out);
+    args.extend(["--grad-accum".to_string(), k.to_string()]);
+    args
 }
 
 /// Runs the mlp example on `n` CPU ranks through the launcher with the small bucket cap and
 /// overlap switched as asked (by the environment variable, which the launcher passes on).
 fn launch(n: usize, overlap: bool, args: &[String]) -> std::process::Output {
-    let mut cmd = Command::new(built_binary("accelerate-launch"));
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        &n.to_string(),
-        "--main-process-port",
-        "0",
-    ])
-    .arg(built_binary("examples/mlp"))
-    .args(args)
-    .env_remove("RANK")
-    .env_remove("WORLD_SIZE")
-    .env("ACCELERATE_BUCKET_CAP_MB", SMALL_CAP_MB.to_string())
-    .env(
-        "ACCELERATE_OVERLAP_GRADIENT_REDUCTION",
-        if overlap { "1" } else { "0" },
-    );
+    let mut cmd = cpu_launcher(n);
+    cmd.arg(built_binary("examples/mlp"))
+        .args(args)
+        .env("ACCELERATE_BUCKET_CAP_MB", SMALL_CAP_MB.to_string())
+        .env(
+            "ACCELERATE_OVERLAP_GRADIENT_REDUCTION",
+            if overlap { "1" } else { "0" },
+        );
     let o = run_bounded(&mut cmd, LIMIT);
     assert!(o.status.success(), "{}", output_text(&o));
     assert_eq!(summary_value(&o, "overlap"), f64::from(u8::from(overlap)));

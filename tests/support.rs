@@ -236,6 +236,56 @@ pub fn built_binary(relative: &str) -> std::path::PathBuf {
     path
 }
 
+/// The launcher, set to start `ranks` CPU processes on a free port, without the worker
+/// environment (RANK, WORLD_SIZE) of any job the tests themselves run in. Add the program (and
+/// any launcher flag before it) to the returned command.
+pub fn cpu_launcher(ranks: usize) -> std::process::Command {
+    let mut cmd = std::process::Command::new(built_binary("accelerate-launch"));
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        &ranks.to_string(),
+        "--main-process-port",
+        "0",
+    ])
+    .env_remove("RANK")
+    .env_remove("WORLD_SIZE");
+    cmd
+}
+
+/// Arguments of a small (hidden width 16), shuffled `mlp` run of two epochs that saves its
+/// weights to `out`: AdamW at lr 0.003 or SGD at 0.1.
+pub fn small_mlp_args(
+    samples: usize,
+    batch: usize,
+    optimizer: &str,
+    seed: u64,
+    out: &std::path::Path,
+) -> Vec<String> {
+    let lr = if optimizer == "sgd" { "0.1" } else { "0.003" };
+    [
+        "--hidden",
+        "16",
+        "--samples",
+        &samples.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        lr,
+        "--seed",
+        &seed.to_string(),
+        "--epochs",
+        "2",
+        "--save-model",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// Runs a command to completion, killing it (and failing the test) if it takes longer than
 /// `limit`: a test must never hang.
 pub fn run_bounded(
