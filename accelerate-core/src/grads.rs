@@ -206,10 +206,8 @@ impl GradientBuffers {
         self.check_param_count(params)?;
         let fill_missing = options.fill_missing;
         if !options.overlap || self.buckets.len() < 2 {
-            accumulate_slots(&mut self.slots, params, grads, scale)?;
-            if fill_missing {
-                self.fill_missing_with_zeros()?;
-            }
+            // Every bucket prepared at once, then reduced: the same work as one bucket's share.
+            prepare_bucket(&mut self.slots, params, grads, scale, fill_missing)?;
             return self.buckets.iter().try_for_each(reduce);
         }
         let ranges: Vec<_> = self.buckets.iter().map(|b| b.params()).collect();
@@ -392,8 +390,8 @@ fn fill_missing_slots(slots: &mut [Slot]) -> Result<()> {
     Ok(())
 }
 
-/// One bucket's share of the sync micro-step: its gradients accumulated, then (optionally) its
-/// missing ones filled with zeros.
+/// The sync micro-step's work on a run of slots (one bucket's, or all of them): their gradients
+/// accumulated, then (optionally) the missing ones filled with zeros.
 fn prepare_bucket(
     slots: &mut [Slot],
     params: &[(String, Var)],
