@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use accelerate_tests::{built_binary, output_text, run_bounded};
+use accelerate_tests::{built_binary, cpu_launcher, output_text, run_bounded};
 use candle_core::{DType, Device, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -45,17 +45,8 @@ fn mlp_flags(dir: &Path, run: &str) -> Vec<String> {
 
 /// The launcher starting `ranks` CPU processes of `program` on a free port.
 fn launcher(ranks: usize, program: &Path) -> Command {
-    let mut cmd = Command::new(built_binary("accelerate-launch"));
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        &ranks.to_string(),
-        "--main-process-port",
-        "0",
-        "--grace-period",
-        "1",
-    ])
-    .arg(program);
+    let mut cmd = cpu_launcher(ranks);
+    cmd.args(["--grace-period", "1"]).arg(program);
     cmd
 }
 
