@@ -93,6 +93,8 @@ pub mod accumulate;
 pub mod checkpoint;
 pub mod comm;
 pub mod cpu_slices;
+#[cfg(feature = "cuda")]
+mod cuda_slices;
 pub mod data;
 pub mod device;
 pub mod error;

@@ -269,6 +269,28 @@ fn update_fused(
             }))
         }))
     }))?;
+    #[cfg(feature = "cuda")]
+    if ran.is_none() {
+        return update_fused_cuda(var, grad, m, c);
+    }
+    Ok(ran.is_some())
+}
+
+/// [`update_fused`] on the GPU: one kernel launch; `Ok(false)` when some tensor is not a
+/// contiguous f32 CUDA tensor.
+#[cfg(feature = "cuda")]
+fn update_fused_cuda(var: &Var, grad: &Tensor, m: &Moments, c: &AdamWCoefficients) -> Result<bool> {
+    use crate::cuda_slices::{with_cuda_f32, with_cuda_f32_mut};
+    let ran = nested(with_cuda_f32(grad, |g| {
+        nested(with_cuda_f32_mut(var.as_tensor(), |device, mut p| {
+            nested(with_cuda_f32_mut(&m.exp_avg, |_, mut exp_avg| {
+                nested(with_cuda_f32_mut(&m.exp_avg_sq, |_, mut exp_avg_sq| {
+                    super::cuda_kernels::adamw(device, &mut p, &g, &mut exp_avg, &mut exp_avg_sq, c)
+                        .map(Some)
+                }))
+            }))
+        }))
+    }))?;
     Ok(ran.is_some())
 }
 
@@ -761,5 +783,30 @@ mod tests {
                 weight_decay: 0.01
             }
         );
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
+    fn the_cuda_kernel_matches_the_cpu_kernel_in_one_launch_per_parameter() {
+        use crate::optim::test_util::{cuda_buffers, on_cuda};
+        let config = AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.05,
+            ..AdamWConfig::default()
+        };
+        let mut cpu = optimizer(config, DType::F32);
+        let mut gpu = AdamW::new(on_cuda(cpu.params()), config).unwrap();
+        for s in 0..5 {
+            let (ga, gb) = grads_at(s);
+            run(&mut cpu, s..s + 1);
+            gpu.step(&cuda_buffers(gpu.params(), &[("a", &ga), ("b", &gb)]))
+                .unwrap();
+        }
+        assert_eq!(gpu.fallback_updates, 0, "every update took the CUDA kernel");
+        for i in 0..2 {
+            let c = values(&cpu.params()[i].1);
+            assert_close(&values(&gpu.params()[i].1), &c, 1e-6, "param on the GPU");
+        }
     }
 }

@@ -9,6 +9,8 @@
 //! and an [`LrScheduler`] writes.
 
 mod adamw;
+#[cfg(feature = "cuda")]
+mod cuda_kernels;
 mod kernels;
 mod lr;
 mod scheduler;

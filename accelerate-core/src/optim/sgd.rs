@@ -249,6 +249,35 @@ fn update_fused(
             }
         }))
     }))?;
+    #[cfg(feature = "cuda")]
+    if ran.is_none() {
+        return update_fused_cuda(var, grad, buffer, first, c);
+    }
+    Ok(ran.is_some())
+}
+
+/// [`update_fused`] on the GPU: one kernel launch; `Ok(false)` when some tensor is not a
+/// contiguous f32 CUDA tensor.
+#[cfg(feature = "cuda")]
+fn update_fused_cuda(
+    var: &Var,
+    grad: &Tensor,
+    buffer: Option<&Tensor>,
+    first: bool,
+    c: &SgdCoefficients,
+) -> Result<bool> {
+    use crate::cuda_slices::{with_cuda_f32, with_cuda_f32_mut};
+    let ran = nested(with_cuda_f32(grad, |g| {
+        nested(with_cuda_f32_mut(
+            var.as_tensor(),
+            |device, mut p| match buffer {
+                Some(buffer) => nested(with_cuda_f32_mut(buffer, |_, mut b| {
+                    super::cuda_kernels::sgd(device, &mut p, &g, Some(&mut b), first, c).map(Some)
+                })),
+                None => super::cuda_kernels::sgd(device, &mut p, &g, None, first, c).map(Some),
+            },
+        ))
+    }))?;
     Ok(ran.is_some())
 }
 
@@ -682,5 +711,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("[3]") && err.contains("[2]"), "{err}");
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
+    fn the_cuda_kernel_matches_the_cpu_kernel_in_one_launch_per_parameter() {
+        use crate::optim::test_util::{cuda_buffers, on_cuda};
+        for (momentum, nesterov) in [(0.0, false), (0.9, false), (0.9, true)] {
+            let config = SgdConfig {
+                lr: 0.05,
+                momentum,
+                nesterov,
+                weight_decay: 0.01,
+                ..SgdConfig::default()
+            };
+            let mut cpu = optimizer(config, DType::F32);
+            let mut gpu = Sgd::new(on_cuda(cpu.params()), config).unwrap();
+            for s in 0..4 {
+                let (ga, gb) = grads_at(s);
+                run(&mut cpu, s..s + 1);
+                gpu.step(&cuda_buffers(gpu.params(), &[("a", &ga), ("b", &gb)]))
+                    .unwrap();
+            }
+            assert_eq!(gpu.fallback_updates, 0, "every update took the CUDA kernel");
+            for i in 0..2 {
+                let c = values(&cpu.params()[i].1);
+                let what = format!("param on the GPU, momentum {momentum}, nesterov {nesterov}");
+                assert_close(&values(&gpu.params()[i].1), &c, 1e-6, &what);
+            }
+        }
     }
 }

@@ -64,3 +64,28 @@ pub(crate) fn assert_close(actual: &[f64], expected: &[f64], tol: f64, what: &st
         );
     }
 }
+
+/// Copies of `params` on the first GPU.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_cuda(params: &[(String, Var)]) -> Vec<(String, Var)> {
+    let cuda = Device::new_cuda(0).expect("a GPU (these tests are ignored without one)");
+    params
+        .iter()
+        .map(|(n, v)| {
+            let t = v.as_tensor().to_device(&cuda).unwrap();
+            (n.clone(), Var::from_tensor(&t).unwrap())
+        })
+        .collect()
+}
+
+/// [`buffers`] for parameters on a GPU, with the gradients created on that GPU.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_buffers(params: &[(String, Var)], grads: &[(&str, &[f64])]) -> GradientBuffers {
+    let device = params[0].1.device().clone();
+    let mut b = GradientBuffers::new(params, DEFAULT_BUCKET_CAP_BYTES).unwrap();
+    for (name, g) in grads {
+        let t = Tensor::new(*g, &device).unwrap();
+        b.accumulate_one(name, &t, 1.0).unwrap();
+    }
+    b
+}
