@@ -13,7 +13,8 @@ by the token count of the whole accumulation window over all ranks (transformers
     torchrun --nproc-per-node 2 benchmarks/torch_llama.py --batch-size 16 --grad-accum 4
 
 Prints `samples/s=... tokens/s=... final_loss=...` like `examples/llama`: all ranks' rows and
-loss tokens (context - 1 per row: the shifted labels) over the wall time of the training loop,
+tokens read (context per row, as ours counts them; the loss averages over context - 1 per row, the
+shifted labels) over the wall time of the training loop,
 timed from just before the first batch (no warm-up left out); the final loss is the last step's
 loss per token of the global batch.
 """
@@ -103,10 +104,11 @@ def main():
     start = time.perf_counter()
     while steps < args.max_steps:
         for window in windows_of(loader, k):
-            # Shifted labels: context - 1 per row. Every row is full, but counted as ours does.
+            # The loss's items: the shifted labels, context - 1 per row, over all ranks.
             local = sum(ids_.shape[0] * (ids_.shape[1] - 1) for (ids_,) in window)
             window_tokens = acc.reduce(
                 torch.tensor([float(local)], device=acc.device), "sum")
+            read = sum(ids_.numel() for (ids_,) in window)
             loss_sum = torch.zeros((), device=acc.device)
             for (input_ids,) in window:
                 with acc.accumulate(model):
@@ -118,12 +120,13 @@ def main():
                     opt.step()
                     opt.zero_grad()
                     loss_sum += loss.detach().float()
-            total = acc.reduce(torch.stack([
-                loss_sum, torch.tensor(float(sum(b[0].shape[0] for b in window)),
-                                       device=acc.device)]), "sum")
+            rows_read = sum(b[0].shape[0] for b in window)
+            total = acc.reduce(torch.stack([loss_sum, torch.tensor(
+                float(rows_read), device=acc.device), torch.tensor(
+                float(read), device=acc.device)]), "sum")
             last_loss = total[0].item()
             samples += total[1].item()
-            counted_tokens += window_tokens.item()
+            counted_tokens += total[2].item()
             steps += 1
             if steps >= args.max_steps:
                 break

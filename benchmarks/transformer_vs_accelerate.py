@@ -71,7 +71,7 @@ def model_flags(workload, size, k, steps):
     s = SIZES[size]
     flags = ["--layers", s["layers"], "--width", s["width"], "--heads", s["heads"],
              "--context", s["context"], "--batch-size", s["batch"], "--grad-accum", k,
-             "--max-steps", steps]
+             "--max-steps", steps, "--lr", "3e-3"]
     if workload == "llama":
         flags += ["--kv-heads", KV_HEADS, "--intermediate", intermediate(s["width"])]
     return [str(f) for f in flags]
