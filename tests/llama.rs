@@ -208,6 +208,12 @@ fn small_model_args(out: &Path, batch: usize, steps: u64) -> Vec<String> {
         "16",
         "--seed",
         "5",
+        // SGD, whose step is proportional to the gradient: AdamW's would hide a wrongly scaled
+        // (say, summed instead of averaged) accumulated gradient.
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.3",
         "--batch-size",
         &batch.to_string(),
         "--max-steps",
