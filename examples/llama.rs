@@ -408,8 +408,8 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
         accelerate_core::files::save_safetensors(path, &tensors).and_then(|()| {
-            let json = serde_json::to_vec_pretty(&config.to_hf_json())
-                .expect("a JSON value serializes");
+            let json =
+                serde_json::to_vec_pretty(&config.to_hf_json()).expect("a JSON value serializes");
             accelerate_core::files::write_atomic(path.with_file_name("config.json"), &json)
         })
     } else {

@@ -56,7 +56,13 @@ fn run_llama(args: &[&str]) -> Output {
 /// `max |a - b| / max |b|`.
 fn relative_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
-    let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
     diff.to_scalar::<f32>().unwrap() / scale
 }
@@ -297,8 +303,7 @@ fn bad_weights_data_and_configs_are_refused_with_the_problem_named() {
     let data = fixture("tokens.safetensors");
 
     // Weights without lm_head.weight.
-    let mut tensors =
-        candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
     tensors.remove("lm_head.weight");
     let partial = dir.path().join("partial.safetensors");
     candle_core::safetensors::save(&tensors, &partial).unwrap();
@@ -352,4 +357,99 @@ fn bad_weights_data_and_configs_are_refused_with_the_problem_named() {
     assert!(e.contains("--kv-heads 3") && e.contains("--heads 4"), "{e}");
     let e = refused(&["--width", "30", "--heads", "4"]);
     assert!(e.contains("--width 30"), "{e}");
+}
+
+/// `-Σ p ln p` over the characters of the built-in text, in nats: the loss of a model that
+/// ignores context.
+fn sonnets_unigram_entropy_and_vocabulary() -> (f64, usize) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/data/sonnets.txt");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut counts: HashMap<char, f64> = HashMap::new();
+    for c in text.chars() {
+        *counts.entry(c).or_default() += 1.0;
+    }
+    let n: f64 = counts.values().sum();
+    let entropy = counts.values().map(|&c| -(c / n) * (c / n).ln()).sum();
+    (entropy, counts.len())
+}
+
+fn mean_of_last_10(path: &Path) -> (f64, f64) {
+    let l = accelerate_tests::metric_losses(path);
+    (l[0], l[l.len() - 10..].iter().sum::<f64>() / 10.0)
+}
+
+#[test]
+fn it_learns_the_built_in_text_well_below_its_unigram_entropy_in_f32_and_bf16() {
+    let (entropy, vocab) = sonnets_unigram_entropy_and_vocabulary();
+    for (precision, margin) in [("no", 0.5), ("bf16", 0.3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        let o = run_llama(&[
+            "--context",
+            "32",
+            "--epochs",
+            "2",
+            "--max-steps",
+            "120",
+            "--mixed-precision",
+            precision,
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!("mixed_precision={precision}"))
+        );
+        let (first, end) = mean_of_last_10(&metrics);
+        // Small initial weights predict near-uniformly: the first loss per token is about
+        // ln(vocabulary), which also shows the loss is normalized per predicted token.
+        let uniform = (vocab as f64).ln();
+        assert!((first - uniform).abs() < 0.1, "{first} vs ln V = {uniform}");
+        assert!(
+            end < entropy - margin,
+            "{precision}: mean loss of the last 10 steps {end:.4}, unigram entropy {entropy:.4}"
+        );
+    }
+}
+
+#[test]
+fn a_run_resumed_from_a_checkpoint_ends_bitwise_like_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let with = |out: &Path, steps: u64, more: &[&str]| {
+        let mut a = small_model_args(out, 4, steps);
+        a.extend(
+            ["--grad-accum", "2"]
+                .iter()
+                .chain(more)
+                .map(|s| s.to_string()),
+        );
+        let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", text(&o));
+        o
+    };
+    let whole = dir.path().join("whole.safetensors");
+    with(&whole, 10, &[]);
+    let part = dir.path().join("part.safetensors");
+    with(
+        &part,
+        5,
+        &["--checkpoint-every", "5", "--checkpoint-dir", c],
+    );
+    let resumed = dir.path().join("resumed.safetensors");
+    let o = with(&resumed, 10, &["--resume", "--checkpoint-dir", c]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("resumed from"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        summary_value(&o, "micro_steps"),
+        10.0,
+        "5 windows of 2 after the resume"
+    );
+    let whole = load_flat(&whole);
+    assert_eq!(max_abs_diff_flat(&whole, &load_flat(&resumed)), 0.0);
+    assert!(max_abs_diff_flat(&whole, &load_flat(&part)) > 0.0);
 }

@@ -147,9 +147,11 @@ impl LlamaConfig {
             num_hidden_layers: hf.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(heads),
-            head_dim: hf
-                .head_dim
-                .unwrap_or(if heads == 0 { 0 } else { hf.hidden_size / heads }),
+            head_dim: hf.head_dim.unwrap_or(if heads == 0 {
+                0
+            } else {
+                hf.hidden_size / heads
+            }),
             max_position_embeddings: hf.max_position_embeddings,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(DEFAULT_RMS_NORM_EPS),
             rope_theta,
@@ -331,9 +333,8 @@ mod tests {
             serde_json::json!({"rope_type": "default"}),
             serde_json::json!({"type": "default"}),
         ] {
-            let c =
-                LlamaConfig::from_hf_json(&v4(serde_json::json!({ "rope_scaling": scaling })))
-                    .unwrap();
+            let c = LlamaConfig::from_hf_json(&v4(serde_json::json!({ "rope_scaling": scaling })))
+                .unwrap();
             assert_eq!(c.rope_theta, 250.0);
         }
     }
@@ -359,9 +360,15 @@ mod tests {
     #[test]
     fn what_is_not_implemented_is_refused_naming_the_field() {
         let e = refusal(v5(serde_json::json!({"tie_word_embeddings": true})));
-        assert!(e.contains("tie_word_embeddings") && e.contains("false"), "{e}");
+        assert!(
+            e.contains("tie_word_embeddings") && e.contains("false"),
+            "{e}"
+        );
         let e = refusal(v5(serde_json::json!({"attention_bias": true})));
-        assert!(e.contains("attention_bias") && e.contains("no biases"), "{e}");
+        assert!(
+            e.contains("attention_bias") && e.contains("no biases"),
+            "{e}"
+        );
         let e = refusal(v5(serde_json::json!({"mlp_bias": true})));
         assert!(e.contains("mlp_bias"), "{e}");
         let e = refusal(v5(serde_json::json!({"hidden_act": "gelu"})));
@@ -374,7 +381,10 @@ mod tests {
         ));
         assert!(e.contains("rope_scaling") && e.contains("linear"), "{e}");
         let e = refusal(v5(serde_json::json!({"num_key_value_heads": 3})));
-        assert!(e.contains("num_key_value_heads 3") && e.contains("4"), "{e}");
+        assert!(
+            e.contains("num_key_value_heads 3") && e.contains("4"),
+            "{e}"
+        );
         let e = refusal(v5(serde_json::json!({"model_type": "mistral"})));
         assert!(e.contains("model_type"), "{e}");
         let e = refusal("{\"hidden_size\": 32}".to_string());

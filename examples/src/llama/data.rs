@@ -179,7 +179,9 @@ mod tests {
         let ds = TokenRows::cut(&(0..23).collect::<Vec<u32>>(), 5).unwrap();
         assert_eq!(ds.len(), 4);
         assert_eq!(ds.get(1).unwrap(), vec![5, 6, 7, 8, 9]);
-        let b = ds.collate(vec![ds.get(0).unwrap(), ds.get(3).unwrap()]).unwrap();
+        let b = ds
+            .collate(vec![ds.get(0).unwrap(), ds.get(3).unwrap()])
+            .unwrap();
         assert_eq!(b.predicted, 2 * 4);
         assert_eq!(
             b.input_ids.to_vec2::<u32>().unwrap(),

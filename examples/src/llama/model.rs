@@ -189,7 +189,11 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let (cos, sin) = rotary_tables(&c, vb.device(), vb.dtype())?;
         Ok(Self {
-            embed_tokens: candle_nn::embedding(c.vocab_size, c.hidden_size, model.pp("embed_tokens"))?,
+            embed_tokens: candle_nn::embedding(
+                c.vocab_size,
+                c.hidden_size,
+                model.pp("embed_tokens"),
+            )?,
             layers,
             norm: norm_weight(c.hidden_size, model.pp("norm"))?,
             lm_head: candle_nn::linear_no_bias(c.hidden_size, c.vocab_size, vb.pp("lm_head"))?,
@@ -351,7 +355,10 @@ mod tests {
         assert_eq!(shape("model.layers.0.mlp.up_proj.weight"), [24, 16]);
         assert_eq!(shape("model.layers.0.mlp.down_proj.weight"), [16, 24]);
         assert_eq!(shape("model.layers.1.input_layernorm.weight"), [16]);
-        assert_eq!(shape("model.layers.1.post_attention_layernorm.weight"), [16]);
+        assert_eq!(
+            shape("model.layers.1.post_attention_layernorm.weight"),
+            [16]
+        );
         assert_eq!(shape("model.norm.weight"), [16]);
         assert_eq!(shape("lm_head.weight"), [11, 16]);
         assert_eq!(data.len(), 3 + 2 * 9);
@@ -398,7 +405,10 @@ mod tests {
                 let angle = p as f64 * 100f64.powf(-(i as f64) / 2.0);
                 let (s, co) = angle.sin_cos();
                 assert!((row[i] as f64 - (a * co - b * s)).abs() < 1e-5, "{row:?}");
-                assert!((row[i + 2] as f64 - (b * co + a * s)).abs() < 1e-5, "{row:?}");
+                assert!(
+                    (row[i + 2] as f64 - (b * co + a * s)).abs() < 1e-5,
+                    "{row:?}"
+                );
             }
         }
     }
