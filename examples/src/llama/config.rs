@@ -147,11 +147,9 @@ impl LlamaConfig {
             num_hidden_layers: hf.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(heads),
-            head_dim: hf.head_dim.unwrap_or(if heads == 0 {
-                0
-            } else {
-                hf.hidden_size / heads
-            }),
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size.checked_div(heads).unwrap_or(0)),
             max_position_embeddings: hf.max_position_embeddings,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(DEFAULT_RMS_NORM_EPS),
             rope_theta,
@@ -185,7 +183,7 @@ impl LlamaConfig {
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
-            head_dim: if heads == 0 { 0 } else { width / heads },
+            head_dim: width.checked_div(heads).unwrap_or(0),
             max_position_embeddings: context,
             rms_norm_eps: FLAGS_RMS_NORM_EPS,
             rope_theta: DEFAULT_ROPE_THETA,
