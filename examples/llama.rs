@@ -62,9 +62,9 @@ struct Args {
     /// Rows per micro-batch on each rank.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
-    /// Passes over the rows.
-    #[arg(long, default_value_t = 1)]
-    epochs: usize,
+    /// Passes over the rows (default: 1, or with --max-steps as many as its steps take).
+    #[arg(long)]
+    epochs: Option<usize>,
     /// Peak learning rate (default 3e-3 for AdamW, 0.1 for SGD).
     #[arg(long)]
     lr: Option<f64>,
@@ -254,7 +254,15 @@ fn run(args: &Args) -> Result<()> {
         .shuffle(!args.no_shuffle)
         .seed(args.seed);
     let loader = acc.prepare(loader)?;
-    let total_steps = args.run.total_steps(&acc, loader.len(), args.epochs);
+    // --max-steps alone runs its steps whatever the size of the data (a benchmark's way to
+    // call it), rather than stopping at the end of one epoch.
+    let epochs = args.epochs.unwrap_or_else(|| {
+        let per_epoch = acc.num_update_steps(loader.len()).max(1) as u64;
+        args.run
+            .max_steps
+            .map_or(1, |m| m.div_ceil(per_epoch).max(1) as usize)
+    });
+    let total_steps = args.run.total_steps(&acc, loader.len(), epochs);
     let schedule = args.run.schedule(total_steps);
     let training = Training {
         args,
@@ -263,6 +271,7 @@ fn run(args: &Args) -> Result<()> {
         loader,
         schedule,
         total_steps,
+        epochs,
         row_len,
     };
     match args.optimizer {
@@ -294,6 +303,7 @@ struct Training<'a> {
     loader: DataLoader<TokenRows>,
     schedule: Schedule,
     total_steps: u64,
+    epochs: usize,
     row_len: usize,
 }
 
@@ -307,6 +317,7 @@ impl Training<'_> {
             mut loader,
             schedule,
             total_steps,
+            epochs,
             row_len,
         } = self;
         let mut opt = acc.prepare_optimizer(opt)?;
@@ -317,7 +328,7 @@ impl Training<'_> {
 
         let k = acc.gradient_accumulation_steps();
         let (mut total_samples, mut total_tokens) = (0f64, 0f64);
-        'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
+        'epochs: for _epoch in loader.next_epoch()..epochs as u64 {
             if args.run.reached_max_steps(acc.optimizer_steps()) {
                 break;
             }

@@ -453,3 +453,19 @@ fn a_run_resumed_from_a_checkpoint_ends_bitwise_like_an_uninterrupted_one() {
     assert_eq!(max_abs_diff_flat(&whole, &load_flat(&resumed)), 0.0);
     assert!(max_abs_diff_flat(&whole, &load_flat(&part)) > 0.0);
 }
+
+#[test]
+fn max_steps_alone_runs_all_its_steps_over_as_many_epochs_as_they_take() {
+    // 43 KB of text in rows of 16 make about 21 batches of 128: 30 steps need a second epoch.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m.safetensors");
+    let mut a = small_model_args(&out, 128, 30);
+    let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(summary_value(&o, "steps"), 30.0, "{}", text(&o));
+    // An explicit --epochs still bounds the run.
+    a.extend(["--epochs", "1"].iter().map(|s| s.to_string()));
+    let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(summary_value(&o, "steps") < 30.0, "{}", text(&o));
+}
