@@ -469,3 +469,72 @@ fn max_steps_alone_runs_all_its_steps_over_as_many_epochs_as_they_take() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(summary_value(&o, "steps") < 30.0, "{}", text(&o));
 }
+
+/// A trained model saved by the example, loaded by transformers' `from_pretrained` from its
+/// directory (the weights and the config.json beside them), gives the loss our model gives on the
+/// fixture's tokens. Skipped (saying so) without python3 with torch and transformers; the other
+/// tests need no Python.
+#[test]
+fn transformers_loads_the_saved_model_unchanged() {
+    let python_ok = Command::new("python3")
+        .args(["-c", "import torch, transformers, safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        eprintln!(
+            "SKIPPED: python3 with torch, transformers and safetensors is not installed \
+             (pip install torch transformers safetensors)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("model.safetensors");
+    // Three AdamW steps from the fixture's weights, so the saved weights are the example's own.
+    let o = run_llama(&[
+        "--config",
+        fixture("config_v4.json").to_str().unwrap(),
+        "--init-weights",
+        fixture("model.safetensors").to_str().unwrap(),
+        "--data",
+        fixture("tokens.safetensors").to_str().unwrap(),
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "3",
+        "--save-model",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let config = LlamaConfig::from_file(&dir.path().join("config.json")).unwrap();
+    let (varmap, model) = llama::build_in(config, 0, &Device::Cpu, DType::F32).unwrap();
+    let mut params: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    accelerate_core::files::load_into_vars(&out, &params).unwrap();
+    let input_ids = fixture_tokens();
+    let (b, t) = input_ids.dims2().unwrap();
+    let ours = (model.summed_causal_lm_loss(&input_ids).unwrap() / (b * (t - 1)) as f64)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_save.py");
+    let o = run_bounded(
+        Command::new("python3")
+            .arg(&script)
+            .arg(dir.path())
+            .arg(fixture("tokens.safetensors"))
+            .arg(ours.to_string()),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}",
+        text(&o)
+    );
+}
