@@ -10,7 +10,7 @@
 //! unchanged.
 //!
 //! Each operation is one small private function built from candle ops that record a backward
-//! pass ([`rms_norm`], [`rotary`], [`causal_softmax`], [`swiglu`], [`cross_entropy`]). candle-nn's
+//! pass (`rms_norm`, `rotary`, `causal_softmax`, `swiglu`, `cross_entropy`). candle-nn's
 //! fused `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and `sdpa` record none, so training
 //! through them would silently leave the weights before them untouched.
 //!
