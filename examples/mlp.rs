@@ -12,16 +12,10 @@ use accelerate_core::optim::{
 };
 use accelerate_core::{Accelerator, ReduceOp};
 use accelerate_examples::mlp;
-use accelerate_examples::run::{self, RunArgs, RunMonitor};
+use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use clap::{Parser, ValueEnum};
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum OptimizerKind {
-    Sgd,
-    Adamw,
-}
+use clap::Parser;
 
 /// Train an MLP on a seeded synthetic classification task (or a safetensors dataset).
 #[derive(Debug, Parser)]

@@ -9,11 +9,13 @@
 mod flags;
 mod model_file;
 mod monitor;
+mod optimizer;
 mod resume;
 
 pub use flags::{RunArgs, ScheduleKind};
 pub use model_file::save_model;
 pub use monitor::{RunMonitor, RunTotals};
+pub use optimizer::OptimizerKind;
 
 use accelerate_core::optim::Optimizer;
 use accelerate_core::{Accelerator, PreparedOptimizer, PreparedScheduler};

@@ -1,0 +1,17 @@
+//! The `llama` workload: a Llama-architecture language model (RMSNorm, rotary position
+//! embeddings, SwiGLU MLP, grouped-query attention, untied head) that reads and writes Hugging
+//! Face's `config.json` and parameter names, trained with transformers' causal-LM loss.
+//!
+//! - [`config`]: the model's size, from a `LlamaForCausalLM` config.json (transformers 4.x or
+//!   5.x) or from flags, and written back as one.
+//! - [`model`]: the model and its summed causal-LM loss.
+//! - [`data`]: rows of token ids (`input_ids` `[N, T]` of a safetensors file, or a text cut into
+//!   rows).
+
+pub mod config;
+pub mod data;
+pub mod model;
+
+pub use config::{default_intermediate, LlamaConfig};
+pub use data::{RowBatch, TokenRows, INPUT_IDS};
+pub use model::{build_in, causal_lm_loss_sum, init_weights, Llama};

@@ -1,0 +1,415 @@
+//! The Llama architecture, as Hugging Face transformers' `LlamaForCausalLM` computes it: token
+//! embedding, `num_hidden_layers` pre-norm decoder layers (RMSNorm, grouped-query causal
+//! self-attention with rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an
+//! untied linear head. No biases anywhere.
+//!
+//! Parameter names are Hugging Face's (`model.embed_tokens.weight`,
+//! `model.layers.0.self_attn.q_proj.weight`, `model.layers.0.mlp.gate_proj.weight`,
+//! `model.layers.0.input_layernorm.weight`, `model.norm.weight`, `lm_head.weight`, ...) with
+//! `nn.Linear` layouts (`[out, in]`), so weights move between this model and transformers
+//! unchanged.
+//!
+//! Each operation is one small private function built from candle ops that record a backward
+//! pass (`rms_norm`, `rotary`, `causal_softmax`, `swiglu`, `cross_entropy`). candle-nn's
+//! fused `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and `sdpa` record none, so training
+//! through them would silently leave the weights before them untouched.
+//!
+//! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
+//! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Init, Linear, VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::config::LlamaConfig;
+
+/// The standard deviation of the seeded initial weights: transformers' `initializer_range`.
+pub const INITIALIZER_RANGE: f32 = 0.02;
+
+/// The model (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// `[max_position_embeddings, head_dim / 2]`: cos and sin of position × inverse frequency.
+    cos: Tensor,
+    sin: Tensor,
+    config: LlamaConfig,
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// RMSNorm as transformers' `LlamaRMSNorm`: `x / sqrt(mean(x²) + eps)` over the last dimension,
+/// computed in f32, cast back to `x`'s dtype, times `weight`.
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let mean_square = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32.broadcast_div(&(mean_square + eps)?.sqrt()?)?;
+    normed.to_dtype(x.dtype())?.broadcast_mul(weight)
+}
+
+/// The rotary position embedding of `x` `[b, heads, t, head_dim]` with `cos`, `sin`
+/// `[t, head_dim / 2]`, in Hugging Face's `rotate_half` convention: dimension `i` of the first
+/// half is paired with dimension `i` of the second, `x·cos + rotate_half(x)·sin` with
+/// `rotate_half(x) = [-x₂, x₁]`.
+fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let first = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let second = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Tensor::cat(&[first, second], D::Minus1)
+}
+
+/// `softmax(scores · scale)` over the last dimension of `scores` `[b, heads, t, t]` with position
+/// `i` attending to positions `0..=i` only; computed in f32 and returned in `scores`' dtype.
+fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    let t = scores.dim(D::Minus1)?;
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), scores.device())?;
+    let scores32 = (scores.to_dtype(DType::F32)? * scale)?.broadcast_add(&mask)?;
+    candle_nn::ops::softmax(&scores32, D::Minus1)?.to_dtype(scores.dtype())
+}
+
+/// The SwiGLU gate: `silu(gate) · up`.
+fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.silu()? * up
+}
+
+/// `Σᵢ weightsᵢ · (-log softmax(logitsᵢ)[targetsᵢ])` over the rows of `logits` `[n, vocab]`
+/// (f32), `targets` `[n]` (u32), `weights` `[n]` (f32): the summed loss of item-weighted
+/// accumulation. A scalar.
+fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    let n = logits.dim(0)?;
+    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = log_probs.gather(&targets.reshape((n, 1))?, 1)?.reshape(n)?;
+    (picked * weights)?.sum_all()?.neg()
+}
+
+/// `x` `[b, kv_heads, t, d]` with every key/value head repeated for its `groups` query heads:
+/// `[b, kv_heads · groups, t, d]`, head `h` reading key/value head `h / groups` (transformers'
+/// `repeat_kv`).
+fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x);
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .broadcast_as((b, kv, groups, t, d))?
+        .reshape((b, kv * groups, t, d))
+}
+
+/// The RMSNorm weight `[size]` under `vb` (initially ones).
+fn norm_weight(size: usize, vb: VarBuilder) -> Result<Tensor> {
+    vb.get_with_hints(size, "weight", Init::Const(1.0))
+}
+
+impl DecoderLayer {
+    fn new(c: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let attn = vb.pp("self_attn");
+        let mlp = vb.pp("mlp");
+        let lin = |i, o, vb| candle_nn::linear_no_bias(i, o, vb);
+        Ok(Self {
+            input_layernorm: norm_weight(h, vb.pp("input_layernorm"))?,
+            q_proj: lin(h, c.num_attention_heads * hd, attn.pp("q_proj"))?,
+            k_proj: lin(h, c.num_key_value_heads * hd, attn.pp("k_proj"))?,
+            v_proj: lin(h, c.num_key_value_heads * hd, attn.pp("v_proj"))?,
+            o_proj: lin(c.num_attention_heads * hd, h, attn.pp("o_proj"))?,
+            post_attention_layernorm: norm_weight(h, vb.pp("post_attention_layernorm"))?,
+            gate_proj: lin(h, c.intermediate_size, mlp.pp("gate_proj"))?,
+            up_proj: lin(h, c.intermediate_size, mlp.pp("up_proj"))?,
+            down_proj: lin(c.intermediate_size, h, mlp.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, c: &LlamaConfig, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let normed = rms_norm(x, &self.input_layernorm, c.rms_norm_eps)?;
+        let x = (x + self.attention(&normed, c, cos, sin)?)?;
+        let normed = rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps)?;
+        let gated = swiglu(
+            &self.gate_proj.forward(&normed)?,
+            &self.up_proj.forward(&normed)?,
+        )?;
+        x + self.down_proj.forward(&gated)?
+    }
+
+    /// Grouped-query causal self-attention of `x` `[b, t, hidden]`.
+    fn attention(&self, x: &Tensor, c: &LlamaConfig, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let split = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        let q = rotary(&split(self.q_proj.forward(x)?, heads)?, cos, sin)?;
+        let k = rotary(&split(self.k_proj.forward(x)?, kv)?, cos, sin)?;
+        let v = split(self.v_proj.forward(x)?, kv)?;
+        let k = repeat_kv(k, heads / kv)?;
+        let v = repeat_kv(v, heads / kv)?;
+        let scores = q.matmul(&k.t()?)?;
+        let probs = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
+        let y = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, heads * hd))?;
+        self.o_proj.forward(&y)
+    }
+}
+
+impl Llama {
+    /// Creates the parameters under `vb`, in `vb`'s dtype (candle-nn's default initial values;
+    /// [`init_weights`] replaces them with transformers').
+    pub fn new(vb: VarBuilder, config: LlamaConfig) -> Result<Self> {
+        let c = config;
+        c.check()
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        let model = vb.pp("model");
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| DecoderLayer::new(&c, model.pp(format!("layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let (cos, sin) = rotary_tables(&c, vb.device(), vb.dtype())?;
+        Ok(Self {
+            embed_tokens: candle_nn::embedding(
+                c.vocab_size,
+                c.hidden_size,
+                model.pp("embed_tokens"),
+            )?,
+            layers,
+            norm: norm_weight(c.hidden_size, model.pp("norm"))?,
+            lm_head: candle_nn::linear_no_bias(c.hidden_size, c.vocab_size, vb.pp("lm_head"))?,
+            cos,
+            sin,
+            config,
+        })
+    }
+
+    /// The model's size.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Logits `[b, t, vocab]` in f32 of the next token at every position of `input_ids` `[b, t]`
+    /// (u32, `t <= max_position_embeddings`); position `i` sees positions `0..=i` only.
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, t) = input_ids.dims2()?;
+        let c = &self.config;
+        if t > c.max_position_embeddings {
+            candle_core::bail!(
+                "a sequence of {t} tokens is longer than the model's max_position_embeddings \
+                 of {}",
+                c.max_position_embeddings
+            );
+        }
+        let cos = self.cos.narrow(0, 0, t)?;
+        let sin = self.sin.narrow(0, 0, t)?;
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, c, &cos, &sin)?;
+        }
+        self.lm_head
+            .forward(&rms_norm(&x, &self.norm, c.rms_norm_eps)?)?
+            .to_dtype(DType::F32)
+    }
+
+    /// The *sum* over the predicted tokens of transformers' causal-LM loss with
+    /// `labels = input_ids` `[b, t]`: the logits at positions `0..t-1` against the tokens at
+    /// `1..t`. Divided by `b · (t - 1)` it is the loss transformers reports; summed, it is what
+    /// item-weighted accumulation needs.
+    pub fn summed_causal_lm_loss(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(input_ids)?;
+        causal_lm_loss_sum(&logits, input_ids)
+    }
+}
+
+/// The summed causal-LM loss of `logits` `[b, t, vocab]` (f32) for `input_ids` `[b, t]` (see
+/// [`Llama::summed_causal_lm_loss`]).
+pub fn causal_lm_loss_sum(logits: &Tensor, input_ids: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    if t < 2 {
+        candle_core::bail!("a sequence of {t} token(s) predicts nothing; rows need 2 or more");
+    }
+    let n = b * (t - 1);
+    let predicting = logits.narrow(1, 0, t - 1)?.reshape((n, v))?;
+    let targets = input_ids.narrow(1, 1, t - 1)?.contiguous()?.reshape(n)?;
+    let weights = Tensor::ones(n, DType::F32, logits.device())?;
+    cross_entropy(&predicting, &targets, &weights)
+}
+
+/// cos and sin of `position · θ^(-2i / head_dim)` for every position and `i < head_dim / 2`
+/// (computed in f64, stored in `dtype`).
+fn rotary_tables(c: &LlamaConfig, device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let half = c.head_dim / 2;
+    let angles: Vec<f64> = (0..c.max_position_embeddings)
+        .flat_map(|p| {
+            (0..half).map(move |i| {
+                // transformers computes the inverse frequency in f32, then the angle in f32.
+                let inv_freq = (1.0 / c.rope_theta.powf((2 * i) as f64 / c.head_dim as f64)) as f32;
+                (p as f32 * inv_freq) as f64
+            })
+        })
+        .collect();
+    let table = |f: fn(f64) -> f64| {
+        Tensor::from_vec(
+            angles.iter().map(|&a| f(a) as f32).collect::<Vec<f32>>(),
+            (c.max_position_embeddings, half),
+            device,
+        )?
+        .to_dtype(dtype)
+    };
+    Ok((table(f64::cos)?, table(f64::sin)?))
+}
+
+/// Builds the model in `dtype` (the accelerator's compute dtype) in a fresh `VarMap`, with seeded
+/// initial weights (see [`init_weights`]).
+pub fn build_in(
+    config: LlamaConfig,
+    seed: u64,
+    device: &Device,
+    dtype: DType,
+) -> Result<(VarMap, Llama)> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+    let model = Llama::new(vb, config)?;
+    init_weights(&varmap, seed)?;
+    Ok((varmap, model))
+}
+
+/// Overwrites every parameter with transformers' Llama initialization, seeded: weights and the
+/// embedding `N(0, 0.02)` (`initializer_range`), RMSNorm weights 1. Parameters are visited in
+/// sorted-name order, values drawn in f32, then rounded to each parameter's dtype.
+pub fn init_weights(varmap: &VarMap, seed: u64) -> Result<()> {
+    let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x11A3A);
+    for name in names {
+        let var = &data[name];
+        let n = var.elem_count();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            (0..n)
+                .map(|_| INITIALIZER_RANGE * standard_normal(&mut rng))
+                .collect()
+        };
+        let values = Tensor::from_vec(values, var.dims(), var.device())?;
+        var.set(&values.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
+}
+
+/// One draw from `N(0, 1)` (Box–Muller).
+fn standard_normal(rng: &mut ChaCha8Rng) -> f32 {
+    let u1: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+    let u2: f64 = rng.random_range(0.0..1.0);
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> LlamaConfig {
+        LlamaConfig::from_flags(11, 2, 16, 4, 2, 24, 8).unwrap()
+    }
+
+    fn tokens(rows: &[&[u32]]) -> Tensor {
+        Tensor::new(
+            rows.iter().map(|r| r.to_vec()).collect::<Vec<_>>(),
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn parameters_have_hugging_face_names_and_linear_layouts() {
+        let (varmap, _) = build_in(config(), 1, &Device::Cpu, DType::F32).unwrap();
+        let data = varmap.data().lock().unwrap();
+        let shape = |n: &str| data[n].dims().to_vec();
+        assert_eq!(shape("model.embed_tokens.weight"), [11, 16]);
+        assert_eq!(shape("model.layers.0.self_attn.q_proj.weight"), [16, 16]);
+        assert_eq!(shape("model.layers.0.self_attn.k_proj.weight"), [8, 16]);
+        assert_eq!(shape("model.layers.1.self_attn.v_proj.weight"), [8, 16]);
+        assert_eq!(shape("model.layers.1.self_attn.o_proj.weight"), [16, 16]);
+        assert_eq!(shape("model.layers.0.mlp.gate_proj.weight"), [24, 16]);
+        assert_eq!(shape("model.layers.0.mlp.up_proj.weight"), [24, 16]);
+        assert_eq!(shape("model.layers.0.mlp.down_proj.weight"), [16, 24]);
+        assert_eq!(shape("model.layers.1.input_layernorm.weight"), [16]);
+        assert_eq!(
+            shape("model.layers.1.post_attention_layernorm.weight"),
+            [16]
+        );
+        assert_eq!(shape("model.norm.weight"), [16]);
+        assert_eq!(shape("lm_head.weight"), [11, 16]);
+        assert_eq!(data.len(), 3 + 2 * 9);
+        let v = |n: &str| data[n].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(v("model.norm.weight").iter().all(|&x| x == 1.0));
+        let w = v("model.layers.0.mlp.up_proj.weight");
+        let std = (w.iter().map(|a| (*a as f64).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
+        assert!((std - 0.02).abs() < 0.004, "{std}");
+    }
+
+    #[test]
+    fn a_position_does_not_see_later_tokens() {
+        let (_, model) = build_in(config(), 2, &Device::Cpu, DType::F32).unwrap();
+        let a = model.forward(&tokens(&[&[1, 2, 3, 4, 5, 6]])).unwrap();
+        let b = model.forward(&tokens(&[&[1, 2, 3, 9, 9, 0]])).unwrap();
+        let first = |x: &Tensor, n| x.get(0).unwrap().narrow(0, 0, n).unwrap();
+        let d = (first(&a, 3) - first(&b, 3)).unwrap().abs().unwrap();
+        assert!(d.max_all().unwrap().to_scalar::<f32>().unwrap() < 1e-6);
+        let d = (first(&a, 4) - first(&b, 4)).unwrap().abs().unwrap();
+        assert!(d.max_all().unwrap().to_scalar::<f32>().unwrap() > 1e-6);
+    }
+
+    #[test]
+    fn rotary_rotates_each_pair_of_halves_by_position_times_frequency() {
+        // head_dim 4: pairs (0, 2) and (1, 3), inverse frequencies 1 and theta^(-1/2).
+        let c = LlamaConfig {
+            head_dim: 4,
+            rope_theta: 100.0,
+            max_position_embeddings: 3,
+            ..config()
+        };
+        let (cos, sin) = rotary_tables(&c, &Device::Cpu, DType::F32).unwrap();
+        let x = Tensor::new(&[[[[1f32, 2., 3., 4.]; 3]]], &Device::Cpu).unwrap();
+        // [1, 1, 3, 4] -> [1, 3, 4] -> one head's 3 positions.
+        let y: Vec<Vec<Vec<f32>>> = rotary(&x, &cos, &sin)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec3()
+            .unwrap();
+        let y = &y[0];
+        for (p, row) in y.iter().enumerate() {
+            for (i, (a, b)) in [(1.0f64, 3.0f64), (2.0, 4.0)].iter().enumerate() {
+                let angle = p as f64 * 100f64.powf(-(i as f64) / 2.0);
+                let (s, co) = angle.sin_cos();
+                assert!((row[i] as f64 - (a * co - b * s)).abs() < 1e-5, "{row:?}");
+                assert!(
+                    (row[i + 2] as f64 - (b * co + a * s)).abs() < 1e-5,
+                    "{row:?}"
+                );
+            }
+        }
+    }
+}

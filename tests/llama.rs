@@ -1,0 +1,540 @@
+//! The `llama` workload against Hugging Face transformers: on a tiny LlamaForCausalLM whose
+//! weights, tokens, loss, logits, gradients and weights after one SGD step transformers wrote into
+//! tests/fixtures/llama (tests/python/make_llama_fixture.py), our model computes the same values,
+//! and the `llama` example takes transformers' SGD step and saves it under transformers' names.
+//! Two ranks with item-weighted accumulation equal one process with the global batch, and bad
+//! input is refused with messages that name the problem.
+//!
+//! Tolerance of the model comparison: every tensor's largest difference relative to its largest
+//! value is at most 2e-5. Both sides compute in f32 with reductions in different orders (candle's
+//! and PyTorch's matrix products, softmax and mean), which leaves differences of a few f32 ulps
+//! (~1e-7 relative) per op, grown by the ~20 ops from the embedding to the loss and back; a model
+//! with a wrong rotary base, norm or head grouping is off by 1e-2 or more (checked below).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use accelerate_examples::llama::{self, LlamaConfig};
+use accelerate_tests::{
+    built_binary, load_flat, max_abs_diff_flat, output_text as text, run_bounded, summary_value,
+};
+use candle_core::{DType, Device, Tensor, Var};
+
+const LIMIT: Duration = Duration::from_secs(240);
+/// Largest |ours - transformers'| / max |transformers'| accepted per tensor (see the module docs).
+const RELATIVE_TOLERANCE: f32 = 2e-5;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/llama")
+        .join(name)
+}
+
+fn reference() -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture("reference.safetensors"), &Device::Cpu).unwrap()
+}
+
+fn llama_bin() -> PathBuf {
+    built_binary("examples/llama")
+}
+
+/// The example alone (no launcher environment), bounded in time, on one compute thread (tests
+/// run side by side).
+fn run_llama(args: &[&str]) -> Output {
+    let mut cmd = Command::new(llama_bin());
+    cmd.args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        .env_remove("ACCELERATE_MIXED_PRECISION");
+    run_bounded(&mut cmd, LIMIT)
+}
+
+/// `max |a - b| / max |b|`.
+fn relative_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+    diff.to_scalar::<f32>().unwrap() / scale
+}
+
+/// Our model of `config`, with the fixture's weights, and its parameters by name.
+fn fixture_model(config: LlamaConfig) -> (llama::Llama, Vec<(String, Var)>) {
+    let (varmap, model) = llama::build_in(config, 0, &Device::Cpu, DType::F32).unwrap();
+    let mut params: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    accelerate_core::files::load_into_vars(fixture("model.safetensors"), &params).unwrap();
+    (model, params)
+}
+
+fn fixture_tokens() -> Tensor {
+    let t = candle_core::safetensors::load(fixture("tokens.safetensors"), &Device::Cpu).unwrap();
+    t["input_ids"].to_dtype(DType::U32).unwrap()
+}
+
+#[test]
+fn both_config_layouts_read_as_the_fixture_model() {
+    let v5 = LlamaConfig::from_file(&fixture("config.json")).unwrap();
+    let v4 = LlamaConfig::from_file(&fixture("config_v4.json")).unwrap();
+    assert_eq!(v5, v4);
+    assert_eq!(v5.rope_theta, 500.0);
+    assert_eq!((v5.num_attention_heads, v5.num_key_value_heads), (4, 2));
+    assert_eq!(v5.head_dim, 8);
+    assert_eq!(v5.rms_norm_eps, 1e-5);
+}
+
+#[test]
+fn loss_logits_and_every_gradient_equal_transformers() {
+    let config = LlamaConfig::from_file(&fixture("config.json")).unwrap();
+    let (model, params) = fixture_model(config);
+    let reference = reference();
+    let input_ids = fixture_tokens();
+    let (b, t) = input_ids.dims2().unwrap();
+
+    let logits = model.forward(&input_ids).unwrap();
+    let d = relative_diff(&logits, &reference["logits"]);
+    assert!(d <= RELATIVE_TOLERANCE, "logits: relative difference {d}");
+
+    let summed = llama::causal_lm_loss_sum(&logits, &input_ids).unwrap();
+    let loss = (summed / (b * (t - 1)) as f64).unwrap();
+    let ours = loss.to_scalar::<f32>().unwrap();
+    let theirs = reference["loss"].to_scalar::<f32>().unwrap();
+    assert!(
+        (ours - theirs).abs() <= RELATIVE_TOLERANCE * theirs,
+        "loss {ours} vs transformers' {theirs}"
+    );
+
+    let grads = loss.backward().unwrap();
+    assert_eq!(params.len(), 3 + 2 * 9);
+    for (name, var) in &params {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient reached {name}"));
+        let d = relative_diff(g, &reference[&format!("grad.{name}")]);
+        assert!(d <= RELATIVE_TOLERANCE, "{name}: relative difference {d}");
+    }
+}
+
+#[test]
+fn the_comparison_would_catch_a_wrong_rotary_base() {
+    // The default theta instead of the config's 500 moves the logits far beyond the tolerance.
+    let config = LlamaConfig::from_file(&fixture("config.json")).unwrap();
+    let (model, _) = fixture_model(LlamaConfig {
+        rope_theta: 10_000.0,
+        ..config
+    });
+    let logits = model.forward(&fixture_tokens()).unwrap();
+    let d = relative_diff(&logits, &reference()["logits"]);
+    assert!(d > 100.0 * RELATIVE_TOLERANCE, "{d}");
+}
+
+#[test]
+fn one_sgd_step_of_the_example_gives_transformers_weights_under_their_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("model.safetensors");
+    let o = run_llama(&[
+        "--config",
+        fixture("config.json").to_str().unwrap(),
+        "--init-weights",
+        fixture("model.safetensors").to_str().unwrap(),
+        "--data",
+        fixture("tokens.safetensors").to_str().unwrap(),
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--lr",
+        "0.1",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--no-shuffle",
+        "--save-model",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(summary_value(&o, "steps"), 1.0);
+    // The loss of the step is transformers' loss of the batch.
+    let theirs = reference()["loss"].to_scalar::<f32>().unwrap() as f64;
+    let loss = summary_value(&o, "final_loss");
+    assert!((loss - theirs).abs() < 1e-4, "{loss} vs {theirs}");
+
+    let saved = load_flat(&out);
+    let expected: BTreeMap<String, Vec<f32>> = reference()
+        .into_iter()
+        .filter_map(|(n, t)| {
+            let name = n.strip_prefix("after_sgd.")?.to_string();
+            Some((name, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        })
+        .collect();
+    // Same names (max_abs_diff_flat asserts it) and the same values.
+    let d = max_abs_diff_flat(&saved, &expected);
+    assert!(d < 1e-5, "max |Δθ| against transformers' SGD step: {d}");
+    // The step moved the weights far more than that.
+    let before = load_flat(&fixture("model.safetensors"));
+    assert!(max_abs_diff_flat(&before, &expected) > 1e-3);
+
+    // config.json beside the weights describes the same model.
+    let written = LlamaConfig::from_file(&dir.path().join("config.json")).unwrap();
+    assert_eq!(
+        written,
+        LlamaConfig::from_file(&fixture("config.json")).unwrap()
+    );
+}
+
+fn small_model_args(out: &Path, batch: usize, steps: u64) -> Vec<String> {
+    [
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--intermediate",
+        "48",
+        "--context",
+        "16",
+        "--seed",
+        "5",
+        // SGD, whose step is proportional to the gradient: AdamW's would hide a wrongly scaled
+        // (say, summed instead of averaged) accumulated gradient.
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.3",
+        "--batch-size",
+        &batch.to_string(),
+        "--max-steps",
+        &steps.to_string(),
+        "--save-model",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[test]
+fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("dist")).unwrap();
+    std::fs::create_dir(dir.path().join("single")).unwrap();
+    let dist = dir.path().join("dist/model.safetensors");
+    let mut args = small_model_args(&dist, 4, 8);
+    args.extend(["--grad-accum".to_string(), "2".to_string()]);
+    let mut cmd = Command::new(built_binary("accelerate-launch"));
+    cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
+        .arg(llama_bin())
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("ACCELERATE_MIXED_PRECISION");
+    let d = run_bounded(&mut cmd, LIMIT);
+    assert!(d.status.success(), "{}", text(&d));
+    assert_eq!(summary_value(&d, "steps"), 8.0, "{}", text(&d));
+    assert_eq!(summary_value(&d, "micro_steps"), 16.0, "{}", text(&d));
+
+    // One process, one micro-batch holding the same 2 x 2 x 4 rows per step.
+    let single = dir.path().join("single/model.safetensors");
+    let s = run_llama(
+        &small_model_args(&single, 16, 8)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(s.status.success(), "{}", text(&s));
+    let (a, b) = (load_flat(&dist), load_flat(&single));
+    assert!(a.contains_key("model.layers.0.self_attn.k_proj.weight"));
+    let diff = max_abs_diff_flat(&a, &b);
+    assert!(
+        diff < 1e-4,
+        "max |Δθ| between 2 ranks x K=2 and 1 process = {diff}"
+    );
+    let (ld, ls) = (
+        summary_value(&d, "final_loss"),
+        summary_value(&s, "final_loss"),
+    );
+    assert!((ld - ls).abs() < 1e-4, "final loss {ld} vs {ls}");
+
+    // The comparison could have failed: training moved the weights far more than the tolerance.
+    let init = dir.path().join("init.safetensors");
+    let i = run_llama(
+        &small_model_args(&init, 16, 0)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(i.status.success(), "{}", text(&i));
+    assert!(max_abs_diff_flat(&load_flat(&init), &b) > 0.01);
+}
+
+/// Runs the example with `args`, expects failure, and returns its stderr.
+fn refused(args: &[&str]) -> String {
+    let o = run_llama(args);
+    assert!(!o.status.success(), "accepted {args:?}:\n{}", text(&o));
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn bad_weights_data_and_configs_are_refused_with_the_problem_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = fixture("config.json");
+    let config = config.to_str().unwrap();
+    let weights = fixture("model.safetensors");
+    let data = fixture("tokens.safetensors");
+
+    // Weights without lm_head.weight.
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    tensors.remove("lm_head.weight");
+    let partial = dir.path().join("partial.safetensors");
+    candle_core::safetensors::save(&tensors, &partial).unwrap();
+    let e = refused(&[
+        "--config",
+        config,
+        "--init-weights",
+        partial.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--init-weights") && e.contains("missing \"lm_head.weight\""),
+        "{e}"
+    );
+
+    // input_ids as float.
+    let ids = candle_core::safetensors::load(&data, &Device::Cpu).unwrap()["input_ids"]
+        .to_dtype(DType::F32)
+        .unwrap();
+    let float_ids = dir.path().join("float_ids.safetensors");
+    candle_core::safetensors::save(&HashMap::from([("input_ids".to_string(), ids)]), &float_ids)
+        .unwrap();
+    let e = refused(&["--config", config, "--data", float_ids.to_str().unwrap()]);
+    assert!(
+        e.contains("--data") && e.contains("input_ids") && e.contains("int64"),
+        "{e}"
+    );
+
+    // A token outside the config's vocabulary.
+    let big = Tensor::new(&[[1i64, 2, 3], [4, 32, 6]], &Device::Cpu).unwrap();
+    let big_ids = dir.path().join("big_ids.safetensors");
+    candle_core::safetensors::save(&HashMap::from([("input_ids".to_string(), big)]), &big_ids)
+        .unwrap();
+    let e = refused(&["--config", config, "--data", big_ids.to_str().unwrap()]);
+    assert!(e.contains("[1, 1] is 32") && e.contains("vocab"), "{e}");
+
+    // Tied embeddings.
+    let mut tied: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("config.json")).unwrap()).unwrap();
+    tied["tie_word_embeddings"] = true.into();
+    let tied_path = dir.path().join("tied.json");
+    std::fs::write(&tied_path, tied.to_string()).unwrap();
+    let e = refused(&["--config", tied_path.to_str().unwrap()]);
+    assert!(
+        e.contains("--config") && e.contains("tie_word_embeddings") && e.contains("false"),
+        "{e}"
+    );
+
+    let e = refused(&["--heads", "4", "--kv-heads", "3"]);
+    assert!(e.contains("--kv-heads 3") && e.contains("--heads 4"), "{e}");
+    let e = refused(&["--width", "30", "--heads", "4"]);
+    assert!(e.contains("--width 30"), "{e}");
+}
+
+/// `-Σ p ln p` over the characters of the built-in text, in nats: the loss of a model that
+/// ignores context.
+fn sonnets_unigram_entropy_and_vocabulary() -> (f64, usize) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/data/sonnets.txt");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut counts: HashMap<char, f64> = HashMap::new();
+    for c in text.chars() {
+        *counts.entry(c).or_default() += 1.0;
+    }
+    let n: f64 = counts.values().sum();
+    let entropy = counts.values().map(|&c| -(c / n) * (c / n).ln()).sum();
+    (entropy, counts.len())
+}
+
+fn mean_of_last_10(path: &Path) -> (f64, f64) {
+    let l = accelerate_tests::metric_losses(path);
+    (l[0], l[l.len() - 10..].iter().sum::<f64>() / 10.0)
+}
+
+#[test]
+fn it_learns_the_built_in_text_well_below_its_unigram_entropy_in_f32_and_bf16() {
+    let (entropy, vocab) = sonnets_unigram_entropy_and_vocabulary();
+    for (precision, margin) in [("no", 0.5), ("bf16", 0.3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        let o = run_llama(&[
+            "--context",
+            "32",
+            "--epochs",
+            "2",
+            "--max-steps",
+            "120",
+            "--mixed-precision",
+            precision,
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!("mixed_precision={precision}"))
+        );
+        let (first, end) = mean_of_last_10(&metrics);
+        // Small initial weights predict near-uniformly: the first loss per token is about
+        // ln(vocabulary), which also shows the loss is normalized per predicted token.
+        let uniform = (vocab as f64).ln();
+        assert!((first - uniform).abs() < 0.1, "{first} vs ln V = {uniform}");
+        assert!(
+            end < entropy - margin,
+            "{precision}: mean loss of the last 10 steps {end:.4}, unigram entropy {entropy:.4}"
+        );
+    }
+}
+
+#[test]
+fn a_run_resumed_from_a_checkpoint_ends_bitwise_like_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let with = |out: &Path, steps: u64, more: &[&str]| {
+        let mut a = small_model_args(out, 4, steps);
+        a.extend(
+            ["--grad-accum", "2"]
+                .iter()
+                .chain(more)
+                .map(|s| s.to_string()),
+        );
+        let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", text(&o));
+        o
+    };
+    let whole = dir.path().join("whole.safetensors");
+    with(&whole, 10, &[]);
+    let part = dir.path().join("part.safetensors");
+    with(
+        &part,
+        5,
+        &["--checkpoint-every", "5", "--checkpoint-dir", c],
+    );
+    let resumed = dir.path().join("resumed.safetensors");
+    let o = with(&resumed, 10, &["--resume", "--checkpoint-dir", c]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("resumed from"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        summary_value(&o, "micro_steps"),
+        10.0,
+        "5 windows of 2 after the resume"
+    );
+    let whole = load_flat(&whole);
+    assert_eq!(max_abs_diff_flat(&whole, &load_flat(&resumed)), 0.0);
+    assert!(max_abs_diff_flat(&whole, &load_flat(&part)) > 0.0);
+}
+
+#[test]
+fn max_steps_alone_runs_all_its_steps_over_as_many_epochs_as_they_take() {
+    // 43 KB of text in rows of 16 make about 21 batches of 128: 30 steps need a second epoch.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m.safetensors");
+    let mut a = small_model_args(&out, 128, 30);
+    let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(summary_value(&o, "steps"), 30.0, "{}", text(&o));
+    // An explicit --epochs still bounds the run.
+    a.extend(["--epochs", "1"].iter().map(|s| s.to_string()));
+    let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(summary_value(&o, "steps") < 30.0, "{}", text(&o));
+}
+
+/// A trained model saved by the example, loaded by transformers' `from_pretrained` from its
+/// directory (the weights and the config.json beside them), gives the loss our model gives on the
+/// fixture's tokens. Skipped (saying so) without python3 with torch and transformers; the other
+/// tests need no Python.
+#[test]
+fn transformers_loads_the_saved_model_unchanged() {
+    let python_ok = Command::new("python3")
+        .args(["-c", "import torch, transformers, safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        eprintln!(
+            "SKIPPED: python3 with torch, transformers and safetensors is not installed \
+             (pip install torch transformers safetensors)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("model.safetensors");
+    // Three AdamW steps from the fixture's weights, so the saved weights are the example's own.
+    let o = run_llama(&[
+        "--config",
+        fixture("config_v4.json").to_str().unwrap(),
+        "--init-weights",
+        fixture("model.safetensors").to_str().unwrap(),
+        "--data",
+        fixture("tokens.safetensors").to_str().unwrap(),
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "3",
+        "--save-model",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let config = LlamaConfig::from_file(&dir.path().join("config.json")).unwrap();
+    let (varmap, model) = llama::build_in(config, 0, &Device::Cpu, DType::F32).unwrap();
+    let mut params: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    accelerate_core::files::load_into_vars(&out, &params).unwrap();
+    let input_ids = fixture_tokens();
+    let (b, t) = input_ids.dims2().unwrap();
+    let ours = (model.summed_causal_lm_loss(&input_ids).unwrap() / (b * (t - 1)) as f64)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_save.py");
+    let o = run_bounded(
+        Command::new("python3")
+            .arg(&script)
+            .arg(dir.path())
+            .arg(fixture("tokens.safetensors"))
+            .arg(ours.to_string()),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}",
+        text(&o)
+    );
+}
