@@ -50,10 +50,11 @@ fn product_with_transpose(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     }
     let w = weight.t()?;
     match *x.dims() {
-        [b1, b2, m, k] if x.is_contiguous() => x
-            .reshape((b1 * b2 * m, k))?
-            .matmul(&w)?
-            .reshape((b1, b2, m, ())),
+        [b1, b2, m, k] if x.is_contiguous() => {
+            x.reshape((b1 * b2 * m, k))?
+                .matmul(&w)?
+                .reshape((b1, b2, m, ()))
+        }
         [b, m, k] if x.is_contiguous() => x.reshape((b * m, k))?.matmul(&w)?.reshape((b, m, ())),
         [b1, b2, _, _] => x.matmul(&weight.broadcast_left((b1, b2))?.t()?),
         [b, _, _] => x.matmul(&weight.broadcast_left(b)?.t()?),

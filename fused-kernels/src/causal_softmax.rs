@@ -134,6 +134,10 @@ impl CustomOp2 for CausalSoftmaxBackward {
             });
             Ok((T::storage(out), l1.shape().clone()))
         }
-        dispatch!("causal_softmax-backward", s1, run(self.scale, s1, l1, s2, l2))
+        dispatch!(
+            "causal_softmax-backward",
+            s1,
+            run(self.scale, s1, l1, s2, l2)
+        )
     }
 }

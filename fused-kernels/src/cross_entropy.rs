@@ -85,10 +85,7 @@ fn logsumexp<T: Element>(row: &[T]) -> T::Acc {
         .iter()
         .map(|v| v.to_acc())
         .fold(<T::Acc>::neg_infinity(), Float::max);
-    let sum = row
-        .iter()
-        .map(|v| (v.to_acc() - max).exp())
-        .sum::<T::Acc>();
+    let sum = row.iter().map(|v| (v.to_acc() - max).exp()).sum::<T::Acc>();
     max + sum.ln()
 }
 
@@ -204,7 +201,11 @@ impl CustomOp3 for CrossEntropyBackward {
                 let t = targets[i] as usize;
                 for (j, (g, x)) in grad.iter_mut().zip(row).enumerate() {
                     let p = (x.to_acc() - lse).exp();
-                    *g = T::from_acc(if j == t { w * (p - <T::Acc>::one()) } else { w * p });
+                    *g = T::from_acc(if j == t {
+                        w * (p - <T::Acc>::one())
+                    } else {
+                        w * p
+                    });
                 }
             });
             Ok((T::storage(out), l1.shape().clone()))

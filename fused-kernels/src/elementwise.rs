@@ -12,44 +12,29 @@ fn parallel(n: usize) -> bool {
     n >= 4 * CHUNK && rayon::current_num_threads() > 1
 }
 
-/// `f(x)` for every element.
+/// `f(x)` for every element. The output is collected, not zeroed first and overwritten.
 pub(crate) fn map_unary<T: Element>(x: &[T], f: impl Fn(T::Acc) -> T::Acc + Send + Sync) -> Vec<T> {
-    let mut out = vec![T::from_acc(num_traits::Zero::zero()); x.len()];
-    let body = |(o, x): (&mut [T], &[T])| {
-        for (o, &x) in o.iter_mut().zip(x) {
-            *o = T::from_acc(f(x.to_acc()));
-        }
-    };
+    let one = |x: &T| T::from_acc(f(x.to_acc()));
     if parallel(x.len()) {
-        out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(body);
+        x.par_iter().with_min_len(CHUNK).map(one).collect()
     } else {
-        body((&mut out, x));
+        x.iter().map(one).collect()
     }
-    out
 }
 
-/// `f(a, b)` for every pair of elements (`a` and `b` of one length).
+/// `f(a, b)` for every pair of elements (`a` and `b` of one length), collected.
 pub(crate) fn map_binary<T: Element>(
     a: &[T],
     b: &[T],
     f: impl Fn(T::Acc, T::Acc) -> T::Acc + Send + Sync,
 ) -> Vec<T> {
     debug_assert_eq!(a.len(), b.len());
-    let mut out = vec![T::from_acc(num_traits::Zero::zero()); a.len()];
-    let body = |((o, a), b): ((&mut [T], &[T]), &[T])| {
-        for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-            *o = T::from_acc(f(a.to_acc(), b.to_acc()));
-        }
-    };
+    let one = |(a, b): (&T, &T)| T::from_acc(f(a.to_acc(), b.to_acc()));
     if parallel(a.len()) {
-        out.par_chunks_mut(CHUNK)
-            .zip(a.par_chunks(CHUNK))
-            .zip(b.par_chunks(CHUNK))
-            .for_each(body);
+        a.par_iter().zip(b).with_min_len(CHUNK).map(one).collect()
     } else {
-        body(((&mut out, a), b));
+        a.iter().zip(b).map(one).collect()
     }
-    out
 }
 
 /// Two results `f(a, b, c) = (p, q)` for every triple of elements, stored as `[p..., q...]`

@@ -24,8 +24,11 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             );
         }
     }
-    x.contiguous()?
-        .apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps })
+    x.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LayerNorm { eps },
+    )
 }
 
 /// `(μ, r)` of one row.

@@ -19,6 +19,8 @@
 //! functions make them contiguous). Large tensors are split over rayon's threads by rows.
 //! The ops run on the CPU; on another device candle reports that the op has no kernel there.
 
+#![deny(missing_docs)]
+
 mod add_bias;
 mod causal_softmax;
 mod cross_entropy;

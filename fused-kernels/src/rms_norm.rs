@@ -158,6 +158,10 @@ impl CustomOp3 for RmsNormBackward {
             }
             Ok((T::storage(out), Shape::from((rows + 1, d))))
         }
-        dispatch!("rms_norm-backward", s1, run(self.eps, s1, l1, s2, l2, s3, l3))
+        dispatch!(
+            "rms_norm-backward",
+            s1,
+            run(self.eps, s1, l1, s2, l2, s3, l3)
+        )
     }
 }

@@ -65,8 +65,7 @@ impl CustomOp3 for Rotary {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: Element>(
-            op: &'static str,
-            inverse: bool,
+            rotary: &Rotary,
             s1: &CpuStorage,
             l1: &Layout,
             s2: &CpuStorage,
@@ -74,6 +73,7 @@ impl CustomOp3 for Rotary {
             s3: &CpuStorage,
             l3: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
+            let (op, inverse) = (rotary.name(), rotary.inverse);
             let x = contiguous::<T>(op, "x", s1, l1)?;
             let cos = contiguous::<T>(op, "cos", s2, l2)?;
             let sin = contiguous::<T>(op, "sin", s3, l3)?;
@@ -97,7 +97,7 @@ impl CustomOp3 for Rotary {
             Ok((T::storage(out), l1.shape().clone()))
         }
         let op = self.name();
-        dispatch!(op, s1, run(op, self.inverse, s1, l1, s2, l2, s3, l3))
+        dispatch!(op, s1, run(self, s1, l1, s2, l2, s3, l3))
     }
 
     fn bwd(

@@ -32,7 +32,9 @@ pub(crate) fn for_each_row<T: Send>(
             .enumerate()
             .for_each(|(i, row)| f(i, row));
     } else {
-        out.chunks_mut(width).enumerate().for_each(|(i, row)| f(i, row));
+        out.chunks_mut(width)
+            .enumerate()
+            .for_each(|(i, row)| f(i, row));
     }
 }
 
@@ -111,7 +113,10 @@ where
             .map(partial)
             .collect()
     } else {
-        out.chunks_mut(block * width).enumerate().map(partial).collect()
+        out.chunks_mut(block * width)
+            .enumerate()
+            .map(partial)
+            .collect()
     };
     let mut total = vec![A::zero(); len];
     for p in partials {

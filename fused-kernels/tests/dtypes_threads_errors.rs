@@ -28,7 +28,11 @@ fn run(
     (flat(&out), g)
 }
 
-type Op = (&'static str, Vec<Tensor>, Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>);
+type Op = (
+    &'static str,
+    Vec<Tensor>,
+    Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>,
+);
 
 /// Every op with a gradient for each input, on inputs large enough for the parallel paths
 /// (`rows` rows of `d`).
@@ -69,7 +73,11 @@ fn ops(rows: usize, d: usize) -> Vec<Op> {
             vec![tensor(&[2, 2, rows / 4, d], 7, 1.0)],
             Box::new(move |x| {
                 let dt = x[0].dtype();
-                fused_kernels::rotary(&x[0], &angles.cos()?.to_dtype(dt)?, &angles.sin()?.to_dtype(dt)?)
+                fused_kernels::rotary(
+                    &x[0],
+                    &angles.cos()?.to_dtype(dt)?,
+                    &angles.sin()?.to_dtype(dt)?,
+                )
             }),
         ),
         (
@@ -88,7 +96,11 @@ fn ops(rows: usize, d: usize) -> Vec<Op> {
 
 fn max_relative_error(a: &[f64], b: &[f64]) -> f64 {
     let scale = b.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+        / scale
 }
 
 #[test]
@@ -109,7 +121,12 @@ fn bf16_and_f16_are_computed_in_f32_and_rounded_once() {
 
 #[test]
 fn the_parallel_paths_give_the_single_thread_results_exactly() {
-    let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
     // 2048 rows × 64: 128 Ki elements, past every op's threshold for splitting.
     for (name, inputs, f) in ops(2048, 64) {
         let one = pool(1).install(|| run(&inputs, DType::F32, f.as_ref()));
@@ -135,7 +152,10 @@ fn wrong_shapes_are_refused_with_the_op_and_both_shapes() {
     let v7 = Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap();
     let v8 = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
     let e = error_of(fused_kernels::layer_norm(&x, &v7, &v8, 1e-5));
-    assert!(e.contains("layer_norm") && e.contains("[8]") && e.contains("[7]"), "{e}");
+    assert!(
+        e.contains("layer_norm") && e.contains("[8]") && e.contains("[7]"),
+        "{e}"
+    );
     let e = error_of(fused_kernels::rms_norm(&x, &v7, 1e-5));
     assert!(e.contains("rms_norm") && e.contains("[7]"), "{e}");
     let e = error_of(fused_kernels::add_bias(&x, &v7));
@@ -145,17 +165,25 @@ fn wrong_shapes_are_refused_with_the_op_and_both_shapes() {
     assert!(e.contains("causal_softmax") && e.contains("t_q = 5"), "{e}");
     let cos = Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap();
     let e = error_of(fused_kernels::rotary(&x, &cos, &cos));
-    assert!(e.contains("rotary") && e.contains("[3, 4]") && e.contains("[3, 3]"), "{e}");
+    assert!(
+        e.contains("rotary") && e.contains("[3, 4]") && e.contains("[3, 3]"),
+        "{e}"
+    );
     let e = error_of(fused_kernels::swiglu(&x, &v8));
     assert!(e.contains("swiglu") && e.contains("[8]"), "{e}");
     let logits = Tensor::zeros((4, 5), DType::F32, &Device::Cpu).unwrap();
     let w = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
     let t = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
     let e = error_of(fused_kernels::cross_entropy(&logits, &t, &w));
-    assert!(e.contains("cross_entropy") && e.contains("targets") && e.contains("[3]"), "{e}");
+    assert!(
+        e.contains("cross_entropy") && e.contains("targets") && e.contains("[3]"),
+        "{e}"
+    );
     let t = Tensor::new(&[0u32, 1, 5, 2], &Device::Cpu).unwrap();
     let e = error_of(fused_kernels::cross_entropy(&logits, &t, &w));
     assert!(e.contains("targets[2] = 5"), "{e}");
-    let e = error_of(fused_kernels::gelu(&Tensor::new(&[1u32], &Device::Cpu).unwrap()));
+    let e = error_of(fused_kernels::gelu(
+        &Tensor::new(&[1u32], &Device::Cpu).unwrap(),
+    ));
     assert!(e.contains("gelu") && e.contains("U32"), "{e}");
 }

@@ -61,7 +61,11 @@ fn gelu_silu_swiglu() {
 fn rotary() {
     let (t, d) = (5, 8);
     let angles = tensor(&[t, d / 2], 11, 3.0);
-    let inputs = [tensor(&[2, 3, t, d], 12, 1.0), angles.cos().unwrap(), angles.sin().unwrap()];
+    let inputs = [
+        tensor(&[2, 3, t, d], 12, 1.0),
+        angles.cos().unwrap(),
+        angles.sin().unwrap(),
+    ];
     check_gradients("rotary", &inputs, &[0], |x| {
         fused_kernels::rotary(&x[0], &x[1], &x[2])
     });

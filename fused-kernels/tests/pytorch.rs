@@ -9,7 +9,10 @@ use common::flat;
 use std::collections::HashMap;
 
 fn fixtures() -> HashMap<String, Tensor> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/pytorch.safetensors");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/pytorch.safetensors"
+    );
     candle_core::safetensors::load(path, &Device::Cpu).expect("the committed fixture file")
 }
 
@@ -26,12 +29,7 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
 /// Runs `f` on the fixture inputs of `op` named `names` (as Vars in `dtype` for those in
 /// `trainable`, plain tensors for the others, which keep their stored dtype) and compares the
 /// output and the gradients of `Σ out · dy`.
-fn compare(
-    op: &str,
-    names: &[&str],
-    trainable: &[&str],
-    f: impl Fn(&[Tensor]) -> Result<Tensor>,
-) {
+fn compare(op: &str, names: &[&str], trainable: &[&str], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
     let fx = fixtures();
     let get = |k: &str| fx[&format!("{op}.{k}")].clone();
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
@@ -40,7 +38,10 @@ fn compare(
             .map(|n| {
                 let t = get(n);
                 if trainable.contains(n) {
-                    Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap().as_tensor().clone()
+                    Var::from_tensor(&t.to_dtype(dtype).unwrap())
+                        .unwrap()
+                        .as_tensor()
+                        .clone()
                 } else if t.dtype().is_float() {
                     t.to_dtype(dtype).unwrap()
                 } else {
@@ -55,7 +56,9 @@ fn compare(
         let grads = (out * dy).unwrap().sum_all().unwrap().backward().unwrap();
         for (n, t) in names.iter().zip(&inputs) {
             if trainable.contains(n) {
-                let g = grads.get(t).unwrap_or_else(|| panic!("{what}: no gradient for {n}"));
+                let g = grads
+                    .get(t)
+                    .unwrap_or_else(|| panic!("{what}: no gradient for {n}"));
                 assert_close(&format!("{what} d_{n}"), g, &get(&format!("d_{n}")), tol);
             }
         }
@@ -73,7 +76,9 @@ fn layer_norm_matches_f_layer_norm() {
 #[test]
 fn rms_norm_matches_f_rms_norm() {
     let n = ["x", "weight"];
-    compare("rms_norm", &n, &n, |x| fused_kernels::rms_norm(&x[0], &x[1], 1e-6));
+    compare("rms_norm", &n, &n, |x| {
+        fused_kernels::rms_norm(&x[0], &x[1], 1e-6)
+    });
 }
 
 #[test]
@@ -111,7 +116,9 @@ fn rotary_matches_transformers_apply_rotary_pos_emb() {
 #[test]
 fn add_bias_and_linear_match_torch() {
     let n = ["x", "bias"];
-    compare("add_bias", &n, &n, |x| fused_kernels::add_bias(&x[0], &x[1]));
+    compare("add_bias", &n, &n, |x| {
+        fused_kernels::add_bias(&x[0], &x[1])
+    });
     let n = ["x", "weight", "bias"];
     compare("linear", &n, &n, |x| {
         fused_kernels::linear(&x[0], &x[1], Some(&x[2]))

@@ -118,10 +118,7 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
-        let x = (x + drop(
-            self.attention(&self.ln_1.forward(x)?, dropout)?,
-            dropout,
-        )?)?;
+        let x = (x + drop(self.attention(&self.ln_1.forward(x)?, dropout)?, dropout)?)?;
         let h = fused_kernels::gelu(&linear(&self.c_fc, &self.ln_2.forward(&x)?)?)?;
         x + drop(linear(&self.mlp_proj, &h)?, dropout)?
     }

@@ -73,7 +73,11 @@ pub fn check_gradients(
                 .unwrap_or_else(|| panic!("{name}: no gradient for input {i}")),
         );
         let base = flat(&inputs[i]);
-        assert_eq!(analytic.len(), base.len(), "{name}: input {i} gradient size");
+        assert_eq!(
+            analytic.len(),
+            base.len(),
+            "{name}: input {i} gradient size"
+        );
         for k in 0..base.len() {
             let at = |delta: f64| {
                 let mut v = base.clone();
