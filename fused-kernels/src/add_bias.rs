@@ -18,6 +18,9 @@ pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
             bias.dims()
         );
     }
+    if !x.device().is_cpu() {
+        return x.broadcast_add(bias);
+    }
     x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)
 }
 

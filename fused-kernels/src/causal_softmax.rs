@@ -28,6 +28,9 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
              the first queries would see no key (expected t_q <= t_k)"
         );
     }
+    if !scores.device().is_cpu() {
+        return crate::fallback::causal_softmax(scores, scale);
+    }
     scores.contiguous()?.apply_op1(CausalSoftmax { scale })
 }
 

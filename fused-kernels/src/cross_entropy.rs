@@ -47,6 +47,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Res
             weights.dtype()
         );
     }
+    if !logits.device().is_cpu() {
+        return crate::fallback::cross_entropy(logits, &targets, weights);
+    }
     logits
         .contiguous()?
         .apply_op3(&targets, &weights.contiguous()?, CrossEntropy)

@@ -18,6 +18,9 @@ const CUBIC: f64 = 0.044_715;
 /// tanh above, is one pass over `x` and `dy`. f32, f64, and bf16/f16 (computed in f32); the
 /// result has the dtype of `x`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return x.gelu();
+    }
     x.contiguous()?.apply_op1(Gelu)
 }
 

@@ -24,6 +24,9 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             );
         }
     }
+    if !x.device().is_cpu() {
+        return crate::fallback::layer_norm(x, weight, bias, eps);
+    }
     x.contiguous()?.apply_op3(
         &weight.contiguous()?,
         &bias.contiguous()?,

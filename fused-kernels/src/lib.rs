@@ -17,7 +17,8 @@
 //!
 //! Every op takes f32 and f64, and bf16/f16 computed in f32. Inputs may have any layout (the
 //! functions make them contiguous). Large tensors are split over rayon's threads by rows.
-//! The ops run on the CPU; on another device candle reports that the op has no kernel there.
+//! The kernels run on the CPU. On another device (CUDA, Metal) each function computes the same
+//! formula with candle's differentiable ops instead (no kernel there yet; slower, still trainable).
 
 #![deny(missing_docs)]
 
@@ -26,6 +27,7 @@ mod causal_softmax;
 mod cross_entropy;
 mod element;
 mod elementwise;
+mod fallback;
 mod gelu;
 mod layer_norm;
 mod rms_norm;

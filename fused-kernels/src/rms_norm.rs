@@ -21,6 +21,9 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
             weight.dims()
         );
     }
+    if !x.device().is_cpu() {
+        return crate::fallback::rms_norm(x, weight, eps);
+    }
     x.contiguous()?
         .apply_op2(&weight.contiguous()?, RmsNorm { eps })
 }

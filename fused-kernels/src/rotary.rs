@@ -37,6 +37,9 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         cos.to_dtype(x.dtype())?.contiguous()?,
         sin.to_dtype(x.dtype())?.contiguous()?,
     );
+    if !x.device().is_cpu() {
+        return crate::fallback::rotary(x, &cos, &sin);
+    }
     x.contiguous()?
         .apply_op3(&cos, &sin, Rotary { inverse: false })
 }

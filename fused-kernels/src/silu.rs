@@ -10,6 +10,9 @@ use num_traits::Float;
 /// Gradient: `dx = dy · σ(x) · (1 + x · (1 − σ(x)))`. f32, f64, and bf16/f16 (computed in f32);
 /// the result has the dtype of `x`.
 pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return x.silu();
+    }
     x.contiguous()?.apply_op1(Silu)
 }
 

@@ -18,6 +18,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dims()
         );
     }
+    if !gate.device().is_cpu() {
+        return gate.silu()? * up;
+    }
     gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
 }
 
