@@ -11,13 +11,16 @@
 //! Under mixed precision the model is built in the compute dtype; the attention softmax and the
 //! logits are computed in f32, as autocast does.
 //!
+//! LayerNorm, GELU, the causal softmax, the bias adds and the loss are the trainable fused kernels
+//! of the `fused-kernels` crate (one op each way instead of candle's chains of small ops).
+//!
 //! Dropout is GPT-2's, at one probability: on the sum of the embeddings, on the attention
 //! probabilities, and on each residual branch (after the attention's and the MLP's output
 //! projections). Its masks come from the accelerator's per-rank generator
 //! ([`accelerate_core::RankRng`]), which checkpoints save, so a run with dropout resumes bitwise.
 
 use accelerate_core::RankRng;
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -68,14 +71,13 @@ pub struct Gpt {
     blocks: Vec<Block>,
     ln_f: Norm,
     lm_head: Linear,
-    /// `[context, context]`, 0 on and below the diagonal, -inf above.
-    causal_mask: Tensor,
     config: GptConfig,
 }
 
 /// LayerNorm through a differentiable path: candle-nn's `LayerNorm::forward` takes a fused kernel
 /// for contiguous inputs that records no backward pass, so no gradient would reach the layer or
-/// anything before it. The parameters are still candle-nn's (`layer_norm` creates them).
+/// anything before it; [`fused_kernels::layer_norm`] has one. The parameters are still
+/// candle-nn's (`layer_norm` creates them).
 #[derive(Debug, Clone)]
 struct Norm(LayerNorm);
 
@@ -86,7 +88,7 @@ impl Norm {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let bias = self.0.bias().expect("layer_norm creates a bias");
-        candle_nn::ops::layer_norm_slow(x, self.0.weight(), bias, LN_EPS)
+        fused_kernels::layer_norm(x, self.0.weight(), bias, LN_EPS as f64)
     }
 }
 
@@ -115,34 +117,29 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
-        let x = (x + drop(
-            self.attention(&self.ln_1.forward(x)?, mask, dropout)?,
-            dropout,
-        )?)?;
-        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?;
-        x + drop(self.mlp_proj.forward(&h)?, dropout)?
+    fn forward(&self, x: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+        let x = (x + drop(self.attention(&self.ln_1.forward(x)?, dropout)?, dropout)?)?;
+        let h = fused_kernels::gelu(&linear(&self.c_fc, &self.ln_2.forward(&x)?)?)?;
+        x + drop(linear(&self.mlp_proj, &h)?, dropout)?
     }
 
-    /// Causal multi-head self-attention of `x` `[b, t, width]`; `mask` is `[t, t]` f32.
-    fn attention(&self, x: &Tensor, mask: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+    /// Causal multi-head self-attention of `x` `[b, t, width]`. Padding lies after the real
+    /// tokens, so the causal mask alone keeps it out of every real token's attention.
+    fn attention(&self, x: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
         let (b, t, w) = x.dims3()?;
         let hd = w / self.heads;
         // [b, t, 3w] -> [3, b, heads, t, hd]
-        let qkv = self
-            .c_attn
-            .forward(x)?
+        let qkv = linear(&self.c_attn, x)?
             .reshape((b, t, 3, self.heads, hd))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
-        let att = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(x.dtype())?;
+        // Scaled, masked and normalized in one op, in f32 for bf16 scores.
+        let att = fused_kernels::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
         let att = drop(att, dropout)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
-        self.attn_proj.forward(&y)
+        linear(&self.attn_proj, &y)
     }
 }
 
@@ -161,26 +158,12 @@ impl Gpt {
         let blocks = (0..c.layers)
             .map(|i| Block::new(&c, vb.pp(format!("h.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let causal_mask = Tensor::from_vec(
-            (0..c.context * c.context)
-                .map(|i| {
-                    if i % c.context > i / c.context {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect::<Vec<f32>>(),
-            (c.context, c.context),
-            vb.device(),
-        )?;
         Ok(Self {
             wte: candle_nn::embedding(c.vocab, c.width, vb.pp("wte"))?,
             wpe: candle_nn::embedding(c.context, c.width, vb.pp("wpe"))?,
             blocks,
             ln_f: Norm::new(c.width, vb.pp("ln_f"))?,
             lm_head: candle_nn::linear_no_bias(c.width, c.vocab, vb.pp("lm_head"))?,
-            causal_mask,
             config,
         })
     }
@@ -198,7 +181,7 @@ impl Gpt {
 
     /// [`forward`](Self::forward) in training mode with `dropout` (none when `None`).
     pub fn forward_with(&self, tokens: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
-        let (_, t) = tokens.dims2()?;
+        let (b, t) = tokens.dims2()?;
         if t > self.config.context {
             candle_core::bail!(
                 "a sequence of {t} tokens is longer than the model's context of {}",
@@ -206,33 +189,38 @@ impl Gpt {
             );
         }
         let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
-        let x = self
-            .wte
-            .forward(tokens)?
-            .broadcast_add(&self.wpe.forward(&positions)?)?;
+        let w = self.config.width;
+        // The position embedding `[t, w]` is the same "bias" for every sequence `[t · w]`.
+        let x = fused_kernels::add_bias(
+            &self.wte.forward(tokens)?.reshape((b, t * w))?,
+            &self.wpe.forward(&positions)?.reshape(t * w)?,
+        )?
+        .reshape((b, t, w))?;
         let mut x = drop(x, dropout)?;
-        let mask = self.causal_mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
         for block in &self.blocks {
-            x = block.forward(&x, &mask, dropout)?;
+            x = block.forward(&x, dropout)?;
         }
-        self.lm_head
-            .forward(&self.ln_f.forward(&x)?)?
-            .to_dtype(DType::F32)
+        linear(&self.lm_head, &self.ln_f.forward(&x)?)?.to_dtype(DType::F32)
     }
 }
 
 /// The sum over real tokens of the cross-entropy of `logits` `[b, t, vocab]` against `targets`
 /// `[b, t]` (u32), weighted by `mask` `[b, t]` (1 for a real token, 0 for padding): the summed
-/// loss of item-weighted accumulation. A scalar.
+/// loss of item-weighted accumulation. A scalar (f32 for f32 logits), by the fused
+/// [`fused_kernels::cross_entropy`].
 pub fn summed_token_loss(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    let log_probs = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?, D::Minus1)?;
-    let picked = log_probs
-        .gather(&targets.reshape((b * t, 1))?, 1)?
-        .reshape(b * t)?;
-    (picked * mask.reshape(b * t)?.to_dtype(logits.dtype())?)?
-        .sum_all()?
-        .neg()
+    fused_kernels::cross_entropy(
+        &logits.reshape((b * t, v))?,
+        &targets.reshape(b * t)?,
+        &mask.reshape(b * t)?,
+    )
+}
+
+/// `layer`'s `x · Wᵀ + b` through [`fused_kernels::linear`]: candle-nn's products, and a bias add
+/// whose gradient is one contiguous sum over rows.
+fn linear(layer: &Linear, x: &Tensor) -> Result<Tensor> {
+    fused_kernels::linear(x, layer.weight(), layer.bias())
 }
 
 /// Builds the model in `dtype` (the accelerator's compute dtype) in a fresh `VarMap`, with

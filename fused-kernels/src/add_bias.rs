@@ -1,0 +1,139 @@
+//! A bias added to every row, whose gradient is summed over rows in one contiguous pass (candle's
+//! `broadcast_add` backward sums over the leading dimensions with strided reductions).
+
+use crate::element::{contiguous, dispatch, Element};
+use crate::rows::{for_each_row, rows_of, sum_over_rows};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+
+/// `x + bias` for `x` `[..., n]` and `bias` `[n]` (added to every row), in the dtype both share.
+///
+/// Gradients: `dx = dy` (the same tensor) and `d_bias = Σ_rows dy`, accumulated in f32 for
+/// bf16/f16 and in row blocks (the same sum on any number of threads).
+pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (_, n) = rows_of("add_bias", "x", x.dims())?;
+    if bias.dims() != [n] {
+        candle_core::bail!(
+            "add_bias: bias must have shape [{n}] (the last dimension of x {:?}), got {:?}",
+            x.dims(),
+            bias.dims()
+        );
+    }
+    if !x.device().is_cpu() {
+        return x.broadcast_add(bias);
+    }
+    x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)
+}
+
+/// A linear layer, `x · weightᵀ + bias`, for `x` `[..., in]`, `weight` `[out, in]` (PyTorch's
+/// `nn.Linear` layout) and `bias` `[out]`: candle-nn's `Linear` product (one matrix product over
+/// all rows of a contiguous `x`) followed by [`add_bias`].
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = product_with_transpose(x, weight)?;
+    match bias {
+        Some(b) => add_bias(&y, b),
+        None => Ok(y),
+    }
+}
+
+/// `x · weightᵀ` with candle-nn's `Linear::forward` products: one matrix product over the rows
+/// of a contiguous `x`, a batched one otherwise.
+fn product_with_transpose(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let (_, inp) = weight.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "linear: weight must have shape [out, in], got {:?}",
+            weight.dims()
+        ))
+    })?;
+    if x.dims().last() != Some(&inp) {
+        candle_core::bail!(
+            "linear: the last dimension of x {:?} must be weight's in = {inp} (weight {:?})",
+            x.dims(),
+            weight.dims()
+        );
+    }
+    let w = weight.t()?;
+    match *x.dims() {
+        [b1, b2, m, k] if x.is_contiguous() => {
+            x.reshape((b1 * b2 * m, k))?
+                .matmul(&w)?
+                .reshape((b1, b2, m, ()))
+        }
+        [b, m, k] if x.is_contiguous() => x.reshape((b * m, k))?.matmul(&w)?.reshape((b, m, ())),
+        [b1, b2, _, _] => x.matmul(&weight.broadcast_left((b1, b2))?.t()?),
+        [b, _, _] => x.matmul(&weight.broadcast_left(b)?.t()?),
+        _ => x.matmul(&w),
+    }
+}
+
+/// The forward op.
+struct AddBias;
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "add_bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let x = contiguous::<T>("add_bias", "x", s1, l1)?;
+            let b = contiguous::<T>("add_bias", "bias", s2, l2)?;
+            let n = b.len();
+            let mut out = vec![T::from_acc(num_traits::Zero::zero()); x.len()];
+            for_each_row(&mut out, n, |r, y| {
+                for ((y, x), b) in y.iter_mut().zip(&x[r * n..(r + 1) * n]).zip(b) {
+                    *y = T::from_acc(x.to_acc() + b.to_acc());
+                }
+            });
+            Ok((T::storage(out), l1.shape().clone()))
+        }
+        dispatch!("add_bias", s1, run(s1, l1, s2, l2))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _bias: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = dy.contiguous()?.apply_op1_no_bwd(&SumRows)?;
+        Ok((Some(dy.clone()), Some(db)))
+    }
+}
+
+/// `[..., n] → [n]`, the sum of the rows.
+struct SumRows;
+
+impl CustomOp1 for SumRows {
+    fn name(&self) -> &'static str {
+        "add_bias-backward"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+            let dy = contiguous::<T>("add_bias-backward", "dy", s, l)?;
+            let (rows, n) = rows_of("add_bias-backward", "dy", l.dims())?;
+            let sums = sum_over_rows(rows, n, n, |first, end, acc| {
+                for row in dy[first * n..end * n].chunks_exact(n) {
+                    for (a, v) in acc.iter_mut().zip(row) {
+                        *a = *a + v.to_acc();
+                    }
+                }
+            });
+            let out = sums.into_iter().map(T::from_acc).collect();
+            Ok((T::storage(out), Shape::from(n)))
+        }
+        dispatch!("add_bias-backward", s, run(s, l))
+    }
+}

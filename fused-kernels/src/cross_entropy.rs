@@ -1,0 +1,218 @@
+//! Weighted, summed cross-entropy from logits: log-softmax, the target's pick, the weights and the
+//! sum in one op (PyTorch: `(F.cross_entropy(logits, targets, reduction="none") * weights).sum()`).
+
+use crate::element::{constant, contiguous, dispatch, Element};
+use crate::rows::for_each_row;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use num_traits::{Float, One, ToPrimitive, Zero};
+use rayon::prelude::*;
+
+/// The summed weighted cross-entropy of `logits` `[n, v]` against `targets` `[n]` (class indices,
+/// u32; other integer dtypes are converted) with `weights` `[n]`:
+/// `loss = Σ_i w_i · (logsumexp(logits_i) − logits_i[targets_i])`, a scalar.
+///
+/// A row of weight 0 contributes exactly 0 and is not read past its target check (padding may hold
+/// anything). Every target must be `< v`.
+///
+/// The gradient goes to `logits` only: `d_logits_ij = dloss · w_i · (softmax(logits_i)_j − [j =
+/// targets_i])`. The loss is f64 for f64 logits and f32 otherwise (bf16/f16 logits are computed in
+/// f32); `weights` may be any float dtype (read as f64).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    let (n, v) = match logits.dims() {
+        &[n, v] => (n, v),
+        dims => candle_core::bail!("cross_entropy: logits must have shape [n, v], got {dims:?}"),
+    };
+    for (what, t) in [("targets", targets), ("weights", weights)] {
+        if t.dims() != [n] {
+            candle_core::bail!(
+                "cross_entropy: {what} must have shape [{n}] (one per row of logits {:?}), got {:?}",
+                logits.dims(),
+                t.dims()
+            );
+        }
+    }
+    if v == 0 {
+        candle_core::bail!("cross_entropy: logits {:?} have no classes", logits.dims());
+    }
+    let targets = match targets.dtype() {
+        DType::U32 => targets.contiguous()?,
+        DType::U8 | DType::I64 | DType::I32 | DType::I16 => targets.to_dtype(DType::U32)?,
+        other => candle_core::bail!(
+            "cross_entropy: targets must be class indices (u32, or an integer dtype), got {other:?}"
+        ),
+    };
+    if !weights.dtype().is_float() {
+        candle_core::bail!(
+            "cross_entropy: weights must be floats, got {:?}",
+            weights.dtype()
+        );
+    }
+    if !logits.device().is_cpu() {
+        return crate::fallback::cross_entropy(logits, &targets, weights);
+    }
+    logits
+        .contiguous()?
+        .apply_op3(&targets, &weights.contiguous()?, CrossEntropy)
+}
+
+/// The targets as indices, each checked against `v` classes.
+fn checked_targets<'a>(op: &str, s: &'a CpuStorage, l: &Layout, v: usize) -> Result<&'a [u32]> {
+    let CpuStorage::U32(t) = s else {
+        candle_core::bail!("{op}: targets must be u32 (the public function converts them)");
+    };
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: targets are not contiguous");
+    };
+    let t = &t[start..end];
+    if let Some((i, bad)) = t.iter().enumerate().find(|(_, &c)| c as usize >= v) {
+        candle_core::bail!("{op}: targets[{i}] = {bad} is not a class of the {v} logits per row");
+    }
+    Ok(t)
+}
+
+/// Float weights (any float dtype) as f64.
+fn weights_f64(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+    fn read<T: Element>(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+        let w = contiguous::<T>(op, "weights", s, l)?;
+        Ok(w.iter()
+            .map(|w| w.to_acc().to_f64().unwrap_or(f64::NAN))
+            .collect())
+    }
+    dispatch!(op, s, read(op, s, l))
+}
+
+/// `logsumexp` of one row.
+#[inline(always)]
+fn logsumexp<T: Element>(row: &[T]) -> T::Acc {
+    let max = row
+        .iter()
+        .map(|v| v.to_acc())
+        .fold(<T::Acc>::neg_infinity(), Float::max);
+    let sum = row.iter().map(|v| (v.to_acc() - max).exp()).sum::<T::Acc>();
+    max + sum.ln()
+}
+
+/// The forward op.
+struct CrossEntropy;
+
+impl CustomOp3 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross_entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            s3: &CpuStorage,
+            l3: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let logits = contiguous::<T>("cross_entropy", "logits", s1, l1)?;
+            let v = l1.dims()[1];
+            let targets = checked_targets("cross_entropy", s2, l2, v)?;
+            let weights = weights_f64("cross_entropy", s3, l3)?;
+            let row_loss = |i: usize| {
+                if weights[i] == 0.0 {
+                    return <T::Acc>::zero();
+                }
+                let row = &logits[i * v..(i + 1) * v];
+                let w = constant::<T::Acc>(weights[i]);
+                w * (logsumexp(row) - row[targets[i] as usize].to_acc())
+            };
+            // Per-row losses, then one sum in row order: the same result on any thread count.
+            let losses: Vec<T::Acc> = if logits.len() >= 1 << 16 && rayon::current_num_threads() > 1
+            {
+                (0..targets.len()).into_par_iter().map(row_loss).collect()
+            } else {
+                (0..targets.len()).map(row_loss).collect()
+            };
+            let total = losses.into_iter().fold(<T::Acc>::zero(), |a, b| a + b);
+            let storage = match T::DTYPE {
+                DType::F64 => CpuStorage::F64(vec![total.to_f64().unwrap_or(f64::NAN)]),
+                _ => CpuStorage::F32(vec![total.to_f32().unwrap_or(f32::NAN)]),
+            };
+            Ok((storage, Shape::from(())))
+        }
+        dispatch!("cross_entropy", s1, run(s1, l1, s2, l2, s3, l3))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        weights: &Tensor,
+        _loss: &Tensor,
+        dloss: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let scaled = weights
+            .to_dtype(dloss.dtype())?
+            .broadcast_mul(dloss)?
+            .contiguous()?;
+        let grad = logits.apply_op3_no_bwd(targets, &scaled, &CrossEntropyBackward)?;
+        Ok((Some(grad), None, None))
+    }
+}
+
+/// The backward op: `(logits, targets, dloss · weights) → d_logits`.
+struct CrossEntropyBackward;
+
+impl CustomOp3 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "cross_entropy-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            s3: &CpuStorage,
+            l3: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let op = "cross_entropy-backward";
+            let logits = contiguous::<T>(op, "logits", s1, l1)?;
+            let v = l1.dims()[1];
+            let targets = checked_targets(op, s2, l2, v)?;
+            let scaled = weights_f64(op, s3, l3)?;
+            let mut out = vec![T::from_acc(<T::Acc>::zero()); logits.len()];
+            for_each_row(&mut out, v, |i, grad| {
+                if scaled[i] == 0.0 {
+                    return;
+                }
+                let row = &logits[i * v..(i + 1) * v];
+                let lse = logsumexp(row);
+                let w = constant::<T::Acc>(scaled[i]);
+                let t = targets[i] as usize;
+                for (j, (g, x)) in grad.iter_mut().zip(row).enumerate() {
+                    let p = (x.to_acc() - lse).exp();
+                    *g = T::from_acc(if j == t {
+                        w * (p - <T::Acc>::one())
+                    } else {
+                        w * p
+                    });
+                }
+            });
+            Ok((T::storage(out), l1.shape().clone()))
+        }
+        dispatch!("cross_entropy-backward", s1, run(s1, l1, s2, l2, s3, l3))
+    }
+}

@@ -1,0 +1,47 @@
+//! Trainable fused CPU kernels for [candle](https://github.com/huggingface/candle) transformers.
+//!
+//! Each function here is one candle `CustomOp` with a forward pass and a backward pass, so
+//! `Tensor::backward` reaches through it (candle-nn's fused `layer_norm`, `rms_norm` and
+//! `softmax_last_dim` record no backward, and its differentiable versions are chains of small
+//! ops). A backward pass is itself one op that computes every gradient in one pass over the rows.
+//!
+//! | function | computes |
+//! |---|---|
+//! | [`layer_norm`] | LayerNorm over the last dimension |
+//! | [`rms_norm`] | RMSNorm over the last dimension (Llama's) |
+//! | [`causal_softmax`] | softmax of scaled attention scores under a causal mask |
+//! | [`cross_entropy`] | weighted, summed cross-entropy from logits |
+//! | [`gelu`], [`silu`], [`swiglu`] | activations (GELU's tanh approximation) |
+//! | [`rotary`] | rotary position embeddings (Hugging Face's `rotate_half` convention) |
+//! | [`add_bias`], [`linear`] | a bias add whose gradient is a contiguous row sum |
+//!
+//! Every op takes f32 and f64, and bf16/f16 computed in f32. Inputs may have any layout (the
+//! functions make them contiguous). Large tensors are split over rayon's threads by rows.
+//! The kernels run on the CPU. On another device (CUDA, Metal) each function computes the same
+//! formula with candle's differentiable ops instead (no kernel there yet; slower, still trainable).
+
+#![deny(missing_docs)]
+
+mod add_bias;
+mod causal_softmax;
+mod cross_entropy;
+mod element;
+mod elementwise;
+mod fallback;
+mod gelu;
+mod layer_norm;
+mod rms_norm;
+mod rotary;
+mod rows;
+mod silu;
+mod swiglu;
+
+pub use add_bias::{add_bias, linear};
+pub use causal_softmax::causal_softmax;
+pub use cross_entropy::cross_entropy;
+pub use gelu::gelu;
+pub use layer_norm::layer_norm;
+pub use rms_norm::rms_norm;
+pub use rotary::rotary;
+pub use silu::silu;
+pub use swiglu::swiglu;

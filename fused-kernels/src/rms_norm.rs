@@ -1,0 +1,170 @@
+//! RMSNorm over the last dimension (Llama's `LlamaRMSNorm`).
+
+use crate::element::{constant, contiguous, dispatch, Element};
+use crate::rows::{for_each_row, for_each_row_summing, rows_of};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use num_traits::{Float, Zero};
+
+/// RMSNorm over the last dimension `d` of `x` `[..., d]` with `weight` `[d]`:
+/// `y = x · r · weight` with `r = 1 / √(mean(x²) + eps)` per row, in f32 for bf16/f16 inputs (as
+/// Llama's, except that Hugging Face rounds `x · r` to the input dtype before the product with
+/// the weight and this rounds once, at the end).
+///
+/// Gradients from one pass: with `x̂ = x · r` and `ĝ = dy · weight`,
+/// `dx = r · (ĝ − x̂ · mean(ĝ · x̂))` and `d_weight = Σ_rows dy · x̂`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let (_, d) = rows_of("rms_norm", "x", x.dims())?;
+    if weight.dims() != [d] {
+        candle_core::bail!(
+            "rms_norm: weight must have shape [{d}] (the last dimension of x {:?}), got {:?}",
+            x.dims(),
+            weight.dims()
+        );
+    }
+    if !x.device().is_cpu() {
+        return crate::fallback::rms_norm(x, weight, eps);
+    }
+    x.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+}
+
+/// `r` of one row.
+#[inline(always)]
+fn rstd<T: Element>(x: &[T], eps: T::Acc) -> T::Acc {
+    let n = constant::<T::Acc>(x.len() as f64);
+    let ms = x
+        .iter()
+        .map(|v| {
+            let v = v.to_acc();
+            v * v
+        })
+        .sum::<T::Acc>()
+        / n;
+    (ms + eps).sqrt().recip()
+}
+
+/// The forward op.
+struct RmsNorm {
+    eps: f64,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(
+            eps: f64,
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let x = contiguous::<T>("rms_norm", "x", s1, l1)?;
+            let w = contiguous::<T>("rms_norm", "weight", s2, l2)?;
+            let (_, d) = rows_of("rms_norm", "x", l1.dims())?;
+            let eps = constant::<T::Acc>(eps);
+            let mut out = vec![T::from_acc(<T::Acc>::zero()); x.len()];
+            for_each_row(&mut out, d, |r, y| {
+                let x = &x[r * d..(r + 1) * d];
+                let rstd = rstd(x, eps);
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = T::from_acc(x.to_acc() * rstd * w.to_acc());
+                }
+            });
+            Ok((T::storage(out), l1.shape().clone()))
+        }
+        dispatch!("rms_norm", s1, run(self.eps, s1, l1, s2, l2))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (rows, _) = rows_of("rms_norm", "x", x.dims())?;
+        let all = x.apply_op3_no_bwd(
+            weight,
+            &dy.contiguous()?,
+            &RmsNormBackward { eps: self.eps },
+        )?;
+        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
+        Ok((Some(dx), Some(all.get(rows)?)))
+    }
+}
+
+/// The backward op: `(x, weight, dy) → [rows + 1, d]`, the rows of `dx` then `d_weight`.
+struct RmsNormBackward {
+    eps: f64,
+}
+
+impl CustomOp3 for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "rms_norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Element>(
+            eps: f64,
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            s3: &CpuStorage,
+            l3: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let x = contiguous::<T>("rms_norm-backward", "x", s1, l1)?;
+            let w = contiguous::<T>("rms_norm-backward", "weight", s2, l2)?;
+            let dy = contiguous::<T>("rms_norm-backward", "dy", s3, l3)?;
+            let (rows, d) = rows_of("rms_norm-backward", "x", l1.dims())?;
+            let eps = constant::<T::Acc>(eps);
+            let n = constant::<T::Acc>(d as f64);
+            let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 1) * d];
+            let (dx, dw) = out.split_at_mut(rows * d);
+            let sums = for_each_row_summing(dx, d, d, |r, dx, pw| {
+                let x = &x[r * d..(r + 1) * d];
+                let g = &dy[r * d..(r + 1) * d];
+                let rstd = rstd(x, eps);
+                let mean_gx = x
+                    .iter()
+                    .zip(g)
+                    .zip(w)
+                    .map(|((x, g), w)| g.to_acc() * w.to_acc() * x.to_acc() * rstd)
+                    .sum::<T::Acc>()
+                    / n;
+                for (j, dx) in dx.iter_mut().enumerate() {
+                    let xhat = x[j].to_acc() * rstd;
+                    let g = g[j].to_acc();
+                    *dx = T::from_acc(rstd * (g * w[j].to_acc() - xhat * mean_gx));
+                    pw[j] = pw[j] + g * xhat;
+                }
+            });
+            for (p, s) in dw.iter_mut().zip(sums) {
+                *p = T::from_acc(s);
+            }
+            Ok((T::storage(out), Shape::from((rows + 1, d))))
+        }
+        dispatch!(
+            "rms_norm-backward",
+            s1,
+            run(self.eps, s1, l1, s2, l2, s3, l3)
+        )
+    }
+}

@@ -1,0 +1,104 @@
+//! Every op's gradients, for every input that takes one, against central finite differences in
+//! f64.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{check_gradients, tensor};
+
+#[test]
+fn layer_norm() {
+    let inputs = [
+        (tensor(&[2, 3, 7], 1, 2.0) + 0.3).unwrap(),
+        tensor(&[7], 2, 1.5),
+        tensor(&[7], 3, 1.0),
+    ];
+    check_gradients("layer_norm", &inputs, &[0, 1, 2], |x| {
+        fused_kernels::layer_norm(&x[0], &x[1], &x[2], 1e-5)
+    });
+}
+
+#[test]
+fn rms_norm() {
+    let inputs = [tensor(&[3, 2, 6], 4, 2.0), tensor(&[6], 5, 1.5)];
+    check_gradients("rms_norm", &inputs, &[0, 1], |x| {
+        fused_kernels::rms_norm(&x[0], &x[1], 1e-6)
+    });
+}
+
+#[test]
+fn causal_softmax_square_and_with_more_keys_than_queries() {
+    for (t_q, t_k) in [(4, 4), (3, 6), (1, 5)] {
+        let inputs = [tensor(&[2, 2, t_q, t_k], 6 + t_k as u64, 3.0)];
+        check_gradients("causal_softmax", &inputs, &[0], |x| {
+            fused_kernels::causal_softmax(&x[0], 0.7)
+        });
+    }
+}
+
+#[test]
+fn cross_entropy() {
+    let targets = Tensor::new(&[2u32, 0, 4, 4, 1], &Device::Cpu).unwrap();
+    let weights = Tensor::new(&[1.0f64, 0.0, 0.5, 2.0, 1.0], &Device::Cpu).unwrap();
+    let inputs = [tensor(&[5, 6], 7, 3.0), targets, weights];
+    check_gradients("cross_entropy", &inputs, &[0], |x| {
+        fused_kernels::cross_entropy(&x[0], &x[1], &x[2])
+    });
+}
+
+#[test]
+fn gelu_silu_swiglu() {
+    let x = [tensor(&[3, 9], 8, 4.0)];
+    check_gradients("gelu", &x, &[0], |x| fused_kernels::gelu(&x[0]));
+    check_gradients("silu", &x, &[0], |x| fused_kernels::silu(&x[0]));
+    let inputs = [tensor(&[3, 9], 9, 4.0), tensor(&[3, 9], 10, 2.0)];
+    check_gradients("swiglu", &inputs, &[0, 1], |x| {
+        fused_kernels::swiglu(&x[0], &x[1])
+    });
+}
+
+#[test]
+fn rotary() {
+    let (t, d) = (5, 8);
+    let angles = tensor(&[t, d / 2], 11, 3.0);
+    let inputs = [
+        tensor(&[2, 3, t, d], 12, 1.0),
+        angles.cos().unwrap(),
+        angles.sin().unwrap(),
+    ];
+    check_gradients("rotary", &inputs, &[0], |x| {
+        fused_kernels::rotary(&x[0], &x[1], &x[2])
+    });
+}
+
+#[test]
+fn add_bias_and_linear() {
+    let inputs = [tensor(&[2, 3, 5], 13, 1.0), tensor(&[5], 14, 1.0)];
+    check_gradients("add_bias", &inputs, &[0, 1], |x| {
+        fused_kernels::add_bias(&x[0], &x[1])
+    });
+    let inputs = [
+        tensor(&[2, 3, 5], 15, 1.0),
+        tensor(&[4, 5], 16, 1.0),
+        tensor(&[4], 17, 1.0),
+    ];
+    check_gradients("linear", &inputs, &[0, 1, 2], |x| {
+        fused_kernels::linear(&x[0], &x[1], Some(&x[2]))
+    });
+}
+
+#[test]
+fn non_contiguous_inputs_give_the_gradients_of_their_contiguous_copies() {
+    // x transposed: [5, 2, 3] seen as [3, 2, 5] through a permutation.
+    let base = tensor(&[5, 2, 3], 18, 2.0);
+    let inputs = [base, tensor(&[5], 19, 1.0), tensor(&[5], 20, 1.0)];
+    check_gradients("layer_norm (permuted x)", &inputs, &[0, 1, 2], |x| {
+        let xt = x[0].permute((2, 1, 0))?;
+        assert!(!xt.is_contiguous());
+        fused_kernels::layer_norm(&xt, &x[1], &x[2], 1e-5)
+    });
+    let scores = tensor(&[4, 3, 2], 21, 2.0);
+    check_gradients("causal_softmax (transposed)", &[scores], &[0], |x| {
+        fused_kernels::causal_softmax(&x[0].transpose(0, 2)?.to_dtype(DType::F64)?, 1.0)
+    });
+}
