@@ -9,15 +9,15 @@
 //! `nn.Linear` layouts (`[out, in]`), so weights move between this model and transformers
 //! unchanged.
 //!
-//! Each operation is one small private function built from candle ops that record a backward
-//! pass (`rms_norm`, `rotary`, `causal_softmax`, `swiglu`, `cross_entropy`). candle-nn's
-//! fused `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and `sdpa` record none, so training
-//! through them would silently leave the weights before them untouched.
+//! RMSNorm, the rotary embedding, the causal softmax, SwiGLU and the cross-entropy are the trainable
+//! fused kernels of the `fused-kernels` crate: one op with a backward pass each. candle-nn's fused
+//! `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and `sdpa` record none, so training through
+//! them would silently leave the weights before them untouched.
 //!
 //! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
 //! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -51,61 +51,6 @@ struct DecoderLayer {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
-}
-
-/// RMSNorm as transformers' `LlamaRMSNorm`: `x / sqrt(mean(x²) + eps)` over the last dimension,
-/// computed in f32, cast back to `x`'s dtype, times `weight`.
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let x32 = x.to_dtype(DType::F32)?;
-    let mean_square = x32.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = x32.broadcast_div(&(mean_square + eps)?.sqrt()?)?;
-    normed.to_dtype(x.dtype())?.broadcast_mul(weight)
-}
-
-/// The rotary position embedding of `x` `[b, heads, t, head_dim]` with `cos`, `sin`
-/// `[t, head_dim / 2]`, in Hugging Face's `rotate_half` convention: dimension `i` of the first
-/// half is paired with dimension `i` of the second, `x·cos + rotate_half(x)·sin` with
-/// `rotate_half(x) = [-x₂, x₁]`.
-fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let first = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let second = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Tensor::cat(&[first, second], D::Minus1)
-}
-
-/// `softmax(scores · scale)` over the last dimension of `scores` `[b, heads, t, t]` with position
-/// `i` attending to positions `0..=i` only; computed in f32 and returned in `scores`' dtype.
-fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
-    let t = scores.dim(D::Minus1)?;
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), scores.device())?;
-    let scores32 = (scores.to_dtype(DType::F32)? * scale)?.broadcast_add(&mask)?;
-    candle_nn::ops::softmax(&scores32, D::Minus1)?.to_dtype(scores.dtype())
-}
-
-/// The SwiGLU gate: `silu(gate) · up`.
-fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    gate.silu()? * up
-}
-
-/// `Σᵢ weightsᵢ · (-log softmax(logitsᵢ)[targetsᵢ])` over the rows of `logits` `[n, vocab]`
-/// (f32), `targets` `[n]` (u32), `weights` `[n]` (f32): the summed loss of item-weighted
-/// accumulation. A scalar.
-fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    let n = logits.dim(0)?;
-    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
-    let picked = log_probs.gather(&targets.reshape((n, 1))?, 1)?.reshape(n)?;
-    (picked * weights)?.sum_all()?.neg()
 }
 
 /// `x` `[b, kv_heads, t, d]` with every key/value head repeated for its `groups` query heads:
@@ -146,10 +91,10 @@ impl DecoderLayer {
     }
 
     fn forward(&self, x: &Tensor, c: &LlamaConfig, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let normed = rms_norm(x, &self.input_layernorm, c.rms_norm_eps)?;
+        let normed = fused_kernels::rms_norm(x, &self.input_layernorm, c.rms_norm_eps)?;
         let x = (x + self.attention(&normed, c, cos, sin)?)?;
-        let normed = rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps)?;
-        let gated = swiglu(
+        let normed = fused_kernels::rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps)?;
+        let gated = fused_kernels::swiglu(
             &self.gate_proj.forward(&normed)?,
             &self.up_proj.forward(&normed)?,
         )?;
@@ -161,13 +106,13 @@ impl DecoderLayer {
         let (b, t, _) = x.dims3()?;
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let split = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
-        let q = rotary(&split(self.q_proj.forward(x)?, heads)?, cos, sin)?;
-        let k = rotary(&split(self.k_proj.forward(x)?, kv)?, cos, sin)?;
+        let q = fused_kernels::rotary(&split(self.q_proj.forward(x)?, heads)?, cos, sin)?;
+        let k = fused_kernels::rotary(&split(self.k_proj.forward(x)?, kv)?, cos, sin)?;
         let v = split(self.v_proj.forward(x)?, kv)?;
         let k = repeat_kv(k, heads / kv)?;
         let v = repeat_kv(v, heads / kv)?;
         let scores = q.matmul(&k.t()?)?;
-        let probs = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
+        let probs = fused_kernels::causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
         let y = probs
             .matmul(&v)?
             .transpose(1, 2)?
@@ -227,7 +172,7 @@ impl Llama {
             x = layer.forward(&x, c, &cos, &sin)?;
         }
         self.lm_head
-            .forward(&rms_norm(&x, &self.norm, c.rms_norm_eps)?)?
+            .forward(&fused_kernels::rms_norm(&x, &self.norm, c.rms_norm_eps)?)?
             .to_dtype(DType::F32)
     }
 
@@ -252,7 +197,7 @@ pub fn causal_lm_loss_sum(logits: &Tensor, input_ids: &Tensor) -> Result<Tensor>
     let predicting = logits.narrow(1, 0, t - 1)?.reshape((n, v))?;
     let targets = input_ids.narrow(1, 1, t - 1)?.contiguous()?.reshape(n)?;
     let weights = Tensor::ones(n, DType::F32, logits.device())?;
-    cross_entropy(&predicting, &targets, &weights)
+    fused_kernels::cross_entropy(&predicting, &targets, &weights)
 }
 
 /// cos and sin of `position · θ^(-2i / head_dim)` for every position and `i < head_dim / 2`
@@ -393,7 +338,7 @@ mod tests {
         let (cos, sin) = rotary_tables(&c, &Device::Cpu, DType::F32).unwrap();
         let x = Tensor::new(&[[[[1f32, 2., 3., 4.]; 3]]], &Device::Cpu).unwrap();
         // [1, 1, 3, 4] -> [1, 3, 4] -> one head's 3 positions.
-        let y: Vec<Vec<Vec<f32>>> = rotary(&x, &cos, &sin)
+        let y: Vec<Vec<Vec<f32>>> = fused_kernels::rotary(&x, &cos, &sin)
             .unwrap()
             .get(0)
             .unwrap()
