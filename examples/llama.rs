@@ -129,6 +129,16 @@ fn check_flags(args: &Args) -> Result<()> {
         );
     }
     args.run.check()?;
+    if let Some(path) = &args.save_model {
+        // config.json is written beside the weights: the weights cannot take its name.
+        if path.file_name().and_then(|n| n.to_str()) == Some("config.json") {
+            bail!(
+                "--save-model {}: config.json is written beside the weights; name the weights \
+                 model.safetensors (the name transformers' from_pretrained reads)",
+                path.display()
+            );
+        }
+    }
     if let Some(lr) = args.lr {
         if !(lr.is_finite() && lr > 0.0) {
             bail!("--lr must be a positive number, got {lr}");
@@ -412,6 +422,13 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
     let Some(path) = path else {
         return Ok(());
     };
+    if path.file_name().and_then(|n| n.to_str()) != Some("model.safetensors") {
+        acc.print(format!(
+            "note: transformers' from_pretrained loads a directory's weights only from \
+             model.safetensors; {} will need renaming for it",
+            path.display()
+        ));
+    }
     let written = if acc.is_main_process() {
         let tensors: Vec<(String, Tensor)> = acc
             .parameters()

@@ -63,6 +63,7 @@ struct HfConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     hidden_act: Option<String>,
+    attention_dropout: Option<f64>,
 }
 
 /// transformers 5.x's `rope_parameters`, or 4.x's `rope_scaling` (which named the type `type` in
@@ -112,12 +113,19 @@ impl LlamaConfig {
             }
         }
         if let Some(act) = hf.hidden_act.as_deref() {
-            if act != "silu" {
+            // transformers' ACT2FN maps both names to SiLU.
+            if act != "silu" && act != "swish" {
                 bail!(
                     "hidden_act is {act:?}; this model's MLP is SwiGLU: set \"hidden_act\": \
                      \"silu\""
                 );
             }
+        }
+        if let Some(p) = hf.attention_dropout.filter(|&p| p != 0.0) {
+            bail!(
+                "attention_dropout is {p}; this model has no attention dropout: set \
+                 \"attention_dropout\": 0.0"
+            );
         }
         for (field, rope) in [
             ("rope_parameters", &hf.rope_parameters),
@@ -371,6 +379,8 @@ mod tests {
         assert!(e.contains("mlp_bias"), "{e}");
         let e = refusal(v5(serde_json::json!({"hidden_act": "gelu"})));
         assert!(e.contains("hidden_act") && e.contains("silu"), "{e}");
+        let e = refusal(v5(serde_json::json!({"attention_dropout": 0.1})));
+        assert!(e.contains("attention_dropout") && e.contains("0.0"), "{e}");
         let e = refusal(v5(serde_json::json!({"rope_parameters":
             {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}})));
         assert!(e.contains("rope_parameters") && e.contains("llama3"), "{e}");
