@@ -357,6 +357,14 @@ fn bad_weights_data_and_configs_are_refused_with_the_problem_named() {
     assert!(e.contains("--kv-heads 3") && e.contains("--heads 4"), "{e}");
     let e = refused(&["--width", "30", "--heads", "4"]);
     assert!(e.contains("--width 30"), "{e}");
+    // The weights cannot take the name of the config.json written beside them.
+    let clash = dir.path().join("config.json");
+    let e = refused(&["--save-model", clash.to_str().unwrap(), "--max-steps", "1"]);
+    assert!(
+        e.contains("config.json") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    assert!(!clash.exists(), "nothing was written");
 }
 
 /// `-Σ p ln p` over the characters of the built-in text, in nats: the loss of a model that

@@ -379,6 +379,10 @@ mod tests {
         assert!(e.contains("mlp_bias"), "{e}");
         let e = refusal(v5(serde_json::json!({"hidden_act": "gelu"})));
         assert!(e.contains("hidden_act") && e.contains("silu"), "{e}");
+        assert!(
+            LlamaConfig::from_hf_json(&v5(serde_json::json!({"hidden_act": "swish"}))).is_ok(),
+            "transformers' ACT2FN maps \"swish\" to SiLU too"
+        );
         let e = refusal(v5(serde_json::json!({"attention_dropout": 0.1})));
         assert!(e.contains("attention_dropout") && e.contains("0.0"), "{e}");
         let e = refusal(v5(serde_json::json!({"rope_parameters":
