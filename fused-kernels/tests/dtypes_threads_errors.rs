@@ -133,9 +133,14 @@ fn the_parallel_paths_give_the_single_thread_results_exactly() {
         let four = pool(4).install(|| run(&inputs, DType::F32, f.as_ref()));
         assert_eq!(one, four, "{name}: 1 thread vs 4 threads");
         // And both are right: within f32 rounding of the f64 result.
-        let (out64, _) = run(&inputs, DType::F64, f.as_ref());
+        // Outputs and gradients: the parameter gradients are sums over the rows of every block.
+        let (out64, grads64) = run(&inputs, DType::F64, f.as_ref());
         let e = max_relative_error(&one.0, &out64);
         assert!(e < 1e-5, "{name}: f32 vs f64 {e}");
+        for (i, (g, g64)) in one.1.iter().zip(&grads64).enumerate() {
+            let e = max_relative_error(g, g64);
+            assert!(e < 1e-4, "{name}: gradient {i}, f32 vs f64 {e}");
+        }
     }
 }
 
