@@ -4,7 +4,7 @@
 #[cfg(feature = "cuda")]
 use crate::cuda::{
     blocks_over_rows, columns_config, cuda_dispatch, elements_config, input, launch, output,
-    storage, CudaElement, ADD_BIAS, PARTIAL_BLOCKS,
+    partial_blocks, storage, CudaElement, ADD_BIAS,
 };
 use crate::element::{contiguous, dispatch, Element};
 use crate::rows::{for_each_row, rows_of, sum_over_rows};
@@ -171,7 +171,7 @@ impl CustomOp1 for SumRows {
         dispatch!("add_bias-backward", s, run(s, l))
     }
 
-    /// Two launches: per-block partial sums over [`PARTIAL_BLOCKS`] blocks of rows, then one
+    /// Two launches: per-block partial sums over at most 512 blocks of rows, then one
     /// thread per column adds them in block order (no atomics: the same result on every run).
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
@@ -179,7 +179,7 @@ impl CustomOp1 for SumRows {
             let dy = input::<T>("add_bias-backward", "dy", s, l)?;
             let (rows, n) = rows_of("add_bias-backward", "dy", l.dims())?;
             let dev = &s.device;
-            let blocks = rows.clamp(1, PARTIAL_BLOCKS);
+            let blocks = partial_blocks(rows, n);
             let mut partial = output::<T::Acc>(dev, blocks * n)?;
             let mut db = output::<T>(dev, n)?;
             let (rows64, n64, blocks64) = (rows as u64, n as u64, blocks as u64);

@@ -115,11 +115,20 @@ const ROW_THREADS: usize = 256;
 /// Most blocks of a row kernel: more rows than this are handled in a grid-stride loop.
 const MAX_ROW_BLOCKS: usize = 65_535;
 
-/// Blocks of the first pass of a reduction over rows (each keeps one partial sum per column):
-/// enough to fill an H100/H200 (132 multiprocessors) a few times over, few enough that the
-/// partial sums stay small. It depends on the row count only, so the sum's rounding does not
-/// depend on the GPU.
-pub(crate) const PARTIAL_BLOCKS: usize = 512;
+/// Most blocks of the first pass of a reduction over rows (each keeps one partial sum per
+/// column): enough to fill an H100/H200 (132 multiprocessors) a few times over.
+const PARTIAL_BLOCKS: usize = 512;
+
+/// Most partial sums of a reduction over rows (64 MiB in f32), for wide rows.
+const MAX_PARTIALS: usize = 1 << 24;
+
+/// Blocks of the first pass of a reduction over `rows` rows into `len` sums per block. It depends
+/// on the shape only, not on the GPU, so the sums round the same way on every device.
+pub(crate) fn partial_blocks(rows: usize, len: usize) -> usize {
+    rows.min(PARTIAL_BLOCKS)
+        .min(MAX_PARTIALS / len.max(1))
+        .max(1)
+}
 
 /// Threads of a block over rows of `width` elements: a whole number of warps, at most
 /// [`ROW_THREADS`].

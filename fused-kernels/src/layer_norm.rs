@@ -2,8 +2,8 @@
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{
-    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, rows_config, storage,
-    CudaElement, LAYER_NORM, PARTIAL_BLOCKS,
+    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, partial_blocks,
+    rows_config, storage, CudaElement, LAYER_NORM,
 };
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
@@ -232,7 +232,7 @@ impl CustomOp3 for LayerNormBackward {
     }
 
     /// Two launches: dx and per-block partial sums of d_weight and d_bias over
-    /// [`PARTIAL_BLOCKS`] blocks of rows, then one thread per column adds the partial sums in
+    /// at most 512 blocks of rows, then one thread per column adds the partial sums in
     /// block order. No atomics: the sums come out the same on every run, as on the CPU.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -260,7 +260,7 @@ impl CustomOp3 for LayerNormBackward {
             let (rows, d) = rows_of(op, "x", l1.dims())?;
             let dev = &s1.device;
             let mut out = output::<T>(dev, (rows + 2) * d)?;
-            let blocks = rows.clamp(1, PARTIAL_BLOCKS);
+            let blocks = partial_blocks(rows, 2 * d);
             let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
             let (rows64, d64, blocks64, len64) =
                 (rows as u64, d as u64, blocks as u64, 2 * d as u64);

@@ -2,8 +2,8 @@
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{
-    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, rows_config, storage,
-    CudaElement, PARTIAL_BLOCKS, RMS_NORM,
+    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, partial_blocks,
+    rows_config, storage, CudaElement, RMS_NORM,
 };
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
@@ -231,7 +231,7 @@ impl CustomOp3 for RmsNormBackward {
             let (rows, d) = rows_of(op, "x", l1.dims())?;
             let dev = &s1.device;
             let mut out = output::<T>(dev, (rows + 1) * d)?;
-            let blocks = rows.clamp(1, PARTIAL_BLOCKS);
+            let blocks = partial_blocks(rows, d);
             let mut partial = output::<T::Acc>(dev, blocks * d)?;
             let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
             launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
