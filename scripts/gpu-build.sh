@@ -3,7 +3,8 @@
 # GPU or a CUDA installation, with NVIDIA's toolchain from Python wheels.
 #
 #   scripts/gpu-build.sh check   type-checks (clippy, -D warnings) every target with `--features nccl`
-#                                (what CI runs)
+#                                (what CI runs; it turns on fused-kernels/cuda, whose build script
+#                                compiles the CUDA C of fused-kernels/src/cuda with nvcc)
 #   scripts/gpu-build.sh build   also links release binaries (examples, GPU tests, the launcher),
 #                                against a stub libcuda; copy them to a GPU machine and run them
 #                                there (see README, "GPU tests")
@@ -60,7 +61,10 @@ case "$mode" in
     gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$links/libcuda.so" "$links/libcuda_stub.c"
     export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
     cargo build --release -p accelerate-examples --features nccl --examples
-    cargo build --release -p accelerate-tests --features nccl --tests --bins
+    # fused-kernels' GPU tests (tests/cuda.rs) come with the suite's; one feature set for both, so
+    # candle is built once.
+    cargo build --release -p accelerate-tests -p fused-kernels \
+      --features accelerate-tests/nccl,fused-kernels/cuda --tests --bins
     cargo build --release -p accelerate-launch
     echo "gpu-build: binaries in $CARGO_TARGET_DIR/release"
     ;;

@@ -1,8 +1,14 @@
 //! Softmax over the last dimension under a causal mask, the attention probabilities of a
 //! decoder (PyTorch: `softmax(scale · scores + mask)` with `-inf` above the shifted diagonal).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    cuda_dispatch, input, launch, output, rows_config, storage, CudaElement, CAUSAL_SOFTMAX,
+};
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::for_each_row;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use num_traits::{Float, Zero};
 
@@ -28,7 +34,7 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
              the first queries would see no key (expected t_q <= t_k)"
         );
     }
-    if !scores.device().is_cpu() {
+    if !crate::element::has_kernel(scores) {
         return crate::fallback::causal_softmax(scores, scale);
     }
     scores.contiguous()?.apply_op1(CausalSoftmax { scale })
@@ -82,6 +88,26 @@ impl CustomOp1 for CausalSoftmax {
             Ok((T::storage(out), l.shape().clone()))
         }
         dispatch!("causal_softmax", s, run(self.scale, s, l))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            scale: f64,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let x = input::<T>("causal_softmax", "scores", s, l)?;
+            let (t_q, t_k) = query_and_key_len(l);
+            let rows = l.shape().elem_count() / t_k;
+            let dev = &s.device;
+            let mut p = output::<T>(dev, rows * t_k)?;
+            let (rows64, t_q64, t_k64) = (rows as u64, t_q as u64, t_k as u64);
+            launch!(dev, CAUSAL_SOFTMAX, "causal_softmax", T, rows_config(rows, t_k);
+                &x, &mut p, &rows64, &t_q64, &t_k64, &scale);
+            Ok((storage(p, dev), l.shape().clone()))
+        }
+        cuda_dispatch!("causal_softmax", s, run(self.scale, s, l))
     }
 
     fn bwd(&self, _scores: &Tensor, p: &Tensor, dp: &Tensor) -> Result<Option<Tensor>> {
@@ -138,6 +164,39 @@ impl CustomOp2 for CausalSoftmaxBackward {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!(
+            "causal_softmax-backward",
+            s1,
+            run(self.scale, s1, l1, s2, l2)
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            scale: f64,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let p = input::<T>("causal_softmax-backward", "p", s1, l1)?;
+            let dp = input::<T>("causal_softmax-backward", "dp", s2, l2)?;
+            let (t_q, t_k) = query_and_key_len(l1);
+            let rows = l1.shape().elem_count() / t_k;
+            let dev = &s1.device;
+            let mut ds = output::<T>(dev, rows * t_k)?;
+            let (rows64, t_q64, t_k64) = (rows as u64, t_q as u64, t_k as u64);
+            launch!(dev, CAUSAL_SOFTMAX, "causal_softmax_backward", T, rows_config(rows, t_k);
+                &p, &dp, &mut ds, &rows64, &t_q64, &t_k64, &scale);
+            Ok((storage(ds, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!(
             "causal_softmax-backward",
             s1,
             run(self.scale, s1, l1, s2, l2)

@@ -1,8 +1,15 @@
 //! Weighted, summed cross-entropy from logits: log-softmax, the target's pick, the weights and the
 //! sum in one op (PyTorch: `(F.cross_entropy(logits, targets, reduction="none") * weights).sum()`).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    cuda_dispatch, input, launch, one_block, output, rows_config, storage, CudaElement,
+    CROSS_ENTROPY,
+};
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::for_each_row;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use num_traits::{Float, One, ToPrimitive, Zero};
 use rayon::prelude::*;
@@ -12,7 +19,9 @@ use rayon::prelude::*;
 /// `loss = Σ_i w_i · (logsumexp(logits_i) − logits_i[targets_i])`, a scalar.
 ///
 /// A row of weight 0 contributes exactly 0 and is not read past its target check (padding may hold
-/// anything). Every target must be `< v`.
+/// anything). Every target must be `< v`: on the CPU another one is an error naming it; on CUDA
+/// it makes the loss (and that row's gradient) NaN, since naming it would need the targets on the
+/// host, a synchronization in every step.
 ///
 /// The gradient goes to `logits` only: `d_logits_ij = dloss · w_i · (softmax(logits_i)_j − [j =
 /// targets_i])`. The loss is f64 for f64 logits and f32 otherwise (bf16/f16 logits are computed in
@@ -47,12 +56,39 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Res
             weights.dtype()
         );
     }
-    if !logits.device().is_cpu() {
+    if !crate::element::has_kernel(logits) {
         return crate::fallback::cross_entropy(logits, &targets, weights);
     }
+    // The CUDA kernels read the weights in the loss dtype; the CPU kernel reads any float dtype.
+    let weights = if logits.device().is_cuda() {
+        let loss_dtype = if logits.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        weights.to_dtype(loss_dtype)?
+    } else {
+        weights.clone()
+    };
     logits
         .contiguous()?
         .apply_op3(&targets, &weights.contiguous()?, CrossEntropy)
+}
+
+/// The contiguous u32 targets of a CUDA op (the public function converts them to u32).
+#[cfg(feature = "cuda")]
+fn cuda_targets<'a>(
+    op: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
+    if candle_core::backend::BackendStorage::dtype(s) != DType::U32 {
+        candle_core::bail!("{op}: targets must be u32 (the public function converts them)");
+    }
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: targets are not contiguous");
+    };
+    Ok(s.as_cuda_slice::<u32>()?.slice(start..end))
 }
 
 /// The targets as indices, each checked against `v` classes.
@@ -146,6 +182,44 @@ impl CustomOp3 for CrossEntropy {
         dispatch!("cross_entropy", s1, run(s1, l1, s2, l2, s3, l3))
     }
 
+    /// Two launches: each row's weighted loss (one block per row), then their sum by one block
+    /// (no atomics: the same result on every run).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let op = "cross_entropy";
+            let logits = input::<T>(op, "logits", s1, l1)?;
+            let targets = cuda_targets(op, s2, l2)?;
+            let weights = input::<T::Acc>(op, "weights (in the loss dtype)", s3, l3)?;
+            let (n, v) = (l1.dims()[0], l1.dims()[1]);
+            let dev = &s1.device;
+            let mut row_loss = output::<T::Acc>(dev, n)?;
+            let mut total = output::<T::Acc>(dev, 1)?;
+            let (n64, v64) = (n as u64, v as u64);
+            launch!(dev, CROSS_ENTROPY, "cross_entropy_rows", T, rows_config(n, v);
+                &logits, &targets, &weights, &mut row_loss, &n64, &v64);
+            launch!(dev, CROSS_ENTROPY, "cross_entropy_total", T, one_block();
+                &row_loss, &n64, &mut total);
+            Ok((storage(total, dev), Shape::from(())))
+        }
+        cuda_dispatch!("cross_entropy", s1, run(s1, l1, s2, l2, s3, l3))
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -214,5 +288,38 @@ impl CustomOp3 for CrossEntropyBackward {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!("cross_entropy-backward", s1, run(s1, l1, s2, l2, s3, l3))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let op = "cross_entropy-backward";
+            let logits = input::<T>(op, "logits", s1, l1)?;
+            let targets = cuda_targets(op, s2, l2)?;
+            let scaled = input::<T::Acc>(op, "dloss · weights (in the loss dtype)", s3, l3)?;
+            let (n, v) = (l1.dims()[0], l1.dims()[1]);
+            let dev = &s1.device;
+            let mut grad = output::<T>(dev, n * v)?;
+            let (n64, v64) = (n as u64, v as u64);
+            launch!(dev, CROSS_ENTROPY, "cross_entropy_backward", T, rows_config(n, v);
+                &logits, &targets, &scaled, &mut grad, &n64, &v64);
+            Ok((storage(grad, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!("cross_entropy-backward", s1, run(s1, l1, s2, l2, s3, l3))
     }
 }

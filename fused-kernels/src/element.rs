@@ -4,7 +4,7 @@
 //! f16 are widened to f32 for the arithmetic and rounded once when stored.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Result};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Tensor};
 use half::{bf16, f16};
 use num_traits::Float;
 
@@ -85,6 +85,17 @@ pub(crate) fn contiguous<'a, T: Element>(
             layout.dims(),
             layout.stride()
         ),
+    }
+}
+
+/// Whether the kernels run on the device of `x`: the CPU always; a CUDA device with the `cuda`
+/// feature, for a tensor with elements (an empty one takes the fallback, which launches nothing).
+/// Elsewhere the public functions compute the formula with candle's ops ([`crate::fallback`]).
+pub(crate) fn has_kernel(x: &Tensor) -> bool {
+    match x.device() {
+        Device::Cpu => true,
+        Device::Cuda(_) => cfg!(feature = "cuda") && x.elem_count() > 0,
+        _ => false,
     }
 }
 

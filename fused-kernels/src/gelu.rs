@@ -1,8 +1,14 @@
 //! GELU, tanh approximation (GPT-2's `gelu_new`, candle's `Tensor::gelu`, PyTorch's
 //! `F.gelu(x, approximate="tanh")`).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, ACTIVATIONS,
+};
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::elementwise::{map_binary, map_unary};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use num_traits::Float;
 
@@ -18,7 +24,7 @@ const CUBIC: f64 = 0.044_715;
 /// tanh above, is one pass over `x` and `dy`. f32, f64, and bf16/f16 (computed in f32); the
 /// result has the dtype of `x`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !crate::element::has_kernel(x) {
         return x.gelu();
     }
     x.contiguous()?.apply_op1(Gelu)
@@ -62,6 +68,20 @@ impl CustomOp1 for Gelu {
         dispatch!("gelu", s, run(s, l))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            let x = input::<T>("gelu", "x", s, l)?;
+            let n = l.shape().elem_count();
+            let dev = &s.device;
+            let mut y = output::<T>(dev, n)?;
+            let n64 = n as u64;
+            launch!(dev, ACTIVATIONS, "gelu", T, elements_config(n); &x, &mut y, &n64);
+            Ok((storage(y, dev), l.shape().clone()))
+        }
+        cuda_dispatch!("gelu", s, run(s, l))
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluBackward)?))
     }
@@ -94,5 +114,31 @@ impl CustomOp2 for GeluBackward {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!("gelu-backward", s1, run(s1, l1, s2, l2))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let a = input::<T>("gelu-backward", "x", s1, l1)?;
+            let b = input::<T>("gelu-backward", "dy", s2, l2)?;
+            let n = l1.shape().elem_count();
+            let dev = &s1.device;
+            let mut y = output::<T>(dev, n)?;
+            let n64 = n as u64;
+            launch!(dev, ACTIVATIONS, "gelu_backward", T, elements_config(n); &a, &b, &mut y, &n64);
+            Ok((storage(y, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!("gelu-backward", s1, run(s1, l1, s2, l2))
     }
 }

@@ -1,7 +1,14 @@
 //! LayerNorm over the last dimension (PyTorch's `F.layer_norm(x, (d,), weight, bias, eps)`).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, partial_blocks,
+    rows_config, storage, CudaElement, LAYER_NORM,
+};
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use num_traits::{Float, Zero};
 
@@ -24,7 +31,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             );
         }
     }
-    if !x.device().is_cpu() {
+    if !crate::element::has_kernel(x) {
         return crate::fallback::layer_norm(x, weight, bias, eps);
     }
     x.contiguous()?.apply_op3(
@@ -94,6 +101,39 @@ impl CustomOp3 for LayerNorm {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!("layer_norm", s1, run(self.eps, s1, l1, s2, l2, s3, l3))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            eps: f64,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let x = input::<T>("layer_norm", "x", s1, l1)?;
+            let w = input::<T>("layer_norm", "weight", s2, l2)?;
+            let b = input::<T>("layer_norm", "bias", s3, l3)?;
+            let (rows, d) = rows_of("layer_norm", "x", l1.dims())?;
+            let dev = &s1.device;
+            let mut y = output::<T>(dev, rows * d)?;
+            let (rows64, d64) = (rows as u64, d as u64);
+            launch!(dev, LAYER_NORM, "layer_norm", T, rows_config(rows, d);
+                &x, &w, &b, &mut y, &rows64, &d64, &eps);
+            Ok((storage(y, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!("layer_norm", s1, run(self.eps, s1, l1, s2, l2, s3, l3))
     }
 
     fn bwd(
@@ -185,6 +225,53 @@ impl CustomOp3 for LayerNormBackward {
             Ok((T::storage(out), Shape::from((rows + 2, d))))
         }
         dispatch!(
+            "layer_norm-backward",
+            s1,
+            run(self.eps, s1, l1, s2, l2, s3, l3)
+        )
+    }
+
+    /// Two launches: dx and per-block partial sums of d_weight and d_bias over
+    /// at most 512 blocks of rows, then one thread per column adds the partial sums in
+    /// block order. No atomics: the sums come out the same on every run, as on the CPU.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            eps: f64,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let op = "layer_norm-backward";
+            let x = input::<T>(op, "x", s1, l1)?;
+            let w = input::<T>(op, "weight", s2, l2)?;
+            let dy = input::<T>(op, "dy", s3, l3)?;
+            let (rows, d) = rows_of(op, "x", l1.dims())?;
+            let dev = &s1.device;
+            let mut out = output::<T>(dev, (rows + 2) * d)?;
+            let blocks = partial_blocks(rows, 2 * d);
+            let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
+            let (rows64, d64, blocks64, len64) =
+                (rows as u64, d as u64, blocks as u64, 2 * d as u64);
+            launch!(dev, LAYER_NORM, "layer_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps);
+            let mut params = out.slice_mut(rows * d..);
+            launch!(dev, LAYER_NORM, "layer_norm_sum", T, columns_config(2 * d);
+                &partial, &blocks64, &len64, &mut params);
+            Ok((storage(out, dev), Shape::from((rows + 2, d))))
+        }
+        cuda_dispatch!(
             "layer_norm-backward",
             s1,
             run(self.eps, s1, l1, s2, l2, s3, l3)

@@ -17,14 +17,18 @@
 //!
 //! Every op takes f32 and f64, and bf16/f16 computed in f32. Inputs may have any layout (the
 //! functions make them contiguous). Large tensors are split over rayon's threads by rows.
-//! The kernels run on the CPU. On another device (CUDA, Metal) each function computes the same
-//! formula with candle's differentiable ops instead (no kernel there yet; slower, still trainable).
+//! The kernels run on the CPU, and with the `cuda` feature on CUDA devices too (every forward and
+//! backward op has a CUDA kernel, compiled from `src/cuda/*.cu` to PTX at build time; f32, f64, and
+//! bf16/f16 computed in f32). On another device (Metal, or CUDA without the feature) each function
+//! computes the same formula with candle's differentiable ops instead (slower, still trainable).
 
 #![deny(missing_docs)]
 
 mod add_bias;
 mod causal_softmax;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod element;
 mod elementwise;
 mod fallback;

@@ -1,7 +1,14 @@
 //! RMSNorm over the last dimension (Llama's `LlamaRMSNorm`).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    blocks_over_rows, columns_config, cuda_dispatch, input, launch, output, partial_blocks,
+    rows_config, storage, CudaElement, RMS_NORM,
+};
 use crate::element::{constant, contiguous, dispatch, Element};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use num_traits::{Float, Zero};
 
@@ -21,7 +28,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
             weight.dims()
         );
     }
-    if !x.device().is_cpu() {
+    if !crate::element::has_kernel(x) {
         return crate::fallback::rms_norm(x, weight, eps);
     }
     x.contiguous()?
@@ -82,6 +89,34 @@ impl CustomOp2 for RmsNorm {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!("rms_norm", s1, run(self.eps, s1, l1, s2, l2))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            eps: f64,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let x = input::<T>("rms_norm", "x", s1, l1)?;
+            let w = input::<T>("rms_norm", "weight", s2, l2)?;
+            let (rows, d) = rows_of("rms_norm", "x", l1.dims())?;
+            let dev = &s1.device;
+            let mut y = output::<T>(dev, rows * d)?;
+            let (rows64, d64) = (rows as u64, d as u64);
+            launch!(dev, RMS_NORM, "rms_norm", T, rows_config(rows, d);
+                &x, &w, &mut y, &rows64, &d64, &eps);
+            Ok((storage(y, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!("rms_norm", s1, run(self.eps, s1, l1, s2, l2))
     }
 
     fn bwd(
@@ -162,6 +197,51 @@ impl CustomOp3 for RmsNormBackward {
             Ok((T::storage(out), Shape::from((rows + 1, d))))
         }
         dispatch!(
+            "rms_norm-backward",
+            s1,
+            run(self.eps, s1, l1, s2, l2, s3, l3)
+        )
+    }
+
+    /// Two launches, as LayerNorm's backward: dx and per-block partial sums of d_weight, then
+    /// the partial sums added in block order (no atomics: the same result on every run).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            eps: f64,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let op = "rms_norm-backward";
+            let x = input::<T>(op, "x", s1, l1)?;
+            let w = input::<T>(op, "weight", s2, l2)?;
+            let dy = input::<T>(op, "dy", s3, l3)?;
+            let (rows, d) = rows_of(op, "x", l1.dims())?;
+            let dev = &s1.device;
+            let mut out = output::<T>(dev, (rows + 1) * d)?;
+            let blocks = partial_blocks(rows, d);
+            let mut partial = output::<T::Acc>(dev, blocks * d)?;
+            let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
+            launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps);
+            let mut dw = out.slice_mut(rows * d..);
+            launch!(dev, RMS_NORM, "rms_norm_sum", T, columns_config(d);
+                &partial, &blocks64, &d64, &mut dw);
+            Ok((storage(out, dev), Shape::from((rows + 1, d))))
+        }
+        cuda_dispatch!(
             "rms_norm-backward",
             s1,
             run(self.eps, s1, l1, s2, l2, s3, l3)

@@ -1,8 +1,14 @@
 //! Rotary position embeddings in Hugging Face Llama's `rotate_half` convention (the two halves of
 //! the head dimension are the pairs, not interleaved neighbours).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, ROTARY,
+};
 use crate::element::{contiguous, dispatch, Element};
 use crate::rows::for_each_row;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// Rotates `x` `[b, h, t, d]` (any leading dimensions before `[t, d]`; `d` even) by the angles
@@ -37,7 +43,7 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         cos.to_dtype(x.dtype())?.contiguous()?,
         sin.to_dtype(x.dtype())?.contiguous()?,
     );
-    if !x.device().is_cpu() {
+    if !crate::element::has_kernel(x) {
         return crate::fallback::rotary(x, &cos, &sin);
     }
     x.contiguous()?
@@ -101,6 +107,45 @@ impl CustomOp3 for Rotary {
         }
         let op = self.name();
         dispatch!(op, s1, run(self, s1, l1, s2, l2, s3, l3))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            rotary: &Rotary,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let op = rotary.name();
+            let x = input::<T>(op, "x", s1, l1)?;
+            let cos = input::<T>(op, "cos", s2, l2)?;
+            let sin = input::<T>(op, "sin", s3, l3)?;
+            let dims = l1.dims();
+            let (t, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+            let rows = l1.shape().elem_count() / d;
+            let h = d / 2;
+            let dev = &s1.device;
+            let mut y = output::<T>(dev, rows * d)?;
+            let (rows64, t64, h64) = (rows as u64, t as u64, h as u64);
+            let inverse = i32::from(rotary.inverse);
+            launch!(dev, ROTARY, "rotary", T, elements_config(rows * h);
+                &x, &cos, &sin, &mut y, &rows64, &t64, &h64, &inverse);
+            Ok((storage(y, dev), l1.shape().clone()))
+        }
+        let op = self.name();
+        cuda_dispatch!(op, s1, run(self, s1, l1, s2, l2, s3, l3))
     }
 
     fn bwd(

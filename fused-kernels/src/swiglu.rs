@@ -1,8 +1,14 @@
 //! SwiGLU's gate, `silu(gate) · up` (Llama's MLP: `down_proj(act_fn(gate_proj(x)) * up_proj(x))`).
 
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, ACTIVATIONS,
+};
 use crate::element::{contiguous, dispatch, Element};
 use crate::elementwise::{map_binary, map_ternary_to_pair};
 use crate::silu::{sigmoid, silu_slope};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// SwiGLU, element-wise: `swiglu(gate, up) = silu(gate) · up = gate · σ(gate) · up`.
@@ -18,7 +24,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dims()
         );
     }
-    if !gate.device().is_cpu() {
+    if !crate::element::has_kernel(gate) {
         return gate.silu()? * up;
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
@@ -51,6 +57,32 @@ impl CustomOp2 for Swiglu {
             Ok((T::storage(out), l1.shape().clone()))
         }
         dispatch!("swiglu", s1, run(s1, l1, s2, l2))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let a = input::<T>("swiglu", "gate", s1, l1)?;
+            let b = input::<T>("swiglu", "up", s2, l2)?;
+            let n = l1.shape().elem_count();
+            let dev = &s1.device;
+            let mut y = output::<T>(dev, n)?;
+            let n64 = n as u64;
+            launch!(dev, ACTIVATIONS, "swiglu", T, elements_config(n); &a, &b, &mut y, &n64);
+            Ok((storage(y, dev), l1.shape().clone()))
+        }
+        cuda_dispatch!("swiglu", s1, run(s1, l1, s2, l2))
     }
 
     fn bwd(
@@ -101,5 +133,39 @@ impl candle_core::CustomOp3 for SwigluBackward {
             Ok((T::storage(out), Shape::from(dims)))
         }
         dispatch!("swiglu-backward", s1, run(s1, l1, s2, l2, s3, l3))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaElement>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let gate = input::<T>("swiglu-backward", "gate", s1, l1)?;
+            let up = input::<T>("swiglu-backward", "up", s2, l2)?;
+            let dy = input::<T>("swiglu-backward", "dy", s3, l3)?;
+            let n = l1.shape().elem_count();
+            let dev = &s1.device;
+            let mut out = output::<T>(dev, 2 * n)?;
+            let n64 = n as u64;
+            launch!(dev, ACTIVATIONS, "swiglu_backward", T, elements_config(n);
+                &gate, &up, &dy, &mut out, &n64);
+            let mut dims = vec![2];
+            dims.extend_from_slice(l1.dims());
+            Ok((storage(out, dev), Shape::from(dims)))
+        }
+        cuda_dispatch!("swiglu-backward", s1, run(s1, l1, s2, l2, s3, l3))
     }
 }

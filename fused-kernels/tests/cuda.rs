@@ -1,0 +1,310 @@
+//! The CUDA kernels against the CPU kernels: for every op and dtype (f32, bf16, f16, f64), the
+//! forward output and every gradient of `Σ f(inputs) · r` (`r` fixed pseudo-random) computed on
+//! the GPU equal those computed on the CPU from the same inputs, within the dtype's rounding.
+//!
+//! The shapes make the kernels take every path: rows wider than a block's 256 threads
+//! (d = 4099, a vocabulary of 50 257), row counts that are no multiple of a block size and more
+//! rows than the 512 blocks of the reductions over rows, element counts beyond one grid-stride
+//! sweep (4096 blocks × 256 threads), a causal mask with fewer queries than keys, and
+//! non-contiguous inputs.
+//!
+//! Needs a GPU: `cargo test --release -p fused-kernels --features cuda --test cuda -- --ignored`
+//! (or the binary `scripts/gpu-build.sh build` leaves in `target/cuda/release/deps/cuda-*`).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::{flat, tensor};
+
+/// The dtypes every op is checked in.
+const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
+
+/// The largest difference allowed between the GPU's and the CPU's results, relative to the
+/// largest magnitude of the CPU's. Both compute bf16/f16 in f32 and round once; their sums run in
+/// different orders, so f32 results differ by a few units in the last place of the largest
+/// element, and half-precision ones by one rounding step of the stored result (2⁻⁸ relative for
+/// bf16, 2⁻¹¹ for f16), twice where a backward reads the rounded forward output.
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F64 => 1e-10,
+        DType::BF16 => 3e-2,
+        DType::F16 => 4e-3,
+        other => panic!("no tolerance for {other:?}"),
+    }
+}
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA device: these tests need a GPU")
+}
+
+/// The op under test: `f(trainable, constants)`.
+type Op<'a> = &'a dyn Fn(&[Tensor], &[Tensor]) -> Result<Tensor>;
+
+/// The output and the gradients of the trainable inputs of `Σ op(..) · r` on `device`, as f64.
+fn run_on(
+    device: &Device,
+    trainable: &[Tensor],
+    constants: &[Tensor],
+    op: Op<'_>,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let vars: Vec<Var> = trainable
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_device(device).unwrap()).unwrap())
+        .collect();
+    let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let cs: Vec<Tensor> = constants
+        .iter()
+        .map(|t| t.to_device(device).unwrap())
+        .collect();
+    let out = op(&xs, &cs).unwrap();
+    assert!(
+        out.device().same_device(device),
+        "the output is on {:?}, not on {device:?}",
+        out.device()
+    );
+    let r = tensor(out.dims(), 77, 1.0)
+        .to_dtype(out.dtype())
+        .unwrap()
+        .to_device(device)
+        .unwrap();
+    let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = xs
+        .iter()
+        .map(|x| {
+            flat(
+                &grads
+                    .get(x)
+                    .expect("a gradient")
+                    .to_device(&Device::Cpu)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    (flat(&out.to_device(&Device::Cpu).unwrap()), g)
+}
+
+/// Asserts that `gpu` equals `cpu` within `tol` of the largest magnitude of `cpu`.
+fn assert_close(what: &str, gpu: &[f64], cpu: &[f64], tol: f64) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths differ");
+    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let (worst, diff) = gpu
+        .iter()
+        .zip(cpu)
+        .map(|(g, c)| (g - c).abs())
+        .enumerate()
+        .fold((0, 0f64), |(wi, wd), (i, d)| {
+            // A NaN on either side counts as the worst difference.
+            if d.is_nan() || d > wd {
+                (i, if d.is_nan() { f64::INFINITY } else { d })
+            } else {
+                (wi, wd)
+            }
+        });
+    assert!(
+        diff <= tol * scale,
+        "{what}: GPU and CPU differ by {diff:e} at [{worst}] (GPU {}, CPU {}), more than \
+         {tol:e} × the largest magnitude {scale:e}",
+        gpu[worst],
+        cpu[worst]
+    );
+}
+
+/// Checks `op` on the GPU against the CPU in every dtype: `trainable` and `constants` are f64
+/// CPU tensors, cast to the dtype when `cast` says so for that position (constants such as
+/// class indices keep theirs).
+fn check(name: &str, trainable: &[Tensor], constants: &[(Tensor, bool)], op: Op<'_>) {
+    let gpu = gpu();
+    for dtype in DTYPES {
+        let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+        let xs: Vec<Tensor> = trainable.iter().map(cast).collect();
+        let cs: Vec<Tensor> = constants
+            .iter()
+            .map(|(t, c)| if *c { cast(t) } else { t.clone() })
+            .collect();
+        let (cpu_out, cpu_grads) = run_on(&Device::Cpu, &xs, &cs, op);
+        let (gpu_out, gpu_grads) = run_on(&gpu, &xs, &cs, op);
+        let tol = tolerance(dtype);
+        assert_close(&format!("{name} {dtype:?} output"), &gpu_out, &cpu_out, tol);
+        for (i, (g, c)) in gpu_grads.iter().zip(&cpu_grads).enumerate() {
+            assert_close(&format!("{name} {dtype:?} gradient {i}"), g, c, tol);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn layer_norm_on_cuda_equals_the_cpu_kernel() {
+    for (rows, d) in [(37, 4099), (993, 64), (1, 1)] {
+        let x = tensor(&[rows, d], 1, 3.0);
+        let w = (tensor(&[d], 2, 0.5) + 1.0).unwrap();
+        let b = tensor(&[d], 3, 0.5);
+        check(
+            &format!("layer_norm [{rows}, {d}]"),
+            &[x, w, b],
+            &[],
+            &|v, _| fused_kernels::layer_norm(&v[0], &v[1], &v[2], 1e-5),
+        );
+    }
+    // A transposed (non-contiguous) input, 3 · 331 rows of 67.
+    let x = tensor(&[67, 3, 331], 4, 2.0);
+    let w = tensor(&[67], 5, 1.0);
+    let b = tensor(&[67], 6, 1.0);
+    check("layer_norm transposed", &[x, w, b], &[], &|v, _| {
+        fused_kernels::layer_norm(&v[0].permute((1, 2, 0))?, &v[1], &v[2], 1e-5)
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn rms_norm_on_cuda_equals_the_cpu_kernel() {
+    for (shape, d) in [
+        (vec![37, 4099], 4099),
+        (vec![3, 331, 64], 64),
+        (vec![5, 1], 1),
+    ] {
+        let x = tensor(&shape, 7, 3.0);
+        let w = (tensor(&[d], 8, 0.5) + 1.0).unwrap();
+        check(&format!("rms_norm {shape:?}"), &[x, w], &[], &|v, _| {
+            fused_kernels::rms_norm(&v[0], &v[1], 1e-6)
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn causal_softmax_on_cuda_equals_the_cpu_kernel() {
+    // Fewer queries than keys (the mask's diagonal shifted by 1063), rows wider than a block.
+    for (shape, scale) in [
+        (vec![2, 3, 37, 1100], 0.125),
+        (vec![5, 67, 67], 0.3),
+        (vec![1, 1], 1.0),
+    ] {
+        let s = tensor(&shape, 9, 8.0);
+        check(&format!("causal_softmax {shape:?}"), &[s], &[], &|v, _| {
+            fused_kernels::causal_softmax(&v[0], scale)
+        });
+    }
+    // Scores as attention produces them: a transposed view.
+    let s = tensor(&[2, 67, 4, 67], 10, 4.0);
+    check("causal_softmax transposed", &[s], &[], &|v, _| {
+        fused_kernels::causal_softmax(&v[0].transpose(1, 2)?, 0.5)
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn cross_entropy_on_cuda_equals_the_cpu_kernel() {
+    for (n, v) in [(37, 50_257), (1000, 67), (1, 1)] {
+        let logits = tensor(&[n, v], 11, 6.0);
+        // Targets spread over the classes, the first and the last among them.
+        let targets: Vec<u32> = (0..n)
+            .map(|i| match i % 5 {
+                0 => 0,
+                1 => (v - 1) as u32,
+                _ => ((i * 7919) % v) as u32,
+            })
+            .collect();
+        let targets = Tensor::new(targets, &Device::Cpu).unwrap();
+        // Weights of 0 (padding), fractions and > 1; f64 on purpose (converted on CUDA).
+        let weights: Vec<f64> = (0..n).map(|i| [0.25, 0.0, 1.0, 1.5][i % 4]).collect();
+        let weights = Tensor::new(weights, &Device::Cpu).unwrap();
+        check(
+            &format!("cross_entropy [{n}, {v}]"),
+            &[logits],
+            &[(targets, false), (weights, false)],
+            &|x, c| fused_kernels::cross_entropy(&x[0], &c[0], &c[1]),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn an_out_of_range_target_makes_the_cuda_loss_and_its_rows_gradient_nan() {
+    let gpu = gpu();
+    let logits = Var::from_tensor(
+        &tensor(&[3, 5], 12, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&gpu)
+            .unwrap(),
+    )
+    .unwrap();
+    let targets = Tensor::new(&[1u32, 5, 2], &gpu).unwrap();
+    let weights = Tensor::new(&[1f32, 1.0, 1.0], &gpu).unwrap();
+    let loss = fused_kernels::cross_entropy(logits.as_tensor(), &targets, &weights).unwrap();
+    assert!(loss.to_scalar::<f32>().unwrap().is_nan(), "loss {loss}");
+    let grads = loss.backward().unwrap();
+    let g: Vec<Vec<f32>> = grads.get(logits.as_tensor()).unwrap().to_vec2().unwrap();
+    assert!(
+        g[1].iter().all(|v| v.is_nan()),
+        "row 1 (target 5 of 5 classes): {:?}",
+        g[1]
+    );
+    assert!(
+        g[0].iter().chain(&g[2]).all(|v| v.is_finite()),
+        "rows 0 and 2: {g:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn activations_on_cuda_equal_the_cpu_kernels() {
+    // 4 099 000 elements: more than one sweep of the 4096 × 256 grid-stride threads.
+    for shape in [vec![1000, 4099], vec![7]] {
+        let x = tensor(&shape, 13, 6.0);
+        let y = tensor(&shape, 14, 3.0);
+        check(
+            &format!("gelu {shape:?}"),
+            std::slice::from_ref(&x),
+            &[],
+            &|v, _| fused_kernels::gelu(&v[0]),
+        );
+        check(
+            &format!("silu {shape:?}"),
+            std::slice::from_ref(&x),
+            &[],
+            &|v, _| fused_kernels::silu(&v[0]),
+        );
+        check(&format!("swiglu {shape:?}"), &[x, y], &[], &|v, _| {
+            fused_kernels::swiglu(&v[0], &v[1])
+        });
+    }
+    // A transposed gate.
+    let g = tensor(&[64, 33], 15, 4.0);
+    let u = tensor(&[33, 64], 16, 2.0);
+    check("swiglu transposed", &[g, u], &[], &|v, _| {
+        fused_kernels::swiglu(&v[0].t()?, &v[1])
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn rotary_on_cuda_equals_the_cpu_kernel() {
+    for (shape, t, h) in [(vec![2, 3, 37, 130], 37, 65), (vec![4, 1000, 64], 1000, 32)] {
+        let x = tensor(&shape, 17, 2.0);
+        let angles = tensor(&[t, h], 18, 3.0);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        check(
+            &format!("rotary {shape:?}"),
+            &[x],
+            &[(cos, true), (sin, true)],
+            &|v, c| fused_kernels::rotary(&v[0], &c[0], &c[1]),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn add_bias_on_cuda_equals_the_cpu_kernel() {
+    // 993 rows (more than the 512 blocks of the row sum) of 4099.
+    for (shape, n) in [(vec![3, 331, 4099], 4099), (vec![37, 64], 64), (vec![1], 1)] {
+        let x = tensor(&shape, 19, 2.0);
+        let b = tensor(&[n], 20, 1.0);
+        check(&format!("add_bias {shape:?}"), &[x, b], &[], &|v, _| {
+            fused_kernels::add_bias(&v[0], &v[1])
+        });
+    }
+}
