@@ -20,25 +20,29 @@ loss per token of the global batch.
 """
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
 from transformers import LlamaConfig, LlamaForCausalLM
 
 SONNETS = Path(__file__).resolve().parent.parent / "examples" / "data" / "sonnets.txt"
 
 
 def windows_of(loader, k):
-    """The epoch in lists of k consecutive batches; a shorter last list is dropped (see main)."""
+    """The epoch in lists of k consecutive batches, the last one possibly shorter (as ours: an
+    epoch of fewer than k batches per rank, e.g. the large size on two ranks, is one short
+    window)."""
     window = []
     for batch in loader:
         window.append(batch)
         if len(window) == k:
             yield window
             window = []
+    if window:
+        yield window
 
 
 def main():
@@ -61,14 +65,10 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     k = args.grad_accum
-    # As torch_gpt.py: windows are fetched whole, so accumulation is not tied to the loader's
-    # end-of-epoch flag; an incomplete last window of an epoch is dropped.
-    acc = Accelerator(
-        cpu=args.device == "cpu",
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=k, sync_with_dataloader=False),
-    )
+    # Windows are fetched whole (their token count comes first), and each window syncs on its
+    # own last micro-step through DDP's no_sync, which is what accelerator.accumulate does
+    # inside; a shorter last window of an epoch syncs too.
+    acc = Accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
     text = SONNETS.read_text(encoding="utf-8")
     vocab = sorted(set(text))
     ids = {c: i for i, c in enumerate(vocab)}
@@ -110,16 +110,17 @@ def main():
                 torch.tensor([float(local)], device=acc.device), "sum")
             read = sum(ids_.numel() for (ids_,) in window)
             loss_sum = torch.zeros((), device=acc.device)
-            for (input_ids,) in window:
-                with acc.accumulate(model):
+            for i, (input_ids,) in enumerate(window):
+                sync = i == len(window) - 1
+                with contextlib.nullcontext() if sync else acc.no_sync(model):
                     # Summed over the row tokens, divided by the global window's tokens.
                     loss = model(input_ids=input_ids, labels=input_ids,
                                  num_items_in_batch=window_tokens[0]).loss
-                    # accelerate divides by K and DDP averages over ranks: undo both.
-                    acc.backward(loss * (world * k))
-                    opt.step()
-                    opt.zero_grad()
-                    loss_sum += loss.detach().float()
+                    # DDP averages over ranks: undo it (K is 1 for Accelerate here).
+                    acc.backward(loss * world)
+                loss_sum += loss.detach().float()
+            opt.step()
+            opt.zero_grad()
             rows_read = sum(b[0].shape[0] for b in window)
             total = acc.reduce(torch.stack([loss_sum, torch.tensor(
                 float(rows_read), device=acc.device), torch.tensor(

@@ -57,7 +57,19 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Res
         );
     }
     if !crate::element::has_kernel(logits) {
-        return crate::fallback::cross_entropy(logits, &targets, weights);
+        // candle's gather asserts on the device (CUDA) for a target out of range, which kills the
+        // context with no word of the cause: check first, at the price of one read.
+        if n > 0 {
+            let largest = targets.max_all()?.to_scalar::<u32>()?;
+            if largest as usize >= v {
+                candle_core::bail!(
+                    "cross_entropy: a target is {largest}, which is not a class of logits {:?} \
+                     (targets must be below {v})",
+                    logits.dims()
+                );
+            }
+        }
+        return crate::fallback::cross_entropy(&logits.contiguous()?, &targets, weights);
     }
     // The CUDA kernels read the weights in the loss dtype; the CPU kernel reads any float dtype.
     let weights = if logits.device().is_cuda() {
@@ -172,10 +184,14 @@ impl CustomOp3 for CrossEntropy {
             } else {
                 (0..targets.len()).map(row_loss).collect()
             };
-            let total = losses.into_iter().fold(<T::Acc>::zero(), |a, b| a + b);
+            // Summed in f64: over tens of thousands of rows an f32 running sum loses ~1e-3.
+            let total: f64 = losses
+                .into_iter()
+                .map(|l| l.to_f64().unwrap_or(f64::NAN))
+                .sum();
             let storage = match T::DTYPE {
-                DType::F64 => CpuStorage::F64(vec![total.to_f64().unwrap_or(f64::NAN)]),
-                _ => CpuStorage::F32(vec![total.to_f32().unwrap_or(f32::NAN)]),
+                DType::F64 => CpuStorage::F64(vec![total]),
+                _ => CpuStorage::F32(vec![total as f32]),
             };
             Ok((storage, Shape::from(())))
         }

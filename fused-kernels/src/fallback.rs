@@ -69,7 +69,11 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor)
         .log()?
         + &max)?;
     let picked = z.gather(&targets.unsqueeze(1)?, 1)?;
-    ((lse - picked)?.squeeze(1)? * weights.to_dtype(out)?)?.sum_all()
+    let weights = weights.to_dtype(out)?;
+    let rows = ((lse - picked)?.squeeze(1)? * &weights)?;
+    // A row of weight 0 contributes exactly 0, whatever its logits hold (0 · inf is NaN).
+    let zeros = rows.zeros_like()?;
+    weights.ne(0.0)?.where_cond(&rows, &zeros)?.sum_all()
 }
 
 /// [`crate::rotary`]'s formula in candle ops.
@@ -121,6 +125,20 @@ mod tests {
         let d = diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
         // 1e-6: candle's own GELU backward uses constants rounded to about 7 digits.
         assert!(d < 1e-6, "{name}: gradients differ by {d}");
+    }
+
+    #[test]
+    fn a_row_of_weight_zero_adds_exactly_zero_to_the_fallback_loss() {
+        let dev = Device::Cpu;
+        let logits = Tensor::new(&[[1f32, 2.0, 3.0], [f32::INFINITY, 0.0, 0.0]], &dev).unwrap();
+        let targets = Tensor::new(&[2u32, 0], &dev).unwrap();
+        let weights = Tensor::new(&[1f32, 0.0], &dev).unwrap();
+        let loss = super::cross_entropy(&logits, &targets, &weights)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let lse = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln();
+        assert!((loss - (lse - 3.0)).abs() < 1e-6, "{loss}");
     }
 
     #[test]
