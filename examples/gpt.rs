@@ -14,11 +14,9 @@ use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler};
-use accelerate_core::ReduceOp;
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
-use accelerate_examples::run::{self, RunArgs, RunMonitor};
+use accelerate_examples::run::{self, RunArgs, RunMonitor, StepCounts};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
 use clap::Parser;
 
 /// Train a small GPT on a text, one character per token (Shakespeare's sonnets unless --text).
@@ -204,11 +202,15 @@ fn run(args: &Args) -> Result<()> {
     let mut opt = acc.prepare(opt)?;
     let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
     args.run.resume_if_asked(&acc, &loader)?;
-    let mut monitor = RunMonitor::start(&acc, args.metrics.as_deref(), total_steps)?;
+    let mut monitor = RunMonitor::start(
+        &acc,
+        args.metrics.as_deref(),
+        total_steps,
+        args.run.log_every,
+    )?;
     run::announce_training(&acc, "", args.batch_size, total_steps);
 
     let k = acc.gradient_accumulation_steps();
-    let mut totals = Totals::default();
     'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
         if args.run.reached_max_steps(acc.optimizer_steps()) {
             break;
@@ -218,11 +220,9 @@ fn run(args: &Args) -> Result<()> {
             // This rank's real tokens in the whole window, before its first backward pass.
             let window_tokens: usize = window.iter().map(|b| b.tokens).sum();
             acc.set_window_items(window_tokens)?;
-            let mut loss_sum = 0f64;
             let mut window_samples = 0usize;
             for batch in window {
                 let step = acc.accumulate();
-                monitor.micro_step();
                 let dropout = gpt::Dropout {
                     rng: acc.rng(),
                     p: args.dropout,
@@ -230,51 +230,36 @@ fn run(args: &Args) -> Result<()> {
                 let logits = model.forward_with(&batch.inputs, Some(dropout))?;
                 let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
                 acc.backward(&loss)?;
-                loss_sum += loss.to_scalar::<f32>()? as f64;
+                monitor.micro_step(&loss)?;
                 window_samples += batch.inputs.dims()[0];
                 args.run.clip_if_syncing(&acc)?;
                 let lr = run::step_optimizer(&mut opt, &mut sched)?;
                 if !step.sync {
                     continue;
                 }
-                monitor.count_if_skipped(&acc);
                 // The loss per token of the whole global batch: every rank's window.
-                let global = acc
-                    .reduce(
-                        &Tensor::new(
-                            &[loss_sum, window_tokens as f64, window_samples as f64],
-                            &Device::Cpu,
-                        )?,
-                        ReduceOp::Sum,
-                    )?
-                    .to_vec1::<f64>()?;
-                let (loss, tokens, samples) = (global[0] / global[1], global[1], global[2]);
-                let seconds = monitor.window_seconds();
-                totals.samples += samples;
-                totals.tokens += tokens;
                 let n = acc.optimizer_steps();
-                monitor.record_step(
-                    n,
-                    loss,
-                    serde_json::json!({"step": n, "loss": loss, "lr": lr,
-                        "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds}),
-                    format!("loss {loss:.4}  {:.0} tokens/s", tokens / seconds),
-                )?;
+                let counts = StepCounts {
+                    items: window_tokens as f64,
+                    samples: window_samples as f64,
+                    tokens: window_tokens as f64,
+                };
+                monitor.end_step(&acc, n, lr, counts)?;
                 if args.run.end_of_step(&acc, n)? {
                     break 'epochs;
                 }
             }
         }
     }
-    let run_totals = monitor.finish()?;
+    let run_totals = monitor.finish(&acc)?;
     let wall = run_totals.wall;
     run::save_model(&acc, args.save_model.as_deref())?;
     let sync = acc.gradient_sync_stats();
     acc.print(format!(
         "samples/s={:.1} tokens/s={:.0} final_loss={:.6} unigram_entropy={entropy:.6} wall={:.2}s \
          steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}",
-        totals.samples / wall,
-        totals.tokens / wall,
+        run_totals.samples / wall,
+        run_totals.tokens / wall,
         run_totals.last_loss,
         wall,
         acc.optimizer_steps(),
@@ -284,11 +269,4 @@ fn run(args: &Args) -> Result<()> {
         run_totals.skipped_steps
     ));
     Ok(())
-}
-
-/// Samples and real tokens trained on over all ranks.
-#[derive(Debug, Default)]
-struct Totals {
-    samples: f64,
-    tokens: f64,
 }

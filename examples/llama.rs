@@ -18,12 +18,12 @@ use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{
     AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
 };
-use accelerate_core::{Accelerator, ReduceOp};
+use accelerate_core::Accelerator;
 use accelerate_examples::gpt::{self, CharVocab};
 use accelerate_examples::llama::{self, Llama, LlamaConfig, TokenRows};
-use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor};
+use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor, StepCounts};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use clap::Parser;
 
 /// Train a Llama-architecture language model (built-in sonnets, one character per token, unless
@@ -333,11 +333,15 @@ impl Training<'_> {
         let mut opt = acc.prepare_optimizer(opt)?;
         let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
         args.run.resume_if_asked(&acc, &loader)?;
-        let mut monitor = RunMonitor::start(&acc, args.metrics.as_deref(), total_steps)?;
+        let mut monitor = RunMonitor::start(
+            &acc,
+            args.metrics.as_deref(),
+            total_steps,
+            args.run.log_every,
+        )?;
         run::announce_training(&acc, "", args.batch_size, total_steps);
 
         let k = acc.gradient_accumulation_steps();
-        let (mut total_samples, mut total_tokens) = (0f64, 0f64);
         'epochs: for _epoch in loader.next_epoch()..epochs as u64 {
             if args.run.reached_max_steps(acc.optimizer_steps()) {
                 break;
@@ -347,61 +351,43 @@ impl Training<'_> {
                 // This rank's predicted tokens in the whole window, before its first backward.
                 let window_items: usize = window.iter().map(|b| b.predicted).sum();
                 acc.set_window_items(window_items)?;
-                let mut loss_sum = 0f64;
                 let mut window_samples = 0usize;
                 for batch in window {
                     let step = acc.accumulate();
-                    monitor.micro_step();
                     let loss = model.summed_causal_lm_loss(&batch.input_ids)?;
                     acc.backward(&loss)?;
-                    loss_sum += loss.to_scalar::<f32>()? as f64;
+                    monitor.micro_step(&loss)?;
                     window_samples += batch.input_ids.dims()[0];
                     args.run.clip_if_syncing(&acc)?;
                     let lr = run::step_optimizer(&mut opt, &mut sched)?;
                     if !step.sync {
                         continue;
                     }
-                    monitor.count_if_skipped(&acc);
-                    // The loss per predicted token of the whole global batch: every rank's window.
-                    let global = acc
-                        .reduce(
-                            &Tensor::new(
-                                &[loss_sum, window_items as f64, window_samples as f64],
-                                &Device::Cpu,
-                            )?,
-                            ReduceOp::Sum,
-                        )?
-                        .to_vec1::<f64>()?;
-                    let (loss, samples) = (global[0] / global[1], global[2]);
-                    // Tokens the model read (every position of every row), as tokens/s counts
-                    // them in language-model training.
-                    let tokens = samples * row_len as f64;
-                    let seconds = monitor.window_seconds();
-                    total_samples += samples;
-                    total_tokens += tokens;
+                    // The loss per predicted token of the whole global batch; tokens/s counts
+                    // every position of every row the model read, as language-model training
+                    // counts them.
                     let n = acc.optimizer_steps();
-                    monitor.record_step(
-                        n,
-                        loss,
-                        serde_json::json!({"step": n, "loss": loss, "lr": lr,
-                            "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds}),
-                        format!("loss {loss:.4}  {:.0} tokens/s", tokens / seconds),
-                    )?;
+                    let counts = StepCounts {
+                        items: window_items as f64,
+                        samples: window_samples as f64,
+                        tokens: (window_samples * row_len) as f64,
+                    };
+                    monitor.end_step(&acc, n, lr, counts)?;
                     if args.run.end_of_step(&acc, n)? {
                         break 'epochs;
                     }
                 }
             }
         }
-        let totals = monitor.finish()?;
+        let totals = monitor.finish(&acc)?;
         let wall = totals.wall;
         save_model(&acc, model.config(), args.save_model.as_deref())?;
         let sync = acc.gradient_sync_stats();
         acc.print(format!(
             "samples/s={:.1} tokens/s={:.0} final_loss={:.6} wall={:.2}s steps={} \
              micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}",
-            total_samples / wall,
-            total_tokens / wall,
+            totals.samples / wall,
+            totals.tokens / wall,
             totals.last_loss,
             wall,
             acc.optimizer_steps(),

@@ -10,11 +10,11 @@ use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{
     AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
 };
-use accelerate_core::{Accelerator, ReduceOp};
+use accelerate_core::Accelerator;
 use accelerate_examples::mlp;
-use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor};
+use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor, StepCounts};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::DType;
 use clap::Parser;
 
 /// Train an MLP on a seeded synthetic classification task (or a safetensors dataset).
@@ -209,7 +209,12 @@ impl Training<'_> {
         let mut opt = acc.prepare_optimizer(opt)?;
         let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
         args.run.resume_if_asked(&acc, &loader)?;
-        let mut monitor = RunMonitor::start(&acc, args.metrics.as_deref(), total_steps)?;
+        let mut monitor = RunMonitor::start(
+            &acc,
+            args.metrics.as_deref(),
+            total_steps,
+            args.run.log_every,
+        )?;
         run::announce_training(
             &acc,
             &format!("{samples} samples, "),
@@ -217,9 +222,7 @@ impl Training<'_> {
             total_steps,
         );
 
-        let mut window_loss = 0f64;
         let mut window_samples = 0usize;
-        let mut total_samples = 0usize;
         'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
             if args.run.reached_max_steps(acc.optimizer_steps()) {
                 break;
@@ -227,46 +230,38 @@ impl Training<'_> {
             for batch in loader.iter() {
                 let (x, y) = batch?;
                 let step = acc.accumulate();
-                monitor.micro_step();
                 let logits = model.forward(&x)?;
                 let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
                 acc.backward(&loss)?;
-                window_loss += loss.to_scalar::<f32>()? as f64 * step.loss_scale;
+                monitor.micro_step(&(loss.to_dtype(DType::F64)? * step.loss_scale)?)?;
                 window_samples += x.dims()[0];
                 args.run.clip_if_syncing(&acc)?;
                 let lr = run::step_optimizer(&mut opt, &mut sched)?;
                 if !step.sync {
                     continue;
                 }
-                monitor.count_if_skipped(&acc);
-                // The loss of the whole global batch: every rank's window, averaged.
-                let global = acc
-                    .reduce(&Tensor::new(&[window_loss], &Device::Cpu)?, ReduceOp::Mean)?
-                    .to_vec1::<f64>()?[0];
-                let global_samples = window_samples * acc.num_processes();
-                let rate = global_samples as f64 / monitor.window_seconds();
-                total_samples += global_samples;
+                // The loss of the whole global batch: every rank's window loss, averaged (one
+                // item per rank and step).
                 let n = acc.optimizer_steps();
-                monitor.record_step(
-                    n,
-                    global,
-                    serde_json::json!({"step": n, "loss": global, "lr": lr, "samples_per_s": rate}),
-                    format!("loss {global:.4}  {rate:.0} samples/s"),
-                )?;
-                window_loss = 0.0;
+                let counts = StepCounts {
+                    items: 1.0,
+                    samples: window_samples as f64,
+                    tokens: 0.0,
+                };
+                monitor.end_step(&acc, n, lr, counts)?;
                 window_samples = 0;
                 if args.run.end_of_step(&acc, n)? {
                     break 'epochs;
                 }
             }
         }
-        let totals = monitor.finish()?;
+        let totals = monitor.finish(&acc)?;
         run::save_model(&acc, args.save_model.as_deref())?;
         let sync = acc.gradient_sync_stats();
         acc.print(format!(
             "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
              grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={}",
-            total_samples as f64 / totals.wall,
+            totals.samples / totals.wall,
             totals.last_loss,
             totals.wall,
             acc.optimizer_steps(),

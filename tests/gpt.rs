@@ -206,6 +206,74 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
 /// A run of 20 optimizer steps with K = 3 and `extra` flags, stopped after 10 (checkpoints every 5)
 /// and resumed with `--resume`, ends with bitwise the parameters of the same run uninterrupted.
 /// Returns the uninterrupted run's parameters.
+/// `(step, loss, tokens)` of each line of a `--metrics` file.
+fn metric_steps(path: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let f = |k: &str| v[k].as_f64().unwrap();
+            (v["step"].as_u64().unwrap(), f("loss"), f("tokens"))
+        })
+        .collect()
+}
+
+#[test]
+fn log_every_reports_the_mean_loss_of_its_steps_and_leaves_training_unchanged() {
+    // Two ranks x K=2, 7 steps: reports after steps 3 and 6, and the partial interval (step 7)
+    // when the run ends. A report's loss is per token over its steps: the mean of the per-step
+    // losses weighted by their tokens (windows vary in length).
+    let dir = tempfile::tempdir().unwrap();
+    let run = |every: &str| {
+        let out = dir.path().join(format!("every{every}.safetensors"));
+        let metrics = dir.path().join(format!("every{every}.jsonl"));
+        let mut args = small_model_args(&out, 4, 7);
+        args.extend(["--grad-accum", "2", "--log-every", every, "--metrics"].map(String::from));
+        args.push(metrics.to_str().unwrap().to_string());
+        let mut cmd = Command::new(built_binary("accelerate-launch"));
+        cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
+            .arg(gpt())
+            .args(&args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("ACCELERATE_MIXED_PRECISION");
+        let o = run_bounded(&mut cmd, LIMIT);
+        assert!(o.status.success(), "{}", text(&o));
+        (o, load_flat(&out), metric_steps(&metrics))
+    };
+    let (o1, weights1, every1) = run("1");
+    let (o3, weights3, every3) = run("3");
+    assert_eq!(
+        every1.iter().map(|s| s.0).collect::<Vec<_>>(),
+        (1..=7).collect::<Vec<_>>()
+    );
+    assert_eq!(every3.iter().map(|s| s.0).collect::<Vec<_>>(), [3, 6, 7]);
+    let losses: Vec<f64> = every1.iter().map(|s| s.1).collect();
+    for (&(_, got, tokens), steps) in every3.iter().zip([0..3, 3..6, 6..7]) {
+        let interval = &every1[steps.clone()];
+        let want_tokens: f64 = interval.iter().map(|s| s.2).sum();
+        let want = interval.iter().map(|s| s.1 * s.2).sum::<f64>() / want_tokens;
+        assert_eq!(tokens, want_tokens, "steps {steps:?}");
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "steps {steps:?}: reported {got}, token-weighted mean of per-step losses {want}"
+        );
+    }
+    // The summary's final loss is the last report's: step 7 alone.
+    assert_eq!(
+        summary_value(&o3, "final_loss"),
+        summary_value(&o1, "final_loss")
+    );
+    assert_eq!(summary_value(&o3, "steps"), 7.0);
+    // Reading the loss less often changes nothing in training.
+    assert_eq!(max_abs_diff_flat(&weights1, &weights3), 0.0);
+    assert!(
+        losses[0] != losses[6],
+        "training moved the loss: {losses:?}"
+    );
+}
+
 fn resumes_bitwise(extra: &[&str]) -> BTreeMap<String, Vec<f32>> {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");

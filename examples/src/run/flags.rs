@@ -56,6 +56,10 @@ pub struct RunArgs {
     /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
     #[arg(long, value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
+    /// Log the global loss every N optimizer steps (mean over those steps). Reading the loss is
+    /// the only host synchronization of a step on a GPU, so N > 1 keeps the device busy.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub log_every: u64,
 }
 
 impl RunArgs {
@@ -66,6 +70,9 @@ impl RunArgs {
         }
         if self.checkpoints_keep == Some(0) {
             bail!("--checkpoints-keep must be at least 1 (0 would delete the newest checkpoint)");
+        }
+        if self.log_every == 0 {
+            bail!("--log-every must be at least 1 (optimizer steps between loss reports)");
         }
         Ok(())
     }
@@ -162,6 +169,7 @@ mod tests {
         assert_eq!(run.warmup_steps, 0);
         assert_eq!(run.checkpoint_dir, PathBuf::from("checkpoints"));
         assert!(!run.resume);
+        assert_eq!(run.log_every, 1);
         assert_eq!(run.schedule(10), Schedule::Constant);
     }
 
@@ -199,6 +207,10 @@ mod tests {
         assert!(keep
             .to_string()
             .starts_with("--checkpoints-keep must be at least 1"));
+        let log = parse(&["--log-every", "0"]).check().unwrap_err();
+        assert!(log
+            .to_string()
+            .starts_with("--log-every must be at least 1"));
         assert!(
             parse(&["--checkpoint-every", "1", "--checkpoints-keep", "1"])
                 .check()

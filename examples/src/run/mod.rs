@@ -14,7 +14,7 @@ mod resume;
 
 pub use flags::{RunArgs, ScheduleKind};
 pub use model_file::save_model;
-pub use monitor::{RunMonitor, RunTotals};
+pub use monitor::{RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
 
 use accelerate_core::optim::Optimizer;
