@@ -4,7 +4,8 @@
 //!
 //! nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc` or `$CUDA_PATH/bin/nvcc`, else `nvcc` on `PATH`. The
 //! PTX targets compute capability `$CUDA_COMPUTE_CAP` (e.g. 90 for Hopper, as candle-kernels
-//! reads it), else the first GPU's as `nvidia-smi` reports it.
+//! reads it), else the first GPU's as `nvidia-smi` reports it. Like candle's own kernels, the PTX
+//! runs on that capability and newer ones: build for the oldest GPU the binary will meet.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,7 +13,8 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/cuda");
-    for var in ["CUDA_COMPUTE_CAP", "NVCC", "CUDA_ROOT", "CUDA_PATH"] {
+    // PATH too: nvcc may be found there.
+    for var in ["CUDA_COMPUTE_CAP", "NVCC", "CUDA_ROOT", "CUDA_PATH", "PATH"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -21,7 +21,8 @@ use rayon::prelude::*;
 /// A row of weight 0 contributes exactly 0 and is not read past its target check (padding may hold
 /// anything). Every target must be `< v`: on the CPU another one is an error naming it; on CUDA
 /// it makes the loss (and that row's gradient) NaN, since naming it would need the targets on the
-/// host, a synchronization in every step.
+/// host, a synchronization in every step. There is no `ignore_index`: give a row to ignore weight
+/// 0 and any class (0), not PyTorch's -100, which a u32 cast turns into a huge index.
 ///
 /// The gradient goes to `logits` only: `d_logits_ij = dloss · w_i · (softmax(logits_i)_j − [j =
 /// targets_i])`. The loss is f64 for f64 logits and f32 otherwise (bf16/f16 logits are computed in

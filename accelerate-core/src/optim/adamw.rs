@@ -281,6 +281,11 @@ fn update_fused(
 #[cfg(feature = "cuda")]
 fn update_fused_cuda(var: &Var, grad: &Tensor, m: &Moments, c: &AdamWCoefficients) -> Result<bool> {
     use crate::cuda_slices::{with_cuda_f32, with_cuda_f32_mut};
+    // A kernel on the parameter's stream cannot read another GPU's memory: a gradient elsewhere
+    // takes the tensor-op path, which moves it.
+    if !grad.device().same_device(var.device()) {
+        return Ok(false);
+    }
     let ran = nested(with_cuda_f32(grad, |g| {
         nested(with_cuda_f32_mut(var.as_tensor(), |device, mut p| {
             nested(with_cuda_f32_mut(&m.exp_avg, |_, mut exp_avg| {

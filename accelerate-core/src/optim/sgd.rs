@@ -267,6 +267,11 @@ fn update_fused_cuda(
     c: &SgdCoefficients,
 ) -> Result<bool> {
     use crate::cuda_slices::{with_cuda_f32, with_cuda_f32_mut};
+    // A kernel on the parameter's stream cannot read another GPU's memory: a gradient elsewhere
+    // takes the tensor-op path, which moves it.
+    if !grad.device().same_device(var.device()) {
+        return Ok(false);
+    }
     let ran = nested(with_cuda_f32(grad, |g| {
         nested(with_cuda_f32_mut(
             var.as_tensor(),

@@ -42,13 +42,13 @@ __device__ void cross_entropy_rows(const T* __restrict__ logits, const unsigned*
 }
 
 // Second pass of the forward: the sum of the n row losses into out[0], by one block (the same
-// result on every run: no atomics).
+// result on every run: no atomics), added in f64 as the CPU kernel adds them and rounded once.
 template <typename A>
 __device__ void cross_entropy_total(const A* __restrict__ row_loss, u64 n, A* __restrict__ out) {
-  A s = 0;
-  for (u64 i = threadIdx.x; i < n; i += blockDim.x) s += row_loss[i];
-  const A total = block_sum(s);
-  if (threadIdx.x == 0) out[0] = total;
+  double s = 0;
+  for (u64 i = threadIdx.x; i < n; i += blockDim.x) s += (double)row_loss[i];
+  const double total = block_sum(s);
+  if (threadIdx.x == 0) out[0] = (A)total;
 }
 
 template <typename T>
