@@ -133,7 +133,7 @@ fn main() -> Result<()> {
     let threads = args
         .rayon_threads
         .map_or("launcher default".to_string(), |t| t.to_string());
-    let transport = std::env::var("ACCELERATE_CPU_TRANSPORT").unwrap_or("auto".into());
+    let transport = std::env::var(accelerate_core::env::CPU_TRANSPORT).unwrap_or("auto".into());
     println!(
         "{:?}, {} ranks, K={}, batch {} per micro-step, bucket cap {} MiB ({} buckets), \
          RAYON_NUM_THREADS {threads}, transport {transport}, {} steps x {} rounds (medians)",
@@ -203,9 +203,12 @@ fn run_job(args: &Args, overlap: bool) -> Result<RunReport> {
     .arg(&exe)
     .args(std::env::args().skip(1))
     .arg("--worker")
-    .env("ACCELERATE_BUCKET_CAP_MB", args.bucket_cap_mb.to_string())
     .env(
-        "ACCELERATE_OVERLAP_GRADIENT_REDUCTION",
+        accelerate_core::env::BUCKET_CAP_MB,
+        args.bucket_cap_mb.to_string(),
+    )
+    .env(
+        accelerate_core::env::OVERLAP_GRADIENT_REDUCTION,
         if overlap { "1" } else { "0" },
     )
     .env_remove("RANK")

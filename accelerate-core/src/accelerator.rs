@@ -13,6 +13,7 @@ use crate::comm::store::{Store, StoreServer};
 use crate::comm::{CommStats, Communicator, ReduceOp};
 use crate::data::LoaderProgress;
 use crate::data::{DataLoader, Dataset};
+use crate::env;
 use crate::error::{Error, Result};
 use crate::grads::{
     sorted_named_vars, GradientBucket, GradientBuffers, SyncOptions, DEFAULT_BUCKET_CAP_BYTES,
@@ -24,22 +25,10 @@ use crate::optim::{LrScheduler, Optimizer};
 use crate::prepared::{lock, PreparedOptimizer, PreparedScheduler, TrainingState};
 use crate::state::ProcessState;
 
-/// Environment variable read for the default number of gradient accumulation steps
-/// (`accelerate-launch --gradient-accumulation-steps K` sets it).
-pub const GRADIENT_ACCUMULATION_STEPS_ENV: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
-
-/// Environment variable read for the gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
-pub const BUCKET_CAP_MB_ENV: &str = "ACCELERATE_BUCKET_CAP_MB";
-
-/// Environment variable read for whether the sync micro-step overlaps the reduction of one
-/// gradient bucket with the preparation of the next (`1`/`0`, `true`/`false`, `on`/`off`,
-/// `yes`/`no`); see [`AcceleratorBuilder::overlap_gradient_reduction`].
-pub const OVERLAP_GRADIENT_REDUCTION_ENV: &str = "ACCELERATE_OVERLAP_GRADIENT_REDUCTION";
-
 /// Whether gradient reduction overlaps bucket preparation when neither the builder nor
-/// [`OVERLAP_GRADIENT_REDUCTION_ENV`] says. Off: with 2 ranks on 2 cores no core is idle while a
-/// rank reduces, and overlap measured 1-4 % slower per step (BENCHMARKS.md, "Overlap of reduction
-/// and preparation").
+/// [`env::OVERLAP_GRADIENT_REDUCTION`] says. Off: with 2 ranks on 2 cores no core is idle while a
+/// rank reduces, so overlapping only adds work (BENCHMARKS.md, "Overlap of reduction and
+/// preparation").
 pub const DEFAULT_OVERLAP_GRADIENT_REDUCTION: bool = false;
 
 /// Configures an [`Accelerator`].
@@ -142,19 +131,12 @@ impl AcceleratorBuilder {
         }
         let steps = match self.gradient_accumulation_steps {
             Some(k) => k,
-            None => match std::env::var(GRADIENT_ACCUMULATION_STEPS_ENV) {
-                Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
-                    Ok(k) if k > 0 => k,
-                    _ => {
-                        return Err(Error::Env {
-                            name: GRADIENT_ACCUMULATION_STEPS_ENV.into(),
-                            value: v.clone(),
-                            problem: "expected a positive integer (1 means no accumulation)".into(),
-                        })
-                    }
-                },
-                _ => 1,
-            },
+            None => env::read(
+                env::GRADIENT_ACCUMULATION_STEPS,
+                "expected a positive integer (1 means no accumulation)",
+                |v| v.parse::<usize>().ok().filter(|&k| k > 0),
+            )?
+            .unwrap_or(1),
         };
         let accumulation = Accumulation::new(steps)?;
         let mode = match self.mixed_precision {
@@ -168,36 +150,27 @@ impl AcceleratorBuilder {
         };
         let bucket_cap_bytes = match self.bucket_cap_bytes {
             Some(b) => b,
-            None => match std::env::var(BUCKET_CAP_MB_ENV) {
-                Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
-                    Ok(mb) if mb > 0.0 && mb.is_finite() => (mb * 1024.0 * 1024.0) as usize,
-                    _ => {
-                        return Err(Error::Env {
-                            name: BUCKET_CAP_MB_ENV.into(),
-                            value: v.clone(),
-                            problem: "expected a positive number of MiB (DDP's default is 25)"
-                                .into(),
-                        })
-                    }
+            None => env::read(
+                env::BUCKET_CAP_MB,
+                "expected a positive number of MiB (DDP's default is 25)",
+                |v| {
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|mb| *mb > 0.0 && mb.is_finite())
                 },
-                _ => DEFAULT_BUCKET_CAP_BYTES,
-            },
+            )?
+            .map_or(DEFAULT_BUCKET_CAP_BYTES, |mb| {
+                (mb * 1024.0 * 1024.0) as usize
+            }),
         };
         let overlap_gradient_reduction = match self.overlap_gradient_reduction {
             Some(overlap) => overlap,
-            None => match std::env::var(OVERLAP_GRADIENT_REDUCTION_ENV) {
-                Ok(v) if !v.trim().is_empty() => match parse_switch(&v) {
-                    Some(overlap) => overlap,
-                    None => {
-                        return Err(Error::Env {
-                            name: OVERLAP_GRADIENT_REDUCTION_ENV.into(),
-                            value: v.clone(),
-                            problem: "expected 1 or 0 (also true/false, on/off, yes/no)".into(),
-                        })
-                    }
-                },
-                _ => DEFAULT_OVERLAP_GRADIENT_REDUCTION,
-            },
+            None => env::read(
+                env::OVERLAP_GRADIENT_REDUCTION,
+                env::SWITCH_VALUES,
+                env::switch,
+            )?
+            .unwrap_or(DEFAULT_OVERLAP_GRADIENT_REDUCTION),
         };
         let device = match self.device {
             Some(device) => device,
@@ -1059,15 +1032,6 @@ impl Accelerator {
     }
 }
 
-/// An on/off environment value: `1`/`0`, `true`/`false`, `on`/`off`, `yes`/`no` (any case).
-fn parse_switch(value: &str) -> Option<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Some(true),
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => None,
-    }
-}
-
 /// A contiguous tensor of a dtype that reduces without loss or overflow (f32, f64, i64), and the dtype to
 /// convert the result back to, if it differs.
 fn wire_dtype(tensor: &Tensor) -> Result<(Tensor, Option<candle_core::DType>)> {
@@ -1129,23 +1093,5 @@ impl<D: Dataset> Prepare for DataLoader<D> {
     type Prepared = DataLoader<D>;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
         accelerator.prepare_data_loader(self)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn on_off_switches_read_the_usual_spellings_and_refuse_others() {
-        for on in ["1", "true", "ON", " yes "] {
-            assert_eq!(parse_switch(on), Some(true), "{on:?}");
-        }
-        for off in ["0", "False", "off", "no"] {
-            assert_eq!(parse_switch(off), Some(false), "{off:?}");
-        }
-        for bad in ["2", "overlap", "y"] {
-            assert_eq!(parse_switch(bad), None, "{bad:?}");
-        }
     }
 }

@@ -82,7 +82,7 @@ impl Accumulation {
             return Err(Error::Config(format!(
                 "gradient accumulation steps must be at least 1 (1 means no accumulation); check \
                  {} and `gradient_accumulation_steps`",
-                crate::accelerator::GRADIENT_ACCUMULATION_STEPS_ENV
+                crate::env::GRADIENT_ACCUMULATION_STEPS
             )));
         }
         Ok(Self {

@@ -1,35 +1,26 @@
 //! Which device a process computes on.
 //!
 //! The GPU is chosen among those visible to the process, so `CUDA_VISIBLE_DEVICES` keeps its usual
-//! meaning (the launcher does not rewrite it): [`GPU_INDEX_ENV`] when set (`accelerate-launch`
+//! meaning (the launcher does not rewrite it): [`env::GPU_INDEX`] when set (`accelerate-launch`
 //! sets it, and under `--ranks-per-gpu N` it is `LOCAL_RANK / N`), else `LOCAL_RANK` (torchrun,
 //! SLURM: one process per GPU). Without a launcher a `cuda` build uses GPU 0. A machine without a GPU falls back to the CPU with a warning,
 //! unless GPUs were asked for explicitly (`accelerate-launch --num-gpus`, which sets
-//! [`DEVICE_ENV`] to `cuda`): then it is an error, since training on the CPU by surprise would be
+//! [`env::DEVICE`] to `cuda`): then it is an error, since training on the CPU by surprise would be
 //! slower by orders of magnitude.
 
 use candle_core::Device;
 
+use crate::env;
 use crate::error::{Error, Result};
 use crate::state::ProcessState;
 
-/// Set to `1` by `accelerate-launch --cpu`: compute on the CPU even where GPUs exist.
-pub const USE_CPU_ENV: &str = "ACCELERATE_USE_CPU";
-
-/// Set to `cuda` by `accelerate-launch --num-gpus N`: a GPU is required.
-pub const DEVICE_ENV: &str = "ACCELERATE_DEVICE";
-
-/// Set by `accelerate-launch` for GPU workers: the index of this rank's GPU among those visible
-/// to it. Several ranks share a GPU under the launcher's `--ranks-per-gpu` testing switch.
-pub const GPU_INDEX_ENV: &str = "ACCELERATE_GPU_INDEX";
-
 /// The index of this process's GPU among the visible ones: `gpu_index` (the value of
-/// [`GPU_INDEX_ENV`]) when given, else `local_rank`.
+/// [`env::GPU_INDEX`]) when given, else `local_rank`.
 pub fn gpu_index(gpu_index: Option<&str>, local_rank: usize) -> Result<usize> {
     match gpu_index.map(str::trim) {
         None | Some("") => Ok(local_rank),
         Some(v) => v.parse::<usize>().map_err(|_| Error::Env {
-            name: GPU_INDEX_ENV.into(),
+            name: env::GPU_INDEX.into(),
             value: v.into(),
             problem: "expected the index of a visible GPU (0, 1, ...); accelerate-launch sets it, \
                       unset it to use LOCAL_RANK"
@@ -50,33 +41,24 @@ enum Request {
 }
 
 fn request_from_env() -> Result<Request> {
-    let cpu = std::env::var(USE_CPU_ENV).unwrap_or_default();
-    let cpu = match cpu.trim() {
-        "" | "0" | "false" | "no" => false,
-        "1" | "true" | "yes" => true,
-        other => {
-            return Err(Error::Env {
-                name: USE_CPU_ENV.into(),
-                value: other.into(),
-                problem: "expected 1 or 0".into(),
-            })
-        }
-    };
-    let device = std::env::var(DEVICE_ENV).unwrap_or_default();
-    match (cpu, device.trim()) {
-        (true, "cuda") => Err(Error::Env {
-            name: DEVICE_ENV.into(),
-            value: device.clone(),
-            problem: format!("{USE_CPU_ENV}=1 asks for the CPU at the same time; unset one"),
+    let cpu = env::read(env::USE_CPU, env::SWITCH_VALUES, env::switch)?.unwrap_or(false);
+    let device = env::read(env::DEVICE, "expected cpu, cuda or auto", |v| match v {
+        "cpu" => Some(Request::Cpu),
+        "cuda" => Some(Request::Gpu),
+        "auto" => Some(Request::Auto),
+        _ => None,
+    })?;
+    match (cpu, device) {
+        (true, Some(Request::Gpu)) => Err(Error::Env {
+            name: env::DEVICE.into(),
+            value: "cuda".into(),
+            problem: format!(
+                "{}=1 asks for the CPU at the same time; unset one",
+                env::USE_CPU
+            ),
         }),
-        (true, _) | (false, "cpu") => Ok(Request::Cpu),
-        (false, "cuda") => Ok(Request::Gpu),
-        (false, "") | (false, "auto") => Ok(Request::Auto),
-        (false, other) => Err(Error::Env {
-            name: DEVICE_ENV.into(),
-            value: other.into(),
-            problem: "expected cpu, cuda or auto".into(),
-        }),
+        (true, _) => Ok(Request::Cpu),
+        (false, request) => Ok(request.unwrap_or(Request::Auto)),
     }
 }
 
@@ -107,10 +89,7 @@ fn select_gpu(state: &ProcessState, request: Request) -> Result<Device> {
     if count == 0 {
         return no_gpu(request, "this machine has no usable GPU");
     }
-    let index = gpu_index(
-        std::env::var(GPU_INDEX_ENV).ok().as_deref(),
-        state.local_rank,
-    )?;
+    let index = gpu_index(env::value(env::GPU_INDEX).as_deref(), state.local_rank)?;
     if index >= count {
         return Err(Error::Device(format!(
             "local rank {} needs GPU {index} but only {count} GPU(s) are visible \
@@ -134,8 +113,9 @@ fn select_gpu(_state: &ProcessState, request: Request) -> Result<Device> {
 fn no_gpu(request: Request, why: &str) -> Result<Device> {
     if request == Request::Gpu {
         return Err(Error::Device(format!(
-            "GPUs were requested ({DEVICE_ENV}=cuda, set by `accelerate-launch --num-gpus`) but \
-             {why}; launch with --cpu --num-processes N to train on the CPU"
+            "GPUs were requested ({}=cuda, set by `accelerate-launch --num-gpus`) but \
+             {why}; launch with --cpu --num-processes N to train on the CPU",
+            env::DEVICE
         )));
     }
     if gpu_present() {
@@ -185,11 +165,11 @@ mod tests {
             Some(v) => std::env::set_var(k, v),
             None => std::env::remove_var(k),
         };
-        set(USE_CPU_ENV, cpu);
-        set(DEVICE_ENV, device);
+        set(env::USE_CPU, cpu);
+        set(env::DEVICE, device);
         let r = f();
-        set(USE_CPU_ENV, None);
-        set(DEVICE_ENV, None);
+        set(env::USE_CPU, None);
+        set(env::DEVICE, None);
         r
     }
 
@@ -204,7 +184,7 @@ mod tests {
         });
         assert!(err.to_string().contains("unset one"), "{err}");
         let err = with_env(Some("maybe"), None, || select_device(&state).unwrap_err());
-        assert!(err.to_string().contains(USE_CPU_ENV), "{err}");
+        assert!(err.to_string().contains(env::USE_CPU), "{err}");
         let err = with_env(None, Some("tpu"), || select_device(&state).unwrap_err());
         assert!(err.to_string().contains("cpu, cuda or auto"), "{err}");
     }
@@ -216,7 +196,7 @@ mod tests {
         // Under --ranks-per-gpu 2, local rank 3 sits on GPU 1.
         assert_eq!(gpu_index(Some("1"), 3).unwrap(), 1);
         let e = gpu_index(Some("one"), 0).unwrap_err().to_string();
-        assert!(e.contains(GPU_INDEX_ENV) && e.contains("one"), "{e}");
+        assert!(e.contains(env::GPU_INDEX) && e.contains("one"), "{e}");
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -97,6 +97,7 @@ pub mod cpu_slices;
 mod cuda_slices;
 pub mod data;
 pub mod device;
+pub mod env;
 pub mod error;
 pub mod files;
 #[doc(hidden)]

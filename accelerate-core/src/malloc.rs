@@ -10,14 +10,11 @@
 //! workload at batch 32 were still mapped and unmapped on every op (6.2 s per step instead of 4.3).
 //! Peak memory is unchanged; memory is returned at exit.
 
-/// Environment variable that turns the tuning off when set to `0`.
-pub const KEEP_FREED_MEMORY_ENV: &str = "ACCELERATE_KEEP_FREED_MEMORY";
-
 /// Tells glibc's malloc to serve blocks of every size from the heap and to keep freed ones there
 /// instead of returning them to the kernel. Process-wide; does nothing on other C libraries, or when
 /// `ACCELERATE_KEEP_FREED_MEMORY=0`. Returns whether the setting was applied.
 pub fn keep_freed_memory() -> bool {
-    if std::env::var(KEEP_FREED_MEMORY_ENV).is_ok_and(|v| v.trim() == "0") {
+    if crate::env::value(crate::env::KEEP_FREED_MEMORY).is_some_and(|v| v.trim() == "0") {
         return false;
     }
     apply()

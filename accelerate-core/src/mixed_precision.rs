@@ -25,10 +25,6 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 
-/// Environment variable read for the default mixed-precision mode
-/// (`accelerate-launch --mixed-precision MODE` sets it).
-pub const MIXED_PRECISION_ENV: &str = "ACCELERATE_MIXED_PRECISION";
-
 /// The precision of the forward and backward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MixedPrecision {
@@ -68,16 +64,11 @@ impl MixedPrecision {
     /// Reads `ACCELERATE_MIXED_PRECISION`: `None` when unset or empty, an [`Error::Env`] naming the
     /// variable and the valid values when it holds anything else.
     pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var(MIXED_PRECISION_ENV) {
-            Ok(v) if !v.trim().is_empty() => {
-                v.trim().parse::<Self>().map(Some).map_err(|_| Error::Env {
-                    name: MIXED_PRECISION_ENV.into(),
-                    value: v.clone(),
-                    problem: format!("expected {}", Self::VALID),
-                })
-            }
-            _ => Ok(None),
-        }
+        crate::env::read(
+            crate::env::MIXED_PRECISION,
+            &format!("expected {}", Self::VALID),
+            |v| v.parse::<Self>().ok(),
+        )
     }
 }
 

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use crate::env;
 use crate::error::{Error, Result};
 
 /// Who started this process.
@@ -75,13 +76,13 @@ impl ProcessState {
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<Self> {
         let get = |k: &str| vars.get(k).filter(|v| !v.is_empty());
         let (launcher, rank_var, world_var, local_var, local_world_var) =
-            if get("ACCELERATE_RANK").is_some() {
+            if get(env::RANK).is_some() {
                 (
                     Launcher::Accelerate,
-                    "ACCELERATE_RANK",
-                    "ACCELERATE_WORLD_SIZE",
-                    "ACCELERATE_LOCAL_RANK",
-                    "ACCELERATE_LOCAL_WORLD_SIZE",
+                    env::RANK,
+                    env::WORLD_SIZE,
+                    env::LOCAL_RANK,
+                    env::LOCAL_WORLD_SIZE,
                 )
             } else if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
                 (
@@ -176,14 +177,13 @@ impl ProcessState {
             })?,
             None => DEFAULT_MASTER_PORT,
         };
-        let restart_count = match get("ACCELERATE_RESTART_COUNT") {
-            Some(v) => v.trim().parse::<u32>().map_err(|_| Error::Env {
-                name: "ACCELERATE_RESTART_COUNT".into(),
-                value: v.clone(),
-                problem: "expected a non-negative integer".into(),
-            })?,
-            None => 0,
-        };
+        let restart_count = env::parse(
+            env::RESTART_COUNT,
+            get(env::RESTART_COUNT).map(String::as_str),
+            "expected a non-negative integer",
+            |v| v.parse::<u32>().ok(),
+        )?
+        .unwrap_or(0);
         Ok(Self {
             rank,
             world_size,
@@ -191,7 +191,7 @@ impl ProcessState {
             local_world_size,
             master_addr,
             master_port,
-            job_token: get("ACCELERATE_JOB_TOKEN").cloned().unwrap_or_default(),
+            job_token: get(env::JOB_TOKEN).cloned().unwrap_or_default(),
             restart_count,
             launcher,
         })

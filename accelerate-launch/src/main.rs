@@ -14,15 +14,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use accelerate_core::comm::store::StoreServer;
+use accelerate_core::env::JOB_TOKEN;
 use clap::Parser;
 use rand::Rng;
 
 use signals::SignalWatch;
 use supervise::{GroupConfig, Outcome, WorkerSpec};
 use worker_env::JobLayout;
-
-/// Environment variable that carries the job token to every machine of a multi-machine job.
-const JOB_TOKEN_ENV: &str = "ACCELERATE_JOB_TOKEN";
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();
@@ -80,12 +78,12 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
     let local_world_size = world_size / args.num_machines;
     let multi_machine = args.num_machines > 1;
 
-    let job_token = match std::env::var(JOB_TOKEN_ENV) {
+    let job_token = match std::env::var(JOB_TOKEN) {
         Ok(t) if !t.is_empty() => t,
         _ if multi_machine => {
             return Err(format!(
                 "a job on several machines needs the same secret on every machine: set \
-                 {JOB_TOKEN_ENV} to one random string (e.g. `openssl rand -hex 16`) before \
+                 {JOB_TOKEN} to one random string (e.g. `openssl rand -hex 16`) before \
                  running accelerate-launch on each machine"
             ))
         }

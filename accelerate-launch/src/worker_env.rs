@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use accelerate_core::env;
+
 /// What the launcher knows about the job, enough to build every worker's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobLayout {
@@ -52,48 +54,41 @@ impl JobLayout {
         let mut set = |k: &str, v: String| {
             env.insert(k.to_string(), v);
         };
-        for (prefix, r, w, lr, lw) in [
-            ("", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        for (r, w, lr, lw) in [
+            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
             (
-                "ACCELERATE_",
-                "RANK",
-                "WORLD_SIZE",
-                "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE",
+                env::RANK,
+                env::WORLD_SIZE,
+                env::LOCAL_RANK,
+                env::LOCAL_WORLD_SIZE,
             ),
         ] {
-            set(&format!("{prefix}{r}"), rank.to_string());
-            set(&format!("{prefix}{w}"), self.world_size.to_string());
-            set(&format!("{prefix}{lr}"), local_rank.to_string());
-            set(&format!("{prefix}{lw}"), self.local_world_size.to_string());
+            set(r, rank.to_string());
+            set(w, self.world_size.to_string());
+            set(lr, local_rank.to_string());
+            set(lw, self.local_world_size.to_string());
         }
         set("GROUP_RANK", self.machine_rank.to_string());
         set("MASTER_ADDR", self.master_addr.clone());
         set("MASTER_PORT", self.master_port.to_string());
-        set("ACCELERATE_JOB_TOKEN", self.job_token.clone());
-        set("ACCELERATE_RESTART_COUNT", self.restart_count.to_string());
+        set(env::JOB_TOKEN, self.job_token.clone());
+        set(env::RESTART_COUNT, self.restart_count.to_string());
         set("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string());
         if let Some(k) = self.gradient_accumulation_steps {
-            set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", k.to_string());
+            set(env::GRADIENT_ACCUMULATION_STEPS, k.to_string());
         }
         if let Some(mode) = self.mixed_precision {
-            set(
-                accelerate_core::mixed_precision::MIXED_PRECISION_ENV,
-                mode.as_str().into(),
-            );
+            set(env::MIXED_PRECISION, mode.as_str().into());
         }
         if self.cpu {
-            set("ACCELERATE_USE_CPU", "1".into());
+            set(env::USE_CPU, "1".into());
         } else {
             // A worker that cannot use its GPU must fail, not crawl on the CPU.
-            set(accelerate_core::device::DEVICE_ENV, "cuda".into());
+            set(env::DEVICE, "cuda".into());
             // Its GPU among those CUDA_VISIBLE_DEVICES shows (which is left as the user set it):
             // LOCAL_RANK normally, and every N-th under --ranks-per-gpu N.
             let per_gpu = self.ranks_per_gpu.max(1);
-            set(
-                accelerate_core::device::GPU_INDEX_ENV,
-                (local_rank / per_gpu).to_string(),
-            );
+            set(env::GPU_INDEX, (local_rank / per_gpu).to_string());
             if per_gpu > 1 {
                 // NCCL refuses two ranks of one host on one GPU; a host id of its own per rank
                 // makes each rank a host, connected over sockets (unique in the job through the

@@ -23,10 +23,6 @@ use super::{Communicator, LocalCommunicator};
 use crate::error::{Error, Result};
 use crate::state::{Launcher, ProcessState};
 
-/// Environment variable naming the IP address the ring listens on (default: the address of the
-/// interface that reaches the store).
-pub const BIND_IP_ENV: &str = "ACCELERATE_BIND_IP";
-
 /// What joining produced.
 pub struct Membership {
     /// The communicator of this process.
@@ -84,15 +80,12 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     )?;
     // Ring peers must reach this rank at an address of the interface that reaches the store
     // (loopback for one machine), unless the user chose one.
-    if std::env::var_os(BIND_IP_ENV).is_none() {
-        options.bind_ip = client.local_addr().ip();
-    } else if let Ok(v) = std::env::var(BIND_IP_ENV) {
-        options.bind_ip = v.parse().map_err(|_| Error::Env {
-            name: BIND_IP_ENV.into(),
-            value: v.clone(),
-            problem: "expected this machine's IP address that the other ranks can reach".into(),
-        })?;
-    }
+    options.bind_ip = crate::env::read(
+        crate::env::BIND_IP,
+        "expected this machine's IP address that the other ranks can reach",
+        |v| v.parse().ok(),
+    )?
+    .unwrap_or_else(|| client.local_addr().ip());
     // Its own connection: the heartbeat must not queue behind a long `get` on the main one.
     let heartbeat_client = TcpStoreClient::connect(
         addr,

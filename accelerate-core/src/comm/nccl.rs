@@ -36,11 +36,11 @@ use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, St
 
 use super::agreement::{self, Collective, Signature};
 use super::contract::{check_dtype, check_in_place};
-use super::cpu::BUSY_PEER_TIMEOUT_ENV;
 use super::liveness::{Liveness, Patience, Verdict};
 use super::staging;
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
+use crate::env::BUSY_PEER_TIMEOUT;
 use crate::error::{Error, Result};
 
 /// Store key under which rank 0 publishes NCCL's unique id.
@@ -666,7 +666,7 @@ impl Watchdog {
                                          every rank is alive: one of them is busy outside the \
                                          collective for longer than that, hung, or called \
                                          another collective (see its output); set \
-                                         {BUSY_PEER_TIMEOUT_ENV} to wait longer"
+                                         {BUSY_PEER_TIMEOUT} to wait longer"
                                     ),
                                 ),
                             }

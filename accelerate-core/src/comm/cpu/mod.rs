@@ -34,9 +34,8 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::{DType, Device, Tensor};
 
 pub use options::{
-    parse_timeout, parse_transport, CpuCommOptions, TransportChoice, BUSY_PEER_TIMEOUT_ENV,
-    COLLECTIVE_TIMEOUT_ENV, DEFAULT_BUSY_PEER_TIMEOUT, DEFAULT_CHUNK_BYTES,
-    DEFAULT_COLLECTIVE_TIMEOUT, TRANSPORT_ENV,
+    parse_timeout, parse_transport, CpuCommOptions, TransportChoice, DEFAULT_BUSY_PEER_TIMEOUT,
+    DEFAULT_CHUNK_BYTES, DEFAULT_COLLECTIVE_TIMEOUT,
 };
 
 use self::element::Element;

@@ -7,17 +7,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::comm::liveness::Liveness;
+use crate::env::{BUSY_PEER_TIMEOUT, COLLECTIVE_TIMEOUT, CPU_TRANSPORT};
 use crate::error::{Error, Result};
-
-/// Environment variable that sets [`CpuCommOptions::timeout`], in seconds.
-pub const COLLECTIVE_TIMEOUT_ENV: &str = "ACCELERATE_COLLECTIVE_TIMEOUT";
-
-/// Environment variable that sets [`CpuCommOptions::busy_timeout`], in seconds.
-pub const BUSY_PEER_TIMEOUT_ENV: &str = "ACCELERATE_BUSY_PEER_TIMEOUT";
-
-/// Environment variable that sets [`CpuCommOptions::transport`]: `auto` (the default), `tcp` or
-/// `shm`.
-pub const TRANSPORT_ENV: &str = "ACCELERATE_CPU_TRANSPORT";
 
 /// Default for [`CpuCommOptions::timeout`]: how long a peer may give no sign of life at all
 /// (no data, no heartbeat, no live process). Also bounds each step of the connection setup.
@@ -44,7 +35,7 @@ pub enum TransportChoice {
 }
 
 impl TransportChoice {
-    /// The value of [`TRANSPORT_ENV`] that selects this choice.
+    /// The value of [`CPU_TRANSPORT`] that selects this choice.
     pub fn name(self) -> &'static str {
         match self {
             TransportChoice::Auto => "auto",
@@ -129,13 +120,13 @@ impl CpuCommOptions {
     /// changing the process environment, which other test threads read).
     pub(crate) fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut options = Self::default();
-        if let Some(value) = lookup(COLLECTIVE_TIMEOUT_ENV) {
+        if let Some(value) = lookup(COLLECTIVE_TIMEOUT) {
             options.timeout = parse_timeout(&value)?;
         }
-        if let Some(value) = lookup(BUSY_PEER_TIMEOUT_ENV) {
-            options.busy_timeout = parse_seconds(BUSY_PEER_TIMEOUT_ENV, &value)?;
+        if let Some(value) = lookup(BUSY_PEER_TIMEOUT) {
+            options.busy_timeout = parse_seconds(BUSY_PEER_TIMEOUT, &value)?;
         }
-        if let Some(value) = lookup(TRANSPORT_ENV) {
+        if let Some(value) = lookup(CPU_TRANSPORT) {
             options.transport = parse_transport(&value)?;
         }
         Ok(options)
@@ -152,7 +143,7 @@ impl CpuCommOptions {
         if self.timeout.is_zero() {
             return Err(Error::Config(format!(
                 "CpuCommOptions::timeout is zero; use a positive duration (default \
-                 {DEFAULT_COLLECTIVE_TIMEOUT:?}, or {COLLECTIVE_TIMEOUT_ENV}=<seconds>)"
+                 {DEFAULT_COLLECTIVE_TIMEOUT:?}, or {COLLECTIVE_TIMEOUT}=<seconds>)"
             )));
         }
         if self.chunk_bytes < 8 {
@@ -176,7 +167,7 @@ impl CpuCommOptions {
 
 /// Parses a timeout in seconds (fractions allowed) as given in `ACCELERATE_COLLECTIVE_TIMEOUT`.
 pub fn parse_timeout(value: &str) -> Result<Duration> {
-    parse_seconds(COLLECTIVE_TIMEOUT_ENV, value)
+    parse_seconds(COLLECTIVE_TIMEOUT, value)
 }
 
 /// Parses a positive number of seconds given in the environment variable `name`.
@@ -200,7 +191,7 @@ pub fn parse_transport(value: &str) -> Result<TransportChoice> {
         "tcp" => Ok(TransportChoice::Tcp),
         "shm" => Ok(TransportChoice::Shm),
         _ => Err(Error::Env {
-            name: TRANSPORT_ENV.into(),
+            name: CPU_TRANSPORT.into(),
             value: value.into(),
             problem: "expected auto (shared memory when every rank is on this machine, TCP \
                       otherwise), tcp or shm"
@@ -219,7 +210,7 @@ mod tests {
         assert_eq!(parse_timeout(" 2.5 ").unwrap(), Duration::from_millis(2500));
         for bad in ["", "0", "-3", "ten", "inf", "NaN"] {
             let err = parse_timeout(bad).unwrap_err().to_string();
-            assert!(err.contains(COLLECTIVE_TIMEOUT_ENV), "{err}");
+            assert!(err.contains(COLLECTIVE_TIMEOUT), "{err}");
         }
     }
 
@@ -230,7 +221,7 @@ mod tests {
         assert_eq!(parse_transport(" TCP ").unwrap(), TransportChoice::Tcp);
         assert_eq!(parse_transport("shm").unwrap(), TransportChoice::Shm);
         let err = parse_transport("rdma").unwrap_err().to_string();
-        assert!(err.contains(TRANSPORT_ENV) && err.contains("rdma"), "{err}");
+        assert!(err.contains(CPU_TRANSPORT) && err.contains("rdma"), "{err}");
 
         let env = |pairs: &'static [(&'static str, &'static str)]| {
             move |name: &str| {
@@ -242,36 +233,34 @@ mod tests {
         };
         let none = CpuCommOptions::from_lookup(env(&[])).unwrap();
         assert_eq!(none.transport, TransportChoice::Auto);
-        let tcp = CpuCommOptions::from_lookup(env(&[(TRANSPORT_ENV, "tcp")])).unwrap();
+        let tcp = CpuCommOptions::from_lookup(env(&[(CPU_TRANSPORT, "tcp")])).unwrap();
         assert_eq!(tcp.transport, TransportChoice::Tcp);
         assert_eq!(tcp.timeout, DEFAULT_COLLECTIVE_TIMEOUT);
-        let both = CpuCommOptions::from_lookup(env(&[
-            (TRANSPORT_ENV, "shm"),
-            (COLLECTIVE_TIMEOUT_ENV, "7"),
-        ]))
-        .unwrap();
+        let both =
+            CpuCommOptions::from_lookup(env(&[(CPU_TRANSPORT, "shm"), (COLLECTIVE_TIMEOUT, "7")]))
+                .unwrap();
         assert_eq!(
             (both.transport, both.timeout),
             (TransportChoice::Shm, Duration::from_secs(7))
         );
         assert_eq!(both.busy_limit(), DEFAULT_BUSY_PEER_TIMEOUT);
         let busy = CpuCommOptions::from_lookup(env(&[
-            (COLLECTIVE_TIMEOUT_ENV, "1"),
-            (BUSY_PEER_TIMEOUT_ENV, "3.5"),
+            (COLLECTIVE_TIMEOUT, "1"),
+            (BUSY_PEER_TIMEOUT, "3.5"),
         ]))
         .unwrap();
         assert_eq!(busy.busy_limit(), Duration::from_millis(3500));
-        let long_silence = CpuCommOptions::from_lookup(env(&[(COLLECTIVE_TIMEOUT_ENV, "7200")]));
+        let long_silence = CpuCommOptions::from_lookup(env(&[(COLLECTIVE_TIMEOUT, "7200")]));
         assert_eq!(
             long_silence.unwrap().busy_limit(),
             Duration::from_secs(7200),
             "raising the silence limit alone raises the busy limit with it"
         );
-        let err = CpuCommOptions::from_lookup(env(&[(BUSY_PEER_TIMEOUT_ENV, "soon")]))
+        let err = CpuCommOptions::from_lookup(env(&[(BUSY_PEER_TIMEOUT, "soon")]))
             .unwrap_err()
             .to_string();
-        assert!(err.contains(BUSY_PEER_TIMEOUT_ENV), "{err}");
-        assert!(CpuCommOptions::from_lookup(env(&[(TRANSPORT_ENV, "udp")])).is_err());
+        assert!(err.contains(BUSY_PEER_TIMEOUT), "{err}");
+        assert!(CpuCommOptions::from_lookup(env(&[(CPU_TRANSPORT, "udp")])).is_err());
     }
 
     #[test]

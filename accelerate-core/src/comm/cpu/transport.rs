@@ -435,7 +435,7 @@ pub(crate) fn verdict_error(
 pub(crate) fn busy_hint() -> String {
     format!(
         "if it is only busy, raise the limit with {}=<seconds> or CpuCommOptions::busy_timeout",
-        super::options::BUSY_PEER_TIMEOUT_ENV
+        crate::env::BUSY_PEER_TIMEOUT
     )
 }
 
@@ -451,7 +451,7 @@ fn is_disconnect(kind: std::io::ErrorKind) -> bool {
 pub(crate) fn timeout_hint() -> String {
     format!(
         "if it is only slow, raise the limit with {}=<seconds> or CpuCommOptions::timeout",
-        super::options::COLLECTIVE_TIMEOUT_ENV
+        crate::env::COLLECTIVE_TIMEOUT
     )
 }
 

@@ -15,8 +15,7 @@ use super::StoreServer;
 use crate::error::{Error, Result};
 use crate::state::ProcessState;
 
-/// The variable that carries the job token to every rank.
-pub const JOB_TOKEN_ENV: &str = "ACCELERATE_JOB_TOKEN";
+use crate::env::JOB_TOKEN;
 
 /// How rank 0 hosts the store for the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,8 +71,8 @@ pub fn plan_hosting(state: &ProcessState, store: SocketAddr) -> Result<HostPlan>
         format!(
             "WARNING: rank 0 hosts the rendezvous store on {bind} (every interface) with no job \
              token: anyone who can reach port {} can join or disrupt this job. Set \
-             {JOB_TOKEN_ENV} to the same random string for every rank before starting it (e.g. \
-             `export {JOB_TOKEN_ENV}=$(openssl rand -hex 16)` before torchrun or srun).",
+             {JOB_TOKEN} to the same random string for every rank before starting it (e.g. \
+             `export {JOB_TOKEN}=$(openssl rand -hex 16)` before torchrun or srun).",
             store.port()
         )
     });
@@ -153,7 +152,7 @@ mod tests {
         let warning = open
             .warning
             .expect("no warning for a store without a token");
-        assert!(warning.contains(JOB_TOKEN_ENV), "{warning}");
+        assert!(warning.contains(JOB_TOKEN), "{warning}");
         let with_token = plan_hosting(&rank0(8, 4, "s3cret"), addr("10.0.0.1:29501")).unwrap();
         assert_eq!(with_token.bind, addr("0.0.0.0:29501"));
         assert_eq!(with_token.warning, None);

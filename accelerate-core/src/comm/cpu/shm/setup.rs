@@ -26,8 +26,9 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use super::process::{self, HostIdentity};
 use super::region::{self, Layout, Region};
 use super::session::ShmLinks;
-use crate::comm::cpu::options::{CpuCommOptions, TransportChoice, TRANSPORT_ENV};
+use crate::comm::cpu::options::{CpuCommOptions, TransportChoice};
 use crate::comm::store::Store;
+use crate::env::CPU_TRANSPORT;
 use crate::error::{Error, Result};
 
 /// Where mappings are created: the tmpfs every Linux system mounts for POSIX shared memory.
@@ -171,8 +172,8 @@ pub(crate) fn join(
             Ok(Joined::Tcp)
         }
         (Err(problem), _) => Err(Error::Config(format!(
-            "{TRANSPORT_ENV}=shm, but {problem}; check that {SHM_DIR} is mounted and shared by \
-             all ranks, or use {TRANSPORT_ENV}=auto or tcp"
+            "{CPU_TRANSPORT}=shm, but {problem}; check that {SHM_DIR} is mounted and shared by \
+             all ranks, or use {CPU_TRANSPORT}=auto or tcp"
         ))),
         (Ok(()), Err(problem)) => Err(Error::Config(format!(
             "internal: rank 0 reported that every rank mapped the shared memory, but this one \
@@ -199,7 +200,7 @@ pub(crate) fn confirm_tcp(
         Plan::Refuse(reason) => Err(Error::Config(reason)),
         Plan::Shm { .. } => Err(Error::Config(format!(
             "rank 0 chose shared memory although rank {rank} was started with \
-             {TRANSPORT_ENV}=tcp; set the same value for every process of the job"
+             {CPU_TRANSPORT}=tcp; set the same value for every process of the job"
         ))),
     }
 }
@@ -241,14 +242,14 @@ fn make_plan(
         .find(|(_, c)| c.choice != mine.choice)
     {
         return Ok(Plan::Refuse(format!(
-            "rank 0 was started with {TRANSPORT_ENV}={} but rank {q} with {}; set the same \
+            "rank 0 was started with {CPU_TRANSPORT}={} but rank {q} with {}; set the same \
              value for every process of the job",
             mine.choice.name(),
             other.choice.name()
         )));
     }
     if mine.choice == TransportChoice::Tcp {
-        return Ok(Plan::Tcp(format!("{TRANSPORT_ENV}=tcp")));
+        return Ok(Plan::Tcp(format!("{CPU_TRANSPORT}=tcp")));
     }
     let elsewhere = cards
         .iter()
@@ -266,8 +267,8 @@ fn make_plan(
         );
         return Ok(match mine.choice {
             TransportChoice::Shm => Plan::Refuse(format!(
-                "{TRANSPORT_ENV}=shm needs every rank on one machine, but {what}; use \
-                 {TRANSPORT_ENV}=auto (shared memory only within one machine) or tcp"
+                "{CPU_TRANSPORT}=shm needs every rank on one machine, but {what}; use \
+                 {CPU_TRANSPORT}=auto (shared memory only within one machine) or tcp"
             )),
             _ => Plan::Tcp(format!("the ranks are on several machines: {what}")),
         });
@@ -290,8 +291,8 @@ fn make_plan(
             let _ = std::fs::remove_file(&path);
             Ok(match mine.choice {
                 TransportChoice::Shm => Plan::Refuse(format!(
-                    "{TRANSPORT_ENV}=shm, but {problem}; check that {SHM_DIR} is mounted and \
-                     has room, or use {TRANSPORT_ENV}=auto or tcp"
+                    "{CPU_TRANSPORT}=shm, but {problem}; check that {SHM_DIR} is mounted and \
+                     has room, or use {CPU_TRANSPORT}=auto or tcp"
                 )),
                 _ => Plan::Tcp(format!("shared memory unavailable: {problem}")),
             })
@@ -426,7 +427,7 @@ mod tests {
             panic!("{plan:?}")
         };
         assert!(
-            why.contains(TRANSPORT_ENV) && why.contains("rank 1"),
+            why.contains(CPU_TRANSPORT) && why.contains("rank 1"),
             "{why}"
         );
         assert!(why.contains("one machine"), "{why}");

@@ -8,10 +8,11 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 
 use super::Plan;
-use crate::comm::cpu::options::{CpuCommOptions, TRANSPORT_ENV};
+use crate::comm::cpu::options::CpuCommOptions;
 use crate::comm::cpu::{CpuCommunicator, Link, Transport};
 use crate::comm::store::{Store, StoreServer, TcpStoreClient};
 use crate::comm::{Communicator, ReduceOp};
+use crate::env::CPU_TRANSPORT;
 use crate::error::{Error, Result};
 
 const TOKEN: &str = "shm-test-token";
@@ -46,7 +47,7 @@ fn on_job<R: Send>(
 /// (or unset), without touching the environment that concurrent tests read.
 fn options_with_variable(value: Option<&'static str>) -> CpuCommOptions {
     let mut options = CpuCommOptions::from_lookup(|name| match (name, value) {
-        (TRANSPORT_ENV, Some(v)) => Some(v.to_string()),
+        (CPU_TRANSPORT, Some(v)) => Some(v.to_string()),
         _ => None,
     })
     .unwrap();
@@ -77,7 +78,7 @@ fn auto_uses_shared_memory_on_one_machine_and_the_variable_forces_tcp() {
             },
         );
         for (transport, sum) in results {
-            assert_eq!(transport, Some(want), "{TRANSPORT_ENV}={value:?}");
+            assert_eq!(transport, Some(want), "{CPU_TRANSPORT}={value:?}");
             assert_eq!(sum, vec![3.0, 3.0]);
         }
     }
@@ -123,7 +124,7 @@ fn ranks_disagreeing_on_the_transport_are_refused_everywhere() {
         assert!(matches!(err, Error::Config(_)), "{err}");
         let text = err.to_string();
         assert!(
-            text.contains(TRANSPORT_ENV) && text.contains("rank 1 with auto"),
+            text.contains(CPU_TRANSPORT) && text.contains("rank 1 with auto"),
             "{text}"
         );
     }

@@ -1,0 +1,161 @@
+//! Every `ACCELERATE_*` environment variable, and the one reader that turns a variable's value
+//! into a typed setting or an [`Error::Env`] naming the variable, its value and what it should
+//! hold.
+//!
+//! The launcher sets most of these for its workers (`accelerate-launch` uses the same constants);
+//! a user may set any of them by hand. torchrun's and SLURM's own variables (`RANK`,
+//! `SLURM_PROCID`, ...) are read in [`state`](crate::state), under their own names.
+
+use crate::error::{Error, Result};
+
+/// Global rank of this process, set by `accelerate-launch` (torchrun's is `RANK`).
+pub const RANK: &str = "ACCELERATE_RANK";
+/// Processes in the job, set by `accelerate-launch` (torchrun's is `WORLD_SIZE`).
+pub const WORLD_SIZE: &str = "ACCELERATE_WORLD_SIZE";
+/// Rank of this process on its machine, set by `accelerate-launch` (torchrun's is `LOCAL_RANK`).
+pub const LOCAL_RANK: &str = "ACCELERATE_LOCAL_RANK";
+/// Processes on this machine, set by `accelerate-launch` (torchrun's is `LOCAL_WORLD_SIZE`).
+pub const LOCAL_WORLD_SIZE: &str = "ACCELERATE_LOCAL_WORLD_SIZE";
+/// Secret every client of the rendezvous store presents; set by `accelerate-launch`, and by hand
+/// under torchrun or SLURM on machines others can reach.
+pub const JOB_TOKEN: &str = "ACCELERATE_JOB_TOKEN";
+/// How many times the launcher has restarted the group (`--max-restarts`).
+pub const RESTART_COUNT: &str = "ACCELERATE_RESTART_COUNT";
+/// The default number of gradient accumulation steps
+/// (`accelerate-launch --gradient-accumulation-steps K`).
+pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
+/// The default mixed-precision mode, `no`, `bf16` or `fp16`
+/// (`accelerate-launch --mixed-precision MODE`).
+pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+/// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
+pub const BUCKET_CAP_MB: &str = "ACCELERATE_BUCKET_CAP_MB";
+/// Whether the sync micro-step overlaps the reduction of one gradient bucket with the
+/// preparation of the next (an on/off [`switch`]).
+pub const OVERLAP_GRADIENT_REDUCTION: &str = "ACCELERATE_OVERLAP_GRADIENT_REDUCTION";
+/// `1` computes on the CPU even where GPUs exist (`accelerate-launch --cpu`).
+pub const USE_CPU: &str = "ACCELERATE_USE_CPU";
+/// `cuda` requires a GPU, `cpu` the CPU, `auto` takes a GPU if there is one
+/// (`accelerate-launch --num-gpus N` sets `cuda`).
+pub const DEVICE: &str = "ACCELERATE_DEVICE";
+/// The index of this rank's GPU among those visible to it (set by `accelerate-launch`; several
+/// ranks share a GPU under its `--ranks-per-gpu` testing switch).
+pub const GPU_INDEX: &str = "ACCELERATE_GPU_INDEX";
+/// The address the CPU communicator listens on, when the default (the one that reaches the
+/// store) is not the right one.
+pub const BIND_IP: &str = "ACCELERATE_BIND_IP";
+/// Seconds a peer may give no sign of life at all before a collective fails.
+pub const COLLECTIVE_TIMEOUT: &str = "ACCELERATE_COLLECTIVE_TIMEOUT";
+/// Seconds a live but busy peer is waited for before a collective fails.
+pub const BUSY_PEER_TIMEOUT: &str = "ACCELERATE_BUSY_PEER_TIMEOUT";
+/// The CPU communicator's transport: `auto`, `tcp` or `shm`.
+pub const CPU_TRANSPORT: &str = "ACCELERATE_CPU_TRANSPORT";
+/// `0` leaves the allocator's default of returning freed memory to the system.
+pub const KEEP_FREED_MEMORY: &str = "ACCELERATE_KEEP_FREED_MEMORY";
+
+/// The value of `name` in the process environment; `None` when unset, blank or not Unicode.
+pub(crate) fn value(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// `value` (of variable `name`) parsed by `parse`, which sees it trimmed: `None` when the value
+/// is absent or blank, an [`Error::Env`] saying `expected` when `parse` refuses it.
+pub(crate) fn parse<T>(
+    name: &str,
+    value: Option<&str>,
+    expected: &str,
+    parse: impl FnOnce(&str) -> Option<T>,
+) -> Result<Option<T>> {
+    match value {
+        Some(v) if !v.trim().is_empty() => parse(v.trim()).map(Some).ok_or_else(|| Error::Env {
+            name: name.into(),
+            value: v.into(),
+            problem: expected.into(),
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// Variable `name` of the process environment, [`parse`]d.
+pub(crate) fn read<T>(
+    name: &str,
+    expected: &str,
+    parse: impl FnOnce(&str) -> Option<T>,
+) -> Result<Option<T>> {
+    self::parse(name, value(name).as_deref(), expected, parse)
+}
+
+/// An on/off value: `1`/`0`, `true`/`false`, `on`/`off`, `yes`/`no`, in any case.
+pub(crate) fn switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// What [`switch`] accepts, for error messages.
+pub(crate) const SWITCH_VALUES: &str = "expected 1 or 0 (also true/false, on/off, yes/no)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_off_switches_read_the_usual_spellings_and_refuse_others() {
+        for on in ["1", "true", "ON", " yes "] {
+            assert_eq!(switch(on), Some(true), "{on:?}");
+        }
+        for off in ["0", "False", "off", "no"] {
+            assert_eq!(switch(off), Some(false), "{off:?}");
+        }
+        for bad in ["2", "overlap", "y"] {
+            assert_eq!(switch(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_blank_value_is_unset_and_a_bad_one_is_named_with_what_it_should_hold() {
+        let positive = |v: &str| v.parse::<usize>().ok().filter(|&k| k > 0);
+        assert_eq!(parse("X", None, "a count", positive).unwrap(), None);
+        assert_eq!(parse("X", Some("  "), "a count", positive).unwrap(), None);
+        assert_eq!(
+            parse("X", Some(" 4 "), "a count", positive).unwrap(),
+            Some(4)
+        );
+        let e = parse("ACCELERATE_X", Some("0"), "expected a count", positive).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("ACCELERATE_X") && text.contains("\"0\"") && text.contains("a count"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn every_name_is_an_accelerate_variable_and_none_is_repeated() {
+        let names = [
+            RANK,
+            WORLD_SIZE,
+            LOCAL_RANK,
+            LOCAL_WORLD_SIZE,
+            JOB_TOKEN,
+            RESTART_COUNT,
+            GRADIENT_ACCUMULATION_STEPS,
+            MIXED_PRECISION,
+            BUCKET_CAP_MB,
+            OVERLAP_GRADIENT_REDUCTION,
+            USE_CPU,
+            DEVICE,
+            GPU_INDEX,
+            BIND_IP,
+            COLLECTIVE_TIMEOUT,
+            BUSY_PEER_TIMEOUT,
+            CPU_TRANSPORT,
+            KEEP_FREED_MEMORY,
+        ];
+        let mut sorted = names.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len());
+        assert!(names.iter().all(|n| n.starts_with("ACCELERATE_")));
+    }
+}
