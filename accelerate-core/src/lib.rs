@@ -100,6 +100,7 @@ pub mod device;
 pub mod env;
 pub mod error;
 pub mod files;
+#[cfg(any(fuzzing, test))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod grads;

@@ -8,7 +8,9 @@
 //! decoder panicked, or a value it accepted does not encode back to the bytes it came from (a
 //! decoder that accepts two spellings of one value can be made to disagree with its peer).
 //!
-//! Not part of the API (hidden from the documentation); it changes with the wire formats.
+//! Not part of the API: it exists only in the fuzz targets' builds (`cfg(fuzzing)`, which
+//! cargo-fuzz sets) and in the unit tests, which replay the committed corpus
+//! ([`corpus_replay`]); it changes with the wire formats.
 
 use crate::comm::cpu::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_ABORT_BYTES};
 use crate::comm::cpu::rendezvous::{self, Hello, PeerCard, HELLO_BYTES};
@@ -17,6 +19,9 @@ use crate::comm::cpu::shm::session::RoundTag;
 use crate::comm::cpu::shm::setup::{self, HostCard, Plan};
 use crate::comm::store::wire::{self, Request, Response};
 use crate::comm::store::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+
+#[cfg(test)]
+mod corpus_replay;
 
 /// A decoder under test: arbitrary bytes in, `Err` with the decoder's message when malformed.
 pub type Target = fn(&[u8]) -> Result<(), String>;

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use accelerate_core::fuzzing::{seeds, TARGETS};
+use super::{seeds, TARGETS};
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
@@ -66,7 +66,7 @@ fn every_seed_decodes() {
 }
 
 /// Writes the seeds into the corpus directories: run once before fuzzing a new target
-/// (`cargo test -p accelerate-core --test fuzz_corpus -- --ignored`).
+/// (`cargo test -p accelerate-core fuzzing:: -- --ignored`).
 #[test]
 #[ignore = "writes into fuzz/corpus; run by hand before fuzzing a new target"]
 fn write_seed_corpus() {
