@@ -93,7 +93,7 @@ impl AcceleratorBuilder {
     }
 
     /// The dtype gradient buckets travel in when they are averaged across ranks: F32 (the
-    /// default, exact as before) or BF16 / F16, which halve the traffic at the cost of rounding the
+    /// default, exact) or BF16 / F16, which halve the traffic at the cost of rounding the
     /// average to 8 (or 11) significant bits, like PyTorch DDP's `bf16_compress_hook`. Gradients
     /// are still accumulated in f32, and a single process rounds nothing.
     pub fn gradient_reduce_dtype(mut self, dtype: candle_core::DType) -> Self {

@@ -564,7 +564,7 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
 /// row-major, in tiles so that both sides stay in cache.
 ///
 /// Single-threaded on purpose: candle's kernels already keep every core busy, and a second thread
-/// pool spinning up beside them measurably slowed the step on a 2-core machine (BENCHMARKS.md).
+/// pool beside them would compete for the same cores.
 fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize, s: f32, overwrite: bool) {
     const TILE: usize = 64;
     for i0 in (0..rows).step_by(TILE) {

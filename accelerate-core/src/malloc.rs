@@ -3,12 +3,11 @@
 //! candle's CPU backend allocates a fresh tensor for every op, megabytes each for the weight
 //! gradients of a training step. glibc's malloc serves such blocks with `mmap` (or trims them off
 //! the heap) and hands them back to the kernel on free, so the next step faults every page in
-//! again: on the MLP workload about 5,000 page faults per micro-step, ~17 % of the step time
-//! (BENCHMARKS.md). Raising the trim threshold and serving every block from the heap instead of
-//! `mmap` keeps those blocks for reuse, as PyTorch's caching allocator does. glibc caps the mmap
-//! threshold at 32 MiB, so without turning `mmap` off the 32 MiB attention scores of the `gpt`
-//! workload at batch 32 were still mapped and unmapped on every op (6.2 s per step instead of 4.3).
-//! Peak memory is unchanged; memory is returned at exit.
+//! again, thousands of page faults per micro-step. Raising the trim threshold and serving every
+//! block from the heap instead of `mmap` keeps those blocks for reuse, as PyTorch's caching
+//! allocator does. `mmap` is turned off rather than its threshold raised because glibc caps the
+//! threshold at 32 MiB, below the attention scores of a transformer at a realistic batch. Peak
+//! memory is unchanged; memory is returned at exit. BENCHMARKS.md has the figures.
 
 /// Tells glibc's malloc to serve blocks of every size from the heap and to keep freed ones there
 /// instead of returning them to the kernel. Process-wide; does nothing on other C libraries, or when

@@ -8,12 +8,11 @@ use candle_nn::Linear;
 /// The same products as candle-nn's `Linear::forward`, arranged so that candle's backward pass
 /// produces the weight's gradient in the weight's own layout. With `x.matmul(&w.t())` a transpose
 /// sits between the weight and the product, and candle adds the transposed gradient into a zero
-/// tensor element by element with strided reads: that one add took ~38 % of a K = 4 micro-step of
-/// the `mlp` workload (`perf`; BENCHMARKS.md), and it went away with this arrangement.
+/// tensor element by element with strided reads, a large share of a small model's step.
 ///
 /// The `gpt` workload keeps candle-nn's `Linear`: there the output of `(W · xᵀ)ᵀ` has to be copied
-/// back into `[batch, tokens, out]` for attention, and that copy cost more than the add it saves
-/// (batch 32 × 256 tokens: 6.0 s per step against 4.4).
+/// back into `[batch, tokens, out]` for attention, and that copy costs more than the add it saves.
+/// BENCHMARKS.md has the figures for both.
 pub fn linear(layer: &Linear, x: &Tensor) -> Result<Tensor> {
     let w = layer.weight();
     let (out, inp) = w.dims2()?;
