@@ -429,6 +429,6 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
     } else {
         Ok(())
     };
-    accelerate_core::checkpoint::agree_across_ranks(acc, path, "writing the model", written)
+    acc.agree_across_ranks(path, "writing the model", written)
         .with_context(|| format!("--save-model {}", path.display()))
 }

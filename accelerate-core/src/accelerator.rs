@@ -924,6 +924,20 @@ impl Accelerator {
         Ok(result)
     }
 
+    /// For a step done on some ranks only (typically writing a file on the main process): every
+    /// rank calls it with its outcome, and all return `Ok` only if every rank succeeded; otherwise
+    /// each returns an error naming the rank that failed and why (the failed rank returns its own
+    /// error). `path` is what the step wrote, `what` says what it was (`"writing the model"`). It
+    /// is a collective: call it on every rank at the same point.
+    pub fn agree_across_ranks(
+        &self,
+        path: &std::path::Path,
+        what: &str,
+        local: Result<()>,
+    ) -> Result<()> {
+        crate::checkpoint::agree_with(|t| self.gather(t), self.num_processes(), path, what, local)
+    }
+
     /// Waits until every rank has reached this point.
     pub fn wait_for_everyone(&self) -> Result<()> {
         self.comm.barrier()

@@ -10,7 +10,6 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::Accelerator;
 
 /// How much of a failed rank's error message travels to the other ranks (the rest is cut; the
 /// failed rank itself returns its whole error).
@@ -84,20 +83,6 @@ pub(crate) fn agree_with<T>(
             causes.join("; ")
         ),
     })
-}
-
-/// For a step done on some ranks only (typically writing a file on the main process): every rank
-/// calls it with its outcome, and all return `Ok` only if every rank succeeded; otherwise each
-/// returns an error naming the rank that failed and why (the failed rank returns its own error).
-/// `path` is what the step wrote, `what` says what it was (`"writing the model"`). It is a
-/// collective: call it on every rank at the same point.
-pub fn agree_across_ranks(
-    acc: &Accelerator,
-    path: &Path,
-    what: &str,
-    local: Result<()>,
-) -> Result<()> {
-    agree_with(|t| acc.gather(t), acc.num_processes(), path, what, local)
 }
 
 #[cfg(test)]

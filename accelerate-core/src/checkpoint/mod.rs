@@ -28,7 +28,7 @@
 //! its renames. Loading reads and verifies every file before changing anything ([`load`]).
 //!
 //! Saving and loading are collectives: what one rank fails at (rank 0 creating the directory, a
-//! rank writing its part) is agreed on by all ([`agree_across_ranks`]), so every rank returns the
+//! rank writing its part) is agreed on by all ([`Accelerator::agree_across_ranks`](crate::Accelerator::agree_across_ranks)), so every rank returns the
 //! same outcome and none is left waiting.
 //!
 //! CRC-32 (`crc32fast`, already a dependency of the tree) detects what happens to files by accident
@@ -57,7 +57,7 @@ use crate::error::Result;
 use crate::prepared::TrainingState;
 use crate::rng::RankRng;
 
-pub use agree::agree_across_ranks;
+pub(crate) use agree::agree_with;
 pub use manifest::{FileEntry, Manifest, ParameterEntry, FORMAT_VERSION, MANIFEST_FILE};
 pub use model::{
     save_model, DEFAULT_MAX_SHARD_BYTES, MODEL_FILE as MODEL_SAFETENSORS, MODEL_INDEX_FILE,

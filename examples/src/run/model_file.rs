@@ -24,6 +24,6 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
     } else {
         Ok(())
     };
-    accelerate_core::checkpoint::agree_across_ranks(acc, path, "writing the model", written)
+    acc.agree_across_ranks(path, "writing the model", written)
         .with_context(|| format!("--save-model {}", path.display()))
 }

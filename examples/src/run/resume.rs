@@ -72,13 +72,8 @@ impl RunArgs {
         } else {
             Ok(())
         };
-        accelerate_core::checkpoint::agree_across_ranks(
-            acc,
-            root,
-            "starting a fresh run in --checkpoint-dir",
-            outcome,
-        )
-        .with_context(|| format!("--checkpoint-dir {}", root.display()))?;
+        acc.agree_across_ranks(root, "starting a fresh run in --checkpoint-dir", outcome)
+            .with_context(|| format!("--checkpoint-dir {}", root.display()))?;
         if deleted > 0 {
             acc.print(format!(
                 "--overwrite-checkpoints: deleted {deleted} checkpoint(s) in {}; starting from \
