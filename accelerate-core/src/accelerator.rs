@@ -876,9 +876,10 @@ impl Accelerator {
         if !loader.in_last_batch_of_loop() {
             return Ok(gathered);
         }
-        let (samples, batch_size, world) = loader.sample_layout();
-        let before_last_round = (loader.batches_per_epoch().saturating_sub(1)) * batch_size * world;
-        let remainder = samples.saturating_sub(before_last_round);
+        let Some(plan) = loader.plan() else {
+            return Ok(gathered);
+        };
+        let remainder = plan.real_rows_of_last_round();
         let rows = gathered.dim(0)?;
         if remainder < rows {
             Ok(gathered.narrow(0, 0, remainder)?)

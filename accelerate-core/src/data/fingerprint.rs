@@ -33,11 +33,11 @@ impl LoaderSettings {
     /// The settings of a loader following `plan`, trained with K = `gradient_accumulation_steps`.
     pub fn new(plan: &BatchPlan, gradient_accumulation_steps: usize) -> Self {
         Self {
-            dataset_len: plan.len,
-            batch_size: plan.batch_size,
-            shuffle: plan.shuffle,
-            seed: plan.seed,
-            drop_last: plan.drop_last,
+            dataset_len: plan.len(),
+            batch_size: plan.batch_size(),
+            shuffle: plan.shuffle(),
+            seed: plan.seed(),
+            drop_last: plan.drop_last(),
             gradient_accumulation_steps,
         }
     }

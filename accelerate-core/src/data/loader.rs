@@ -26,14 +26,11 @@ pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(600);
 /// Batches are gathered and moved to the device on a background thread, `prefetch` batches ahead.
 pub struct DataLoader<D: Dataset> {
     dataset: Arc<D>,
-    batch_size: usize,
-    shuffle: bool,
-    seed: u64,
-    drop_last: bool,
+    /// The batch layout; its world size is the number of ranks sharded over.
+    plan: BatchPlan,
     prefetch: usize,
     device: Device,
     rank: usize,
-    world_size: usize,
     batch_timeout: Duration,
     progress: Arc<LoaderProgress>,
     /// Epoch of the next [`DataLoader::iter`] call.
@@ -47,15 +44,11 @@ impl<D: Dataset> DataLoader<D> {
     /// prefetch 2, on the CPU, rank 0 of 1.
     pub fn new(dataset: Arc<D>, batch_size: usize) -> Self {
         let loader = Self {
+            plan: BatchPlan::unchecked(dataset.len(), batch_size, 1),
             dataset,
-            batch_size,
-            shuffle: false,
-            seed: 0,
-            drop_last: false,
             prefetch: 2,
             device: Device::Cpu,
             rank: 0,
-            world_size: 1,
             batch_timeout: DEFAULT_BATCH_TIMEOUT,
             progress: Arc::new(LoaderProgress::default()),
             next_epoch: 0,
@@ -67,20 +60,22 @@ impl<D: Dataset> DataLoader<D> {
 
     /// Whether each epoch visits the samples in a seeded random order.
     pub fn shuffle(mut self, on: bool) -> Self {
-        self.shuffle = on;
+        self.plan = self.plan.with_shuffle(on);
+        self.refresh_progress();
         self
     }
 
     /// Seed of the shuffle; the order of an epoch depends only on the seed and the epoch.
     pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
+        self.plan = self.plan.with_seed(seed);
+        self.refresh_progress();
         self
     }
 
     /// Whether to drop a final partial batch (and, on several ranks, an incomplete last round)
     /// instead of completing it with samples from the start of the epoch.
     pub fn drop_last(mut self, on: bool) -> Self {
-        self.drop_last = on;
+        self.plan = self.plan.with_drop_last(on);
         self.refresh_progress();
         self
     }
@@ -110,38 +105,30 @@ impl<D: Dataset> DataLoader<D> {
     /// dataset length, batch size, shuffle, seed and drop_last.
     pub fn shard(mut self, rank: usize, world_size: usize) -> Self {
         self.rank = rank;
-        self.world_size = world_size;
+        self.plan = self.plan.with_world_size(world_size);
         self.refresh_progress();
         self
     }
 
-    /// Publishes the per-epoch layout to the shared progress (after any setting that changes it).
+    /// Publishes the plan to the shared progress (after any setting that changes it).
     fn refresh_progress(&self) {
-        self.progress.set_batches_per_epoch(self.len());
-        self.progress
-            .set_sample_layout(self.samples_per_epoch(), self.batch_size, self.world_size);
+        self.progress.set_plan(self.plan);
     }
 
     /// The batch plan this loader follows.
     pub fn plan(&self) -> BatchPlan {
-        BatchPlan {
-            len: self.dataset.len(),
-            batch_size: self.batch_size,
-            shuffle: self.shuffle,
-            seed: self.seed,
-            drop_last: self.drop_last,
-            world_size: self.world_size,
-        }
+        self.plan
     }
 
     /// Checks the configuration: positive batch and world sizes, rank inside the world.
     pub fn check(&self) -> Result<()> {
         self.plan().check()?;
-        if self.rank >= self.world_size {
+        if self.rank >= self.plan.world_size() {
             return Err(Error::Config(format!(
                 "the data loader is sharded as rank {} of {} ranks; DataLoader::shard takes a \
                  rank in 0..world_size",
-                self.rank, self.world_size
+                self.rank,
+                self.plan.world_size()
             )));
         }
         Ok(())
@@ -164,12 +151,12 @@ impl<D: Dataset> DataLoader<D> {
 
     /// Samples per batch (per rank).
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.plan.batch_size()
     }
 
     /// Number of ranks the batches are dealt to.
     pub fn world_size(&self) -> usize {
-        self.world_size
+        self.plan.world_size()
     }
 
     /// This loader's rank.
@@ -223,7 +210,11 @@ impl<D: Dataset> DataLoader<D> {
                  {batches_per_epoch} batches per epoch (dataset of {} samples, batch size {}, {} \
                  ranks, drop_last {}); the position was saved with another dataset, batch size \
                  or number of processes",
-                self.rank, plan.len, plan.batch_size, plan.world_size, plan.drop_last
+                self.rank,
+                plan.len(),
+                plan.batch_size(),
+                plan.world_size(),
+                plan.drop_last()
             ));
             return EpochIter::failed(e, epoch, self.rank, progress);
         }
@@ -301,15 +292,10 @@ impl<D: Dataset> IntoIterator for &mut DataLoader<D> {
 impl<D: Dataset> fmt::Debug for DataLoader<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DataLoader")
-            .field("len", &self.dataset.len())
-            .field("batch_size", &self.batch_size)
-            .field("shuffle", &self.shuffle)
-            .field("seed", &self.seed)
-            .field("drop_last", &self.drop_last)
+            .field("plan", &self.plan)
             .field("prefetch", &self.prefetch)
             .field("device", &self.device)
             .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
             .field("next_epoch", &self.next_epoch)
             .finish()
     }

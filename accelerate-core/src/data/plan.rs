@@ -18,24 +18,110 @@
 use super::shuffle::shuffled_indices;
 use crate::error::{Error, Result};
 
-/// Everything that determines the batches of an epoch, except the dataset's contents.
+/// Everything that determines the batches of an epoch, except the dataset's contents: the one
+/// description of the batch layout, which the loader holds, its progress publishes and
+/// `gather_for_metrics` asks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchPlan {
-    /// Number of samples in the dataset.
-    pub len: usize,
-    /// Samples per batch (per rank).
-    pub batch_size: usize,
-    /// Whether the order is a seeded permutation instead of `0..len`.
-    pub shuffle: bool,
-    /// Seed of the permutation; combined with the epoch.
-    pub seed: u64,
-    /// Whether a final partial batch (and, on several ranks, an incomplete last round) is dropped.
-    pub drop_last: bool,
-    /// Number of ranks the batches are dealt to.
-    pub world_size: usize,
+    len: usize,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+    drop_last: bool,
+    world_size: usize,
 }
 
 impl BatchPlan {
+    /// The plan of `len` samples in batches of `batch_size` per rank, dealt to `world_size` ranks,
+    /// in a seeded permutation when `shuffle`, dropping a final partial batch (and an incomplete
+    /// last round) when `drop_last`. Refuses a batch size or world size of 0.
+    pub fn new(
+        len: usize,
+        batch_size: usize,
+        shuffle: bool,
+        seed: u64,
+        drop_last: bool,
+        world_size: usize,
+    ) -> Result<Self> {
+        let plan = Self::unchecked(len, batch_size, world_size);
+        let plan = Self {
+            shuffle,
+            seed,
+            drop_last,
+            ..plan
+        };
+        plan.check()?;
+        Ok(plan)
+    }
+
+    /// A plan a loader builds before its settings are complete: [`check`](Self::check) refuses it
+    /// later if they never become valid.
+    pub(crate) fn unchecked(len: usize, batch_size: usize, world_size: usize) -> Self {
+        Self {
+            len,
+            batch_size,
+            shuffle: false,
+            seed: 0,
+            drop_last: false,
+            world_size,
+        }
+    }
+
+    /// This plan with shuffling on or off.
+    pub(crate) fn with_shuffle(self, shuffle: bool) -> Self {
+        Self { shuffle, ..self }
+    }
+
+    /// This plan with seed `seed`.
+    pub(crate) fn with_seed(self, seed: u64) -> Self {
+        Self { seed, ..self }
+    }
+
+    /// This plan with drop_last on or off.
+    pub(crate) fn with_drop_last(self, drop_last: bool) -> Self {
+        Self { drop_last, ..self }
+    }
+
+    /// This plan dealt to `world_size` ranks.
+    pub(crate) fn with_world_size(self, world_size: usize) -> Self {
+        Self { world_size, ..self }
+    }
+
+    /// Number of samples in the dataset.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the dataset is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Samples per batch (per rank).
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Whether the order is a seeded permutation instead of `0..len`.
+    pub fn shuffle(&self) -> bool {
+        self.shuffle
+    }
+
+    /// Seed of the permutation; combined with the epoch.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Whether a final partial batch (and, on several ranks, an incomplete last round) is dropped.
+    pub fn drop_last(&self) -> bool {
+        self.drop_last
+    }
+
+    /// Number of ranks the batches are dealt to.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
     /// Checks that the plan can produce batches: a positive batch size and world size.
     pub fn check(&self) -> Result<()> {
         if self.batch_size == 0 {
@@ -124,6 +210,13 @@ impl BatchPlan {
         self.slots() - self.real_samples()
     }
 
+    /// How many rows of the last round's gather (every rank's last batch, in rank order) are real
+    /// samples: the rest are wrapped-around duplicates that metrics drop.
+    pub fn real_rows_of_last_round(&self) -> usize {
+        let before = self.batches_per_rank().saturating_sub(1) * self.batch_size * self.world_size;
+        self.real_samples().saturating_sub(before)
+    }
+
     /// Global batch `index` of an epoch whose order is `order`.
     fn batch(&self, order: &[usize], index: usize) -> Vec<usize> {
         let start = index * self.batch_size;
@@ -157,19 +250,51 @@ mod tests {
     use super::*;
 
     fn plan(len: usize, batch_size: usize, world_size: usize, drop_last: bool) -> BatchPlan {
-        BatchPlan {
-            len,
-            batch_size,
-            shuffle: false,
-            seed: 0,
-            drop_last,
-            world_size,
-        }
+        BatchPlan::unchecked(len, batch_size, world_size).with_drop_last(drop_last)
     }
 
     /// The batches of each rank, for comparison with tables of expected shards.
     fn shards(p: &BatchPlan) -> Vec<Vec<Vec<usize>>> {
         (0..p.world_size).map(|r| p.rank_batches(0, r)).collect()
+    }
+
+    #[test]
+    fn the_last_round_keeps_only_its_real_rows() {
+        // (len, B, N, drop_last) -> real rows among the N·B gathered in the last round, counted
+        // by hand from the shard tables: 10 samples, B 3, 2 ranks = batches [0-2][3-5] then
+        // [6-8][9,0,1]: 4 real of 6.
+        for (len, b, n, drop, want) in [
+            (10, 3, 2, false, 4),
+            (24, 3, 2, false, 6),
+            (5, 3, 2, false, 5),
+            (10, 3, 2, true, 6),
+            (10, 3, 1, false, 1),
+            (2, 3, 4, false, 2),
+        ] {
+            assert_eq!(
+                plan(len, b, n, drop).real_rows_of_last_round(),
+                want,
+                "len {len}, batch {b}, {n} ranks, drop_last {drop}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_public_constructor_refuses_what_cannot_make_batches() {
+        assert!(BatchPlan::new(10, 0, false, 0, false, 1).is_err());
+        assert!(BatchPlan::new(10, 3, false, 0, false, 0).is_err());
+        let p = BatchPlan::new(10, 3, true, 7, true, 2).unwrap();
+        assert_eq!(
+            (
+                p.len(),
+                p.batch_size(),
+                p.shuffle(),
+                p.seed(),
+                p.drop_last(),
+                p.world_size()
+            ),
+            (10, 3, true, 7, true, 2)
+        );
     }
 
     /// Expected shards of two ranks for `range(len)` and batch size 3, as listed in HF Accelerate's

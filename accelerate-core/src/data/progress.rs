@@ -2,6 +2,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
+use super::plan::BatchPlan;
+
 /// Per-rank view of where iteration stands, shared (`Arc`) between a
 /// [`DataLoader`](super::DataLoader) and whoever needs to know, such as the accelerator's
 /// gradient-accumulation logic: the end of the loader always syncs gradients, and the accumulation
@@ -18,11 +20,9 @@ pub struct LoaderProgress {
     /// Value of [`ACTIVITY`] at this loader's last hand-out: the loader touched most recently is
     /// the one a loop is iterating (train and eval loaders alternate).
     last_activity: AtomicU64,
-    /// Samples of an epoch that are real (not wrap-around), and the per-rank batch size; what
-    /// `gather_for_metrics` needs to drop the duplicates.
-    samples_per_epoch: AtomicUsize,
-    batch_size: AtomicUsize,
-    world_size: AtomicUsize,
+    /// The loader's batch plan (None until a loader publishes it): what `gather_for_metrics`
+    /// asks to drop the wrap-around duplicates.
+    plan: std::sync::Mutex<Option<BatchPlan>>,
     /// Whether a loop is iterating the current epoch: set when the epoch's iteration starts (and
     /// when a window is handed out), cleared when the iterator has returned its end. Accelerate's
     /// `GradientState.in_dataloader`: `gather_for_metrics` drops wrap-around rows only inside it.
@@ -100,10 +100,6 @@ impl LoaderProgress {
         self.iterating.store(false, Ordering::Release);
     }
 
-    pub(crate) fn set_batches_per_epoch(&self, batches: usize) {
-        self.batches_per_epoch.store(batches, Ordering::Release);
-    }
-
     /// Records the start of `epoch`'s iteration at batch `skip`.
     pub(crate) fn start_epoch(&self, epoch: u64, skip: usize, batches_per_epoch: usize) {
         self.epoch.store(epoch, Ordering::Release);
@@ -158,14 +154,9 @@ impl LoaderProgress {
         self.last_activity.load(Ordering::Acquire)
     }
 
-    /// Real (not wrap-around) samples per epoch, batch size per rank, and world size, as set by
-    /// the loader.
-    pub fn sample_layout(&self) -> (usize, usize, usize) {
-        (
-            self.samples_per_epoch.load(Ordering::Acquire),
-            self.batch_size.load(Ordering::Acquire),
-            self.world_size.load(Ordering::Acquire),
-        )
+    /// The batch plan the loader follows (`None` for progress no loader publishes to).
+    pub fn plan(&self) -> Option<BatchPlan> {
+        *self.plan.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Where an exact resume continues: `(epoch, batches of it already consumed)`. At the end of an
@@ -209,10 +200,11 @@ impl LoaderProgress {
             .take()
     }
 
-    pub(crate) fn set_sample_layout(&self, samples: usize, batch_size: usize, world_size: usize) {
-        self.samples_per_epoch.store(samples, Ordering::Release);
-        self.batch_size.store(batch_size, Ordering::Release);
-        self.world_size.store(world_size, Ordering::Release);
+    /// Publishes the loader's plan, and the batches per epoch it gives this rank.
+    pub(crate) fn set_plan(&self, plan: BatchPlan) {
+        self.batches_per_epoch
+            .store(plan.batches_per_rank(), Ordering::Release);
+        *self.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
     }
 }
 
