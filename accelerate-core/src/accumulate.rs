@@ -66,14 +66,14 @@ pub(crate) struct Accumulation {
     /// Whether the current micro-step was begun by `accumulate()` (not implicitly by `backward`).
     explicit: bool,
     /// Optimizer steps taken (not skipped).
-    pub optimizer_steps: u64,
+    optimizer_steps: u64,
     /// Whether the last sync micro-step's optimizer step was skipped (fp16 overflow).
-    pub step_was_skipped: bool,
+    step_was_skipped: bool,
     /// Whether the optimizer stepped in the current micro-step (the scheduler follows it).
-    pub optimizer_stepped: bool,
+    optimizer_stepped: bool,
     /// Set when a window was left unfinished (the loop left an epoch mid-window): its partial
     /// gradient sum must be discarded, not carried into the next window.
-    pub abandoned_window: bool,
+    abandoned_window: bool,
 }
 
 impl Accumulation {
@@ -104,6 +104,39 @@ impl Accumulation {
     /// K, the configured number of micro-steps per window.
     pub fn steps(&self) -> usize {
         self.steps
+    }
+
+    /// Optimizer steps taken (not skipped).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    /// Whether the last sync micro-step's optimizer step was skipped (fp16 overflow).
+    pub fn step_was_skipped(&self) -> bool {
+        self.step_was_skipped
+    }
+
+    /// Whether the scheduler advances in this micro-step: the optimizer stepped, not skipped.
+    pub fn scheduler_steps_now(&self) -> bool {
+        self.optimizer_stepped && !self.step_was_skipped
+    }
+
+    /// The sync micro-step's optimizer updated the parameters.
+    pub fn record_optimizer_step(&mut self) {
+        self.optimizer_steps += 1;
+        self.step_was_skipped = false;
+        self.optimizer_stepped = true;
+    }
+
+    /// The sync micro-step's optimizer step was skipped (fp16 overflow): the scheduler stays.
+    pub fn record_skipped_step(&mut self) {
+        self.step_was_skipped = true;
+    }
+
+    /// Whether a window was left unfinished since the last call (its partial gradient sum must be
+    /// discarded); clears the mark.
+    pub fn take_abandoned_window(&mut self) -> bool {
+        std::mem::take(&mut self.abandoned_window)
     }
 
     /// The counters a checkpoint saves.

@@ -110,6 +110,8 @@ pub mod optim;
 pub mod prepared;
 pub mod rng;
 pub mod state;
+mod sync;
+mod training;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, Prepare};
 pub use accumulate::MicroStep;
@@ -119,3 +121,4 @@ pub use mixed_precision::{DynamicLossScaler, LossScalerConfig, MixedPrecision};
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use rng::RankRng;
 pub use state::ProcessState;
+pub use sync::GradientSyncStats;

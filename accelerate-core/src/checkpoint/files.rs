@@ -67,16 +67,7 @@ pub(crate) struct LossScalerFile {
     pub growth_tracker: u64,
 }
 
-/// Where one data loader of a rank stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct LoaderPosition {
-    /// The epoch to resume in.
-    pub epoch: u64,
-    /// Batches of that epoch this rank has already consumed.
-    pub batches_consumed: usize,
-    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
-    pub batches_per_epoch: usize,
-}
+pub(crate) use crate::training::LoaderPosition;
 
 /// `rank_<r>.json`: this rank's own part.
 #[derive(Debug, Serialize, Deserialize)]

@@ -20,7 +20,7 @@ use crate::accumulate::AccumulationCounters;
 use crate::error::{Error, Result};
 use crate::mixed_precision::LossScalerState;
 use crate::optim::{OptimizerState, SchedulerState};
-use crate::prepared::lock;
+use crate::training::TrainingSnapshot;
 
 fn problem(path: &Path, problem: impl Into<String>) -> Error {
     Error::Checkpoint {
@@ -86,9 +86,8 @@ pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf>
 
 fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     let manifest = Manifest::read(dir)?;
-    manifest.check_compatible(dir, view.world_size, view.params)?;
-    let n_opt = lock(&view.shared.optimizers).len();
-    let n_sched = lock(&view.shared.schedulers).len();
+    manifest.check_compatible(dir, view.world_size, view.params())?;
+    let (n_opt, n_sched) = view.training.registered();
     if manifest.optimizers != n_opt || manifest.schedulers != n_sched {
         return Err(problem(
             &dir.join(MANIFEST_FILE),
@@ -108,7 +107,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     let path = dir.join(files::PARAMETERS_FILE);
     let params =
         files::parse_safetensors(&path, &manifest.read_verified(dir, files::PARAMETERS_FILE)?)?;
-    for (name, var) in view.params {
+    for (name, var) in view.params() {
         match params.get(name) {
             Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
             Some(t) => {
@@ -126,13 +125,13 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             None => return Err(problem(&path, format!("tensor {name:?} is missing"))),
         }
     }
-    if params.len() != view.params.len() {
+    if params.len() != view.params().len() {
         return Err(problem(
             &path,
             format!(
                 "holds {} tensors for {} parameters",
                 params.len(),
-                view.params.len()
+                view.params().len()
             ),
         ));
     }
@@ -196,8 +195,8 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         item_scale,
         optimizer_steps: a.optimizer_steps,
     };
-    lock(&view.shared.accumulation)
-        .check_restorable(&counters)
+    view.training
+        .check_counters(&counters)
         .map_err(|e| problem(&apath, e))?;
 
     let loss_scaler = read_loss_scaler(view, &manifest, dir)?;
@@ -207,7 +206,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         &rpath,
         &manifest.read_verified(dir, &files::rank_file(view.rank))?,
     )?;
-    let loaders = lock(&view.shared.loaders).clone();
+    let loaders = view.training.loader_batches_per_epoch();
     if rank.rank != view.rank || rank.loaders.len() != loaders.len() {
         return Err(problem(
             &rpath,
@@ -221,8 +220,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             ),
         ));
     }
-    for (i, (saved, progress)) in rank.loaders.iter().zip(&loaders).enumerate() {
-        let now = progress.batches_per_epoch();
+    for (i, (saved, &now)) in rank.loaders.iter().zip(&loaders).enumerate() {
         if saved.batches_per_epoch != now || saved.batches_consumed > now {
             return Err(problem(
                 &rpath,
@@ -246,7 +244,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         let gpath = dir.join(&name);
         let g = files::parse_safetensors(&gpath, &manifest.read_verified(dir, &name)?)?;
         for (name, t) in &g {
-            match view.params.iter().find(|(n, _)| n == name) {
+            match view.params().iter().find(|(n, _)| n == name) {
                 Some((_, v)) if v.dims() == t.dims() => {}
                 _ => {
                     return Err(problem(
@@ -295,7 +293,7 @@ fn read_loss_scaler(
     manifest: &Manifest,
     dir: &Path,
 ) -> Result<Option<LossScalerState>> {
-    let Some(mut scaler) = lock(&view.shared.mixed).scaler.clone() else {
+    let Some(mut scaler) = view.training.loss_scaler() else {
         return Ok(None);
     };
     if !manifest.files.contains_key(files::LOSS_SCALER_FILE) {
@@ -320,88 +318,18 @@ fn read_loss_scaler(
     Ok(Some(state))
 }
 
-/// Applies a verified checkpoint; if an optimizer or scheduler still refuses its state, restores
-/// what was already changed and returns that error.
+/// Applies a verified checkpoint (the training state puts back what it changed if a part still
+/// refuses its value), then this rank's generator.
 fn apply(view: &TrainingView<'_>, loaded: Loaded, dir: &Path) -> Result<()> {
-    let optimizers = lock(&view.shared.optimizers).clone();
-    let schedulers = lock(&view.shared.schedulers).clone();
-    let old_params: Vec<Tensor> = view
-        .params
-        .iter()
-        .map(|(_, v)| v.as_tensor().force_contiguous())
-        .collect::<candle_core::Result<_>>()?;
-    let old_opt: Vec<OptimizerState> = optimizers
-        .iter()
-        .map(|o| lock(o).state())
-        .collect::<Result<_>>()?;
-    let old_sched: Vec<SchedulerState> = schedulers.iter().map(|s| lock(s).state()).collect();
-
-    let result = (|| -> Result<()> {
-        for (name, var) in view.params {
-            let t = loaded.params[name].to_device(var.device())?;
-            var.set(&t)?;
-        }
-        for (o, state) in optimizers.iter().zip(&loaded.optimizers) {
-            lock(o).load_state(state)?;
-        }
-        for (s, state) in schedulers.iter().zip(&loaded.schedulers) {
-            lock(s).load_state(state)?;
-        }
-        if let Some(g) = &loaded.gradients {
-            let mut grads = lock(&view.shared.grads);
-            if let Some(buffers) = grads.as_mut() {
-                buffers.zero();
-                for (name, t) in g {
-                    let var = &view
-                        .params
-                        .iter()
-                        .find(|(n, _)| n == name)
-                        .expect("checked")
-                        .1;
-                    buffers.accumulate_one(name, &t.to_device(var.device())?, 1.0)?;
-                }
-            }
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
-        for ((_, var), old) in view.params.iter().zip(&old_params) {
-            let _ = var.set(old);
-        }
-        for (o, state) in optimizers.iter().zip(&old_opt) {
-            let _ = lock(o).load_state(state);
-        }
-        for (s, state) in schedulers.iter().zip(&old_sched) {
-            let _ = lock(s).load_state(state);
-        }
-        return Err(e);
-    }
-    if loaded.gradients.is_none() {
-        if let Some(buffers) = lock(&view.shared.grads).as_mut() {
-            buffers.zero();
-        }
-    }
-    {
-        let mut mixed = lock(&view.shared.mixed);
-        if let Some(scaler) = mixed.scaler.as_mut() {
-            match &loaded.loss_scaler {
-                Some(state) => scaler.load_state(state)?,
-                None => scaler.reset(),
-            }
-        }
-        mixed.window_overflowed = false;
-        // The compute copies take the loaded master weights.
-        mixed.refresh_compute()?;
-    }
-    lock(&view.shared.accumulation).restore(&loaded.counters);
-    for (saved, progress) in loaded
-        .rank
-        .loaders
-        .iter()
-        .zip(lock(&view.shared.loaders).iter())
-    {
-        progress.request_resume(saved.epoch, saved.batches_consumed);
-    }
+    let snapshot = TrainingSnapshot {
+        counters: loaded.counters,
+        loaders: loaded.rank.loaders,
+        window_gradients: loaded.gradients,
+        optimizers: loaded.optimizers,
+        schedulers: loaded.schedulers,
+        loss_scaler: loaded.loss_scaler,
+    };
+    view.training.restore(&loaded.params, snapshot)?;
     match loaded.rng {
         Some(rng) => view.rng.restore(rng),
         None => {

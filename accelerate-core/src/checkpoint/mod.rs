@@ -54,8 +54,8 @@ use candle_core::{Device, Var};
 
 use crate::comm::Communicator;
 use crate::error::Result;
-use crate::prepared::TrainingState;
 use crate::rng::RankRng;
+use crate::training::TrainingState;
 
 pub(crate) use agree::agree_with;
 pub use manifest::{FileEntry, Manifest, ParameterEntry, FORMAT_VERSION, MANIFEST_FILE};
@@ -76,13 +76,17 @@ pub(crate) struct TrainingView<'a> {
     pub rank: usize,
     pub world_size: usize,
     pub comm: &'a dyn Communicator,
-    pub params: &'a [(String, Var)],
-    pub shared: &'a TrainingState,
+    pub training: &'a TrainingState,
     pub rng: &'a RankRng,
     pub device: &'a Device,
 }
 
 impl TrainingView<'_> {
+    /// The prepared parameters, sorted by name.
+    pub fn params(&self) -> &[(String, Var)] {
+        self.training.parameters()
+    }
+
     /// Every rank's outcome of `what` on `path`, agreed (see [`agree`]).
     pub fn agree<T>(&self, path: &Path, what: &str, local: Result<T>) -> Result<T> {
         agree::agree_with(

@@ -8,12 +8,12 @@ use std::path::Path;
 use candle_core::Tensor;
 
 use super::exact::ExactF64;
-use super::files::{self, AccumulationFile, LoaderPosition, OptimizerScalars, RankFile};
+use super::files::{self, AccumulationFile, OptimizerScalars, RankFile};
 use super::manifest::{self, Manifest, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 use super::staging::{self, Staging};
 use super::TrainingView;
 use crate::error::{Error, Result};
-use crate::prepared::lock;
+use crate::training::TrainingSnapshot;
 
 /// What the manifest says about randomness.
 const RANDOM_STATE: &str = "each loader's shuffle order is a pure function of its seed (from the \
@@ -39,6 +39,11 @@ pub(crate) fn is_complete(dir: &Path) -> bool {
 pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     let staging = Staging::for_target(dir)?;
     let main = view.rank == 0;
+    let snapshot = view.agree(
+        dir,
+        "taking the training state's snapshot",
+        view.training.snapshot(),
+    )?;
     let created = if main {
         staging::recover_interrupted_replace(dir, is_complete)
             .map(|done| log_recovery(&done.into_iter().collect::<Vec<_>>()))
@@ -47,9 +52,9 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
         Ok(())
     };
     view.agree(dir, "creating the checkpoint's directory", created)?;
-    let written = write_rank_part(view, &staging).and_then(|()| {
+    let written = write_rank_part(view, &snapshot, &staging).and_then(|()| {
         if main {
-            write_shared_files(view, &staging)
+            write_shared_files(view, &snapshot, &staging)
         } else {
             Ok(())
         }
@@ -61,7 +66,7 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
         return Err(e);
     }
     let committed = if main {
-        write_manifest(view, &staging)
+        write_manifest(view, &snapshot, &staging)
             .and_then(|()| staging.commit())
             .inspect_err(|_| staging.abort())
     } else {
@@ -73,35 +78,23 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
 }
 
 /// This rank's loader positions and, inside a window, its partial gradient sums.
-fn write_rank_part(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
-    let loaders = lock(&view.shared.loaders)
-        .iter()
-        .map(|p| {
-            let (epoch, batches_consumed) = p.resume_position();
-            LoaderPosition {
-                epoch,
-                batches_consumed,
-                batches_per_epoch: p.batches_per_epoch(),
-            }
-        })
-        .collect();
-    let mid_window = lock(&view.shared.accumulation).counters().taken > 0;
+fn write_rank_part(
+    view: &TrainingView<'_>,
+    snapshot: &TrainingSnapshot,
+    staging: &Staging,
+) -> Result<()> {
     let mut has_gradients = false;
-    if mid_window {
-        if let Some(grads) = lock(&view.shared.grads).as_ref() {
-            let tensors: Vec<(String, Tensor)> = grads
-                .names()
-                .filter_map(|n| grads.get(n).map(|t| (n.to_string(), t.clone())))
-                .collect();
-            let name = files::rank_gradients_file(view.rank);
-            let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
-            staging.write(&name, &bytes)?;
-            has_gradients = true;
-        }
+    if let Some(grads) = &snapshot.window_gradients {
+        let tensors: Vec<(String, Tensor)> =
+            grads.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
+        let name = files::rank_gradients_file(view.rank);
+        let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+        staging.write(&name, &bytes)?;
+        has_gradients = true;
     }
     let part = RankFile {
         rank: view.rank,
-        loaders,
+        loaders: snapshot.loaders.clone(),
         has_gradients,
     };
     staging.write(&files::rank_file(view.rank), &files::json_bytes(&part)?)?;
@@ -112,9 +105,13 @@ fn write_rank_part(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
 
 /// Parameters (the f32 masters under mixed precision), optimizers, schedulers, the fp16 loss
 /// scaler and the accumulation counters (main process only).
-fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
+fn write_shared_files(
+    view: &TrainingView<'_>,
+    snapshot: &TrainingSnapshot,
+    staging: &Staging,
+) -> Result<()> {
     let params: Vec<(String, Tensor)> = view
-        .params
+        .params()
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
@@ -124,9 +121,7 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
         &files::safetensors_bytes(&path, &params)?,
     )?;
 
-    let optimizers = lock(&view.shared.optimizers).clone();
-    for (i, opt) in optimizers.iter().enumerate() {
-        let state = lock(opt).state()?;
+    for (i, state) in snapshot.optimizers.iter().enumerate() {
         let tensors: Vec<(String, Tensor)> = state
             .tensors
             .iter()
@@ -149,9 +144,7 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
         )?;
     }
 
-    let schedulers = lock(&view.shared.schedulers).clone();
-    for (i, sched) in schedulers.iter().enumerate() {
-        let state = lock(sched).state();
+    for (i, state) in snapshot.schedulers.iter().enumerate() {
         let file = files::SchedulerFile {
             steps: state.steps,
             base_lr: ExactF64::new(state.base_lr),
@@ -159,8 +152,7 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
         staging.write(&files::scheduler_file(i), &files::json_bytes(&file)?)?;
     }
 
-    if let Some(scaler) = &lock(&view.shared.mixed).scaler {
-        let state = scaler.state();
+    if let Some(state) = &snapshot.loss_scaler {
         let file = files::LossScalerFile {
             scale: ExactF64::new(state.scale),
             growth_tracker: state.growth_tracker,
@@ -168,7 +160,7 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
         staging.write(files::LOSS_SCALER_FILE, &files::json_bytes(&file)?)?;
     }
 
-    let c = lock(&view.shared.accumulation).counters();
+    let c = snapshot.counters;
     let acc = AccumulationFile {
         gradient_accumulation_steps: c.steps,
         micro_steps_taken_in_window: c.taken,
@@ -181,7 +173,11 @@ fn write_shared_files(view: &TrainingView<'_>, staging: &Staging) -> Result<()> 
 
 /// Lists every file of the staging directory with its size and checksum, checks that every rank
 /// wrote its part, and writes the manifest last.
-fn write_manifest(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
+fn write_manifest(
+    view: &TrainingView<'_>,
+    snapshot: &TrainingSnapshot,
+    staging: &Staging,
+) -> Result<()> {
     let mut entries = BTreeMap::new();
     let dir = staging.dir();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
@@ -206,10 +202,10 @@ fn write_manifest(view: &TrainingView<'_>, staging: &Staging) -> Result<()> {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
         world_size: view.world_size,
-        optimizer_steps: lock(&view.shared.accumulation).optimizer_steps,
-        optimizers: lock(&view.shared.optimizers).len(),
-        schedulers: lock(&view.shared.schedulers).len(),
-        parameters: manifest::parameter_entries(view.params),
+        optimizer_steps: snapshot.counters.optimizer_steps,
+        optimizers: snapshot.optimizers.len(),
+        schedulers: snapshot.schedulers.len(),
+        parameters: manifest::parameter_entries(view.params()),
         random_state: RANDOM_STATE.into(),
         files: entries,
     };

@@ -11,6 +11,7 @@ mod batch;
 mod dataset;
 mod epoch_iter;
 mod fingerprint;
+mod iteration;
 mod loader;
 #[cfg(feature = "cuda")]
 mod pinned;
@@ -29,6 +30,7 @@ pub use batch::Batch;
 pub use dataset::Dataset;
 pub use epoch_iter::EpochIter;
 pub use fingerprint::LoaderSettings;
+pub(crate) use iteration::LoaderStack;
 pub use loader::{DataLoader, DEFAULT_BATCH_TIMEOUT};
 pub use plan::BatchPlan;
 pub use progress::LoaderProgress;

@@ -2,6 +2,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
+use std::sync::{Arc, OnceLock};
+
+use super::iteration::LoaderStack;
 use super::plan::BatchPlan;
 
 /// Per-rank view of where iteration stands, shared (`Arc`) between a
@@ -17,9 +20,9 @@ pub struct LoaderProgress {
     batches_yielded: AtomicUsize,
     batches_per_epoch: AtomicUsize,
     generation: AtomicU64,
-    /// Value of [`ACTIVITY`] at this loader's last hand-out: the loader touched most recently is
-    /// the one a loop is iterating (train and eval loaders alternate).
-    last_activity: AtomicU64,
+    /// The stack of loaders a loop is inside, of the accelerator that prepared this loader, and
+    /// this loader's index in it (unset for a loader no accelerator prepared).
+    stack: OnceLock<(Arc<LoaderStack>, usize)>,
     /// The loader's batch plan (None until a loader publishes it): what `gather_for_metrics`
     /// asks to drop the wrap-around duplicates.
     plan: std::sync::Mutex<Option<BatchPlan>>,
@@ -35,9 +38,6 @@ pub struct LoaderProgress {
     /// `iter()` starts from (set by `Accelerator::load_state`, which cannot reach the loader).
     pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
 }
-
-/// Process-wide clock of loader hand-outs.
-static ACTIVITY: AtomicU64 = AtomicU64::new(0);
 
 impl LoaderProgress {
     /// Progress of a loader that has not started iterating and hands out `batches_per_epoch`
@@ -98,6 +98,9 @@ impl LoaderProgress {
     /// Records that the iteration over the current epoch has ended (the iterator returned `None`).
     pub(crate) fn end_iteration(&self) {
         self.iterating.store(false, Ordering::Release);
+        if let Some((stack, id)) = self.stack.get() {
+            stack.leave(*id);
+        }
     }
 
     /// Records the start of `epoch`'s iteration at batch `skip`.
@@ -143,15 +146,16 @@ impl LoaderProgress {
         }
     }
 
+    /// This loader handed out a batch or started an epoch: it is the innermost loader of the loop.
     fn touch(&self) {
-        let now = ACTIVITY.fetch_add(1, Ordering::AcqRel) + 1;
-        self.last_activity.store(now, Ordering::Release);
+        if let Some((stack, id)) = self.stack.get() {
+            stack.enter(*id);
+        }
     }
 
-    /// When this loader last handed out a batch or started an epoch, on a process-wide clock
-    /// (larger is later; 0 = never).
-    pub fn last_activity(&self) -> u64 {
-        self.last_activity.load(Ordering::Acquire)
+    /// Makes this loader the `id`-th of an accelerator's `stack`; a loader is prepared once.
+    pub(crate) fn attach(&self, stack: Arc<LoaderStack>, id: usize) -> bool {
+        self.stack.set((stack, id)).is_ok()
     }
 
     /// The batch plan the loader follows (`None` for progress no loader publishes to).

@@ -1,0 +1,185 @@
+//! Configuration of an [`Accelerator`], from code and from the environment.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+
+use super::Accelerator;
+use crate::accumulate::Accumulation;
+use crate::comm::join::join;
+use crate::env;
+use crate::error::Result;
+use crate::grads::DEFAULT_BUCKET_CAP_BYTES;
+use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionState};
+use crate::rng::RankRng;
+use crate::state::ProcessState;
+use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
+use crate::training::TrainingState;
+
+/// Configures an [`Accelerator`].
+#[derive(Debug, Default, Clone)]
+pub struct AcceleratorBuilder {
+    gradient_accumulation_steps: Option<usize>,
+    seed: Option<u64>,
+    device: Option<Device>,
+    bucket_cap_bytes: Option<usize>,
+    state: Option<ProcessState>,
+    mixed_precision: Option<MixedPrecision>,
+    loss_scaler: LossScalerConfig,
+    gradient_reduce_dtype: Option<DType>,
+    overlap_gradient_reduction: Option<bool>,
+}
+
+impl AcceleratorBuilder {
+    /// Micro-steps per optimizer step (K). Default: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, else 1.
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.gradient_accumulation_steps = Some(steps);
+        self
+    }
+
+    /// Seed for everything the runtime randomizes (default 0). Data loaders are seeded by their own
+    /// `seed`, identical on every rank.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// The device this process computes on (default: GPU `LOCAL_RANK` in a `cuda` build on a
+    /// machine with GPUs, else the CPU; see [`crate::device`]).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Size cap of a gradient bucket in bytes (default: `ACCELERATE_BUCKET_CAP_MB`, else 25 MiB
+    /// as DDP).
+    pub fn bucket_cap_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_cap_bytes = Some(bytes);
+        self
+    }
+
+    /// Uses the given process identity instead of reading the environment.
+    pub fn process_state(mut self, state: ProcessState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Precision of the forward and backward passes (default: `ACCELERATE_MIXED_PRECISION`, else
+    /// [`MixedPrecision::No`]). See [`mixed_precision`](crate::mixed_precision).
+    pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
+        self.mixed_precision = Some(mode);
+        self
+    }
+
+    /// The fp16 loss scaler's hyper-parameters (default: PyTorch `GradScaler`'s).
+    pub fn loss_scaler(mut self, config: LossScalerConfig) -> Self {
+        self.loss_scaler = config;
+        self
+    }
+
+    /// The dtype gradient buckets travel in when they are averaged across ranks: F32 (the
+    /// default, exact) or BF16 / F16, which halve the traffic at the cost of rounding the
+    /// average to 8 (or 11) significant bits, like PyTorch DDP's `bf16_compress_hook`. Gradients
+    /// are still accumulated in f32, and a single process rounds nothing.
+    pub fn gradient_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.gradient_reduce_dtype = Some(dtype);
+        self
+    }
+
+    /// Whether the sync micro-step overlaps communication with preparation: while gradient
+    /// bucket i is all-reduced on the calling thread, a worker thread adds the backward pass's
+    /// gradients into buckets i+1, i+2, ... (and fills the missing ones with zeros). The averaged
+    /// gradients are bitwise the same either way; only the time differs, and it only can with
+    /// several buckets (a model larger than the bucket cap, or a smaller
+    /// [`bucket_cap_bytes`](Self::bucket_cap_bytes)) and more than one rank.
+    ///
+    /// It applies to CPU devices. On CUDA the accumulation is already queued asynchronously on the
+    /// device's stream, and candle's work from another thread would go to that thread's stream,
+    /// unordered with the NCCL reduction, so there the option changes nothing.
+    ///
+    /// Default: `ACCELERATE_OVERLAP_GRADIENT_REDUCTION`, else
+    /// [`DEFAULT_OVERLAP_GRADIENT_REDUCTION`].
+    pub fn overlap_gradient_reduction(mut self, overlap: bool) -> Self {
+        self.overlap_gradient_reduction = Some(overlap);
+        self
+    }
+
+    /// Reads the environment and builds the accelerator.
+    pub fn build(self) -> Result<Accelerator> {
+        let steps = match self.gradient_accumulation_steps {
+            Some(k) => k,
+            None => env::read(
+                env::GRADIENT_ACCUMULATION_STEPS,
+                "expected a positive integer (1 means no accumulation)",
+                |v| v.parse::<usize>().ok().filter(|&k| k > 0),
+            )?
+            .unwrap_or(1),
+        };
+        let accumulation = Accumulation::new(steps)?;
+        let mode = match self.mixed_precision {
+            Some(m) => m,
+            None => MixedPrecision::from_env()?.unwrap_or_default(),
+        };
+        let mixed = MixedPrecisionState::new(mode, self.loss_scaler)?;
+        let state = match self.state {
+            Some(s) => s,
+            None => ProcessState::from_env()?,
+        };
+        let bucket_cap_bytes = match self.bucket_cap_bytes {
+            Some(b) => b,
+            None => env::read(
+                env::BUCKET_CAP_MB,
+                "expected a positive number of MiB (DDP's default is 25)",
+                |v| {
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|mb| *mb > 0.0 && mb.is_finite())
+                },
+            )?
+            .map_or(DEFAULT_BUCKET_CAP_BYTES, |mb| {
+                (mb * 1024.0 * 1024.0) as usize
+            }),
+        };
+        let overlap_gradient_reduction = match self.overlap_gradient_reduction {
+            Some(overlap) => overlap,
+            None => env::read(
+                env::OVERLAP_GRADIENT_REDUCTION,
+                env::SWITCH_VALUES,
+                env::switch,
+            )?
+            .unwrap_or(DEFAULT_OVERLAP_GRADIENT_REDUCTION),
+        };
+        let device = match self.device {
+            Some(device) => device,
+            None => crate::device::select_device(&state)?,
+        };
+        let sync = GradientSync::new(
+            state.world_size,
+            self.gradient_reduce_dtype.unwrap_or(DType::F32),
+            overlap_gradient_reduction,
+            &device,
+        )?;
+        let membership = join(&state, &device)?;
+        if device.is_cpu() {
+            crate::malloc::keep_freed_memory();
+        }
+        let seed = self.seed.unwrap_or(0);
+        if !device.is_cpu() {
+            // The CPU generator cannot be seeded in candle; ours are explicit ChaCha generators.
+            device.set_seed(seed)?;
+        }
+        let rng = RankRng::new(seed, state.rank);
+        Ok(Accelerator {
+            state,
+            device,
+            seed,
+            rng,
+            bucket_cap_bytes,
+            comm: membership.comm,
+            store: membership.store,
+            _hosted_store: membership.hosted,
+            sync,
+            training: Arc::new(TrainingState::new(accumulation, mixed)),
+        })
+    }
+}

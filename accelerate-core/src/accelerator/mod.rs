@@ -1,0 +1,246 @@
+//! The facade a training loop talks to. It owns the wiring (the process identity, the
+//! communicator, the gradient sync and the training state) and delegates each call in a few
+//! lines: configuration in `builder`, `prepare` in `prepare`, collectives in `collectives`,
+//! checkpoints in `checkpointing`; the steps of the loop in [`crate::training`].
+
+mod builder;
+mod checkpointing;
+mod collectives;
+mod prepare;
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor, Var};
+
+use crate::accumulate::MicroStep;
+use crate::comm::store::{Store, StoreServer};
+use crate::comm::{CommStats, Communicator, ReduceOp};
+use crate::error::Result;
+use crate::mixed_precision::MixedPrecision;
+use crate::rng::RankRng;
+use crate::state::ProcessState;
+use crate::sync::{GradientSync, GradientSyncStats};
+use crate::training::TrainingState;
+
+pub use crate::sync::DEFAULT_OVERLAP_GRADIENT_REDUCTION;
+pub use builder::AcceleratorBuilder;
+pub use prepare::Prepare;
+
+/// Runs a custom training loop on one process, or as one rank of many, with gradient accumulation.
+///
+/// See the crate documentation for the canonical loop.
+pub struct Accelerator {
+    state: ProcessState,
+    device: Device,
+    seed: u64,
+    /// This rank's generator, saved in checkpoints.
+    rng: RankRng,
+    bucket_cap_bytes: usize,
+    comm: Box<dyn Communicator>,
+    store: Option<Arc<dyn Store>>,
+    /// The store this process hosts (rank 0 under torchrun or SLURM); serves until dropped.
+    _hosted_store: Option<StoreServer>,
+    /// How gradients are averaged across ranks, and the traffic so far.
+    sync: GradientSync,
+    /// Everything a training step changes, shared with the prepared objects.
+    training: Arc<TrainingState>,
+}
+
+impl std::fmt::Debug for Accelerator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accelerator")
+            .field("state", &self.state)
+            .field("device", &self.device)
+            .field("parameters", &self.training.parameters().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Accelerator {
+    /// A builder with defaults read from the environment.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    /// An accelerator with all defaults.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// The device this process computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The mixed-precision mode.
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.training.mixed_precision()
+    }
+
+    /// The dtype to build the model in and to cast float inputs to: F32, or BF16/F16 under mixed
+    /// precision (`VarBuilder::from_varmap(&varmap, acc.compute_dtype(), acc.device())`).
+    pub fn compute_dtype(&self) -> candle_core::DType {
+        self.mixed_precision().compute_dtype()
+    }
+
+    /// The fp16 loss scale the next backward pass multiplies the loss by; `None` without fp16.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.training.loss_scale()
+    }
+
+    /// Whether the last sync micro-step skipped its optimizer step because the fp16 gradients
+    /// overflowed (Accelerate's `optimizer.step_was_skipped`).
+    pub fn step_was_skipped(&self) -> bool {
+        self.training.step_was_skipped()
+    }
+
+    /// The configured seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// This rank's own random generator, seeded from [`seed`](Self::seed) and the rank, saved by
+    /// [`save_state`](Self::save_state) and restored by [`load_state`](Self::load_state): draw
+    /// dropout masks and anything else random from it, so that a resumed run continues bitwise
+    /// (see [`rng`](crate::rng)).
+    pub fn rng(&self) -> &RankRng {
+        &self.rng
+    }
+
+    /// The process identity read from the environment.
+    pub fn process_state(&self) -> &ProcessState {
+        &self.state
+    }
+
+    /// This process's global rank.
+    pub fn process_index(&self) -> usize {
+        self.state.rank
+    }
+
+    /// This process's rank on its machine.
+    pub fn local_process_index(&self) -> usize {
+        self.state.local_rank
+    }
+
+    /// Number of processes in the job.
+    pub fn num_processes(&self) -> usize {
+        self.state.world_size
+    }
+
+    /// Whether this is global rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.state.is_main_process()
+    }
+
+    /// Whether this is rank 0 of its machine.
+    pub fn is_local_main_process(&self) -> bool {
+        self.state.is_local_main_process()
+    }
+
+    /// K: micro-steps per optimizer step.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.training.accumulation_steps()
+    }
+
+    /// Optimizer updates per epoch for a loader of `batches_per_rank` batches per rank (the length
+    /// of a prepared loader): size LR schedules with this, since schedulers count optimizer steps.
+    pub fn num_update_steps(&self, batches_per_rank: usize) -> usize {
+        batches_per_rank.div_ceil(self.gradient_accumulation_steps())
+    }
+
+    /// Number of gradient buckets (each is one all-reduce per optimizer step).
+    pub fn gradient_buckets(&self) -> usize {
+        self.training.gradient_buckets()
+    }
+
+    /// Whether the sync micro-step overlaps the reduction of a gradient bucket with the
+    /// preparation of the next, as configured
+    /// ([`AcceleratorBuilder::overlap_gradient_reduction`]). It takes effect only with more than
+    /// one rank, on the CPU, and with more than one bucket.
+    pub fn overlaps_gradient_reduction(&self) -> bool {
+        self.sync.overlap_configured()
+    }
+
+    /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
+    pub fn parameters(&self) -> &[(String, Var)] {
+        self.training.parameters()
+    }
+
+    /// A copy of the gradient accumulated for parameter `name` in the current window (f32 under
+    /// mixed precision, already divided by the fp16 loss scale; averaged across ranks once the
+    /// sync micro-step's backward ran), or `None` if it has none (PyTorch's `grad is None`).
+    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
+        self.training.gradient(name)
+    }
+
+    /// Copies the master weights into the model's half-precision compute copies. Call it after
+    /// writing the masters yourself (e.g. loading initial weights into the Vec that
+    /// `prepare_parameters` returned); the optimizer step and `load_state` do it on their own.
+    /// Does nothing without mixed precision.
+    pub fn refresh_compute_parameters(&self) -> Result<()> {
+        self.training.refresh_compute()
+    }
+
+    /// Begins a micro-step: decides whether it syncs and how its loss is scaled. Call it once per
+    /// batch, after taking the batch from the prepared loader.
+    pub fn accumulate(&self) -> MicroStep {
+        self.training.begin_micro_step()
+    }
+
+    /// Whether the current micro-step syncs gradients (and steps the optimizer). Use it to guard
+    /// clipping and per-step logging.
+    pub fn sync_gradients(&self) -> bool {
+        self.training.sync_gradients()
+    }
+
+    /// Switches the window about to begin to item-weighted accumulation: `local_items` is the
+    /// number of items (e.g. non-padding tokens) in this rank's batches of the whole window, and the
+    /// losses passed to [`backward`](Self::backward) in that window must be *sums* over items. The
+    /// resulting gradient equals that of one batch holding the whole window on all ranks, averaged
+    /// per item. Call before the window's first [`accumulate`](Self::accumulate); the count is
+    /// summed over ranks.
+    pub fn set_window_items(&self, local_items: usize) -> Result<()> {
+        let global = self.reduce_scalar(local_items as f64, ReduceOp::Sum)?;
+        self.training
+            .set_window_items(global, self.state.world_size)
+    }
+
+    /// Computes the gradients of `loss` (a scalar) and adds them, scaled for the window, into the
+    /// gradient buffers. On the micro-step that syncs, the buffers are averaged across ranks.
+    ///
+    /// A parameter that got no gradient in the window on any rank keeps none (the optimizer skips
+    /// it); one that got a gradient on some ranks only is averaged with zeros for the others. Both
+    /// are what one process training on the whole window's batch would have, at any world size.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.training.backward(loss, self.comm.as_ref(), &self.sync)
+    }
+
+    /// Scales the window's gradients so that their global L2 norm is at most `max_norm`, and
+    /// returns the norm before clipping. Acts on the accumulated, averaged gradients, so it only
+    /// does something on a micro-step that syncs; elsewhere it returns `None`.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
+        self.training.clip_grad_norm(max_norm)
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.training.optimizer_steps()
+    }
+
+    /// Traffic counters of the communicator (all-reduces issued, bytes sent).
+    pub fn comm_stats(&self) -> CommStats {
+        self.comm.stats()
+    }
+
+    /// Gradient all-reduces issued so far (one per bucket per optimizer step) and their bytes.
+    pub fn gradient_sync_stats(&self) -> GradientSyncStats {
+        self.sync.stats()
+    }
+
+    /// Prints on the main process only.
+    pub fn print(&self, message: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{message}");
+        }
+    }
+}

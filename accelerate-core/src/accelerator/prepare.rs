@@ -1,0 +1,280 @@
+//! `prepare`: what a loop hands the accelerator (parameters, optimizers, schedulers, data
+//! loaders) and the checks that every rank prepared the same.
+
+use candle_core::Var;
+use candle_nn::VarMap;
+
+use super::Accelerator;
+use crate::data::{DataLoader, Dataset};
+use crate::error::{Error, Result};
+use crate::grads::sorted_named_vars;
+use crate::mixed_precision::MixedPrecision;
+use crate::optim::{LrScheduler, Optimizer};
+use crate::prepared::{PreparedOptimizer, PreparedScheduler};
+
+/// Something [`Accelerator::prepare`] can wrap.
+pub trait Prepare {
+    /// What `prepare` returns for it.
+    type Prepared;
+    /// Wraps `self` for `accelerator`.
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared>;
+}
+
+impl Accelerator {
+    /// Prepares a model's parameters, an optimizer, a data loader or a scheduler.
+    pub fn prepare<T: Prepare>(&mut self, item: T) -> Result<T::Prepared> {
+        item.prepare_with(self)
+    }
+
+    /// Registers the model's parameters (sorted by name) and allocates their gradient buffers.
+    /// Returns the sorted `(name, Var)` pairs, to build the optimizer from. Under mixed precision
+    /// `vars` are the model's half-precision compute copies and the returned pairs are their f32
+    /// master weights (same names), which the gradient buffers, the optimizer and checkpoints use.
+    pub fn prepare_parameters(&mut self, vars: Vec<(String, Var)>) -> Result<Vec<(String, Var)>> {
+        if !self.training.parameters().is_empty() {
+            return Err(Error::Parameters(
+                "parameters were already prepared; prepare all of the model's parameters at once \
+                 (one VarMap or one list of named Vars)"
+                    .into(),
+            ));
+        }
+        let vars = sorted_named_vars(vars)?;
+        if vars.is_empty() {
+            return Err(Error::Parameters(
+                "the model has no parameters to train (an empty VarMap?)".into(),
+            ));
+        }
+        for (name, var) in &vars {
+            if !var.device().same_device(&self.device) {
+                return Err(Error::Parameters(format!(
+                    "parameter {name:?} is on {:?} but the accelerator computes on {:?}; build the \
+                     model with `accelerator.device()`",
+                    var.device().location(),
+                    self.device.location()
+                )));
+            }
+        }
+        let several_ranks = self.state.world_size > 1;
+        if several_ranks {
+            self.check_same_parameters_everywhere(&vars)?;
+        }
+        let comm = &self.comm;
+        self.training
+            .prepare_parameters(vars, self.bucket_cap_bytes, several_ranks, |var| {
+                if several_ranks {
+                    comm.broadcast(var.as_tensor(), 0)?;
+                }
+                Ok(())
+            })
+    }
+
+    /// Compares this rank's parameter names, shapes and dtypes with every other rank's, through
+    /// the store; every rank reports the same first difference.
+    fn check_same_parameters_everywhere(&self, vars: &[(String, Var)]) -> Result<()> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        // The gradient buckets are reduced without a per-call size check (their layout is
+        // agreed here), so everything that shapes them or their wire dtype is compared too.
+        let layout = format!(
+            "gradient buckets: cap {} bytes, reduced in {:?}, mixed precision {}, overlap {}\n",
+            self.bucket_cap_bytes,
+            self.sync.reduce_dtype(),
+            self.training.mixed_precision(),
+            self.sync.overlap_configured()
+        );
+        let signature: String = std::iter::once(layout)
+            .chain(
+                vars.iter()
+                    .map(|(n, v)| format!("{n} {:?} {:?}\n", v.dims(), v.dtype())),
+            )
+            .collect();
+        let key = |r: usize| format!("accelerate/parameters/{r}");
+        store.set(&key(self.state.rank), signature.as_bytes())?;
+        let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
+        let reference = String::from_utf8_lossy(&store.get(&key(0), timeout)?).into_owned();
+        for r in 1..self.state.world_size {
+            let theirs = String::from_utf8_lossy(&store.get(&key(r), timeout)?).into_owned();
+            if theirs != reference {
+                let ours_lines: Vec<&str> = reference.lines().collect();
+                let their_lines: Vec<&str> = theirs.lines().collect();
+                let first = (0..ours_lines.len().max(their_lines.len()))
+                    .find(|&i| ours_lines.get(i) != their_lines.get(i))
+                    .unwrap_or(0);
+                if first == 0 {
+                    return Err(Error::Config(format!(
+                        "rank {r} is configured differently from rank 0: rank 0 has {:?}, rank \
+                         {r} has {:?}; give every rank the same ACCELERATE_BUCKET_CAP_MB, \
+                         ACCELERATE_MIXED_PRECISION, ACCELERATE_OVERLAP_GRADIENT_REDUCTION and \
+                         builder options",
+                        ours_lines.first().unwrap_or(&"nothing"),
+                        their_lines.first().unwrap_or(&"nothing")
+                    )));
+                }
+                return Err(Error::Parameters(format!(
+                    "rank {r} has different parameters than rank 0 (first difference: rank 0 has \
+                     {:?}, rank {r} has {:?}; {} vs {} parameters); every rank must build the \
+                     same model",
+                    ours_lines.get(first).unwrap_or(&"nothing"),
+                    their_lines.get(first).unwrap_or(&"nothing"),
+                    ours_lines.len() - 1,
+                    their_lines.len() - 1
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Wraps an optimizer so that it steps only when gradients sync. Its parameters must be the
+    /// prepared ones.
+    pub fn prepare_optimizer<O: Optimizer + Send + 'static>(
+        &mut self,
+        optimizer: O,
+    ) -> Result<PreparedOptimizer<O>> {
+        let params = self.training.parameters();
+        if params.is_empty() {
+            return Err(Error::Optimizer(
+                "prepare the model's parameters before the optimizer (prepare_parameters)".into(),
+            ));
+        }
+        let theirs: Vec<&str> = optimizer.params().iter().map(|(n, _)| n.as_str()).collect();
+        let ours: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+        if theirs != ours {
+            let missing: Vec<_> = ours.iter().filter(|n| !theirs.contains(n)).collect();
+            let extra: Vec<_> = theirs.iter().filter(|n| !ours.contains(n)).collect();
+            return Err(Error::Optimizer(format!(
+                "the optimizer's parameters differ from the prepared model's (missing from the \
+                 optimizer: {missing:?}, unknown to the model: {extra:?}); build the optimizer \
+                 from the Vec returned by prepare_parameters"
+            )));
+        }
+        let mode = self.training.mixed_precision();
+        if mode != MixedPrecision::No {
+            // Same names, other Vars: the half compute copies instead of the f32 masters.
+            let stray = optimizer
+                .params()
+                .iter()
+                .zip(params)
+                .find(|((_, theirs), (_, ours))| theirs.as_tensor().id() != ours.as_tensor().id());
+            if let Some(((name, var), _)) = stray {
+                return Err(Error::Optimizer(format!(
+                    "the optimizer's parameter {name:?} ({:?}) is not the f32 master weight that \
+                     prepare_parameters returned; under mixed precision {mode} build the \
+                     optimizer from that Vec, not from the model's VarMap",
+                    var.dtype()
+                )));
+            }
+        }
+        Ok(PreparedOptimizer::new(optimizer, self.training.clone()))
+    }
+
+    /// Wraps a scheduler so that it advances once per optimizer step.
+    pub fn prepare_scheduler(&mut self, scheduler: LrScheduler) -> PreparedScheduler {
+        PreparedScheduler::new(scheduler, self.training.clone())
+    }
+
+    /// Shards a data loader for this rank, places its batches on this process's device, and makes
+    /// it the loader whose end closes the last accumulation window of an epoch. On several ranks
+    /// the settings that decide the batches and windows ([`LoaderSettings`]: dataset length, batch
+    /// size, shuffle, seed, drop_last, K) are compared with every other rank's; a difference is an
+    /// error on every rank, naming it.
+    ///
+    /// [`LoaderSettings`]: crate::data::LoaderSettings
+    pub fn prepare_data_loader<D: Dataset>(
+        &mut self,
+        loader: DataLoader<D>,
+    ) -> Result<DataLoader<D>> {
+        let loader = loader
+            .shard(self.state.rank, self.state.world_size)
+            .device(self.device.clone());
+        let index = self.training.loaders();
+        if self.state.world_size > 1 {
+            let settings = crate::data::LoaderSettings::new(
+                &loader.plan(),
+                self.gradient_accumulation_steps(),
+            );
+            self.check_same_loader_everywhere(index, &settings)?;
+        }
+        self.training.register_loader(loader.progress())?;
+        Ok(loader)
+    }
+
+    /// Compares the settings of this rank's `index`-th prepared loader with every other rank's,
+    /// through the store; every rank reports the same differences.
+    fn check_same_loader_everywhere(
+        &self,
+        index: usize,
+        settings: &crate::data::LoaderSettings,
+    ) -> Result<()> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let key = |r: usize| format!("accelerate/loaders/{index}/{r}");
+        let encoded = serde_json::to_vec(settings)
+            .map_err(|e| Error::Data(format!("cannot encode the data loader's settings: {e}")))?;
+        store.set(&key(self.state.rank), &encoded)?;
+        let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
+        let per_rank = (0..self.state.world_size)
+            .map(|r| {
+                let bytes = store.get(&key(r), timeout)?;
+                serde_json::from_slice(&bytes).map_err(|e| {
+                    Error::Data(format!(
+                        "rank {r} published unreadable data loader settings ({e}); every rank \
+                         must run the same build of the program"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let which = format!("data loader #{} (in order of preparation)", index + 1);
+        match crate::data::LoaderSettings::differences(&which, &per_rank) {
+            Some(message) => Err(Error::Config(message)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Prepare for &VarMap {
+    type Prepared = Vec<(String, Var)>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        let vars = crate::training::lock(self.data())
+            .iter()
+            .map(|(name, var)| (name.clone(), var.clone()))
+            .collect();
+        accelerator.prepare_parameters(vars)
+    }
+}
+
+impl Prepare for Vec<(String, Var)> {
+    type Prepared = Vec<(String, Var)>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_parameters(self)
+    }
+}
+
+impl Prepare for crate::optim::Sgd {
+    type Prepared = PreparedOptimizer<Self>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_optimizer(self)
+    }
+}
+
+impl Prepare for crate::optim::AdamW {
+    type Prepared = PreparedOptimizer<Self>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_optimizer(self)
+    }
+}
+
+impl Prepare for LrScheduler {
+    type Prepared = PreparedScheduler;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        Ok(accelerator.prepare_scheduler(self))
+    }
+}
+
+impl<D: Dataset> Prepare for DataLoader<D> {
+    type Prepared = DataLoader<D>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_data_loader(self)
+    }
+}

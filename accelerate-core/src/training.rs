@@ -1,0 +1,564 @@
+//! The training state machine: everything a training step changes, owned in one place.
+//!
+//! [`TrainingState`] holds the accumulation counters, the gradient buffers, the mixed-precision
+//! state, the prepared loaders and the registries of prepared optimizers and schedulers. The
+//! `Accelerator` and the objects it prepared share it (`Arc`) and change it only through its
+//! methods, which are the steps of the loop: begin a micro-step, backward, step the optimizer, step
+//! the scheduler, snapshot and restore.
+//!
+//! ## Locks
+//!
+//! One lock guards the state, taken once per call and never held across a call into user code.
+//! A prepared optimizer or scheduler sits behind its own lock (its handle hands it out through
+//! `inner()`). The order is always the state's lock first, then an optimizer's or a scheduler's;
+//! nothing takes the state's lock while holding one of those. The loaders' iteration stack
+//! ([`LoaderStack`]) is a leaf: nothing else is locked while it is held.
+//!
+//! One training process is one thread of control: the locks exist so that the prepared objects
+//! are `Send` and can be dropped or saved from anywhere, not for contention.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::accumulate::{Accumulation, AccumulationCounters, MicroStep};
+use crate::comm::Communicator;
+use crate::data::{LoaderProgress, LoaderStack};
+use crate::error::{Error, Result};
+use crate::grads::GradientBuffers;
+use crate::mixed_precision::{
+    DynamicLossScaler, LossScalerState, MasterWeights, MixedPrecision, MixedPrecisionState,
+};
+use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
+use crate::sync::GradientSync;
+
+/// A prepared optimizer as the training state keeps it, to save and restore its state.
+pub(crate) type SharedOptimizer = Arc<Mutex<dyn Optimizer + Send>>;
+
+/// A prepared scheduler as the training state keeps it.
+pub(crate) type SharedScheduler = Arc<Mutex<LrScheduler>>;
+
+/// Locks `m`, ignoring poison: a panic elsewhere in the loop leaves nothing we cannot keep using.
+pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where one data loader of a rank stands (saved per rank in checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct LoaderPosition {
+    /// The epoch to resume in.
+    pub epoch: u64,
+    /// Batches of that epoch this rank has already consumed.
+    pub batches_consumed: usize,
+    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
+    pub batches_per_epoch: usize,
+}
+
+/// What a checkpoint keeps of the training state (the parameters are saved beside it), taken at
+/// one instant under the state's lock.
+#[derive(Debug)]
+pub(crate) struct TrainingSnapshot {
+    /// The accumulation counters and the optimizer step count.
+    pub counters: AccumulationCounters,
+    /// Every prepared loader's position on this rank, in order of preparation.
+    pub loaders: Vec<LoaderPosition>,
+    /// Inside a window, this rank's partial gradient sums by parameter name.
+    pub window_gradients: Option<BTreeMap<String, Tensor>>,
+    /// Every prepared optimizer's state, in order of preparation.
+    pub optimizers: Vec<OptimizerState>,
+    /// Every prepared scheduler's state, in order of preparation.
+    pub schedulers: Vec<SchedulerState>,
+    /// The fp16 loss scaler's state (`None` without fp16, or not saved).
+    pub loss_scaler: Option<LossScalerState>,
+}
+
+/// Everything a training step changes; one lock guards it (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct TrainingState {
+    /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
+    /// Set once, read without the lock.
+    params: OnceLock<Vec<(String, Var)>>,
+    /// Which prepared loaders a loop is inside, innermost last.
+    loader_stack: Arc<LoaderStack>,
+    steps: Mutex<Steps>,
+}
+
+/// The part of the state that the steps change.
+struct Steps {
+    accumulation: Accumulation,
+    /// Present once the parameters were prepared.
+    grads: Option<GradientBuffers>,
+    mixed: MixedPrecisionState,
+    /// Every prepared loader's progress, in order of preparation.
+    loaders: Vec<Arc<LoaderProgress>>,
+    /// Every prepared optimizer, in order of preparation (what checkpoints save as `optimizer_<i>`).
+    optimizers: Vec<SharedOptimizer>,
+    /// Every prepared scheduler, in order of preparation.
+    schedulers: Vec<SharedScheduler>,
+}
+
+impl std::fmt::Debug for Steps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Steps")
+            .field("accumulation", &self.accumulation)
+            .field("loaders", &self.loaders.len())
+            .field("optimizers", &self.optimizers.len())
+            .field("schedulers", &self.schedulers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Steps {
+    /// The loader the loop's current batch came from.
+    fn innermost_loader(&self, stack: &LoaderStack) -> Option<Arc<LoaderProgress>> {
+        stack.innermost().and_then(|i| self.loaders.get(i)).cloned()
+    }
+
+    fn zero_if_abandoned(&mut self) {
+        if self.accumulation.take_abandoned_window() {
+            if let Some(g) = self.grads.as_mut() {
+                g.zero();
+            }
+        }
+    }
+}
+
+impl TrainingState {
+    /// A state with no parameters, loaders, optimizers or schedulers prepared yet.
+    pub fn new(accumulation: Accumulation, mixed: MixedPrecisionState) -> Self {
+        Self {
+            params: OnceLock::new(),
+            loader_stack: Arc::default(),
+            steps: Mutex::new(Steps {
+                accumulation,
+                grads: None,
+                mixed,
+                loaders: Vec::new(),
+                optimizers: Vec::new(),
+                schedulers: Vec::new(),
+            }),
+        }
+    }
+
+    fn steps(&self) -> MutexGuard<'_, Steps> {
+        lock(&self.steps)
+    }
+
+    // ---- What the configuration and the loop read ----
+
+    /// K: micro-steps per optimizer step.
+    pub fn accumulation_steps(&self) -> usize {
+        self.steps().accumulation.steps()
+    }
+
+    /// The mixed-precision mode.
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.steps().mixed.mode
+    }
+
+    /// The fp16 loss scale; `None` without fp16.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.steps().mixed.scaler.as_ref().map(|s| s.scale())
+    }
+
+    /// Whether the last sync micro-step skipped its optimizer step (fp16 overflow).
+    pub fn step_was_skipped(&self) -> bool {
+        self.steps().accumulation.step_was_skipped()
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.steps().accumulation.optimizer_steps()
+    }
+
+    /// Whether the current micro-step syncs gradients.
+    pub fn sync_gradients(&self) -> bool {
+        self.steps().accumulation.sync_gradients()
+    }
+
+    /// The prepared parameters, sorted by name (empty before they are prepared).
+    pub fn parameters(&self) -> &[(String, Var)] {
+        self.params.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// Number of gradient buckets.
+    pub fn gradient_buckets(&self) -> usize {
+        self.steps().grads.as_ref().map_or(0, |g| g.buckets().len())
+    }
+
+    /// A copy of the window's gradient of parameter `name`, if it has one.
+    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
+        match self.steps().grads.as_ref().and_then(|g| g.get(name)) {
+            Some(t) => Ok(Some(t.copy()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The loader the loop's current batch came from (what `gather_for_metrics` asks).
+    pub fn innermost_loader(&self) -> Option<Arc<LoaderProgress>> {
+        self.steps().innermost_loader(&self.loader_stack)
+    }
+
+    /// Copies the master weights into the compute copies (nothing without mixed precision).
+    pub fn refresh_compute(&self) -> Result<()> {
+        self.steps().mixed.refresh_compute()
+    }
+
+    // ---- Preparation ----
+
+    /// Takes the model's parameters (sorted and checked by the caller, once) and allocates their gradient
+    /// buffers. Under mixed precision `vars` are the compute copies and the f32 master weights are
+    /// made here. `broadcast` gives every parameter rank 0's value before the buffers exist.
+    /// Returns the parameters the optimizer steps (the masters under mixed precision).
+    pub fn prepare_parameters(
+        &self,
+        vars: Vec<(String, Var)>,
+        bucket_cap_bytes: usize,
+        several_ranks: bool,
+        mut broadcast: impl FnMut(&Var) -> Result<()>,
+    ) -> Result<Vec<(String, Var)>> {
+        let mut steps = self.steps();
+        let (params, weights) = match steps.mixed.mode {
+            MixedPrecision::No => (vars, None),
+            mode => {
+                let w = MasterWeights::new(vars, mode)?;
+                (w.masters().to_vec(), Some(w))
+            }
+        };
+        // Same start everywhere: rank 0's values (the masters), in sorted-name order.
+        for (_, var) in &params {
+            broadcast(var)?;
+        }
+        if let Some(w) = &weights {
+            w.refresh_compute()?;
+        }
+        steps.mixed.weights = weights;
+        steps.grads = Some(if several_ranks {
+            GradientBuffers::new_for_ranks(&params, bucket_cap_bytes)?
+        } else {
+            GradientBuffers::new(&params, bucket_cap_bytes)?
+        });
+        self.params
+            .set(params.clone())
+            .map_err(|_| Error::Parameters("parameters were already prepared".into()))?;
+        Ok(params)
+    }
+
+    /// Registers a prepared loader; its iteration now tells the loop's micro-steps where its
+    /// epochs end. Returns its index (what checkpoints and the settings check call it).
+    pub fn register_loader(&self, progress: Arc<LoaderProgress>) -> Result<usize> {
+        let mut steps = self.steps();
+        let index = steps.loaders.len();
+        if !progress.attach(self.loader_stack.clone(), index) {
+            return Err(Error::Data(
+                "this data loader was already prepared; prepare each loader once and iterate \
+                 the one prepare() returned"
+                    .into(),
+            ));
+        }
+        steps.loaders.push(progress);
+        Ok(index)
+    }
+
+    /// Number of loaders prepared so far.
+    pub fn loaders(&self) -> usize {
+        self.steps().loaders.len()
+    }
+
+    /// Registers a prepared optimizer (saved and restored with the state).
+    pub fn register_optimizer(&self, optimizer: SharedOptimizer) {
+        self.steps().optimizers.push(optimizer);
+    }
+
+    /// Registers a prepared scheduler (saved and restored with the state).
+    pub fn register_scheduler(&self, scheduler: SharedScheduler) {
+        self.steps().schedulers.push(scheduler);
+    }
+
+    // ---- The steps of the loop ----
+
+    /// Begins a micro-step on the loop's request (`accumulate()`).
+    pub fn begin_micro_step(&self) -> MicroStep {
+        let mut steps = self.steps();
+        let loader = steps.innermost_loader(&self.loader_stack);
+        let step = steps.accumulation.begin_explicit(loader.as_ref());
+        steps.zero_if_abandoned();
+        step
+    }
+
+    /// Switches the window about to begin to item-weighted accumulation over `global_items`.
+    pub fn set_window_items(&self, global_items: f64, world_size: usize) -> Result<()> {
+        let mut steps = self.steps();
+        let loader = steps.innermost_loader(&self.loader_stack);
+        steps
+            .accumulation
+            .set_window_items(global_items, world_size, loader.as_ref())
+    }
+
+    /// The backward pass of `loss` (a scalar), its gradients added into the window's sums, which
+    /// `sync` averages across ranks on the micro-step that syncs.
+    pub fn backward(
+        &self,
+        loss: &Tensor,
+        comm: &dyn Communicator,
+        sync: &GradientSync,
+    ) -> Result<()> {
+        if loss.elem_count() != 1 {
+            return Err(Error::Config(format!(
+                "backward needs a scalar loss, got shape {:?}; reduce it with mean() or sum()",
+                loss.dims()
+            )));
+        }
+        let mut guard = self.steps();
+        let steps = &mut *guard;
+        let loader = steps.innermost_loader(&self.loader_stack);
+        let step = steps.accumulation.current_for_backward(loader.as_ref())?;
+        let abandoned = steps.accumulation.take_abandoned_window();
+        let loss_scale = steps.mixed.loss_scale();
+        let grad_store = if loss_scale == 1.0 {
+            loss.backward()?
+        } else {
+            // fp16: scaled so that small gradients survive in half precision; the scale is
+            // divided out when they are added into the f32 buffers. Scaled in f32, so that the
+            // loss itself cannot overflow.
+            (loss.to_dtype(DType::F32)? * loss_scale)?.backward()?
+        };
+        let buffers = steps.grads.as_mut().ok_or_else(|| {
+            Error::Parameters(
+                "backward before prepare_parameters: the accelerator does not know the model's \
+                 parameters"
+                    .into(),
+            )
+        })?;
+        if abandoned {
+            buffers.zero();
+        }
+        let sources = steps.mixed.grad_sources(self.parameters());
+        let scale = step.loss_scale / loss_scale;
+        if step.sync {
+            sync.accumulate_and_average(comm, buffers, sources, &grad_store, scale)?;
+            // After the reduction, so that every rank sees the same gradients and decides alike.
+            steps.mixed.after_sync(buffers)?;
+        } else {
+            buffers.accumulate(sources, &grad_store, scale)?;
+        }
+        steps.accumulation.backward_finished();
+        Ok(())
+    }
+
+    /// Scales the window's gradients so that their global L2 norm is at most `max_norm`; returns
+    /// the norm before clipping, or `None` on a micro-step that does not sync.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
+        let mut steps = self.steps();
+        if !steps.accumulation.sync_gradients() {
+            return Ok(None);
+        }
+        let Some(buffers) = steps.grads.as_mut() else {
+            return Ok(None);
+        };
+        let norm = buffers.global_norm()?;
+        // PyTorch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6), applied when below 1.
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            buffers.scale(coef)?;
+        }
+        Ok(Some(norm))
+    }
+
+    /// Steps `optimizer` from the window's averaged gradients on the micro-step that syncs (a
+    /// no-op elsewhere). Under fp16 a window whose gradients overflowed is skipped and its
+    /// gradients dropped; under mixed precision the compute copies take the updated masters.
+    pub fn step_optimizer<O: Optimizer + ?Sized>(&self, optimizer: &Mutex<O>) -> Result<()> {
+        let mut guard = self.steps();
+        let steps = &mut *guard;
+        if !steps.accumulation.sync_gradients() {
+            return Ok(());
+        }
+        let grads = steps.grads.as_mut().ok_or_else(|| {
+            Error::Optimizer(
+                "optimizer.step() before any gradient: call accelerator.backward(loss) first"
+                    .into(),
+            )
+        })?;
+        if steps.mixed.window_overflowed {
+            // PyTorch's GradScaler.step: no update, and the scheduler does not advance either.
+            grads.zero();
+            steps.accumulation.record_skipped_step();
+            return Ok(());
+        }
+        lock(optimizer).step(grads)?;
+        steps.mixed.refresh_compute()?;
+        steps.accumulation.record_optimizer_step();
+        Ok(())
+    }
+
+    /// Forgets the window's gradients on the micro-step that syncs (a no-op elsewhere: the
+    /// window's gradients are still being summed).
+    pub fn zero_grad(&self) {
+        let mut steps = self.steps();
+        if steps.accumulation.sync_gradients() {
+            if let Some(g) = steps.grads.as_mut() {
+                g.zero();
+            }
+        }
+    }
+
+    /// Advances `scheduler` if the optimizer stepped in this micro-step (not on micro-steps that
+    /// only accumulate, nor when the step was skipped or not taken).
+    pub fn step_scheduler(&self, scheduler: &Mutex<LrScheduler>) {
+        let steps = self.steps();
+        if steps.accumulation.scheduler_steps_now() {
+            lock(scheduler).step();
+        }
+    }
+
+    // ---- Snapshot and restore ----
+
+    /// What a checkpoint saves of this rank's state, at this instant.
+    pub fn snapshot(&self) -> Result<TrainingSnapshot> {
+        let steps = self.steps();
+        let counters = steps.accumulation.counters();
+        let loaders = steps
+            .loaders
+            .iter()
+            .map(|p| {
+                let (epoch, batches_consumed) = p.resume_position();
+                LoaderPosition {
+                    epoch,
+                    batches_consumed,
+                    batches_per_epoch: p.batches_per_epoch(),
+                }
+            })
+            .collect();
+        let window_gradients = match (&steps.grads, counters.taken > 0) {
+            (Some(grads), true) => Some(
+                grads
+                    .names()
+                    .filter_map(|n| grads.get(n).map(|t| (n.to_string(), t.clone())))
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let optimizers = steps
+            .optimizers
+            .iter()
+            .map(|o| lock(o).state())
+            .collect::<Result<_>>()?;
+        let schedulers = steps.schedulers.iter().map(|s| lock(s).state()).collect();
+        Ok(TrainingSnapshot {
+            counters,
+            loaders,
+            window_gradients,
+            optimizers,
+            schedulers,
+            loss_scaler: steps.mixed.scaler.as_ref().map(|s| s.state()),
+        })
+    }
+
+    /// Number of prepared optimizers and schedulers.
+    pub fn registered(&self) -> (usize, usize) {
+        let steps = self.steps();
+        (steps.optimizers.len(), steps.schedulers.len())
+    }
+
+    /// Batches per epoch of every prepared loader on this rank, in order of preparation.
+    pub fn loader_batches_per_epoch(&self) -> Vec<usize> {
+        self.steps()
+            .loaders
+            .iter()
+            .map(|p| p.batches_per_epoch())
+            .collect()
+    }
+
+    /// Checks that saved counters can continue in this run.
+    pub fn check_counters(&self, saved: &AccumulationCounters) -> std::result::Result<(), String> {
+        self.steps().accumulation.check_restorable(saved)
+    }
+
+    /// A copy of the fp16 loss scaler, to check a saved state against (`None` without fp16).
+    pub fn loss_scaler(&self) -> Option<DynamicLossScaler> {
+        self.steps().mixed.scaler.clone()
+    }
+
+    /// Continues from a verified checkpoint: `params` by name, then `snapshot`. If a parameter,
+    /// an optimizer or a scheduler still refuses its value, what was already changed is put back
+    /// and that error returned. Loaders continue from their saved position at their next `iter()`.
+    pub fn restore(
+        &self,
+        params: &BTreeMap<String, Tensor>,
+        snapshot: TrainingSnapshot,
+    ) -> Result<()> {
+        let mut guard = self.steps();
+        let steps = &mut *guard;
+        let ours = self.parameters();
+        let old_params: Vec<Tensor> = ours
+            .iter()
+            .map(|(_, v)| v.as_tensor().force_contiguous())
+            .collect::<candle_core::Result<_>>()?;
+        let old_opt: Vec<OptimizerState> = steps
+            .optimizers
+            .iter()
+            .map(|o| lock(o).state())
+            .collect::<Result<_>>()?;
+        let old_sched: Vec<SchedulerState> =
+            steps.schedulers.iter().map(|s| lock(s).state()).collect();
+
+        let result = (|| -> Result<()> {
+            for (name, var) in ours {
+                let value = params.get(name).ok_or_else(|| {
+                    Error::Parameters(format!("the checkpoint holds no parameter {name:?}"))
+                })?;
+                var.set(&value.to_device(var.device())?)?;
+            }
+            for (o, state) in steps.optimizers.iter().zip(&snapshot.optimizers) {
+                lock(o).load_state(state)?;
+            }
+            for (s, state) in steps.schedulers.iter().zip(&snapshot.schedulers) {
+                lock(s).load_state(state)?;
+            }
+            if let (Some(buffers), Some(saved)) = (steps.grads.as_mut(), &snapshot.window_gradients)
+            {
+                buffers.zero();
+                for (name, t) in saved {
+                    let (_, var) = ours.iter().find(|(n, _)| n == name).ok_or_else(|| {
+                        Error::Parameters(format!("a saved gradient names no parameter: {name:?}"))
+                    })?;
+                    buffers.accumulate_one(name, &t.to_device(var.device())?, 1.0)?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for ((_, var), old) in ours.iter().zip(&old_params) {
+                let _ = var.set(old);
+            }
+            for (o, state) in steps.optimizers.iter().zip(&old_opt) {
+                let _ = lock(o).load_state(state);
+            }
+            for (s, state) in steps.schedulers.iter().zip(&old_sched) {
+                let _ = lock(s).load_state(state);
+            }
+            return Err(e);
+        }
+        if snapshot.window_gradients.is_none() {
+            if let Some(buffers) = steps.grads.as_mut() {
+                buffers.zero();
+            }
+        }
+        if let Some(scaler) = steps.mixed.scaler.as_mut() {
+            match &snapshot.loss_scaler {
+                Some(state) => scaler.load_state(state)?,
+                None => scaler.reset(),
+            }
+        }
+        steps.mixed.window_overflowed = false;
+        // The compute copies take the loaded master weights.
+        steps.mixed.refresh_compute()?;
+        steps.accumulation.restore(&snapshot.counters);
+        for (saved, progress) in snapshot.loaders.iter().zip(&steps.loaders) {
+            progress.request_resume(saved.epoch, saved.batches_consumed);
+        }
+        Ok(())
+    }
+}
