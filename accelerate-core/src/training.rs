@@ -562,3 +562,61 @@ impl TrainingState {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mixed_precision::LossScalerConfig;
+
+    fn state(k: usize) -> TrainingState {
+        let mixed = MixedPrecisionState::new(MixedPrecision::No, LossScalerConfig::default());
+        TrainingState::new(Accumulation::new(k).unwrap(), mixed.unwrap())
+    }
+
+    #[test]
+    fn a_loader_is_prepared_once() {
+        let t = state(1);
+        let p = Arc::new(LoaderProgress::new(3));
+        assert_eq!(t.register_loader(p.clone()).unwrap(), 0);
+        let e = t.register_loader(p).unwrap_err().to_string();
+        assert!(e.contains("already prepared"), "{e}");
+        assert_eq!(t.loaders(), 1);
+    }
+
+    /// Training batches 1-3 with K=2: windows [1, 2] and [3], the last cut short by the training
+    /// loader's end. An evaluation loop between batches 2 and 3, left with a `break` (its iterator
+    /// never ends), must not decide the window of batch 3, nor must the window follow whichever
+    /// loader was prepared last.
+    #[test]
+    fn windows_follow_the_loader_the_current_batch_came_from() {
+        let t = state(2);
+        let train = Arc::new(LoaderProgress::new(3));
+        let eval = Arc::new(LoaderProgress::new(10));
+        t.register_loader(train.clone()).unwrap();
+        t.register_loader(eval.clone()).unwrap();
+
+        train.start_epoch(0, 0, 3);
+        train.record_yielded(1);
+        let s1 = t.begin_micro_step();
+        train.record_yielded(2);
+        let s2 = t.begin_micro_step();
+        assert_eq!((s1.sync, s2.sync), (false, true));
+
+        eval.start_epoch(0, 0, 10);
+        eval.record_yielded(1); // `break` after the first evaluation batch
+        assert!(Arc::ptr_eq(&t.innermost_loader().unwrap(), &eval));
+
+        train.record_yielded(3);
+        let s3 = t.begin_micro_step();
+        assert_eq!(
+            (s3.sync, s3.window_len, s3.loss_scale),
+            (true, 1, 1.0),
+            "batch 3 is the training epoch's last: a window of one that syncs"
+        );
+        train.end_iteration();
+        assert!(
+            Arc::ptr_eq(&t.innermost_loader().unwrap(), &eval),
+            "the evaluation loader never ended"
+        );
+    }
+}
