@@ -45,7 +45,7 @@ fn mlp_flags(dir: &Path, run: &str) -> Vec<String> {
 
 /// Runs the mlp with `args` on `ranks` processes: alone when 1, under the launcher otherwise
 /// (with a grace period of 1 s).
-fn mlp(ranks: usize, args: &[String]) -> Output {
+fn run_mlp(ranks: usize, args: &[String]) -> Output {
     let mut job = Job::mlp(ranks).args(args).limit(LIMIT);
     if ranks > 1 {
         job = job.launcher_flags(["--grace-period", "1"]);
@@ -160,7 +160,7 @@ fn a_bad_port_is_refused_before_anything_starts() {
 fn a_missing_data_file_is_named_on_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("nope.safetensors");
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
     );
@@ -219,7 +219,7 @@ fn a_data_file_of_the_wrong_shape_is_refused() {
     for (name, tensors, needles) in cases {
         let data = dir.path().join(format!("{name}.safetensors"));
         save(&data, &tensors);
-        let o = mlp(
+        let o = run_mlp(
             1,
             &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
         );
@@ -232,7 +232,7 @@ fn a_data_file_of_the_wrong_shape_is_refused() {
     // Not a safetensors file at all.
     let data = dir.path().join("text.safetensors");
     std::fs::write(&data, "x,y\n0.1,3\n").unwrap();
-    let o = mlp(
+    let o = run_mlp(
         1,
         &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
     );
@@ -260,7 +260,7 @@ fn initial_weights_of_a_different_model_are_refused() {
         .run();
     assert!(o.status.success(), "{}", output_text(&o));
 
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(
             mlp_flags(dir.path(), "run"),
@@ -291,7 +291,7 @@ fn initial_weights_of_a_different_model_are_refused() {
             ("fc1.bias", zeros(&[16], DType::F32)),
         ],
     );
-    let o = mlp(
+    let o = run_mlp(
         1,
         &with(
             mlp_flags(dir.path(), "run"),
@@ -330,7 +330,7 @@ fn tree(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let first = with(mlp_flags(dir.path(), "first"), &["--max-steps", "2"]);
-    let o = mlp(2, &first);
+    let o = run_mlp(2, &first);
     assert!(o.status.success(), "{}", output_text(&o));
     let ckpt = dir.path().join("checkpoints");
     let latest = ckpt.join("checkpoint_2");
@@ -361,7 +361,7 @@ fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
 
         // Resumed with other output names, so that anything it wrote would show.
         let resumed = ["--resume", "--max-steps", "4"];
-        let o = mlp(2, &with(mlp_flags(dir.path(), "resumed"), &resumed));
+        let o = run_mlp(2, &with(mlp_flags(dir.path(), "resumed"), &resumed));
         assert_refused(
             &o,
             &[
@@ -393,7 +393,7 @@ fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
         std::fs::write(file, &intact[file]).unwrap();
     }
     // The restored checkpoint resumes: the refusals were about the damage alone.
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(
             mlp_flags(dir.path(), "last"),

@@ -17,14 +17,14 @@ const LIMIT: Duration = Duration::from_secs(240);
 /// Runs the mlp on `n` processes (directly when 1, through the launcher otherwise) with K = 2,
 /// batch 4, 5 batches per rank per epoch (windows of 2, 2, 1: 3 optimizer steps per epoch), two
 /// epochs, AdamW, shuffled; `extra` flags appended. Expects success.
-fn mlp(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
-    let o = mlp_output(n, out, ckpt, extra);
+fn train(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    let o = train_output(n, out, ckpt, extra);
     assert!(o.status.success(), "{}", output_text(&o));
     o
 }
 
-/// [`mlp`], whatever its outcome.
-fn mlp_output(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+/// [`train`], whatever its outcome.
+fn train_output(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
     Job::mlp(n)
         .args(mlp_args(n, out, ckpt, extra))
         .limit(LIMIT)
@@ -32,7 +32,7 @@ fn mlp_output(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process
         .0
 }
 
-/// The mlp flags of [`mlp`] for `n` ranks.
+/// The mlp flags of [`train`] for `n` ranks.
 fn mlp_args(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> Vec<String> {
     let samples = (5 * n * 4).to_string();
     let mut args: Vec<String> = [
@@ -74,12 +74,12 @@ fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
 fn stop_and_resume(n: usize, stop_at: u64) {
     let dir = tempfile::tempdir().unwrap();
     let whole = dir.path().join("whole.safetensors");
-    mlp(n, &whole, &dir.path().join("unused"), &[]);
+    train(n, &whole, &dir.path().join("unused"), &[]);
 
     let ckpt = dir.path().join("ckpt");
     let stopped = dir.path().join("stopped.safetensors");
     let s = stop_at.to_string();
-    mlp(
+    train(
         n,
         &stopped,
         &ckpt,
@@ -88,7 +88,7 @@ fn stop_and_resume(n: usize, stop_at: u64) {
     assert!(ckpt.join(format!("checkpoint_{stop_at}")).is_dir());
 
     let resumed = dir.path().join("resumed.safetensors");
-    let o = mlp(n, &resumed, &ckpt, &["--resume"]);
+    let o = train(n, &resumed, &ckpt, &["--resume"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains(&format!("at optimizer step {stop_at}")) && out.contains("steps=6"),
@@ -129,7 +129,7 @@ fn two_ranks_stopped_at_an_epoch_boundary_resume_bitwise() {
 fn keep_limit_and_resume_without_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let o = mlp(
+    let o = train(
         1,
         &dir.path().join("a.safetensors"),
         &ckpt,
@@ -169,7 +169,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let out = dir.path().join("a.safetensors");
-    mlp(
+    train(
         1,
         &out,
         &ckpt,
@@ -181,7 +181,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
     // A new run with a keep limit used to delete each checkpoint it wrote and leave the other
     // run's two, which a later --resume continued.
     let fresh = ["--checkpoint-every", "1", "--checkpoints-keep", "2"];
-    let o = mlp_output(1, &out, &ckpt, &fresh);
+    let o = train_output(1, &out, &ckpt, &fresh);
     assert!(!o.status.success(), "accepted:\n{}", output_text(&o));
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -196,7 +196,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
 
     // Asked to, it starts over: the other run's checkpoints are gone, its own two newest remain,
     // and a resume continues this run (its last checkpoint is its end: no step is left).
-    let o = mlp(
+    let o = train(
         1,
         &out,
         &ckpt,
@@ -208,7 +208,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
         output_text(&o)
     );
     assert_eq!(checkpoints_in(&ckpt), ["checkpoint_5", "checkpoint_6"]);
-    let o = mlp(1, &out, &ckpt, &["--resume"]);
+    let o = train(1, &out, &ckpt, &["--resume"]);
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("at optimizer step 6"),
         "{}",

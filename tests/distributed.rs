@@ -14,11 +14,6 @@ use accelerate_tests::{
 
 const LIMIT: Duration = Duration::from_secs(240);
 
-/// The `mlp` example, alone unless given [`Job::ranks`].
-fn mlp() -> Job {
-    Job::example("mlp").limit(LIMIT)
-}
-
 /// The test worker running `scenario` on `n` CPU ranks under the launcher.
 fn worker(n: usize, scenario: &str) -> Job {
     Job::worker().ranks(n).arg(scenario).limit(LIMIT)
@@ -31,7 +26,7 @@ fn mlp_args(samples: usize, batch: usize, optimizer: &str, out: &Path) -> Vec<St
 
 /// Runs the mlp with `args` on `n` CPU ranks under the launcher.
 fn launch(n: usize, args: &[String]) -> JobOutput {
-    mlp().ranks(n).args(args).run()
+    Job::example("mlp").ranks(n).args(args).limit(LIMIT).run()
 }
 
 fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
@@ -48,7 +43,8 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         assert_eq!(o.summary::<u64>("steps"), 10, "{}", output_text(&o));
 
         let single_out = dir.path().join(format!("single_{n}_{k}.safetensors"));
-        let s = mlp()
+        let s = Job::mlp(1)
+            .limit(LIMIT)
             .args(mlp_args(samples, n * k * b, optimizer, &single_out))
             .run();
         assert!(s.status.success(), "{}", output_text(&s));
@@ -63,7 +59,7 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         let init_out = dir.path().join("init.safetensors");
         let mut a = mlp_args(samples, b, optimizer, &init_out);
         a.extend(["--max-steps".into(), "0".into()]);
-        assert!(mlp().args(a).run().status.success());
+        assert!(Job::mlp(1).limit(LIMIT).args(a).run().status.success());
         assert!(
             max_abs_diff_flat(&load_flat(&init_out), &load_flat(&single_out)) > 100.0 * tolerance
         );
@@ -99,8 +95,8 @@ fn gradients_are_reduced_once_per_bucket_per_optimizer_step() {
     // A 10 KiB cap splits the sorted parameters of the H=16 model into three buckets:
     // [l1.bias] (64 B; l1.weight would overflow it), [l1.weight] (50,176 B, alone), and
     // [l2.bias, l2.weight, l3.bias, l3.weight] (64 + 1,024 + 40 + 640 B).
-    let o = mlp()
-        .ranks(2)
+    let o = Job::mlp(2)
+        .limit(LIMIT)
         .args(&args)
         .env("ACCELERATE_BUCKET_CAP_MB", format!("{}", 10.0 / 1024.0))
         .run();
@@ -140,7 +136,10 @@ fn a_partial_last_window_on_two_ranks_equals_the_short_last_batch() {
     assert!(o.status.success(), "{}", output_text(&o));
     assert_eq!(o.summary::<u64>("steps"), 6, "{}", output_text(&o));
     let single_out = dir.path().join("single.safetensors");
-    let s = mlp().args(mlp_args(80, 32, "sgd", &single_out)).run();
+    let s = Job::mlp(1)
+        .limit(LIMIT)
+        .args(mlp_args(80, 32, "sgd", &single_out))
+        .run();
     assert!(s.status.success(), "{}", output_text(&s));
     let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
     assert!(d < 2e-5, "max |Δθ| = {d}");
@@ -212,7 +211,8 @@ fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
         .map(|rank| {
             let mut args = mlp_args(80, 4, "sgd", &dist_out);
             args.extend(["--grad-accum".to_string(), "2".to_string()]);
-            mlp()
+            Job::mlp(1)
+                .limit(LIMIT)
                 .args(args)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
@@ -238,7 +238,8 @@ fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
         }
     }
     let single_out = dir.path().join("single.safetensors");
-    assert!(mlp()
+    assert!(Job::mlp(1)
+        .limit(LIMIT)
         .args(mlp_args(80, 16, "sgd", &single_out))
         .run()
         .status
@@ -258,7 +259,8 @@ fn two_launchers_as_two_machines_equal_one_process() {
     args.extend(["--grad-accum".to_string(), "2".to_string()]);
     let machines: Vec<_> = (0..2)
         .map(|machine| {
-            let job = mlp()
+            let job = Job::example("mlp")
+                .limit(LIMIT)
                 .launcher_flags(["--cpu", "--num-processes", "4", "--num-machines", "2"])
                 .launcher_flags([
                     "--machine-rank",
@@ -277,7 +279,8 @@ fn two_launchers_as_two_machines_equal_one_process() {
         assert!(o.status.success(), "{}", output_text(&o));
     }
     let single_out = dir.path().join("single.safetensors");
-    assert!(mlp()
+    assert!(Job::mlp(1)
+        .limit(LIMIT)
         .args(mlp_args(160, 32, "sgd", &single_out))
         .run()
         .status
@@ -340,8 +343,8 @@ fn start_endless_two_rank_job(dir: &Path) -> (std::process::Child, Vec<(usize, u
     let mut args = mlp_args(4096, 8, "sgd", &out);
     let at = args.iter().position(|a| a == "--epochs").unwrap();
     args[at + 1] = "1000".into();
-    let mut child = mlp()
-        .ranks(2)
+    let mut child = Job::mlp(2)
+        .limit(LIMIT)
         .args(&args)
         .command()
         .stdout(std::process::Stdio::null())
@@ -570,7 +573,8 @@ fn a_flag_given_to_one_machine_only_is_named_when_the_ranks_part_ways() {
                 if machine == 0 {
                     args.extend(["--save-model".into(), model.to_str().unwrap().to_string()]);
                 }
-                let job = mlp()
+                let job = Job::example("mlp")
+                    .limit(LIMIT)
                     .launcher_flags(["--cpu", "--num-processes", "2", "--num-machines", "2"])
                     .launcher_flags(["--machine-rank", &machine.to_string()])
                     .launcher_flags(["--main-process-ip", "127.0.0.1"])
