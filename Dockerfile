@@ -20,14 +20,16 @@ RUN apt-get update \
  && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95.0
 WORKDIR /src
 COPY . .
-# The launcher links no CUDA; the examples and the GPU tests link candle's CUDA backend and NCCL.
+# The launcher links no CUDA; the examples, the benchmarks and the GPU tests link candle's CUDA
+# backend and NCCL.
 RUN cargo build --release -p accelerate-launch \
  && cargo build --release -p accelerate-examples --features nccl --examples \
+ && cargo build --release -p accelerate-benchmarks --features nccl --bins \
  && cargo build --release -p accelerate-tests --features nccl --tests --bins \
- && mkdir -p /out/examples /out/tests \
+ && mkdir -p /out/examples /out/benchmarks /out/tests \
  && cp target/release/accelerate-launch /out/ \
- && cp target/release/examples/mlp target/release/examples/bench_mlp \
-       target/release/examples/bench_allreduce /out/examples/ \
+ && cp target/release/examples/mlp /out/examples/ \
+ && cp target/release/bench_mlp target/release/bench_allreduce /out/benchmarks/ \
  && cp target/release/accelerate-test-worker /out/ \
  && cp "$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)" /out/tests/gpu
 

@@ -3,7 +3,7 @@
 memory between ranks of one machine) against PyTorch's gloo backend, and one core's memcpy (and
 one core's copy with streaming stores, the fastest single-core copy of large buffers).
 
-    cargo build --release -p accelerate-launch -p accelerate-examples --bins --examples
+    cargo build --release -p accelerate-launch -p accelerate-benchmarks --bins
     python3 benchmarks/allreduce.py            # needs torch, numpy, matplotlib (pip install)
 
 For each world size (2, 3, 4 by default) and message size (1 KiB to 256 MiB, f32, sum) it prints
@@ -37,11 +37,11 @@ def free_port():
 
 
 def ours(world, min_kib, max_kib, iters):
-    """Runs examples/bench_allreduce under accelerate-launch; returns
+    """Runs bench_allreduce (benchmarks/bench_allreduce.rs) under accelerate-launch; returns
     {bytes: (seconds, memcpy GB/s, stream copy GB/s)}."""
     cmd = [
         str(RELEASE / "accelerate-launch"), "--cpu", "--num-processes", str(world), "--quiet",
-        str(RELEASE / "examples" / "bench_allreduce"),
+        str(RELEASE / "bench_allreduce"),
         "--min-kib", str(min_kib), "--max-kib", str(max_kib), "--iters", str(iters),
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout

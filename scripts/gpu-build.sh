@@ -5,9 +5,9 @@
 #   scripts/gpu-build.sh check   type-checks (clippy, -D warnings) every target with `--features nccl`
 #                                (what CI runs; it turns on fused-kernels/cuda, whose build script
 #                                compiles the CUDA C of fused-kernels/src/cuda with nvcc)
-#   scripts/gpu-build.sh build   also links release binaries (examples, GPU tests, the launcher),
-#                                against a stub libcuda; copy them to a GPU machine and run them
-#                                there (see README, "GPU tests")
+#   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests, the
+#                                launcher) against a stub libcuda; copy them to a GPU machine and
+#                                run them there (see README, "GPU tests")
 #
 # Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
 # target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper).
@@ -61,6 +61,7 @@ case "$mode" in
     gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$links/libcuda.so" "$links/libcuda_stub.c"
     export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
     cargo build --release -p accelerate-examples --features nccl --examples
+    cargo build --release -p accelerate-benchmarks --features nccl --bins
     # fused-kernels' GPU tests (tests/cuda.rs) come with the suite's; one feature set for both, so
     # candle is built once.
     cargo build --release -p accelerate-tests -p fused-kernels \

@@ -7,10 +7,10 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
-use accelerate_tests::{built_binary, cpu_launcher, output_text, run_bounded};
+use accelerate_tests::{output_text, Job};
 use candle_core::{DType, Device, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -43,25 +43,14 @@ fn mlp_flags(dir: &Path, run: &str) -> Vec<String> {
     .collect()
 }
 
-/// The launcher starting `ranks` CPU processes of `program` on a free port.
-fn launcher(ranks: usize, program: &Path) -> Command {
-    let mut cmd = cpu_launcher(ranks);
-    cmd.args(["--grace-period", "1"]).arg(program);
-    cmd
-}
-
-/// Runs the mlp with `args` on `ranks` processes: alone when 1, under the launcher otherwise.
-fn mlp(ranks: usize, args: &[String]) -> Output {
-    let mut cmd = if ranks == 1 {
-        Command::new(built_binary("examples/mlp"))
-    } else {
-        launcher(ranks, &built_binary("examples/mlp"))
-    };
-    cmd.args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
-    run_bounded(&mut cmd, LIMIT)
+/// Runs the mlp with `args` on `ranks` processes: alone when 1, under the launcher otherwise
+/// (with a grace period of 1 s).
+fn run_mlp(ranks: usize, args: &[String]) -> Output {
+    let mut job = Job::mlp(ranks).args(args).limit(LIMIT);
+    if ranks > 1 {
+        job = job.launcher_flags(["--grace-period", "1"]);
+    }
+    job.run().0
 }
 
 fn with(mut flags: Vec<String>, extra: &[&str]) -> Vec<String> {
@@ -131,12 +120,11 @@ fn a_program_that_cannot_run_is_refused_before_anything_starts() {
     ];
     for (program, hints) in cases {
         let logs = dir.path().join("logs");
-        let mut cmd = Command::new(built_binary("accelerate-launch"));
-        cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-            .arg("--tee")
-            .arg(&logs)
-            .arg(program);
-        let o = run_bounded(&mut cmd, LIMIT);
+        let o = Job::new(program)
+            .ranks(2)
+            .launcher_flags([std::ffi::OsStr::new("--tee"), logs.as_os_str()])
+            .limit(LIMIT)
+            .run();
         assert_eq!(o.status.code(), Some(2), "{}", output_text(&o));
         let mut needles = vec![path_str(program)];
         needles.extend(hints);
@@ -150,10 +138,11 @@ fn a_bad_port_is_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     let started = dir.path().join("started");
     for port in ["70000", "http", ""] {
-        let mut cmd = Command::new(built_binary("accelerate-launch"));
-        cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", port])
-            .args(["sh", "-c", &format!("touch {}", path_str(&started))]);
-        let o = run_bounded(&mut cmd, LIMIT);
+        let o = Job::new("sh")
+            .launcher_flags(["--cpu", "--num-processes", "2", "--main-process-port", port])
+            .args(["-c", &format!("touch {}", path_str(&started))])
+            .limit(LIMIT)
+            .run();
         assert_eq!(o.status.code(), Some(2), "{}", output_text(&o));
         assert_refused(
             &o,
@@ -171,7 +160,7 @@ fn a_bad_port_is_refused_before_anything_starts() {
 fn a_missing_data_file_is_named_on_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("nope.safetensors");
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
     );
@@ -230,7 +219,7 @@ fn a_data_file_of_the_wrong_shape_is_refused() {
     for (name, tensors, needles) in cases {
         let data = dir.path().join(format!("{name}.safetensors"));
         save(&data, &tensors);
-        let o = mlp(
+        let o = run_mlp(
             1,
             &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
         );
@@ -243,7 +232,7 @@ fn a_data_file_of_the_wrong_shape_is_refused() {
     // Not a safetensors file at all.
     let data = dir.path().join("text.safetensors");
     std::fs::write(&data, "x,y\n0.1,3\n").unwrap();
-    let o = mlp(
+    let o = run_mlp(
         1,
         &with(mlp_flags(dir.path(), "run"), &["--data", path_str(&data)]),
     );
@@ -263,16 +252,15 @@ fn initial_weights_of_a_different_model_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     // Weights of a real model of another width, written by the mlp itself.
     let wide = dir.path().join("wide.safetensors");
-    let mut cmd = Command::new(built_binary("examples/mlp"));
-    cmd.args(["--hidden", "32", "--samples", "64", "--max-steps", "0"])
+    let o = Job::mlp(1)
+        .args(["--hidden", "32", "--samples", "64", "--max-steps", "0"])
         .arg("--save-model")
         .arg(&wide)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    let o = run_bounded(&mut cmd, LIMIT);
+        .limit(LIMIT)
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
 
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(
             mlp_flags(dir.path(), "run"),
@@ -303,7 +291,7 @@ fn initial_weights_of_a_different_model_are_refused() {
             ("fc1.bias", zeros(&[16], DType::F32)),
         ],
     );
-    let o = mlp(
+    let o = run_mlp(
         1,
         &with(
             mlp_flags(dir.path(), "run"),
@@ -342,7 +330,7 @@ fn tree(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let first = with(mlp_flags(dir.path(), "first"), &["--max-steps", "2"]);
-    let o = mlp(2, &first);
+    let o = run_mlp(2, &first);
     assert!(o.status.success(), "{}", output_text(&o));
     let ckpt = dir.path().join("checkpoints");
     let latest = ckpt.join("checkpoint_2");
@@ -373,7 +361,7 @@ fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
 
         // Resumed with other output names, so that anything it wrote would show.
         let resumed = ["--resume", "--max-steps", "4"];
-        let o = mlp(2, &with(mlp_flags(dir.path(), "resumed"), &resumed));
+        let o = run_mlp(2, &with(mlp_flags(dir.path(), "resumed"), &resumed));
         assert_refused(
             &o,
             &[
@@ -405,7 +393,7 @@ fn a_corrupt_checkpoint_is_refused_under_resume_and_left_untouched() {
         std::fs::write(file, &intact[file]).unwrap();
     }
     // The restored checkpoint resumes: the refusals were about the damage alone.
-    let o = mlp(
+    let o = run_mlp(
         2,
         &with(
             mlp_flags(dir.path(), "last"),
@@ -426,15 +414,16 @@ fn a_collective_that_times_out_names_the_stalled_rank_and_stops_the_job() {
     // shorter silence limit, which only applies to a peer without any sign of life).
     let (silence, busy) = (1.0, 3.0);
     for transport in ["tcp", "shm"] {
-        let mut cmd = launcher(2, Path::new(env!("CARGO_BIN_EXE_accelerate-test-worker")));
-        cmd.arg("stall")
+        let job = Job::worker()
+            .ranks(2)
+            .launcher_flags(["--grace-period", "1"])
+            .arg("stall")
             .env("ACCELERATE_COLLECTIVE_TIMEOUT", silence.to_string())
             .env("ACCELERATE_BUSY_PEER_TIMEOUT", busy.to_string())
             .env("ACCELERATE_CPU_TRANSPORT", transport)
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE");
+            .limit(LIMIT);
         let started = Instant::now();
-        let o = run_bounded(&mut cmd, LIMIT);
+        let o = job.run();
         let took = started.elapsed();
         assert_refused(
             &o,

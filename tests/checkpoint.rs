@@ -9,8 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use accelerate_tests::{
-    built_binary, children_by_rank, cpu_launcher, free_port, load_flat, output_text, run_bounded,
-    tiny_mlp,
+    children_by_rank, free_port, load_flat, output_text, send_signal, tiny_mlp, Job,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -18,31 +17,22 @@ const LIMIT: Duration = Duration::from_secs(240);
 /// Runs the mlp on `n` processes (directly when 1, through the launcher otherwise) with K = 2,
 /// batch 4, 5 batches per rank per epoch (windows of 2, 2, 1: 3 optimizer steps per epoch), two
 /// epochs, AdamW, shuffled; `extra` flags appended. Expects success.
-fn mlp(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
-    let o = mlp_output(n, out, ckpt, extra);
+fn train(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    let o = train_output(n, out, ckpt, extra);
     assert!(o.status.success(), "{}", output_text(&o));
     o
 }
 
-/// [`mlp`], whatever its outcome.
-fn mlp_output(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
-    let args = mlp_args(n, out, ckpt, extra);
-    let mut cmd = if n == 1 {
-        let mut c = Command::new(built_binary("examples/mlp"));
-        c.args(&args);
-        c
-    } else {
-        let mut c = cpu_launcher(n);
-        c.arg(built_binary("examples/mlp")).args(&args);
-        c
-    };
-    cmd.env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
-    run_bounded(&mut cmd, LIMIT)
+/// [`train`], whatever its outcome.
+fn train_output(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    Job::mlp(n)
+        .args(mlp_args(n, out, ckpt, extra))
+        .limit(LIMIT)
+        .run()
+        .0
 }
 
-/// The mlp flags of [`mlp`] for `n` ranks.
+/// The mlp flags of [`train`] for `n` ranks.
 fn mlp_args(n: usize, out: &Path, ckpt: &Path, extra: &[&str]) -> Vec<String> {
     let samples = (5 * n * 4).to_string();
     let mut args: Vec<String> = [
@@ -84,12 +74,12 @@ fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
 fn stop_and_resume(n: usize, stop_at: u64) {
     let dir = tempfile::tempdir().unwrap();
     let whole = dir.path().join("whole.safetensors");
-    mlp(n, &whole, &dir.path().join("unused"), &[]);
+    train(n, &whole, &dir.path().join("unused"), &[]);
 
     let ckpt = dir.path().join("ckpt");
     let stopped = dir.path().join("stopped.safetensors");
     let s = stop_at.to_string();
-    mlp(
+    train(
         n,
         &stopped,
         &ckpt,
@@ -98,7 +88,7 @@ fn stop_and_resume(n: usize, stop_at: u64) {
     assert!(ckpt.join(format!("checkpoint_{stop_at}")).is_dir());
 
     let resumed = dir.path().join("resumed.safetensors");
-    let o = mlp(n, &resumed, &ckpt, &["--resume"]);
+    let o = train(n, &resumed, &ckpt, &["--resume"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains(&format!("at optimizer step {stop_at}")) && out.contains("steps=6"),
@@ -139,7 +129,7 @@ fn two_ranks_stopped_at_an_epoch_boundary_resume_bitwise() {
 fn keep_limit_and_resume_without_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let o = mlp(
+    let o = train(
         1,
         &dir.path().join("a.safetensors"),
         &ckpt,
@@ -179,7 +169,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let out = dir.path().join("a.safetensors");
-    mlp(
+    train(
         1,
         &out,
         &ckpt,
@@ -191,7 +181,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
     // A new run with a keep limit used to delete each checkpoint it wrote and leave the other
     // run's two, which a later --resume continued.
     let fresh = ["--checkpoint-every", "1", "--checkpoints-keep", "2"];
-    let o = mlp_output(1, &out, &ckpt, &fresh);
+    let o = train_output(1, &out, &ckpt, &fresh);
     assert!(!o.status.success(), "accepted:\n{}", output_text(&o));
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -206,7 +196,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
 
     // Asked to, it starts over: the other run's checkpoints are gone, its own two newest remain,
     // and a resume continues this run (its last checkpoint is its end: no step is left).
-    let o = mlp(
+    let o = train(
         1,
         &out,
         &ckpt,
@@ -218,7 +208,7 @@ fn a_fresh_run_into_another_runs_checkpoints_is_refused_or_starts_over_when_aske
         output_text(&o)
     );
     assert_eq!(checkpoints_in(&ckpt), ["checkpoint_5", "checkpoint_6"]);
-    let o = mlp(1, &out, &ckpt, &["--resume"]);
+    let o = train(1, &out, &ckpt, &["--resume"]);
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("at optimizer step 6"),
         "{}",
@@ -235,16 +225,16 @@ fn both_ranks_fail_with_the_cause(ckpt: &Path, out: &Path, extra: &[&str], cause
     let port = free_port();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mut cmd = Command::new(built_binary("examples/mlp"));
-            cmd.args(mlp_args(2, out, ckpt, extra))
-                .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+            let job = Job::mlp(1)
+                .args(mlp_args(2, out, ckpt, extra))
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 // torchrun's store would hold MASTER_PORT; rank 0 hosts ours one above it.
-                .env("MASTER_PORT", (port - 1).to_string());
-            std::thread::spawn(move || run_bounded(&mut cmd, LIMIT))
+                .env("MASTER_PORT", (port - 1).to_string())
+                .limit(LIMIT);
+            std::thread::spawn(move || job.run())
         })
         .collect();
     let outputs: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
@@ -332,13 +322,12 @@ fn python_safetensors_reads_save_model_output() {
     assert!(sharded.join("model.safetensors.index.json").exists());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_save_model.py");
     for d in [&single, &sharded] {
-        let o = run_bounded(
-            Command::new("python3")
-                .arg(&script)
-                .arg(d)
-                .arg(dir.path().join("expected.json")),
-            Duration::from_secs(60),
-        );
+        let o = Job::new("python3")
+            .arg(&script)
+            .arg(d)
+            .arg(dir.path().join("expected.json"))
+            .limit(Duration::from_secs(60))
+            .run();
         assert!(o.status.success(), "{}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("ok"),
@@ -389,31 +378,22 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
         .collect()
     };
     let launch = || {
-        let mut c = Command::new(built_binary("accelerate-launch"));
-        c.args([
-            "--cpu",
-            "--num-processes",
-            "2",
-            "--main-process-port",
-            "0",
-            "--max-restarts",
-            "1",
-        ])
-        .args(["--grace-period", "2"])
-        .arg(built_binary("examples/mlp"));
-        c
+        Job::mlp(2)
+            .launcher_flags(["--max-restarts", "1"])
+            .launcher_flags(["--grace-period", "2"])
+            .limit(LIMIT)
     };
     let whole = dir.path().join("whole.safetensors");
-    let o = run_bounded(
-        launch().args(args(&whole, &dir.path().join("ckpt_whole"))),
-        LIMIT,
-    );
+    let o = launch()
+        .args(args(&whole, &dir.path().join("ckpt_whole")))
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
 
     let ckpt = dir.path().join("ckpt");
     let killed = dir.path().join("killed.safetensors");
     let mut child = launch()
         .args(args(&killed, &ckpt))
+        .command()
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -443,11 +423,7 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
         assert!(start.elapsed() < LIMIT, "no checkpoint appeared");
         std::thread::sleep(Duration::from_millis(5));
     };
-    assert!(Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    send_signal(victim, "KILL");
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
             break s;

@@ -115,18 +115,16 @@ fn the_cpu_backends_keep_the_contract_for_gpu_tensors() {
 fn nccl_keeps_the_contract_with_2_ranks_on_one_gpu() {
     #[cfg(feature = "nccl")]
     {
-        use accelerate_tests::{built_binary, output_text, run_bounded};
+        use accelerate_tests::Job;
         if gpu().is_none() {
             return;
         }
-        let out = run_bounded(
-            std::process::Command::new(built_binary("accelerate-launch"))
-                .args(["--num-gpus", "1", "--ranks-per-gpu", "2"])
-                .arg(built_binary("accelerate-test-worker"))
-                .arg("conformance"),
-            Duration::from_secs(300),
-        );
-        let text = output_text(&out);
+        let out = Job::worker()
+            .launcher_flags(["--num-gpus", "1", "--ranks-per-gpu", "2"])
+            .arg("conformance")
+            .limit(Duration::from_secs(300))
+            .run();
+        let text = out.text();
         assert!(
             out.status.success() && text.contains("result: ok"),
             "{text}"

@@ -8,22 +8,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use accelerate_tests::{
-    alive, built_binary, children_by_rank, cpu_launcher, free_port, load_flat, max_abs_diff_flat,
-    output_text, run_bounded, small_mlp_args,
+    alive, children_by_rank, free_port, load_flat, max_abs_diff_flat, output_text, send_signal,
+    small_mlp_args, Job, JobOutput,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
 
-fn launcher() -> std::path::PathBuf {
-    built_binary("accelerate-launch")
-}
-
-fn mlp() -> std::path::PathBuf {
-    built_binary("examples/mlp")
-}
-
-fn worker() -> &'static str {
-    env!("CARGO_BIN_EXE_accelerate-test-worker")
+/// The test worker running `scenario` on `n` CPU ranks under the launcher.
+fn worker(n: usize, scenario: &str) -> Job {
+    Job::worker().ranks(n).arg(scenario).limit(LIMIT)
 }
 
 /// Common arguments: a small model, shuffled, no progress noise.
@@ -31,19 +24,9 @@ fn mlp_args(samples: usize, batch: usize, optimizer: &str, out: &Path) -> Vec<St
     small_mlp_args(samples, batch, optimizer, 11, out)
 }
 
-fn launch(n: usize, program: &Path, args: &[String]) -> std::process::Output {
-    let mut cmd = cpu_launcher(n);
-    cmd.arg(program).args(args);
-    run_bounded(&mut cmd, LIMIT)
-}
-
-/// A `key=value` figure from the mlp summary line.
-fn summary_value(o: &std::process::Output, key: &str) -> u64 {
-    let out = String::from_utf8_lossy(&o.stdout);
-    out.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", output_text(o)))
+/// Runs the mlp with `args` on `n` CPU ranks under the launcher.
+fn launch(n: usize, args: &[String]) -> JobOutput {
+    Job::example("mlp").ranks(n).args(args).limit(LIMIT).run()
 }
 
 fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
@@ -55,18 +38,17 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         let dist_out = dir.path().join(format!("dist_{n}_{k}.safetensors"));
         let mut args = mlp_args(samples, b, optimizer, &dist_out);
         args.extend(["--grad-accum".to_string(), k.to_string()]);
-        let o = launch(n, &mlp(), &args);
+        let o = launch(n, &args);
         assert!(o.status.success(), "{}", output_text(&o));
-        assert_eq!(summary_value(&o, "steps"), 10, "{}", output_text(&o));
+        assert_eq!(o.summary::<u64>("steps"), 10, "{}", output_text(&o));
 
         let single_out = dir.path().join(format!("single_{n}_{k}.safetensors"));
-        let mut cmd = Command::new(mlp());
-        cmd.args(mlp_args(samples, n * k * b, optimizer, &single_out))
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE");
-        let s = run_bounded(&mut cmd, LIMIT);
+        let s = Job::mlp(1)
+            .limit(LIMIT)
+            .args(mlp_args(samples, n * k * b, optimizer, &single_out))
+            .run();
         assert!(s.status.success(), "{}", output_text(&s));
-        assert_eq!(summary_value(&s, "steps"), 10);
+        assert_eq!(s.summary::<u64>("steps"), 10);
 
         let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
         assert!(
@@ -75,11 +57,9 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         );
         // The runs did move the weights: the comparison could have failed.
         let init_out = dir.path().join("init.safetensors");
-        let mut cmd = Command::new(mlp());
         let mut a = mlp_args(samples, b, optimizer, &init_out);
         a.extend(["--max-steps".into(), "0".into()]);
-        cmd.args(a).env_remove("RANK");
-        assert!(run_bounded(&mut cmd, LIMIT).status.success());
+        assert!(Job::mlp(1).limit(LIMIT).args(a).run().status.success());
         assert!(
             max_abs_diff_flat(&load_flat(&init_out), &load_flat(&single_out)) > 100.0 * tolerance
         );
@@ -115,27 +95,26 @@ fn gradients_are_reduced_once_per_bucket_per_optimizer_step() {
     // A 10 KiB cap splits the sorted parameters of the H=16 model into three buckets:
     // [l1.bias] (64 B; l1.weight would overflow it), [l1.weight] (50,176 B, alone), and
     // [l2.bias, l2.weight, l3.bias, l3.weight] (64 + 1,024 + 40 + 640 B).
-    let mut cmd = Command::new(launcher());
-    cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-        .arg(mlp())
+    let o = Job::mlp(2)
+        .limit(LIMIT)
         .args(&args)
-        .env("ACCELERATE_BUCKET_CAP_MB", format!("{}", 10.0 / 1024.0));
-    let o = run_bounded(&mut cmd, LIMIT);
+        .env("ACCELERATE_BUCKET_CAP_MB", format!("{}", 10.0 / 1024.0))
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
-    let (steps, micro) = (summary_value(&o, "steps"), summary_value(&o, "micro_steps"));
+    let (steps, micro) = (o.summary::<u64>("steps"), o.summary::<u64>("micro_steps"));
     assert_eq!((steps, micro), (10, 40), "{}", output_text(&o));
-    assert_eq!(summary_value(&o, "buckets"), 3);
-    assert_eq!(summary_value(&o, "grad_all_reduces"), steps * 3);
+    assert_eq!(o.summary::<u64>("buckets"), 3);
+    assert_eq!(o.summary::<u64>("grad_all_reduces"), steps * 3);
     let params = 16 * 784 + 16 + 16 * 16 + 16 + 10 * 16 + 10;
     // Plus, per step, the f32 flag that travels with the last bucket (whether any rank missed a
     // gradient).
-    assert_eq!(summary_value(&o, "grad_bytes"), steps * (params + 1) * 4);
+    assert_eq!(o.summary::<u64>("grad_bytes"), steps * (params + 1) * 4);
 }
 
 #[test]
 fn non_sync_micro_steps_send_nothing() {
     for n in [2, 3] {
-        let o = launch(n, Path::new(worker()), &["nosync".to_string()]);
+        let o = worker(n, "nosync").run();
         assert!(o.status.success(), "{n} ranks: {}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
@@ -153,15 +132,14 @@ fn a_partial_last_window_on_two_ranks_equals_the_short_last_batch() {
     let dist_out = dir.path().join("dist.safetensors");
     let mut args = mlp_args(80, 4, "sgd", &dist_out);
     args.extend(["--grad-accum".to_string(), "4".to_string()]);
-    let o = launch(2, &mlp(), &args);
+    let o = launch(2, &args);
     assert!(o.status.success(), "{}", output_text(&o));
-    assert_eq!(summary_value(&o, "steps"), 6, "{}", output_text(&o));
+    assert_eq!(o.summary::<u64>("steps"), 6, "{}", output_text(&o));
     let single_out = dir.path().join("single.safetensors");
-    let mut cmd = Command::new(mlp());
-    cmd.args(mlp_args(80, 32, "sgd", &single_out))
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    let s = run_bounded(&mut cmd, LIMIT);
+    let s = Job::mlp(1)
+        .limit(LIMIT)
+        .args(mlp_args(80, 32, "sgd", &single_out))
+        .run();
     assert!(s.status.success(), "{}", output_text(&s));
     let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
     assert!(d < 2e-5, "max |Δθ| = {d}");
@@ -170,16 +148,9 @@ fn a_partial_last_window_on_two_ranks_equals_the_short_last_batch() {
 #[test]
 fn gather_for_metrics_returns_each_sample_once() {
     for (n, samples, batch, shuffle) in [(2, 10, 3, 1), (3, 10, 3, 0), (2, 9, 4, 1), (3, 2, 4, 1)] {
-        let args: Vec<String> = [
-            "gather",
-            &samples.to_string(),
-            &batch.to_string(),
-            &shuffle.to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let o = launch(n, Path::new(worker()), &args);
+        let o = worker(n, "gather")
+            .args([samples, batch, shuffle].map(|v| v.to_string()))
+            .run();
         assert!(o.status.success(), "{}", output_text(&o));
         let out = String::from_utf8_lossy(&o.stdout);
         let line = out
@@ -207,7 +178,7 @@ fn gather_for_metrics_returns_each_sample_once() {
 #[test]
 fn collectives_match_closed_forms_on_two_and_three_ranks() {
     for n in [2, 3] {
-        let o = launch(n, Path::new(worker()), &["collectives".to_string()]);
+        let o = worker(n, "collectives").run();
         assert!(o.status.success(), "{}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
@@ -220,7 +191,7 @@ fn collectives_match_closed_forms_on_two_and_three_ranks() {
 #[test]
 fn ring_all_reduce_between_processes_for_world_sizes_one_to_five() {
     for n in 1..=5 {
-        let o = launch(n, Path::new(worker()), &["allreduce".to_string()]);
+        let o = worker(n, "allreduce").run();
         assert!(o.status.success(), "{n} ranks: {}", output_text(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout).contains("result: ok"),
@@ -240,13 +211,15 @@ fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
         .map(|rank| {
             let mut args = mlp_args(80, 4, "sgd", &dist_out);
             args.extend(["--grad-accum".to_string(), "2".to_string()]);
-            Command::new(mlp())
+            Job::mlp(1)
+                .limit(LIMIT)
                 .args(args)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", (port - 1).to_string())
+                .command()
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -265,11 +238,12 @@ fn workers_started_like_torchrun_find_each_other_without_the_launcher() {
         }
     }
     let single_out = dir.path().join("single.safetensors");
-    let mut cmd = Command::new(mlp());
-    cmd.args(mlp_args(80, 16, "sgd", &single_out))
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    assert!(run_bounded(&mut cmd, LIMIT).status.success());
+    assert!(Job::mlp(1)
+        .limit(LIMIT)
+        .args(mlp_args(80, 16, "sgd", &single_out))
+        .run()
+        .status
+        .success());
     let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
     assert!(d < 2e-5, "max |Δθ| = {d}");
 }
@@ -285,21 +259,19 @@ fn two_launchers_as_two_machines_equal_one_process() {
     args.extend(["--grad-accum".to_string(), "2".to_string()]);
     let machines: Vec<_> = (0..2)
         .map(|machine| {
-            let mut cmd = Command::new(launcher());
-            cmd.args(["--cpu", "--num-processes", "4", "--num-machines", "2"])
-                .args([
+            let job = Job::example("mlp")
+                .limit(LIMIT)
+                .launcher_flags(["--cpu", "--num-processes", "4", "--num-machines", "2"])
+                .launcher_flags([
                     "--machine-rank",
                     &machine.to_string(),
                     "--main-process-ip",
                     "127.0.0.1",
                 ])
-                .args(["--main-process-port", &port.to_string()])
-                .arg(mlp())
+                .launcher_flags(["--main-process-port", &port.to_string()])
                 .args(&args)
-                .env("ACCELERATE_JOB_TOKEN", "shared-secret-of-this-test")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            std::thread::spawn(move || run_bounded(&mut cmd, LIMIT))
+                .env("ACCELERATE_JOB_TOKEN", "shared-secret-of-this-test");
+            std::thread::spawn(move || job.run())
         })
         .collect();
     for m in machines {
@@ -307,32 +279,31 @@ fn two_launchers_as_two_machines_equal_one_process() {
         assert!(o.status.success(), "{}", output_text(&o));
     }
     let single_out = dir.path().join("single.safetensors");
-    let mut cmd = Command::new(mlp());
-    cmd.args(mlp_args(160, 32, "sgd", &single_out))
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    assert!(run_bounded(&mut cmd, LIMIT).status.success());
+    assert!(Job::mlp(1)
+        .limit(LIMIT)
+        .args(mlp_args(160, 32, "sgd", &single_out))
+        .run()
+        .status
+        .success());
     let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
     assert!(d < 2e-5, "max |Δθ| = {d}");
 }
 
 #[test]
 fn a_multi_machine_job_without_a_shared_token_is_refused() {
-    let o = run_bounded(
-        Command::new(launcher())
-            .args([
-                "--cpu",
-                "--num-processes",
-                "2",
-                "--num-machines",
-                "2",
-                "--main-process-ip",
-                "127.0.0.1",
-            ])
-            .arg("true")
-            .env_remove("ACCELERATE_JOB_TOKEN"),
-        LIMIT,
-    );
+    // The job environment, ACCELERATE_JOB_TOKEN included, is never inherited.
+    let o = Job::new("true")
+        .launcher_flags([
+            "--cpu",
+            "--num-processes",
+            "2",
+            "--num-machines",
+            "2",
+            "--main-process-ip",
+            "127.0.0.1",
+        ])
+        .limit(LIMIT)
+        .run();
     assert_eq!(o.status.code(), Some(2));
     assert!(
         output_text(&o).contains("ACCELERATE_JOB_TOKEN"),
@@ -343,20 +314,10 @@ fn a_multi_machine_job_without_a_shared_token_is_refused() {
 
 #[test]
 fn max_restarts_starts_a_new_round_after_a_failure() {
-    let mut cmd = Command::new(launcher());
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        "2",
-        "--main-process-port",
-        "0",
-        "--max-restarts",
-        "1",
-    ])
-    .args(["--grace-period", "1"])
-    .arg(worker())
-    .arg("flaky");
-    let o = run_bounded(&mut cmd, LIMIT);
+    let o = worker(2, "flaky")
+        .launcher_flags(["--max-restarts", "1"])
+        .launcher_flags(["--grace-period", "1"])
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
     let all = output_text(&o);
     assert!(
@@ -369,19 +330,9 @@ fn max_restarts_starts_a_new_round_after_a_failure() {
     );
     assert!(all.contains("result: ok"), "{all}");
 
-    let mut cmd = Command::new(launcher());
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        "2",
-        "--main-process-port",
-        "0",
-        "--grace-period",
-        "1",
-    ])
-    .arg(worker())
-    .arg("flaky");
-    let o = run_bounded(&mut cmd, LIMIT);
+    let o = worker(2, "flaky")
+        .launcher_flags(["--grace-period", "1"])
+        .run();
     assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
 }
 
@@ -392,10 +343,10 @@ fn start_endless_two_rank_job(dir: &Path) -> (std::process::Child, Vec<(usize, u
     let mut args = mlp_args(4096, 8, "sgd", &out);
     let at = args.iter().position(|a| a == "--epochs").unwrap();
     args[at + 1] = "1000".into();
-    let mut child = Command::new(launcher())
-        .args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-        .arg(mlp())
+    let mut child = Job::mlp(2)
+        .limit(LIMIT)
         .args(&args)
+        .command()
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -418,11 +369,7 @@ fn start_endless_two_rank_job(dir: &Path) -> (std::process::Child, Vec<(usize, u
 fn sigterm_to_the_launcher_reaches_every_worker() {
     let dir = tempfile::tempdir().unwrap();
     let (mut child, workers) = start_endless_two_rank_job(dir.path());
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(child.id(), "TERM");
     let sent = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -442,7 +389,7 @@ fn sigterm_to_the_launcher_reaches_every_worker() {
 
 #[test]
 fn different_parameters_on_different_ranks_are_refused() {
-    let o = launch(2, Path::new(worker()), &["mismatch".to_string()]);
+    let o = worker(2, "mismatch").run();
     assert!(!o.status.success());
     let all = output_text(&o);
     assert!(
@@ -462,7 +409,7 @@ fn a_killed_rank_stops_the_job_and_is_named() {
     // Let training begin (the rendezvous is over once parameters were broadcast).
     std::thread::sleep(Duration::from_secs(2));
     let victim = workers.iter().find(|(r, _)| *r == 1).unwrap().1;
-    unsafe_kill(victim);
+    send_signal(victim, "KILL");
     let killed_at = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -495,14 +442,6 @@ fn a_killed_rank_stops_the_job_and_is_named() {
     }
 }
 
-fn unsafe_kill(pid: u32) {
-    let status = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
 #[test]
 fn a_single_process_opens_no_socket() {
     // strace records every network system call of the program and its threads.
@@ -513,15 +452,13 @@ fn a_single_process_opens_no_socket() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace");
     let out = dir.path().join("m.safetensors");
-    let mut cmd = Command::new("strace");
-    cmd.args(["-f", "-e", "trace=socket,connect,bind,listen", "-o"])
+    let o = Job::new("strace")
+        .args(["-f", "-e", "trace=socket,connect,bind,listen", "-o"])
         .arg(&trace)
-        .arg(mlp())
+        .arg(accelerate_tests::built_binary("examples/mlp"))
         .args(mlp_args(64, 8, "sgd", &out))
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_RANK");
-    let o = run_bounded(&mut cmd, LIMIT);
+        .limit(LIMIT)
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
     let calls = std::fs::read_to_string(&trace).unwrap();
     let network: Vec<&str> = calls
@@ -540,12 +477,11 @@ fn a_rank_busy_alone_for_longer_than_the_silence_limit_does_not_fail_the_job() {
     // Rank 0 works inside main_process_first for 4 s, four times the silence limit, while rank 1
     // waits in its barrier: rank 0 is alive, so rank 1 keeps waiting (up to the busy limit).
     for transport in ["tcp", "shm"] {
-        let mut cmd = cpu_launcher(2);
-        cmd.arg(worker())
-            .args(["busy-first", "4000"])
+        let o = worker(2, "busy-first")
+            .arg("4000")
             .env("ACCELERATE_COLLECTIVE_TIMEOUT", "1")
-            .env("ACCELERATE_CPU_TRANSPORT", transport);
-        let o = run_bounded(&mut cmd, LIMIT);
+            .env("ACCELERATE_CPU_TRANSPORT", transport)
+            .run();
         assert!(o.status.success(), "over {transport}: {}", output_text(&o));
         // 1 + 2: both ranks took part in the all-reduce after the busy stretch.
         assert!(
@@ -567,7 +503,7 @@ fn a_killed_rank_fails_the_waiting_ranks_promptly_even_while_another_is_busy() {
         let port = free_port();
         let mut children: Vec<_> = (0..3)
             .map(|rank| {
-                Command::new(worker())
+                Job::worker()
                     .args(["dead-peer", &busy.to_string(), &dead.to_string()])
                     .env("RANK", rank.to_string())
                     .env("WORLD_SIZE", "3")
@@ -575,6 +511,7 @@ fn a_killed_rank_fails_the_waiting_ranks_promptly_even_while_another_is_busy() {
                     .env("MASTER_ADDR", "127.0.0.1")
                     .env("MASTER_PORT", (port - 1).to_string())
                     .env("ACCELERATE_CPU_TRANSPORT", transport)
+                    .command()
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
@@ -636,16 +573,16 @@ fn a_flag_given_to_one_machine_only_is_named_when_the_ranks_part_ways() {
                 if machine == 0 {
                     args.extend(["--save-model".into(), model.to_str().unwrap().to_string()]);
                 }
-                let mut cmd = Command::new(launcher());
-                cmd.args(["--cpu", "--num-processes", "2", "--num-machines", "2"])
-                    .args(["--machine-rank", &machine.to_string()])
-                    .args(["--main-process-ip", "127.0.0.1"])
-                    .args(["--main-process-port", &port.to_string()])
-                    .arg(mlp())
+                let job = Job::example("mlp")
+                    .limit(LIMIT)
+                    .launcher_flags(["--cpu", "--num-processes", "2", "--num-machines", "2"])
+                    .launcher_flags(["--machine-rank", &machine.to_string()])
+                    .launcher_flags(["--main-process-ip", "127.0.0.1"])
+                    .launcher_flags(["--main-process-port", &port.to_string()])
                     .args(&args)
                     .env("ACCELERATE_JOB_TOKEN", "shared-secret-of-this-test")
                     .env("ACCELERATE_CPU_TRANSPORT", transport);
-                std::thread::spawn(move || run_bounded(&mut cmd, LIMIT))
+                std::thread::spawn(move || job.run())
             })
             .collect();
         let outputs: Vec<_> = machines.into_iter().map(|m| m.join().unwrap()).collect();
@@ -677,11 +614,7 @@ fn data_loaders_that_differ_between_ranks_are_refused_naming_the_setting() {
         ("shuffle", "shuffle is true (rank 0) vs false (rank 1)"),
         ("drop-last", "drop_last is false (rank 0) vs true (rank 1)"),
     ] {
-        let o = launch(
-            2,
-            Path::new(worker()),
-            &["loader-mismatch".to_string(), setting.to_string()],
-        );
+        let o = worker(2, "loader-mismatch").arg(setting).run();
         assert!(!o.status.success(), "{setting}: {}", output_text(&o));
         let all = output_text(&o);
         assert!(
@@ -700,7 +633,7 @@ fn gather_for_metrics_after_the_loop_keeps_every_row() {
     // 7 samples, batches of 3, 2 ranks: each rank gets 2 batches (6 rows), the last round holds
     // 1 real sample. Inside the loop the duplicates are dropped; after it, as in Accelerate, a
     // gather of one row per rank keeps both rows, with `iter()` and with `windows()`.
-    let o = launch(2, Path::new(worker()), &["gather-after-loop".to_string()]);
+    let o = worker(2, "gather-after-loop").run();
     assert!(o.status.success(), "{}", output_text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     let line = out

@@ -4,19 +4,18 @@
 //! messages that name them.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 use std::time::Duration;
 
 use accelerate_tests::{
-    built_binary, load_flat, max_abs_diff_flat, metric_losses, output_text as text, run_bounded,
-    summary_value,
+    load_flat, max_abs_diff_flat, metric_losses, output_text as text, summary_value, Job, JobOutput,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
 
-fn gpt() -> PathBuf {
-    built_binary("examples/gpt")
+/// The `gpt` example, alone unless given [`Job::ranks`].
+fn gpt() -> Job {
+    Job::example("gpt").limit(LIMIT)
 }
 
 fn sonnets() -> String {
@@ -44,15 +43,8 @@ fn distinct_chars(text: &str) -> usize {
 /// The example alone (no launcher environment), bounded in time. One compute thread: the tests
 /// run side by side, and candle's CPU thread pool spins at barriers, which on oversubscribed
 /// cores is many times slower than one thread.
-fn run_gpt(args: &[&str]) -> Output {
-    let mut cmd = Command::new(gpt());
-    cmd.args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-        .env_remove("ACCELERATE_MIXED_PRECISION");
-    run_bounded(&mut cmd, LIMIT)
+fn run_gpt(args: &[&str]) -> JobOutput {
+    gpt().args(args).env("RAYON_NUM_THREADS", "1").run()
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -75,7 +67,7 @@ fn it_learns_the_built_in_text_well_below_its_unigram_entropy() {
     let sonnets = sonnets();
     let entropy = char_entropy(&sonnets);
     // The example reports the same entropy (its own computation, from its tokens).
-    let reported = summary_value(&o, "unigram_entropy");
+    let reported = summary_value::<f64>(&o, "unigram_entropy");
     assert!((reported - entropy).abs() < 1e-5, "{reported} vs {entropy}");
     let l = metric_losses(&metrics);
     assert_eq!(l.len(), 150);
@@ -115,7 +107,7 @@ fn it_learns_a_text_file_given_with_text_almost_perfectly() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let entropy = char_entropy(&fox);
-    assert!((summary_value(&o, "unigram_entropy") - entropy).abs() < 1e-5);
+    assert!((summary_value::<f64>(&o, "unigram_entropy") - entropy).abs() < 1e-5);
     let l = metric_losses(&metrics);
     let end = mean(&l[l.len() - 10..]);
     assert!(
@@ -155,17 +147,15 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
     let dist = dir.path().join("dist.safetensors");
     let mut args = small_model_args(&dist, 4, 12);
     args.extend(["--grad-accum".to_string(), "2".to_string()]);
-    let mut cmd = Command::new(built_binary("accelerate-launch"));
-    cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-        .arg(gpt())
-        .args(&args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_MIXED_PRECISION");
-    let d = run_bounded(&mut cmd, LIMIT);
+    let d = gpt().ranks(2).args(&args).run();
     assert!(d.status.success(), "{}", text(&d));
-    assert_eq!(summary_value(&d, "steps"), 12.0, "{}", text(&d));
-    assert_eq!(summary_value(&d, "micro_steps"), 24.0, "{}", text(&d));
+    assert_eq!(summary_value::<f64>(&d, "steps"), 12.0, "{}", text(&d));
+    assert_eq!(
+        summary_value::<f64>(&d, "micro_steps"),
+        24.0,
+        "{}",
+        text(&d)
+    );
 
     // One process, one micro-batch holding the same 2 x 2 x 4 windows per step. Its batches are
     // padded to other lengths than the ranks' smaller ones; item weighting makes that irrelevant.
@@ -185,8 +175,8 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
         "max |Δθ| between 2 ranks x K=2 and 1 process = {diff}"
     );
     let (ld, ls) = (
-        summary_value(&d, "final_loss"),
-        summary_value(&s, "final_loss"),
+        summary_value::<f64>(&d, "final_loss"),
+        summary_value::<f64>(&s, "final_loss"),
     );
     assert!((ld - ls).abs() < 1e-4, "final loss {ld} vs {ls}");
 
@@ -231,14 +221,7 @@ fn log_every_reports_the_mean_loss_of_its_steps_and_leaves_training_unchanged() 
         let mut args = small_model_args(&out, 4, 7);
         args.extend(["--grad-accum", "2", "--log-every", every, "--metrics"].map(String::from));
         args.push(metrics.to_str().unwrap().to_string());
-        let mut cmd = Command::new(built_binary("accelerate-launch"));
-        cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-            .arg(gpt())
-            .args(&args)
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .env_remove("ACCELERATE_MIXED_PRECISION");
-        let o = run_bounded(&mut cmd, LIMIT);
+        let o = gpt().ranks(2).args(&args).run();
         assert!(o.status.success(), "{}", text(&o));
         (o, load_flat(&out), metric_steps(&metrics))
     };
@@ -262,10 +245,10 @@ fn log_every_reports_the_mean_loss_of_its_steps_and_leaves_training_unchanged() 
     }
     // The summary's final loss is the last report's: step 7 alone.
     assert_eq!(
-        summary_value(&o3, "final_loss"),
-        summary_value(&o1, "final_loss")
+        summary_value::<f64>(&o3, "final_loss"),
+        summary_value::<f64>(&o1, "final_loss")
     );
-    assert_eq!(summary_value(&o3, "steps"), 7.0);
+    assert_eq!(summary_value::<f64>(&o3, "steps"), 7.0);
     // Reading the loss less often changes nothing in training.
     assert_eq!(max_abs_diff_flat(&weights1, &weights3), 0.0);
     assert!(
@@ -307,7 +290,7 @@ fn resumes_bitwise(extra: &[&str]) -> BTreeMap<String, Vec<f32>> {
         text(&o)
     );
     assert_eq!(
-        summary_value(&o, "micro_steps"),
+        summary_value::<f64>(&o, "micro_steps"),
         30.0,
         "10 windows of 3 after the resume"
     );
@@ -357,15 +340,7 @@ fn two_ranks_with_dropout_resume_bitwise() {
                 .map(|s| s.to_string()),
         );
         a.extend(more.iter().map(|s| s.to_string()));
-        let mut cmd = Command::new(built_binary("accelerate-launch"));
-        cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-            .arg(gpt())
-            .args(&a)
-            .env("RAYON_NUM_THREADS", "1")
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .env_remove("ACCELERATE_MIXED_PRECISION");
-        let o = run_bounded(&mut cmd, LIMIT);
+        let o = gpt().ranks(2).args(&a).env("RAYON_NUM_THREADS", "1").run();
         assert!(o.status.success(), "{}", text(&o));
         o
     };

@@ -47,7 +47,6 @@ gpu_tests!(
 mod on_gpu {
     use std::collections::BTreeMap;
     use std::io::Read;
-    use std::process::Command;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -56,9 +55,8 @@ mod on_gpu {
     use accelerate_core::optim::{AdamW, AdamWConfig};
     use accelerate_core::{Accelerator, ProcessState, ReduceOp};
     use accelerate_tests::{
-        built_binary, children_by_rank, load_flat, max_abs_diff, max_abs_diff_flat, named_vars,
-        output_text, run_bounded, summary_value, tiny_data, tiny_mlp, tiny_mlp_on,
-        ReferenceOptimizer,
+        children_by_rank, load_flat, max_abs_diff, max_abs_diff_flat, named_vars, output_text,
+        send_signal, summary_value, tiny_data, tiny_mlp, tiny_mlp_on, Job, ReferenceOptimizer,
     };
     use candle_core::{DType, Device, Tensor, Var};
 
@@ -144,13 +142,11 @@ mod on_gpu {
             );
             return;
         }
-        let out = run_bounded(
-            Command::new(built_binary("accelerate-launch"))
-                .args(["--num-gpus", &n.to_string()])
-                .arg(built_binary("accelerate-test-worker"))
-                .arg("allreduce"),
-            Duration::from_secs(120),
-        );
+        let out = Job::worker()
+            .launcher_flags(["--num-gpus", &n.to_string()])
+            .arg("allreduce")
+            .limit(Duration::from_secs(120))
+            .run();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success() && stdout.contains("result: ok"),
@@ -236,21 +232,19 @@ mod on_gpu {
     /// Runs the `mlp` example under the launcher with `device_flags` and `extra` arguments;
     /// returns its final loss and its output.
     fn run_mlp(device_flags: &[&str], extra: &[&str]) -> (f64, String) {
-        let out = run_bounded(
-            Command::new(built_binary("accelerate-launch"))
-                .args(device_flags)
-                .arg(built_binary("examples/mlp"))
-                .args([
-                    "--max-steps",
-                    "40",
-                    "--grad-accum",
-                    "2",
-                    "--batch-size",
-                    "32",
-                ])
-                .args(extra),
-            Duration::from_secs(300),
-        );
+        let out = Job::example("mlp")
+            .launcher_flags(device_flags)
+            .args([
+                "--max-steps",
+                "40",
+                "--grad-accum",
+                "2",
+                "--batch-size",
+                "32",
+            ])
+            .args(extra)
+            .limit(Duration::from_secs(300))
+            .run();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
@@ -316,33 +310,17 @@ mod on_gpu {
         n > 0
     }
 
-    /// The launcher with two NCCL ranks on GPU 0, on a free port, outside any job the tests run in.
-    fn two_ranks_on_one_gpu() -> Command {
-        let mut cmd = Command::new(built_binary("accelerate-launch"));
-        cmd.args([
+    /// `job` under the launcher with two NCCL ranks on GPU 0, on a free port.
+    fn two_ranks_on_one_gpu(job: Job) -> Job {
+        job.launcher_flags([
             "--num-gpus",
             "1",
             "--ranks-per-gpu",
             "2",
             "--main-process-port",
             "0",
-        ]);
-        without_job_env(&mut cmd);
-        cmd
-    }
-
-    /// Removes what a surrounding job (or a developer's shell) may have set and what would change
-    /// the runs: rank identity, accumulation steps, mixed precision.
-    fn without_job_env(cmd: &mut Command) {
-        for name in [
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-            "ACCELERATE_MIXED_PRECISION",
-        ] {
-            cmd.env_remove(name);
-        }
+        ])
+        .limit(LIMIT)
     }
 
     fn flat_vars(vars: &[(String, Var)]) -> BTreeMap<String, Vec<f32>> {
@@ -364,14 +342,11 @@ mod on_gpu {
         let (k, b, samples) = (2usize, 4usize, 160usize);
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("two_ranks.safetensors");
-        let o = run_bounded(
-            two_ranks_on_one_gpu()
-                .arg(built_binary("accelerate-test-worker"))
-                .arg("tiny_train")
-                .arg(&out)
-                .args([k.to_string(), b.to_string(), samples.to_string()]),
-            LIMIT,
-        );
+        let o = two_ranks_on_one_gpu(Job::worker())
+            .arg("tiny_train")
+            .arg(&out)
+            .args([k.to_string(), b.to_string(), samples.to_string()])
+            .run();
         let text = output_text(&o);
         assert!(o.status.success(), "{text}");
         // 160 samples in global batches of 2 ranks x K x B = 16: 10 optimizer steps per epoch.
@@ -444,16 +419,16 @@ mod on_gpu {
         let dist = dir.path().join("dist.safetensors");
         let mut args = small_gpt_args(&dist, 4, 12);
         args.extend(["--grad-accum".to_string(), "2".to_string()]);
-        let d = run_bounded(
-            two_ranks_on_one_gpu()
-                .arg(built_binary("examples/gpt"))
-                .args(&args),
-            LIMIT,
-        );
+        let d = two_ranks_on_one_gpu(Job::example("gpt")).args(&args).run();
         assert!(d.status.success(), "{}", output_text(&d));
-        assert_eq!(summary_value(&d, "steps"), 12.0, "{}", output_text(&d));
         assert_eq!(
-            summary_value(&d, "micro_steps"),
+            summary_value::<f64>(&d, "steps"),
+            12.0,
+            "{}",
+            output_text(&d)
+        );
+        assert_eq!(
+            summary_value::<f64>(&d, "micro_steps"),
             24.0,
             "{}",
             output_text(&d)
@@ -463,12 +438,11 @@ mod on_gpu {
         // Its batches are padded to other lengths than the ranks' smaller ones; weighting each
         // window by its items (tokens) makes that irrelevant.
         let run_single = |out: &std::path::Path, steps: u64| {
-            let mut cmd = Command::new(built_binary("accelerate-launch"));
-            cmd.args(["--num-gpus", "1", "--main-process-port", "0"])
-                .arg(built_binary("examples/gpt"))
-                .args(small_gpt_args(out, 16, steps));
-            without_job_env(&mut cmd);
-            let o = run_bounded(&mut cmd, LIMIT);
+            let o = Job::example("gpt")
+                .launcher_flags(["--num-gpus", "1", "--main-process-port", "0"])
+                .args(small_gpt_args(out, 16, steps))
+                .limit(LIMIT)
+                .run();
             assert!(o.status.success(), "{}", output_text(&o));
             o
         };
@@ -482,8 +456,8 @@ mod on_gpu {
             "max |Δθ| between 2 NCCL ranks x K=2 and 1 rank = {diff}"
         );
         let (ld, ls) = (
-            summary_value(&d, "final_loss"),
-            summary_value(&s, "final_loss"),
+            summary_value::<f64>(&d, "final_loss"),
+            summary_value::<f64>(&s, "final_loss"),
         );
         assert!((ld - ls).abs() < 1e-4, "final loss {ld} vs {ls}");
 
@@ -537,19 +511,16 @@ mod on_gpu {
             .collect()
         };
         let launch = || {
-            let mut c = two_ranks_on_one_gpu();
-            c.args(["--max-restarts", "1", "--grace-period", "2"])
+            two_ranks_on_one_gpu(Job::example("mlp"))
+                .launcher_flags(["--max-restarts", "1", "--grace-period", "2"])
                 // A rank left waiting in an NCCL kernel for the killed one is stopped by the
                 // launcher; the watchdog is only a backstop here.
                 .env("ACCELERATE_COLLECTIVE_TIMEOUT", "60")
-                .arg(built_binary("examples/mlp"));
-            c
         };
         let whole = dir.path().join("whole.safetensors");
-        let o = run_bounded(
-            launch().args(args(&whole, &dir.path().join("ckpt_whole"))),
-            LIMIT,
-        );
+        let o = launch()
+            .args(args(&whole, &dir.path().join("ckpt_whole")))
+            .run();
         assert!(o.status.success(), "{}", output_text(&o));
         assert!(output_text(&o).contains("steps=256"), "{}", output_text(&o));
 
@@ -557,6 +528,7 @@ mod on_gpu {
         let killed = dir.path().join("killed.safetensors");
         let mut child = launch()
             .args(args(&killed, &ckpt))
+            .command()
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -592,11 +564,7 @@ mod on_gpu {
             }
             std::thread::sleep(Duration::from_millis(5));
         };
-        assert!(Command::new("kill")
-            .args(["-KILL", &victim.to_string()])
-            .status()
-            .unwrap()
-            .success());
+        send_signal(victim, "KILL");
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {
                 break s;
@@ -629,16 +597,13 @@ mod on_gpu {
         // Rank 1 sleeps for 600 s before the all-reduce rank 0 has queued on the GPU; only the
         // watchdog can end rank 0 (its kernel waits for rank 1 forever), then the launcher stops
         // rank 1. Long enough for both ranks to create their CUDA contexts and join NCCL.
-        let o = run_bounded(
-            two_ranks_on_one_gpu()
-                .env("ACCELERATE_COLLECTIVE_TIMEOUT", "15")
-                // Rank 1 is alive (asleep): without a short busy limit rank 0 would wait for it
-                // for the default 30 minutes.
-                .env("ACCELERATE_BUSY_PEER_TIMEOUT", "15")
-                .arg(built_binary("accelerate-test-worker"))
-                .arg("device_stall"),
-            LIMIT,
-        );
+        let o = two_ranks_on_one_gpu(Job::worker())
+            .env("ACCELERATE_COLLECTIVE_TIMEOUT", "15")
+            // Rank 1 is alive (asleep): without a short busy limit rank 0 would wait for it
+            // for the default 30 minutes.
+            .env("ACCELERATE_BUSY_PEER_TIMEOUT", "15")
+            .arg("device_stall")
+            .run();
         let text = output_text(&o);
         assert!(!o.status.success(), "{text}");
         // The wording is the watchdog's to choose; it must name the collective and a rank on the

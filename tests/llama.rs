@@ -13,12 +13,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
 
 use accelerate_examples::llama::{self, LlamaConfig};
 use accelerate_tests::{
-    built_binary, load_flat, max_abs_diff_flat, output_text as text, run_bounded, summary_value,
+    load_flat, max_abs_diff_flat, output_text as text, summary_value, Job, JobOutput,
 };
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -36,21 +36,17 @@ fn reference() -> HashMap<String, Tensor> {
     candle_core::safetensors::load(fixture("reference.safetensors"), &Device::Cpu).unwrap()
 }
 
-fn llama_bin() -> PathBuf {
-    built_binary("examples/llama")
+/// The `llama` example on one compute thread (tests run side by side), alone unless given
+/// [`Job::ranks`].
+fn llama_job() -> Job {
+    Job::example("llama")
+        .env("RAYON_NUM_THREADS", "1")
+        .limit(LIMIT)
 }
 
-/// The example alone (no launcher environment), bounded in time, on one compute thread (tests
-/// run side by side).
-fn run_llama(args: &[&str]) -> Output {
-    let mut cmd = Command::new(llama_bin());
-    cmd.args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-        .env_remove("ACCELERATE_MIXED_PRECISION");
-    run_bounded(&mut cmd, LIMIT)
+/// The example alone, bounded in time.
+fn run_llama(args: &[&str]) -> JobOutput {
+    llama_job().args(args).run()
 }
 
 /// `max |a - b| / max |b|`.
@@ -169,10 +165,10 @@ fn one_sgd_step_of_the_example_gives_transformers_weights_under_their_names() {
         out.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(summary_value(&o, "steps"), 1.0);
+    assert_eq!(summary_value::<f64>(&o, "steps"), 1.0);
     // The loss of the step is transformers' loss of the batch.
     let theirs = reference()["loss"].to_scalar::<f32>().unwrap() as f64;
-    let loss = summary_value(&o, "final_loss");
+    let loss = summary_value::<f64>(&o, "final_loss");
     assert!((loss - theirs).abs() < 1e-4, "{loss} vs {theirs}");
 
     let saved = load_flat(&out);
@@ -240,18 +236,15 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
     let dist = dir.path().join("dist/model.safetensors");
     let mut args = small_model_args(&dist, 4, 8);
     args.extend(["--grad-accum".to_string(), "2".to_string()]);
-    let mut cmd = Command::new(built_binary("accelerate-launch"));
-    cmd.args(["--cpu", "--num-processes", "2", "--main-process-port", "0"])
-        .arg(llama_bin())
-        .args(&args)
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("ACCELERATE_MIXED_PRECISION");
-    let d = run_bounded(&mut cmd, LIMIT);
+    let d = llama_job().ranks(2).args(&args).run();
     assert!(d.status.success(), "{}", text(&d));
-    assert_eq!(summary_value(&d, "steps"), 8.0, "{}", text(&d));
-    assert_eq!(summary_value(&d, "micro_steps"), 16.0, "{}", text(&d));
+    assert_eq!(summary_value::<f64>(&d, "steps"), 8.0, "{}", text(&d));
+    assert_eq!(
+        summary_value::<f64>(&d, "micro_steps"),
+        16.0,
+        "{}",
+        text(&d)
+    );
 
     // One process, one micro-batch holding the same 2 x 2 x 4 rows per step.
     let single = dir.path().join("single/model.safetensors");
@@ -270,8 +263,8 @@ fn two_ranks_with_two_micro_batches_equal_one_process_with_the_global_batch() {
         "max |Δθ| between 2 ranks x K=2 and 1 process = {diff}"
     );
     let (ld, ls) = (
-        summary_value(&d, "final_loss"),
-        summary_value(&s, "final_loss"),
+        summary_value::<f64>(&d, "final_loss"),
+        summary_value::<f64>(&s, "final_loss"),
     );
     assert!((ld - ls).abs() < 1e-4, "final loss {ld} vs {ls}");
 
@@ -453,7 +446,7 @@ fn a_run_resumed_from_a_checkpoint_ends_bitwise_like_an_uninterrupted_one() {
         text(&o)
     );
     assert_eq!(
-        summary_value(&o, "micro_steps"),
+        summary_value::<f64>(&o, "micro_steps"),
         10.0,
         "5 windows of 2 after the resume"
     );
@@ -470,12 +463,12 @@ fn max_steps_alone_runs_all_its_steps_over_as_many_epochs_as_they_take() {
     let mut a = small_model_args(&out, 128, 30);
     let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(summary_value(&o, "steps"), 30.0, "{}", text(&o));
+    assert_eq!(summary_value::<f64>(&o, "steps"), 30.0, "{}", text(&o));
     // An explicit --epochs still bounds the run.
     a.extend(["--epochs", "1"].iter().map(|s| s.to_string()));
     let o = run_llama(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", text(&o));
-    assert!(summary_value(&o, "steps") < 30.0, "{}", text(&o));
+    assert!(summary_value::<f64>(&o, "steps") < 30.0, "{}", text(&o));
 }
 
 /// A trained model saved by the example, loaded by transformers' `from_pretrained` from its
@@ -531,14 +524,13 @@ fn transformers_loads_the_saved_model_unchanged() {
         .to_scalar::<f32>()
         .unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_save.py");
-    let o = run_bounded(
-        Command::new("python3")
-            .arg(&script)
-            .arg(dir.path())
-            .arg(fixture("tokens.safetensors"))
-            .arg(ours.to_string()),
-        Duration::from_secs(120),
-    );
+    let o = Job::new("python3")
+        .arg(&script)
+        .arg(dir.path())
+        .arg(fixture("tokens.safetensors"))
+        .arg(ours.to_string())
+        .limit(Duration::from_secs(120))
+        .run();
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("ok"),

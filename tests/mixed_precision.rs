@@ -5,12 +5,11 @@
 //! end with identical parameters.
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use accelerate_core::optim::{LrScheduler, Schedule, Sgd, SgdConfig};
 use accelerate_core::{Accelerator, LossScalerConfig, MixedPrecision, ProcessState};
-use accelerate_tests::{built_binary, metric_losses, named_vars, output_text as text, run_bounded};
+use accelerate_tests::{metric_losses, named_vars, output_text as text, Job};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 
@@ -412,28 +411,27 @@ fn the_loss_scaler_and_the_master_weights_come_back_from_a_checkpoint() {
 
 /// Trains the `mlp` example alone in `mode`; returns the per-step losses.
 fn train_mlp(mode: &str, metrics: &Path, model: &Path) -> Vec<f64> {
-    let mut cmd = Command::new(built_binary("examples/mlp"));
-    cmd.args([
-        "--hidden",
-        "64",
-        "--samples",
-        "2048",
-        "--epochs",
-        "4",
-        "--lr",
-        "0.003",
-        "--seed",
-        "5",
-        "--mixed-precision",
-        mode,
-        "--metrics",
-        metrics.to_str().unwrap(),
-        "--save-model",
-        model.to_str().unwrap(),
-    ])
-    .env_remove("RANK")
-    .env_remove("WORLD_SIZE");
-    let o = run_bounded(&mut cmd, LIMIT);
+    let o = Job::mlp(1)
+        .args([
+            "--hidden",
+            "64",
+            "--samples",
+            "2048",
+            "--epochs",
+            "4",
+            "--lr",
+            "0.003",
+            "--seed",
+            "5",
+            "--mixed-precision",
+            mode,
+            "--metrics",
+            metrics.to_str().unwrap(),
+            "--save-model",
+            model.to_str().unwrap(),
+        ])
+        .limit(LIMIT)
+        .run();
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         String::from_utf8_lossy(&o.stdout).contains(&format!("mixed_precision={mode}")),
@@ -477,12 +475,11 @@ fn bf16_training_of_the_mlp_workload_converges_like_f32() {
 
 #[test]
 fn a_bad_mixed_precision_in_the_environment_names_the_variable_and_the_choices() {
-    let mut cmd = Command::new(built_binary("examples/mlp"));
-    cmd.args(["--hidden", "8", "--samples", "64", "--max-steps", "1"])
+    let o = Job::mlp(1)
+        .args(["--hidden", "8", "--samples", "64", "--max-steps", "1"])
         .env("ACCELERATE_MIXED_PRECISION", "fp8")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    let o = run_bounded(&mut cmd, LIMIT);
+        .limit(LIMIT)
+        .run();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -494,22 +491,12 @@ fn a_bad_mixed_precision_in_the_environment_names_the_variable_and_the_choices()
 
 #[test]
 fn two_ranks_under_the_launchers_bf16_flag_end_with_identical_parameters() {
-    let mut cmd = Command::new(built_binary("accelerate-launch"));
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        "2",
-        "--main-process-port",
-        "0",
-        "--mixed_precision",
-        "bf16",
-    ])
-    .arg(env!("CARGO_BIN_EXE_accelerate-test-worker"))
-    .arg("mixed")
-    .env_remove("RANK")
-    .env_remove("WORLD_SIZE")
-    .env_remove("ACCELERATE_MIXED_PRECISION");
-    let o = run_bounded(&mut cmd, LIMIT);
+    let o = Job::worker()
+        .ranks(2)
+        .launcher_flags(["--mixed_precision", "bf16"])
+        .arg("mixed")
+        .limit(LIMIT)
+        .run();
     assert!(o.status.success(), "{}", text(&o));
     // 48 samples, batches of 4 on 2 ranks: 6 batches per rank, K = 2, two epochs.
     let out = String::from_utf8_lossy(&o.stdout);

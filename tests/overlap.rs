@@ -3,12 +3,10 @@
 //! overlap still equal one process with an N·K times larger batch.
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use accelerate_tests::{
-    built_binary, cpu_launcher, load_flat, max_abs_diff_flat, output_text, run_bounded,
-    small_mlp_args, summary_value,
+    load_flat, max_abs_diff_flat, output_text, small_mlp_args, summary_value, Job, JobOutput,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -27,27 +25,29 @@ fn mlp_args(samples: usize, batch: usize, optimizer: &str, k: usize, out: &Path)
 
 /// Runs the mlp example on `n` CPU ranks through the launcher with the small bucket cap and
 /// overlap switched as asked (by the environment variable, which the launcher passes on).
-fn launch(n: usize, overlap: bool, args: &[String]) -> std::process::Output {
-    let mut cmd = cpu_launcher(n);
-    cmd.arg(built_binary("examples/mlp"))
+fn launch(n: usize, overlap: bool, args: &[String]) -> JobOutput {
+    let o = Job::example("mlp")
+        .ranks(n)
         .args(args)
         .env("ACCELERATE_BUCKET_CAP_MB", SMALL_CAP_MB.to_string())
         .env(
             "ACCELERATE_OVERLAP_GRADIENT_REDUCTION",
             if overlap { "1" } else { "0" },
-        );
-    let o = run_bounded(&mut cmd, LIMIT);
+        )
+        .limit(LIMIT)
+        .run();
     assert!(o.status.success(), "{}", output_text(&o));
-    assert_eq!(summary_value(&o, "overlap"), f64::from(u8::from(overlap)));
-    assert_eq!(summary_value(&o, "buckets"), BUCKETS_AT_SMALL_CAP);
+    assert_eq!(
+        summary_value::<f64>(&o, "overlap"),
+        f64::from(u8::from(overlap))
+    );
+    assert_eq!(summary_value::<f64>(&o, "buckets"), BUCKETS_AT_SMALL_CAP);
     o
 }
 
 /// One process, no launcher, batch `batch`, default bucket cap.
-fn single(args: &[String]) -> std::process::Output {
-    let mut cmd = Command::new(built_binary("examples/mlp"));
-    cmd.args(args).env_remove("RANK").env_remove("WORLD_SIZE");
-    let o = run_bounded(&mut cmd, LIMIT);
+fn single(args: &[String]) -> JobOutput {
+    let o = Job::mlp(1).args(args).limit(LIMIT).run();
     assert!(o.status.success(), "{}", output_text(&o));
     o
 }
@@ -71,9 +71,14 @@ fn overlap_on_and_off_give_bitwise_identical_parameters_on_two_ranks() {
                 .path()
                 .join(format!("{optimizer}_{overlap}.safetensors"));
             let o = launch(n, overlap, &mlp_args(samples, b, optimizer, k, &out));
-            assert_eq!(summary_value(&o, "steps"), 10.0, "{}", output_text(&o));
             assert_eq!(
-                summary_value(&o, "grad_all_reduces"),
+                summary_value::<f64>(&o, "steps"),
+                10.0,
+                "{}",
+                output_text(&o)
+            );
+            assert_eq!(
+                summary_value::<f64>(&o, "grad_all_reduces"),
                 10.0 * BUCKETS_AT_SMALL_CAP
             );
             trained.push(load_flat(&out));
@@ -104,10 +109,15 @@ fn n_ranks_times_k_micro_batches_with_overlap_equal_one_large_batch() {
         let samples = 5 * n * k * b;
         let dist = dir.path().join(format!("dist_{n}_{k}.safetensors"));
         let o = launch(n, true, &mlp_args(samples, b, optimizer, k, &dist));
-        assert_eq!(summary_value(&o, "steps"), 10.0, "{}", output_text(&o));
+        assert_eq!(
+            summary_value::<f64>(&o, "steps"),
+            10.0,
+            "{}",
+            output_text(&o)
+        );
         let one = dir.path().join(format!("single_{n}_{k}.safetensors"));
         let s = single(&mlp_args(samples, n * k * b, optimizer, 1, &one));
-        assert_eq!(summary_value(&s, "steps"), 10.0);
+        assert_eq!(summary_value::<f64>(&s, "steps"), 10.0);
         let d = max_abs_diff_flat(&load_flat(&dist), &load_flat(&one));
         assert!(
             d < tolerance,

@@ -5,6 +5,9 @@
 use std::collections::HashMap;
 
 pub mod conformance_suite;
+mod job;
+
+pub use job::{summary_value, Job, JobOutput, INHERITED_JOB_ENV, INHERITED_JOB_ENV_PREFIXES};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -240,23 +243,6 @@ pub fn built_binary(relative: &str) -> std::path::PathBuf {
     path
 }
 
-/// The launcher, set to start `ranks` CPU processes on a free port, without the worker
-/// environment (RANK, WORLD_SIZE) of any job the tests themselves run in. Add the program (and
-/// any launcher flag before it) to the returned command.
-pub fn cpu_launcher(ranks: usize) -> std::process::Command {
-    let mut cmd = std::process::Command::new(built_binary("accelerate-launch"));
-    cmd.args([
-        "--cpu",
-        "--num-processes",
-        &ranks.to_string(),
-        "--main-process-port",
-        "0",
-    ])
-    .env_remove("RANK")
-    .env_remove("WORLD_SIZE");
-    cmd
-}
-
 /// Arguments of a small (hidden width 16), shuffled `mlp` run of two epochs that saves its
 /// weights to `out`: AdamW at lr 0.003 or SGD at 0.1.
 pub fn small_mlp_args(
@@ -395,6 +381,16 @@ pub fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
     found
 }
 
+/// Sends `signal` (a name `kill` knows, as `TERM` or `KILL`) to process `pid`; fails the test if
+/// `kill` cannot.
+pub fn send_signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("running kill");
+    assert!(status.success(), "kill -{signal} {pid} failed: {status}");
+}
+
 /// Whether process `pid` exists and is not a zombie.
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -406,15 +402,6 @@ pub fn alive(pid: u32) -> bool {
                 .starts_with('Z')
         })
         .unwrap_or(false)
-}
-
-/// A `key=value` figure from an example's summary line (a trailing `s` unit is dropped).
-pub fn summary_value(o: &std::process::Output, key: &str) -> f64 {
-    let out = String::from_utf8_lossy(&o.stdout);
-    out.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.trim_end_matches('s').parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in the summary:\n{}", output_text(o)))
 }
 
 /// The per-step losses of an example's `--metrics` file (one JSON object per line).

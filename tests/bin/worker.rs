@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::{Accelerator, ReduceOp};
+use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -27,7 +28,7 @@ fn main() {
         Some("loader-mismatch") => loader_mismatch(&args[1..]),
         Some("gather-after-loop") => gather_after_loop(),
         Some("conformance") => conformance(),
-        other => Err(format!(
+        other => Err(anyhow!(
             "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync, \
              flaky, mixed, stall, busy-first, dead-peer, tiny_train, device_stall, \
              loader-mismatch, gather-after-loop or conformance"
@@ -44,21 +45,18 @@ fn arg(args: &[String], i: usize, default: usize) -> usize {
 }
 
 /// Iterates one epoch of a dataset whose samples are their own indices and gathers them.
-fn gather(args: &[String]) -> Result<(), String> {
+fn gather(args: &[String]) -> Result<()> {
     let (samples, batch, shuffle) = (arg(args, 0, 10), arg(args, 1, 3), arg(args, 2, 1) == 1);
-    let e = |e: accelerate_core::Error| e.to_string();
-    let mut acc = Accelerator::new().map_err(e)?;
-    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu).map_err(|e| e.to_string())?;
-    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu).map_err(|e| e.to_string())?;
-    let dataset = Arc::new(TensorDataset::new(x, y).map_err(e)?);
-    let mut loader = acc
-        .prepare(DataLoader::new(dataset, batch).shuffle(shuffle).seed(3))
-        .map_err(e)?;
+    let mut acc = Accelerator::new()?;
+    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu)?;
+    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu)?;
+    let dataset = Arc::new(TensorDataset::new(x, y)?);
+    let mut loader = acc.prepare(DataLoader::new(dataset, batch).shuffle(shuffle).seed(3))?;
     let mut seen = Vec::new();
     for b in loader.iter() {
-        let (x, _) = b.map_err(e)?;
-        let all = acc.gather_for_metrics(&x).map_err(e)?;
-        seen.extend(all.to_vec1::<f32>().map_err(|e| e.to_string())?);
+        let (x, _) = b?;
+        let all = acc.gather_for_metrics(&x)?;
+        seen.extend(all.to_vec1::<f32>()?);
     }
     let raw: usize = loader.len() * batch * acc.num_processes();
     acc.print(format!(
@@ -69,70 +67,56 @@ fn gather(args: &[String]) -> Result<(), String> {
 }
 
 /// Rank 1 builds a layer of another shape than rank 0's: `prepare` must refuse on every rank.
-fn mismatch() -> Result<(), String> {
-    let mut acc = Accelerator::new().map_err(|e| e.to_string())?;
+fn mismatch() -> Result<()> {
+    let mut acc = Accelerator::new()?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let out = if acc.process_index() == 1 { 2 } else { 3 };
-    candle_nn::linear(4, out, vb.pp("l1")).map_err(|e| e.to_string())?;
+    candle_nn::linear(4, out, vb.pp("l1"))?;
     match acc.prepare(&varmap) {
-        Ok(_) => Err("prepare accepted different parameters on different ranks".into()),
-        Err(e) => Err(e.to_string()),
+        Ok(_) => Err(anyhow!(
+            "prepare accepted different parameters on different ranks"
+        )),
+        Err(e) => Err(e.into()),
     }
 }
 
 /// reduce, gather, pad, split and broadcast of parameters against closed forms.
-fn collectives() -> Result<(), String> {
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
-    let mut acc = Accelerator::new().map_err(e)?;
+fn collectives() -> Result<()> {
+    let mut acc = Accelerator::new()?;
     let (r, n) = (acc.process_index(), acc.num_processes());
     let check = |ok: bool, what: &str| {
         if ok {
             Ok(())
         } else {
-            Err(format!("rank {r}: {what}"))
+            Err(anyhow!("rank {r}: {what}"))
         }
     };
 
     // reduce: sum of (rank + 1) over ranks is n(n+1)/2; max is n; mean is (n+1)/2.
-    let t = Tensor::new(&[(r + 1) as f32, 1.0], &Device::Cpu).map_err(s)?;
-    let sum = acc
-        .reduce(&t, ReduceOp::Sum)
-        .map_err(e)?
-        .to_vec1::<f32>()
-        .map_err(s)?;
+    let t = Tensor::new(&[(r + 1) as f32, 1.0], &Device::Cpu)?;
+    let sum = acc.reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
     check(
         sum == vec![(n * (n + 1) / 2) as f32, n as f32],
         "reduce sum",
     )?;
-    let max = acc
-        .reduce(&t, ReduceOp::Max)
-        .map_err(e)?
-        .to_vec1::<f32>()
-        .map_err(s)?;
+    let max = acc.reduce(&t, ReduceOp::Max)?.to_vec1::<f32>()?;
     check(max[0] == n as f32, "reduce max")?;
-    let mean = acc
-        .reduce(&t, ReduceOp::Mean)
-        .map_err(e)?
-        .to_vec1::<f32>()
-        .map_err(s)?;
+    let mean = acc.reduce(&t, ReduceOp::Mean)?.to_vec1::<f32>()?;
     check((mean[0] - (n + 1) as f32 / 2.0).abs() < 1e-6, "reduce mean")?;
 
     // gather: rank order.
-    let g = acc
-        .gather(&Tensor::new(&[r as i64], &Device::Cpu).map_err(s)?)
-        .map_err(e)?;
+    let g = acc.gather(&Tensor::new(&[r as i64], &Device::Cpu)?)?;
     check(
-        g.to_vec1::<i64>().map_err(s)? == (0..n as i64).collect::<Vec<_>>(),
+        g.to_vec1::<i64>()? == (0..n as i64).collect::<Vec<_>>(),
         "gather",
     )?;
 
     // pad: rank r has r + 1 rows; all end with n rows, padded with -1.
-    let rows = Tensor::ones((r + 1, 2), DType::F32, &Device::Cpu).map_err(s)?;
-    let padded = acc.pad_across_processes(&rows, 0, -1.0).map_err(e)?;
+    let rows = Tensor::ones((r + 1, 2), DType::F32, &Device::Cpu)?;
+    let padded = acc.pad_across_processes(&rows, 0, -1.0)?;
     check(padded.dims() == [n, 2], "pad shape")?;
-    let pv = padded.to_vec2::<f32>().map_err(s)?;
+    let pv = padded.to_vec2::<f32>()?;
     check(
         pv.iter()
             .enumerate()
@@ -148,14 +132,10 @@ fn collectives() -> Result<(), String> {
             &Tensor::new(
                 &[mine.len() as i64, *mine.first().unwrap_or(&0) as i64],
                 &Device::Cpu,
-            )
-            .map_err(s)?
-            .unsqueeze(0)
-            .map_err(s)?,
-        )
-        .map_err(e)?
-        .to_vec2::<i64>()
-        .map_err(s)?;
+            )?
+            .unsqueeze(0)?,
+        )?
+        .to_vec2::<i64>()?;
     let total: i64 = counts.iter().map(|c| c[0]).sum();
     check(total == 10, "split covers every item once")?;
     check(
@@ -166,7 +146,7 @@ fn collectives() -> Result<(), String> {
     // prepare: every rank starts from rank 0's parameters.
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    candle_nn::linear(3, 2, vb.pp("l")).map_err(s)?;
+    candle_nn::linear(3, 2, vb.pp("l"))?;
     {
         let data = varmap.data().lock().unwrap();
         for (name, var) in data.iter() {
@@ -175,14 +155,13 @@ fn collectives() -> Result<(), String> {
             } else {
                 -(r as f32) - 1.0
             };
-            var.set(&(var.ones_like().map_err(s)? * fill as f64).map_err(s)?)
-                .map_err(s)?;
+            var.set(&(var.ones_like()? * fill as f64)?)?;
         }
     }
-    let params = acc.prepare(&varmap).map_err(e)?;
+    let params = acc.prepare(&varmap)?;
     for (name, var) in &params {
         let want = if name.ends_with("weight") { 1.0 } else { -1.0 };
-        let v = var.flatten_all().map_err(s)?.to_vec1::<f32>().map_err(s)?;
+        let v = var.flatten_all()?.to_vec1::<f32>()?;
         check(
             v.iter().all(|&x| x == want),
             "parameters broadcast from rank 0",
@@ -193,17 +172,15 @@ fn collectives() -> Result<(), String> {
         "accelerate-test-main-first-{}",
         std::env::var("ACCELERATE_JOB_TOKEN").unwrap_or_default()
     ));
-    let seen = acc
-        .main_process_first(|| {
-            if r == 0 {
-                std::fs::write(&marker, b"first").is_ok()
-            } else {
-                marker.exists()
-            }
-        })
-        .map_err(e)?;
+    let seen = acc.main_process_first(|| {
+        if r == 0 {
+            std::fs::write(&marker, b"first").is_ok()
+        } else {
+            marker.exists()
+        }
+    })?;
     check(seen, "main_process_first ran the main process first")?;
-    acc.wait_for_everyone().map_err(e)?;
+    acc.wait_for_everyone()?;
     if r == 0 {
         let _ = std::fs::remove_file(&marker);
     }
@@ -214,10 +191,8 @@ fn collectives() -> Result<(), String> {
 /// All-reduce of values given by a formula of (rank, index), against the formula's sum, mean and
 /// max over ranks computed directly; lengths 0, 1, one not divisible by the world size, and one
 /// larger than a transport chunk (512 KiB).
-fn allreduce() -> Result<(), String> {
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
-    let acc = Accelerator::new().map_err(e)?;
+fn allreduce() -> Result<()> {
+    let acc = Accelerator::new()?;
     let (r, n) = (acc.process_index(), acc.num_processes());
     let value = |rank: usize, i: usize| ((rank * 7 + i * 3) % 11) as i64 - 5;
     for len in [0usize, 1, 2 * n + 1, 300_007] {
@@ -230,50 +205,37 @@ fn allreduce() -> Result<(), String> {
             .collect();
         // i64 exactly; f64 and f32 hold these small integers exactly too.
         // On the accelerator's device: under `--num-gpus` this exercises NCCL.
-        let t = Tensor::new(mine.as_slice(), acc.device()).map_err(s)?;
-        let got = acc
-            .reduce(&t, ReduceOp::Sum)
-            .map_err(e)?
-            .to_vec1::<i64>()
-            .map_err(s)?;
+        let t = Tensor::new(mine.as_slice(), acc.device())?;
+        let got = acc.reduce(&t, ReduceOp::Sum)?.to_vec1::<i64>()?;
         if got != sum {
-            return Err(format!("rank {r}: i64 sum of length {len} differs"));
+            bail!("rank {r}: i64 sum of length {len} differs");
         }
         for dtype in [DType::F32, DType::F64] {
-            let t = t.to_dtype(dtype).map_err(s)?;
+            let t = t.to_dtype(dtype)?;
             let got = acc
-                .reduce(&t, ReduceOp::Sum)
-                .map_err(e)?
-                .to_dtype(DType::F64)
-                .map_err(s)?
-                .to_vec1::<f64>()
-                .map_err(s)?;
+                .reduce(&t, ReduceOp::Sum)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
             if got.iter().zip(&sum).any(|(g, w)| *g != *w as f64) {
-                return Err(format!("rank {r}: {dtype:?} sum of length {len} differs"));
+                bail!("rank {r}: {dtype:?} sum of length {len} differs");
             }
             let got = acc
-                .reduce(&t, ReduceOp::Max)
-                .map_err(e)?
-                .to_dtype(DType::F64)
-                .map_err(s)?
-                .to_vec1::<f64>()
-                .map_err(s)?;
+                .reduce(&t, ReduceOp::Max)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
             if got.iter().zip(&max).any(|(g, w)| *g != *w as f64) {
-                return Err(format!("rank {r}: {dtype:?} max of length {len} differs"));
+                bail!("rank {r}: {dtype:?} max of length {len} differs");
             }
             let got = acc
-                .reduce(&t, ReduceOp::Mean)
-                .map_err(e)?
-                .to_dtype(DType::F64)
-                .map_err(s)?
-                .to_vec1::<f64>()
-                .map_err(s)?;
+                .reduce(&t, ReduceOp::Mean)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
             if got
                 .iter()
                 .zip(&sum)
                 .any(|(g, w)| (*g - *w as f64 / n as f64).abs() > 1e-6)
             {
-                return Err(format!("rank {r}: {dtype:?} mean of length {len} differs"));
+                bail!("rank {r}: {dtype:?} mean of length {len} differs");
             }
         }
     }
@@ -283,62 +245,46 @@ fn allreduce() -> Result<(), String> {
 
 /// Traffic observed around every micro-step with K = 4: nothing is sent on micro-steps that do not
 /// sync, gradients are reduced on those that do.
-fn nosync() -> Result<(), String> {
+fn nosync() -> Result<()> {
     use accelerate_core::optim::{Sgd, SgdConfig};
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
     let mut acc = Accelerator::builder()
         .gradient_accumulation_steps(4)
-        .build()
-        .map_err(e)?;
+        .build()?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let layer = candle_nn::linear(4, 2, vb.pp("l")).map_err(s)?;
-    let params = acc.prepare(&varmap).map_err(e)?;
-    let mut opt = acc
-        .prepare(Sgd::new(params, SgdConfig::default()).map_err(e)?)
-        .map_err(e)?;
+    let layer = candle_nn::linear(4, 2, vb.pp("l"))?;
+    let params = acc.prepare(&varmap)?;
+    let mut opt = acc.prepare(Sgd::new(params, SgdConfig::default())?)?;
     let n = 16 * acc.num_processes();
-    let x = Tensor::arange(0f32, (n * 4) as f32, &Device::Cpu)
-        .map_err(s)?
-        .reshape((n, 4))
-        .map_err(s)?;
-    let y = Tensor::zeros(n, DType::U32, &Device::Cpu).map_err(s)?;
-    let dataset = Arc::new(TensorDataset::new((x / 100.0).map_err(s)?, y).map_err(e)?);
-    let mut loader = acc.prepare(DataLoader::new(dataset, 2)).map_err(e)?;
+    let x = Tensor::arange(0f32, (n * 4) as f32, &Device::Cpu)?.reshape((n, 4))?;
+    let y = Tensor::zeros(n, DType::U32, &Device::Cpu)?;
+    let dataset = Arc::new(TensorDataset::new((x / 100.0)?, y)?);
+    let mut loader = acc.prepare(DataLoader::new(dataset, 2))?;
     let (mut quiet, mut synced) = (0, 0);
     for batch in loader.iter() {
-        let (x, y) = batch.map_err(e)?;
+        let (x, y) = batch?;
         let before = acc.comm_stats();
         let step = acc.accumulate();
-        let loss =
-            candle_nn::loss::cross_entropy(&candle_nn::Module::forward(&layer, &x).map_err(s)?, &y)
-                .map_err(s)?;
-        acc.backward(&loss).map_err(e)?;
-        opt.step().map_err(e)?;
+        let loss = candle_nn::loss::cross_entropy(&candle_nn::Module::forward(&layer, &x)?, &y)?;
+        acc.backward(&loss)?;
+        opt.step()?;
         opt.zero_grad();
         let after = acc.comm_stats();
         if step.sync {
             if after.bytes_sent <= before.bytes_sent || after.all_reduces != before.all_reduces + 1
             {
-                return Err(format!(
-                    "a sync micro-step did not reduce the gradient: {before:?} -> {after:?}"
-                ));
+                bail!("a sync micro-step did not reduce the gradient: {before:?} -> {after:?}");
             }
             synced += 1;
         } else {
             if after != before {
-                return Err(format!(
-                    "a non-sync micro-step communicated: {before:?} -> {after:?}"
-                ));
+                bail!("a non-sync micro-step communicated: {before:?} -> {after:?}");
             }
             quiet += 1;
         }
     }
     if (quiet, synced) != (6, 2) {
-        return Err(format!(
-            "expected 6 quiet and 2 sync micro-steps, saw {quiet} and {synced}"
-        ));
+        bail!("expected 6 quiet and 2 sync micro-steps, saw {quiet} and {synced}");
     }
     acc.print("result: ok");
     Ok(())
@@ -346,16 +292,16 @@ fn nosync() -> Result<(), String> {
 
 /// Rank 1 joins the job and then dies on the first attempt; on a restart everyone runs the
 /// collectives scenario in a fresh store generation.
-fn flaky() -> Result<(), String> {
+fn flaky() -> Result<()> {
     let restart = std::env::var("ACCELERATE_RESTART_COUNT").unwrap_or_default();
     if restart == "0" {
-        let acc = Accelerator::new().map_err(|e| e.to_string())?;
+        let acc = Accelerator::new()?;
         if acc.process_index() == 1 {
             std::process::exit(3);
         }
         // Rank 0 waits in a collective until the launcher stops it.
-        acc.wait_for_everyone().map_err(|e| e.to_string())?;
-        return Err("rank 0 passed a barrier that rank 1 never reached".into());
+        acc.wait_for_everyone()?;
+        bail!("rank 0 passed a barrier that rank 1 never reached");
     }
     collectives()
 }
@@ -363,109 +309,87 @@ fn flaky() -> Result<(), String> {
 /// Trains a small model under the mixed precision the launcher exported (bf16 expected), then
 /// checks on every rank: the f32 master weights equal rank 0's bit for bit (gathered), moved from
 /// the start, and the compute copies hold the masters rounded to bf16.
-fn mixed() -> Result<(), String> {
+fn mixed() -> Result<()> {
     use accelerate_core::optim::{Sgd, SgdConfig};
     use accelerate_core::MixedPrecision;
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
     let mut acc = Accelerator::builder()
         .gradient_accumulation_steps(2)
-        .build()
-        .map_err(e)?;
+        .build()?;
     let r = acc.process_index();
     if acc.mixed_precision() != MixedPrecision::Bf16 {
-        return Err(format!(
+        bail!(
             "rank {r}: mixed precision is {}, the launcher was given bf16",
             acc.mixed_precision()
-        ));
+        );
     }
     let varmap = VarMap::new();
     // candle's initialisation is unseeded, so ranks start apart until prepare broadcasts rank 0's.
     let vb = VarBuilder::from_varmap(&varmap, acc.compute_dtype(), &Device::Cpu);
-    let l1 = candle_nn::linear(6, 8, vb.pp("l1")).map_err(s)?;
-    let l2 = candle_nn::linear(8, 3, vb.pp("l2")).map_err(s)?;
-    let params = acc.prepare(&varmap).map_err(e)?;
-    let flat = |ps: &[(String, candle_core::Var)]| -> Result<Tensor, String> {
+    let l1 = candle_nn::linear(6, 8, vb.pp("l1"))?;
+    let l2 = candle_nn::linear(8, 3, vb.pp("l2"))?;
+    let params = acc.prepare(&varmap)?;
+    let flat = |ps: &[(String, candle_core::Var)]| -> Result<Tensor> {
         let parts: Vec<Tensor> = ps
             .iter()
             .map(|(_, v)| v.as_tensor().flatten_all())
-            .collect::<candle_core::Result<_>>()
-            .map_err(s)?;
-        Tensor::cat(&parts, 0).map_err(s)
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
     };
-    let start = flat(&params)?.to_vec1::<f32>().map_err(s)?;
-    let mut opt = acc
-        .prepare(
-            Sgd::new(
-                params.clone(),
-                SgdConfig {
-                    lr: 0.1,
-                    momentum: 0.9,
-                    ..SgdConfig::default()
-                },
-            )
-            .map_err(e)?,
-        )
-        .map_err(e)?;
+    let start = flat(&params)?.to_vec1::<f32>()?;
+    let mut opt = acc.prepare(Sgd::new(
+        params.clone(),
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        },
+    )?)?;
     let n = 48;
     let x: Vec<f32> = (0..n * 6)
         .map(|i| ((i * 37 % 19) as f32 - 9.0) / 9.0)
         .collect();
     let y: Vec<u32> = (0..n).map(|i| (i * 7 % 3) as u32).collect();
     let dataset = TensorDataset::new(
-        Tensor::from_vec(x, (n, 6), &Device::Cpu).map_err(s)?,
-        Tensor::from_vec(y, n, &Device::Cpu).map_err(s)?,
-    )
-    .map_err(e)?;
-    let mut loader = acc
-        .prepare(DataLoader::new(Arc::new(dataset), 4).shuffle(true).seed(1))
-        .map_err(e)?;
+        Tensor::from_vec(x, (n, 6), &Device::Cpu)?,
+        Tensor::from_vec(y, n, &Device::Cpu)?,
+    )?;
+    let mut loader = acc.prepare(DataLoader::new(Arc::new(dataset), 4).shuffle(true).seed(1))?;
     use candle_nn::Module;
     for _ in 0..2 {
         for batch in loader.iter() {
-            let (x, y) = batch.map_err(e)?;
+            let (x, y) = batch?;
             let _step = acc.accumulate();
             let h = l1
-                .forward(&x.to_dtype(acc.compute_dtype()).map_err(s)?)
+                .forward(&x.to_dtype(acc.compute_dtype())?)
                 .and_then(|h| h.tanh())
                 .and_then(|h| l2.forward(&h))
-                .and_then(|l| l.to_dtype(DType::F32))
-                .map_err(s)?;
-            let loss = candle_nn::loss::cross_entropy(&h, &y).map_err(s)?;
-            acc.backward(&loss).map_err(e)?;
-            opt.step().map_err(e)?;
+                .and_then(|l| l.to_dtype(DType::F32))?;
+            let loss = candle_nn::loss::cross_entropy(&h, &y)?;
+            acc.backward(&loss)?;
+            opt.step()?;
             opt.zero_grad();
         }
     }
     let masters = flat(acc.parameters())?;
     if masters.dtype() != DType::F32 {
-        return Err(format!(
-            "rank {r}: master weights are {:?}",
-            masters.dtype()
-        ));
+        bail!("rank {r}: master weights are {:?}", masters.dtype());
     }
-    let all = acc
-        .gather(&masters.unsqueeze(0).map_err(s)?)
-        .map_err(e)?
-        .to_vec2::<f32>()
-        .map_err(s)?;
-    let ours = masters.to_vec1::<f32>().map_err(s)?;
+    let all = acc.gather(&masters.unsqueeze(0)?)?.to_vec2::<f32>()?;
+    let ours = masters.to_vec1::<f32>()?;
     for (q, theirs) in all.iter().enumerate() {
         let same = theirs
             .iter()
             .zip(&ours)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         if !same {
-            return Err(format!(
-                "rank {r}: rank {q}'s master weights differ from ours"
-            ));
+            bail!("rank {r}: rank {q}'s master weights differ from ours");
         }
     }
     if ours == start {
-        return Err(format!("rank {r}: training did not move the weights"));
+        bail!("rank {r}: training did not move the weights");
     }
     let compute: Vec<(String, candle_core::Var)> = {
-        let data = varmap.data().lock().map_err(|e| e.to_string())?;
+        let data = varmap.data().lock().map_err(|e| anyhow!("{e}"))?;
         let mut v: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
@@ -473,16 +397,12 @@ fn mixed() -> Result<(), String> {
     let rounded = masters
         .to_dtype(DType::BF16)
         .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(s)?;
+        .and_then(|t| t.to_vec1::<f32>())?;
     let compute = flat(&compute)?
         .to_dtype(DType::F32)
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(s)?;
+        .and_then(|t| t.to_vec1::<f32>())?;
     if compute != rounded {
-        return Err(format!(
-            "rank {r}: the bf16 compute copies do not hold the masters rounded"
-        ));
+        bail!("rank {r}: the bf16 compute copies do not hold the masters rounded");
     }
     acc.print(format!(
         "result: {}",
@@ -494,16 +414,18 @@ fn mixed() -> Result<(), String> {
 /// Rank 1 stalls (sleeps far longer than any test waits) before a collective that the other
 /// ranks enter: they must give up after `ACCELERATE_COLLECTIVE_TIMEOUT` with an error naming
 /// rank 1, and the launcher must stop rank 1.
-fn stall() -> Result<(), String> {
-    let acc = Accelerator::new().map_err(|e| e.to_string())?;
+fn stall() -> Result<()> {
+    let acc = Accelerator::new()?;
     if acc.process_index() == 1 {
         std::thread::sleep(std::time::Duration::from_secs(600));
-        return Err("rank 1 stalled for 600 s and nobody stopped it".into());
+        bail!("rank 1 stalled for 600 s and nobody stopped it");
     }
-    let t = Tensor::new(&[1f32], &Device::Cpu).map_err(|e| e.to_string())?;
+    let t = Tensor::new(&[1f32], &Device::Cpu)?;
     match acc.reduce(&t, ReduceOp::Sum) {
-        Ok(_) => Err("the all-reduce completed although rank 1 never entered it".into()),
-        Err(e) => Err(e.to_string()),
+        Ok(_) => Err(anyhow!(
+            "the all-reduce completed although rank 1 never entered it"
+        )),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -511,20 +433,18 @@ fn stall() -> Result<(), String> {
 /// test makes that several times the silence limit) while the others wait in its barrier; then
 /// every rank all-reduces `rank + 1`. A busy rank is alive: nobody may give up on it, and the
 /// sum is `n (n + 1) / 2`.
-fn busy_first(args: &[String]) -> Result<(), String> {
+fn busy_first(args: &[String]) -> Result<()> {
     let busy = std::time::Duration::from_millis(arg(args, 0, 3000) as u64);
-    let acc = Accelerator::new().map_err(|e| e.to_string())?;
-    acc.main_process_first(|| std::thread::sleep(busy))
-        .map_err(|e| e.to_string())?;
+    let acc = Accelerator::new()?;
+    acc.main_process_first(|| std::thread::sleep(busy))?;
     let r = acc.process_index();
-    let t = Tensor::new(&[(r + 1) as f32], &Device::Cpu).map_err(|e| e.to_string())?;
+    let t = Tensor::new(&[(r + 1) as f32], &Device::Cpu)?;
     let sum = acc
         .reduce(&t, ReduceOp::Sum)
-        .and_then(|t| Ok(t.to_vec1::<f32>()?))
-        .map_err(|e| e.to_string())?;
+        .and_then(|t| Ok(t.to_vec1::<f32>()?))?;
     let n = acc.num_processes();
     if sum != [(n * (n + 1) / 2) as f32] {
-        return Err(format!("rank {r}: the sum of rank + 1 is {sum:?}"));
+        bail!("rank {r}: the sum of rank + 1 is {sum:?}");
     }
     acc.print(format!("result: {}", serde_json::json!({"sum": sum[0]})));
     Ok(())
@@ -534,9 +454,9 @@ fn busy_first(args: &[String]) -> Result<(), String> {
 /// joining, rank `busy` stays alive outside any collective, the others enter an all-reduce. They
 /// cannot complete it and must fail promptly naming rank `dead`, instead of waiting on the busy
 /// rank for the busy limit.
-fn dead_peer(args: &[String]) -> Result<(), String> {
+fn dead_peer(args: &[String]) -> Result<()> {
     let (busy, dead) = (arg(args, 0, 0), arg(args, 1, 2));
-    let acc = Accelerator::new().map_err(|e| e.to_string())?;
+    let acc = Accelerator::new()?;
     let r = acc.process_index();
     if r == dead {
         // Let the others enter the all-reduce first.
@@ -546,18 +466,18 @@ fn dead_peer(args: &[String]) -> Result<(), String> {
             .args(["-9", &me])
             .status();
         std::thread::sleep(std::time::Duration::from_secs(600));
-        return Err("rank survived kill -9".into());
+        bail!("rank survived kill -9");
     }
     if r == busy {
         std::thread::sleep(std::time::Duration::from_secs(600));
-        return Err(format!("rank {r} was busy for 600 s and nobody stopped it"));
+        bail!("rank {r} was busy for 600 s and nobody stopped it");
     }
-    let t = Tensor::new(&[1f32], &Device::Cpu).map_err(|e| e.to_string())?;
+    let t = Tensor::new(&[1f32], &Device::Cpu)?;
     match acc.reduce(&t, ReduceOp::Sum) {
-        Ok(_) => Err(format!(
+        Ok(_) => Err(anyhow!(
             "the all-reduce completed although rank {dead} was killed"
         )),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -566,43 +486,41 @@ fn dead_peer(args: &[String]) -> Result<(), String> {
 /// samples per rank and optimizer step, two epochs of `tiny_data(samples, 2)` shuffled with seed 5.
 /// Rank 0 writes the parameters to `out` (safetensors, the `VarMap`'s names) for the test to
 /// compare with a one-process reference. Arguments: `out [k=2] [b=4] [samples=160]`.
-fn tiny_train(args: &[String]) -> Result<(), String> {
+fn tiny_train(args: &[String]) -> Result<()> {
     use accelerate_core::optim::{AdamW, AdamWConfig};
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
-    let out = std::path::PathBuf::from(args.first().ok_or("tiny_train needs an output path")?);
+    let out = std::path::PathBuf::from(
+        args.first()
+            .ok_or_else(|| anyhow!("tiny_train needs an output path"))?,
+    );
     let (k, b, samples) = (arg(args, 1, 2), arg(args, 2, 4), arg(args, 3, 160));
     let mut acc = Accelerator::builder()
         .gradient_accumulation_steps(k)
-        .build()
-        .map_err(e)?;
+        .build()?;
     let device = acc.device().clone();
-    let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &device).map_err(s)?;
-    let (x, y) = accelerate_tests::tiny_data(samples, 2).map_err(s)?;
-    let params = acc.prepare(&varmap).map_err(e)?;
+    let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &device)?;
+    let (x, y) = accelerate_tests::tiny_data(samples, 2)?;
+    let params = acc.prepare(&varmap)?;
     let cfg = AdamWConfig {
         lr: 0.01,
         weight_decay: 0.1,
         ..AdamWConfig::default()
     };
-    let mut opt = acc
-        .prepare(AdamW::new(params.clone(), cfg).map_err(e)?)
-        .map_err(e)?;
-    let loader = DataLoader::new(Arc::new(TensorDataset::new(x, y).map_err(e)?), b)
+    let mut opt = acc.prepare(AdamW::new(params.clone(), cfg)?)?;
+    let loader = DataLoader::new(Arc::new(TensorDataset::new(x, y)?), b)
         .shuffle(true)
         .seed(5);
-    let mut loader = acc.prepare(loader).map_err(e)?;
+    let mut loader = acc.prepare(loader)?;
     for _ in 0..2 {
         for batch in loader.iter() {
-            let (x, y) = batch.map_err(e)?;
+            let (x, y) = batch?;
             if !x.device().same_device(&device) {
-                return Err(format!("a batch arrived on {:?}", x.device().location()));
+                bail!("a batch arrived on {:?}", x.device().location());
             }
             let _step = acc.accumulate();
-            let logits = model.forward(&x).map_err(s)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y).map_err(s)?;
-            acc.backward(&loss).map_err(e)?;
-            opt.step().map_err(e)?;
+            let logits = model.forward(&x)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            acc.backward(&loss)?;
+            opt.step()?;
             opt.zero_grad();
         }
     }
@@ -610,14 +528,13 @@ fn tiny_train(args: &[String]) -> Result<(), String> {
         let host: std::collections::HashMap<String, Tensor> = params
             .iter()
             .map(|(n, v)| Ok((n.clone(), v.as_tensor().to_device(&Device::Cpu)?)))
-            .collect::<candle_core::Result<_>>()
-            .map_err(s)?;
+            .collect::<candle_core::Result<_>>()?;
         // Written whole, then renamed: the test never reads a partial file.
         let partial = out.with_extension("partial");
-        candle_core::safetensors::save(&host, &partial).map_err(s)?;
-        std::fs::rename(&partial, &out).map_err(|e| format!("{}: {e}", out.display()))?;
+        candle_core::safetensors::save(&host, &partial)?;
+        std::fs::rename(&partial, &out).map_err(|e| anyhow!("{}: {e}", out.display()))?;
     }
-    acc.wait_for_everyone().map_err(e)?;
+    acc.wait_for_everyone()?;
     acc.print(format!(
         "result: {}",
         serde_json::json!({"optimizer_steps": acc.optimizer_steps(), "device": format!("{:?}", device.location())})
@@ -629,18 +546,17 @@ fn tiny_train(args: &[String]) -> Result<(), String> {
 /// kernel waits for rank 1 on the GPU, and reading its result would block forever, so only the
 /// NCCL watchdog (after `ACCELERATE_COLLECTIVE_TIMEOUT`) can end rank 0, with a message naming
 /// the collective.
-fn device_stall() -> Result<(), String> {
-    let acc = Accelerator::new().map_err(|e| e.to_string())?;
+fn device_stall() -> Result<()> {
+    let acc = Accelerator::new()?;
     if acc.process_index() == 1 {
         std::thread::sleep(std::time::Duration::from_secs(600));
-        return Err("rank 1 stalled for 600 s and nobody stopped it".into());
+        bail!("rank 1 stalled for 600 s and nobody stopped it");
     }
-    let t = Tensor::new(&[1f32], acc.device()).map_err(|e| e.to_string())?;
+    let t = Tensor::new(&[1f32], acc.device())?;
     let summed = acc
         .reduce(&t, ReduceOp::Sum)
-        .and_then(|t| Ok(t.to_vec1::<f32>()?))
-        .map_err(|e| e.to_string())?;
-    Err(format!(
+        .and_then(|t| Ok(t.to_vec1::<f32>()?))?;
+    Err(anyhow!(
         "the all-reduce returned {summed:?} although rank 1 never entered it"
     ))
 }
@@ -648,9 +564,8 @@ fn device_stall() -> Result<(), String> {
 /// Rank 1 builds its data loader with another value of one setting (the argument: `length`,
 /// `seed`, `batch`, `shuffle` or `drop-last`) than rank 0: `prepare` must refuse on every rank
 /// before the first batch, instead of the ranks mixing windows and waiting for each other.
-fn loader_mismatch(args: &[String]) -> Result<(), String> {
-    let e = |e: accelerate_core::Error| e.to_string();
-    let mut acc = Accelerator::new().map_err(e)?;
+fn loader_mismatch(args: &[String]) -> Result<()> {
+    let mut acc = Accelerator::new()?;
     let differs = acc.process_index() == 1;
     let setting = args.first().map(String::as_str).unwrap_or("seed");
     let pick = |name: &str, usual: usize, other: usize| {
@@ -661,66 +576,60 @@ fn loader_mismatch(args: &[String]) -> Result<(), String> {
         }
     };
     let samples = pick("length", 24, 20);
-    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu).map_err(|e| e.to_string())?;
-    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu).map_err(|e| e.to_string())?;
-    let dataset = Arc::new(TensorDataset::new(x, y).map_err(e)?);
+    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu)?;
+    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu)?;
+    let dataset = Arc::new(TensorDataset::new(x, y)?);
     let loader = DataLoader::new(dataset, pick("batch", 4, 3))
         .seed(pick("seed", 3, 4) as u64)
         .shuffle(pick("shuffle", 1, 0) == 1)
         .drop_last(pick("drop-last", 0, 1) == 1);
-    let mut loader = match acc.prepare(loader) {
-        Ok(loader) => loader,
-        Err(e) => return Err(e.to_string()),
-    };
+    let mut loader = acc.prepare(loader)?;
     // Reached only if prepare accepted the loaders: a step per batch shows what happens then.
     for batch in loader.iter() {
-        let (x, _) = batch.map_err(e)?;
-        acc.reduce(&x.sum_all().map_err(|e| e.to_string())?, ReduceOp::Sum)
-            .map_err(e)?;
+        let (x, _) = batch?;
+        acc.reduce(&x.sum_all()?, ReduceOp::Sum)?;
     }
-    Err(format!("prepare accepted a different {setting} on rank 1"))
+    Err(anyhow!("prepare accepted a different {setting} on rank 1"))
 }
 
 /// 7 samples in batches of 3 on 2 ranks: the last round holds 1 real sample and 5 wrap-around
 /// duplicates. Per epoch (one iterated with `iter()`, one with `windows(2)`), gathers each batch
 /// inside the loop, then one row per rank after the loop, which must keep both rows.
-fn gather_after_loop() -> Result<(), String> {
-    let s = |e: candle_core::Error| e.to_string();
-    let e = |e: accelerate_core::Error| e.to_string();
-    let mut acc = Accelerator::new().map_err(e)?;
+fn gather_after_loop() -> Result<()> {
+    let mut acc = Accelerator::new()?;
     let samples = 7;
-    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu).map_err(s)?;
-    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu).map_err(s)?;
-    let dataset = Arc::new(TensorDataset::new(x, y).map_err(e)?);
-    let mut loader = acc.prepare(DataLoader::new(dataset, 3)).map_err(e)?;
+    let x = Tensor::arange(0f32, samples as f32, &Device::Cpu)?;
+    let y = Tensor::zeros(samples, DType::U32, &Device::Cpu)?;
+    let dataset = Arc::new(TensorDataset::new(x, y)?);
+    let mut loader = acc.prepare(DataLoader::new(dataset, 3))?;
     let mut epochs = Vec::new();
     for windows in [false, true] {
         let mut in_loop = Vec::new();
         let mut rows_here = 0usize;
-        let mut take = |x: &Tensor, acc: &Accelerator| -> Result<(), String> {
-            rows_here += x.dim(0).map_err(s)?;
-            let all = acc.gather_for_metrics(x).map_err(e)?;
-            in_loop.extend(all.to_vec1::<f32>().map_err(s)?);
+        let mut take = |x: &Tensor, acc: &Accelerator| -> Result<()> {
+            rows_here += x.dim(0)?;
+            let all = acc.gather_for_metrics(x)?;
+            in_loop.extend(all.to_vec1::<f32>()?);
             Ok(())
         };
         if windows {
             for window in loader.windows(2) {
-                for (x, _) in window.map_err(e)? {
+                for (x, _) in window? {
                     let _step = acc.accumulate();
                     take(&x, &acc)?;
                 }
             }
         } else {
             for batch in loader.iter() {
-                take(&batch.map_err(e)?.0, &acc)?;
+                take(&batch?.0, &acc)?;
             }
         }
-        let mine = Tensor::new(&[rows_here as f32], &Device::Cpu).map_err(s)?;
-        let after = acc.gather_for_metrics(&mine).map_err(e)?;
+        let mine = Tensor::new(&[rows_here as f32], &Device::Cpu)?;
+        let after = acc.gather_for_metrics(&mine)?;
         in_loop.sort_by(f32::total_cmp);
         epochs.push(serde_json::json!({
             "in_loop": in_loop,
-            "after_loop": after.to_vec1::<f32>().map_err(s)?,
+            "after_loop": after.to_vec1::<f32>()?,
         }));
     }
     acc.print(format!("result: {}", serde_json::json!(epochs)));
@@ -730,12 +639,12 @@ fn gather_after_loop() -> Result<(), String> {
 /// The conformance suite of the `Communicator` contract on the communicator this process joins
 /// (NCCL under `--num-gpus`, the CPU one under `--cpu`), with tensors on the host and on the
 /// process's device. Joins without an `Accelerator`, which would join a second time.
-fn conformance() -> Result<(), String> {
-    let e = |e: accelerate_core::Error| e.to_string();
-    let state = accelerate_core::ProcessState::from_env().map_err(e)?;
-    let device = accelerate_core::device::select_device(&state).map_err(e)?;
-    let membership = accelerate_core::comm::join::join(&state, &device).map_err(e)?;
-    accelerate_tests::conformance_suite::check_communicator(membership.comm.as_ref(), &device)?;
+fn conformance() -> Result<()> {
+    let state = accelerate_core::ProcessState::from_env()?;
+    let device = accelerate_core::device::select_device(&state)?;
+    let membership = accelerate_core::comm::join::join(&state, &device)?;
+    accelerate_tests::conformance_suite::check_communicator(membership.comm.as_ref(), &device)
+        .map_err(anyhow::Error::msg)?;
     if state.rank == 0 {
         println!("result: ok");
     }

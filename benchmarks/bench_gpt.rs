@@ -14,17 +14,17 @@
 //! Windows all have the full context length here, so the configurations compute on the same
 //! tokens (with varying lengths, smaller batches would pad less and do less work).
 //!
-//! `cargo run --release --example bench_gpt -- --part memory` (see BENCHMARKS.md).
+//! `cargo run --release --bin bench_gpt -- --part memory` (see BENCHMARKS.md).
 
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use accelerate_benchmarks::{median, report_value, run_within, Overhead};
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::grads::GradientBuffers;
 use accelerate_core::optim::{AdamW, AdamWConfig, Optimizer};
 use accelerate_core::{Accelerator, ProcessState};
-use accelerate_examples::bench::{median, report_value, run_within, Overhead};
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Var};

@@ -12,7 +12,7 @@
 //! - **other backward**: `accelerator.backward` on the other micro-steps (backward pass and
 //!   accumulation, no communication), for scale.
 //!
-//! `cargo build --release --workspace --examples && target/release/examples/bench_overlap`
+//! `cargo build --release --workspace --bins && target/release/bench_overlap`
 //! (see BENCHMARKS.md, "Overlap of reduction and preparation"). The workers inherit the
 //! environment, so `ACCELERATE_CPU_TRANSPORT=tcp` measures the TCP ring instead of shared memory.
 
@@ -20,10 +20,10 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use accelerate_benchmarks::{median, report_value, run_within};
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::Accelerator;
-use accelerate_examples::bench::{median, report_value, run_within};
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use accelerate_examples::mlp;
 use anyhow::{bail, Context, Result};
@@ -184,10 +184,9 @@ fn run_job(args: &Args, overlap: bool) -> Result<RunReport> {
     let exe = std::env::current_exe().context("locating the benchmark's own executable")?;
     let launcher = match &args.launcher {
         Some(l) => l.clone(),
-        // target/<profile>/examples/bench_overlap -> target/<profile>/accelerate-launch
+        // target/<profile>/bench_overlap -> target/<profile>/accelerate-launch
         None => exe
             .parent()
-            .and_then(|examples| examples.parent())
             .context("the benchmark is not inside a target directory; pass --launcher")?
             .join("accelerate-launch"),
     };

@@ -8,15 +8,15 @@
 //!
 //! The configurations run in interleaved rounds (in reverse order every other round) so that
 //! machine noise hits all of them alike; the median round is reported, and for the runtime's
-//! overhead (2 against 5) also the spread of the per-round ratios. `cargo run --release --example bench_mlp`.
+//! overhead (2 against 5) also the spread of the per-round ratios. `cargo run --release --bin bench_mlp`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use accelerate_benchmarks::{median, Overhead};
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::{Accelerator, ProcessState};
-use accelerate_examples::bench::{median, Overhead};
 use accelerate_examples::mlp;
 use anyhow::Result;
 use candle_core::{Device, Tensor};

@@ -1,6 +1,6 @@
 //! All-reduce bandwidth of the communicator, run under the launcher:
 //!
-//! `accelerate-launch --cpu --num-processes 2 target/release/examples/bench_allreduce`
+//! `accelerate-launch --cpu --num-processes 2 target/release/bench_allreduce`
 //!
 //! For each message size (f32, 1 MiB to 256 MiB by default) every rank all-reduces (sum) a buffer
 //! repeatedly; rank 0 prints the median time, the algorithm bandwidth (size / time) and the bus
@@ -11,8 +11,8 @@
 
 use std::time::Instant;
 
+use accelerate_benchmarks::median;
 use accelerate_core::{Accelerator, ReduceOp};
-use accelerate_examples::bench::median;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use clap::Parser;

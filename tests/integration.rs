@@ -1,0 +1,32 @@
+//! The integration tests of accelerate-rs, one test binary with a module per area (ripgrep's
+//! layout): one link instead of one per file, and one place that lists the areas. Each module
+//! compares the runtime against an independent reference; the shared pieces (the [`Job`] that
+//! starts processes, reference optimizers, a tiny model) are the `accelerate_tests` library
+//! (`support.rs`).
+//!
+//! `gpu.rs` is a binary of its own: it is copied to a GPU machine and run with
+//! `--test-threads=1` (its tests share one GPU), an option of a whole binary.
+//!
+//! Run one area with a filter: `cargo test --release -p accelerate-tests --test integration
+//! checkpoint::`.
+//!
+//! [`Job`]: accelerate_tests::Job
+
+// Gradient accumulation against one large batch, in process.
+mod accumulation;
+// Bad input through the real binaries: refused with the problem named, nothing left behind.
+mod bad_input;
+// Exact resume from checkpoints, restarts, and `save_model` read back by Python.
+mod checkpoint;
+// The `Communicator` contract against every backend.
+mod conformance;
+// The launcher and its workers: N ranks against one process, collectives, failures.
+mod distributed;
+// The `gpt` example end to end.
+mod gpt;
+// The `llama` model and example against Hugging Face transformers.
+mod llama;
+// Mixed precision: loss scaling, bf16 buffers and reductions, against hand-computed values.
+mod mixed_precision;
+// Overlap of gradient reduction with bucket preparation.
+mod overlap;
