@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use accelerate_benchmarks::{median, report_value, run_within, Overhead};
 use accelerate_core::data::{DataLoader, Dataset};
-use accelerate_core::grads::GradientBuffers;
 use accelerate_core::optim::{AdamW, AdamWConfig, Optimizer};
+use accelerate_core::GradientBuffers;
 use accelerate_core::{Accelerator, ProcessState};
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use anyhow::{bail, Context, Result};
@@ -97,7 +97,7 @@ fn main() -> Result<()> {
     }
     // Every configuration runs with the same allocator settings (the Accelerator applies them
     // when it is built; the plain loop must not be measured with glibc's defaults instead).
-    accelerate_core::malloc::keep_freed_memory();
+    accelerate_core::keep_freed_memory();
     if let Some(k) = args.child_k {
         return child(&args, k);
     }

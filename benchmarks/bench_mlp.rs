@@ -51,7 +51,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // Every configuration runs with the same allocator settings (the Accelerator applies them
     // when it is built; the plain loops must not be measured with glibc's defaults instead).
-    accelerate_core::malloc::keep_freed_memory();
+    accelerate_core::keep_freed_memory();
     let samples = args.batch_size * (args.steps + 2);
     let (x, y) = mlp::synthetic_data(samples, 0)?;
     let dataset = Arc::new(TensorDataset::new(x.clone(), y.clone())?);
@@ -173,8 +173,8 @@ fn plain_candle(args: &Args, x: &Tensor, y: &Tensor) -> Result<f64> {
 /// Milliseconds per optimizer step of a hand-written accumulation loop: K backward passes, the
 /// gradients summed with candle ops, our AdamW applied to the sum.
 fn hand_accumulated(args: &Args, x: &Tensor, y: &Tensor, k: usize) -> Result<f64> {
-    use accelerate_core::grads::GradientBuffers;
     use accelerate_core::optim::Optimizer;
+    use accelerate_core::GradientBuffers;
     let (varmap, model) = mlp::build(args.hidden, 0, &Device::Cpu)?;
     let mut params: Vec<(String, candle_core::Var)> = varmap
         .data()

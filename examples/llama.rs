@@ -242,7 +242,7 @@ fn run(args: &Args) -> Result<()> {
     let (varmap, model) = llama::build_in(config, args.seed, &device, acc.compute_dtype())?;
     let params = acc.prepare(&varmap)?;
     if let Some(path) = &args.init_weights {
-        accelerate_core::files::load_into_vars(path, &params)
+        accelerate_core::load_into_vars(path, &params)
             .with_context(|| format!("--init-weights {}", path.display()))?;
         acc.refresh_compute_parameters()?;
     }
@@ -421,10 +421,10 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        accelerate_core::files::save_safetensors(path, &tensors).and_then(|()| {
+        accelerate_core::save_safetensors(path, &tensors).and_then(|()| {
             let json =
                 serde_json::to_vec_pretty(&config.to_hf_json()).expect("a JSON value serializes");
-            accelerate_core::files::write_atomic(path.with_file_name("config.json"), &json)
+            accelerate_core::write_atomic(path.with_file_name("config.json"), &json)
         })
     } else {
         Ok(())

@@ -136,7 +136,7 @@ fn run(args: &Args) -> Result<()> {
     let (varmap, model) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
     let params = acc.prepare(&varmap)?;
     if let Some(path) = &args.init_weights {
-        accelerate_core::files::load_into_vars(path, &params).with_context(|| {
+        accelerate_core::load_into_vars(path, &params).with_context(|| {
             format!(
                 "--init-weights {} (this model: --hidden {})",
                 path.display(),

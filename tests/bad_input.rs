@@ -94,7 +94,7 @@ fn save(path: &Path, tensors: &[(&str, Tensor)]) {
         .iter()
         .map(|(n, t)| (n.to_string(), t.clone()))
         .collect();
-    accelerate_core::files::save_safetensors(path, &owned).unwrap();
+    accelerate_core::save_safetensors(path, &owned).unwrap();
 }
 
 fn zeros(shape: &[usize], dtype: DType) -> Tensor {

@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use accelerate_core::comm::cpu::{Transport, TransportChoice};
-use accelerate_core::comm::{
+use accelerate_core::{
     CpuCommOptions, CpuCommunicator, LocalCommunicator, StoreServer, TcpStoreClient,
 };
+use accelerate_core::{Transport, TransportChoice};
 use accelerate_tests::conformance_suite::check_communicator;
 use candle_core::Device;
 

@@ -74,7 +74,7 @@ fn fixture_model(config: LlamaConfig) -> (llama::Llama, Vec<(String, Var)>) {
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect();
     params.sort_by(|a, b| a.0.cmp(&b.0));
-    accelerate_core::files::load_into_vars(fixture("model.safetensors"), &params).unwrap();
+    accelerate_core::load_into_vars(fixture("model.safetensors"), &params).unwrap();
     (model, params)
 }
 
@@ -516,7 +516,7 @@ fn transformers_loads_the_saved_model_unchanged() {
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect();
     params.sort_by(|a, b| a.0.cmp(&b.0));
-    accelerate_core::files::load_into_vars(&out, &params).unwrap();
+    accelerate_core::load_into_vars(&out, &params).unwrap();
     let input_ids = fixture_tokens();
     let (b, t) = input_ids.dims2().unwrap();
     let ours = (model.summed_causal_lm_loss(&input_ids).unwrap() / (b * (t - 1)) as f64)

@@ -513,7 +513,7 @@ fn two_ranks<R: Send>(
     builder: impl Fn() -> accelerate_core::AcceleratorBuilder + Sync,
     f: impl Fn(Accelerator) -> R + Sync,
 ) -> Vec<R> {
-    use accelerate_core::state::Launcher;
+    use accelerate_core::Launcher;
     let port = loop {
         // A free port whose successor is free too.
         let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -424,7 +424,7 @@ pub fn ranks_as_threads<R: Send>(
     builder: impl Fn() -> accelerate_core::AcceleratorBuilder + Sync,
     f: impl Fn(accelerate_core::Accelerator) -> R + Sync,
 ) -> Vec<R> {
-    use accelerate_core::state::{Launcher, ProcessState};
+    use accelerate_core::{Launcher, ProcessState};
     let port = loop {
         // A free port whose successor is free too.
         let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -1,12 +1,4 @@
-//! Which device a process computes on.
-//!
-//! The GPU is chosen among those visible to the process, so `CUDA_VISIBLE_DEVICES` keeps its usual
-//! meaning (the launcher does not rewrite it): [`env::GPU_INDEX`] when set (`accelerate-launch`
-//! sets it, and under `--ranks-per-gpu N` it is `LOCAL_RANK / N`), else `LOCAL_RANK` (torchrun,
-//! SLURM: one process per GPU). Without a launcher a `cuda` build uses GPU 0. A machine without a GPU falls back to the CPU with a warning,
-//! unless GPUs were asked for explicitly (`accelerate-launch --num-gpus`, which sets
-//! [`env::DEVICE`] to `cuda`): then it is an error, since training on the CPU by surprise would be
-//! slower by orders of magnitude.
+//! Which device a process computes on (see [`select_device`]).
 
 use candle_core::Device;
 
@@ -16,6 +8,7 @@ use crate::state::ProcessState;
 
 /// The index of this process's GPU among the visible ones: `gpu_index` (the value of
 /// [`env::GPU_INDEX`]) when given, else `local_rank`.
+#[cfg(any(feature = "cuda", test))]
 pub fn gpu_index(gpu_index: Option<&str>, local_rank: usize) -> Result<usize> {
     match gpu_index.map(str::trim) {
         None | Some("") => Ok(local_rank),
@@ -62,8 +55,18 @@ fn request_from_env() -> Result<Request> {
     }
 }
 
-/// The device for this process: its GPU ([`gpu_index`]) in a `cuda` build on a machine with GPUs,
-/// otherwise the CPU (see the module docs for when that is an error).
+/// The device for this process: its GPU in a `cuda` build on a machine with GPUs, otherwise the
+/// CPU.
+///
+/// Which device a process computes on.
+///
+/// The GPU is chosen among those visible to the process, so `CUDA_VISIBLE_DEVICES` keeps its usual
+/// meaning (the launcher does not rewrite it): [`env::GPU_INDEX`] when set (`accelerate-launch`
+/// sets it, and under `--ranks-per-gpu N` it is `LOCAL_RANK / N`), else `LOCAL_RANK` (torchrun,
+/// SLURM: one process per GPU). Without a launcher a `cuda` build uses GPU 0. A machine without a GPU falls back to the CPU with a warning,
+/// unless GPUs were asked for explicitly (`accelerate-launch --num-gpus`, which sets
+/// [`env::DEVICE`] to `cuda`): then it is an error, since training on the CPU by surprise would be
+/// slower by orders of magnitude.
 pub fn select_device(state: &ProcessState) -> Result<Device> {
     let request = request_from_env()?;
     if request == Request::Cpu {

@@ -4,7 +4,7 @@
 //!
 //! The launcher sets most of these for its workers (`accelerate-launch` uses the same constants);
 //! a user may set any of them by hand. torchrun's and SLURM's own variables (`RANK`,
-//! `SLURM_PROCID`, ...) are read in [`state`](crate::state), under their own names.
+//! `SLURM_PROCID`, ...) are read where the process state is detected, under their own names.
 
 use crate::error::{Error, Result};
 
@@ -30,7 +30,7 @@ pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_BUCKET_CAP_MB";
 /// Whether the sync micro-step overlaps the reduction of one gradient bucket with the
-/// preparation of the next (an on/off [`switch`]).
+/// preparation of the next (an on/off switch).
 pub const OVERLAP_GRADIENT_REDUCTION: &str = "ACCELERATE_OVERLAP_GRADIENT_REDUCTION";
 /// `1` computes on the CPU even where GPUs exist (`accelerate-launch --cpu`).
 pub const USE_CPU: &str = "ACCELERATE_USE_CPU";

@@ -57,7 +57,7 @@
 //! from `ACCELERATE_MIXED_PRECISION`, which `accelerate-launch --mixed-precision` sets) runs the
 //! forward and backward passes in half precision with f32 master weights. Build the model in
 //! [`Accelerator::compute_dtype`], cast float inputs to it, and compute the loss in f32; the loop
-//! is otherwise unchanged. See [`mixed_precision`] for what is f32 and what is half.
+//! is otherwise unchanged. See [`MixedPrecision`] for what is f32 and what is half.
 //!
 //! ```
 //! use accelerate_core::optim::{AdamW, AdamWConfig};
@@ -88,37 +88,56 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod accelerator;
-pub mod accumulate;
-pub mod checkpoint;
-pub mod comm;
-pub mod cpu_slices;
+mod accelerator;
+mod accumulate;
+mod checkpoint;
+mod comm;
+mod cpu_slices;
 #[cfg(feature = "cuda")]
 mod cuda_slices;
 pub mod data;
-pub mod device;
+mod device;
 pub mod env;
-pub mod error;
-pub mod files;
-#[cfg(any(fuzzing, test))]
-#[doc(hidden)]
+mod error;
+mod files;
+#[cfg(fuzzing)]
 pub mod fuzzing;
-pub mod grads;
-pub mod malloc;
-pub mod mixed_precision;
+#[cfg(all(test, not(fuzzing)))]
+mod fuzzing;
+mod grads;
+mod malloc;
+mod mixed_precision;
 pub mod optim;
-pub mod prepared;
-pub mod rng;
-pub mod state;
+mod prepared;
+mod rng;
+mod state;
 mod sync;
 mod training;
 
-pub use accelerator::{Accelerator, AcceleratorBuilder, Prepare};
+pub use accelerator::{
+    Accelerator, AcceleratorBuilder, Prepare, DEFAULT_OVERLAP_GRADIENT_REDUCTION,
+};
 pub use accumulate::MicroStep;
-pub use comm::ReduceOp;
+pub use checkpoint::{
+    check_no_newer_checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints,
+    prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
+    MODEL_INDEX_FILE, MODEL_SAFETENSORS,
+};
+#[cfg(feature = "nccl")]
+pub use comm::NcclCommunicator;
+pub use comm::{
+    join, CommStats, Communicator, CpuCommOptions, CpuCommunicator, LocalCommunicator, Membership,
+    ReduceOp, Store, StoreServer, TcpStoreClient, Transport, TransportChoice,
+};
+pub use device::{gpu_present, physical_gpu_count, select_device};
 pub use error::{Error, Result};
-pub use mixed_precision::{DynamicLossScaler, LossScalerConfig, MixedPrecision};
+pub use files::{load_into_vars, load_safetensors, save_safetensors, write_atomic};
+pub use grads::{GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
+pub use malloc::keep_freed_memory;
+pub use mixed_precision::{
+    DynamicLossScaler, LossScalerConfig, LossScalerState, MasterWeights, MixedPrecision,
+};
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
-pub use rng::RankRng;
-pub use state::ProcessState;
+pub use rng::{RankRng, RngState};
+pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
 pub use sync::GradientSyncStats;

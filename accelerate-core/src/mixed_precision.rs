@@ -1,21 +1,4 @@
-//! Mixed-precision training with f32 master weights (Apex O2, and Accelerate's f32 master copies).
-//!
-//! candle has no autocast, so the model itself is built in the half-precision *compute* dtype
-//! (`VarBuilder::from_varmap(&varmap, accelerator.compute_dtype(), device)`): its forward and
-//! backward passes run in bf16 or f16. [`MasterWeights`] pairs each of those compute `Var`s with an
-//! f32 *master* `Var` of the same name; the optimizer is built from the masters, the gradient
-//! buffers are f32 and keyed by name, and after every real optimizer step the compute copies are
-//! refreshed from the masters (a cast). What is f32: master weights, gradient buffers (so the
-//! accumulation over micro-steps and the all-reduce are f32), optimizer state, checkpoints. What is
-//! half: the model's own parameters, activations and the gradients of one backward pass.
-//!
-//! fp16's range is narrow (largest finite value 65504, smallest normal 6.1e-5), so small gradients
-//! underflow to zero. Under fp16 a [`DynamicLossScaler`] multiplies the loss by a large scale before
-//! the backward pass and divides it out when the gradient is added into the f32 buffers. When the
-//! scaled gradients overflow (inf or NaN on the sync micro-step, after the all-reduce so that every
-//! rank decides alike) the optimizer step is skipped and the scale backs off; after
-//! `growth_interval` consecutive good steps it grows. This is PyTorch's `GradScaler`, defaults
-//! included. bf16 has f32's exponent range and needs no scaling.
+//! Mixed-precision training with f32 master weights (see [`MixedPrecision`]).
 
 use std::str::FromStr;
 
@@ -26,6 +9,25 @@ use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 
 /// The precision of the forward and backward passes.
+///
+/// Mixed-precision training with f32 master weights (Apex O2, and Accelerate's f32 master copies).
+///
+/// candle has no autocast, so the model itself is built in the half-precision *compute* dtype
+/// (`VarBuilder::from_varmap(&varmap, accelerator.compute_dtype(), device)`): its forward and
+/// backward passes run in bf16 or f16. `MasterWeights` pairs each of those compute `Var`s with an
+/// f32 *master* `Var` of the same name; the optimizer is built from the masters, the gradient
+/// buffers are f32 and keyed by name, and after every real optimizer step the compute copies are
+/// refreshed from the masters (a cast). What is f32: master weights, gradient buffers (so the
+/// accumulation over micro-steps and the all-reduce are f32), optimizer state, checkpoints. What is
+/// half: the model's own parameters, activations and the gradients of one backward pass.
+///
+/// fp16's range is narrow (largest finite value 65504, smallest normal 6.1e-5), so small gradients
+/// underflow to zero. Under fp16 a [`DynamicLossScaler`] multiplies the loss by a large scale before
+/// the backward pass and divides it out when the gradient is added into the f32 buffers. When the
+/// scaled gradients overflow (inf or NaN on the sync micro-step, after the all-reduce so that every
+/// rank decides alike) the optimizer step is skipped and the scale backs off; after
+/// `growth_interval` consecutive good steps it grows. This is PyTorch's `GradScaler`, defaults
+/// included. bf16 has f32's exponent range and needs no scaling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MixedPrecision {
     /// Everything in the model's own dtype (f32); no master copies, no loss scaling.

@@ -1,13 +1,4 @@
-//! Each rank's own random generator, owned by the [`Accelerator`](crate::Accelerator) and saved in
-//! every checkpoint (`rng_<rank>.json`, like Accelerate's `random_states_<i>.pkl`), so that a model
-//! drawing from it (dropout) resumes bitwise.
-//!
-//! candle's CPU `rand`/`randn` draw from an unseedable thread generator, and a GPU generator's
-//! position cannot be read back, so neither can be checkpointed: randomness that must survive a
-//! resume comes from here. It is ChaCha8 (whose output is fixed by its specification), keyed by the
-//! accelerator's seed and the rank, so ranks draw different masks and every run with the same seed
-//! draws the same ones. Draws happen on the host; [`RankRng::dropout`] moves its mask to the
-//! tensor's device.
+//! Each rank's own random generator (see [`RankRng`]).
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -31,7 +22,18 @@ fn key(seed: u64, rank: usize) -> [u8; 32] {
     key
 }
 
-/// This rank's generator (see the module documentation).
+/// This rank's generator.
+///
+/// Each rank's own random generator, owned by the [`Accelerator`](crate::Accelerator) and saved in
+/// every checkpoint (`rng_<rank>.json`, like Accelerate's `random_states_<i>.pkl`), so that a model
+/// drawing from it (dropout) resumes bitwise.
+///
+/// candle's CPU `rand`/`randn` draw from an unseedable thread generator, and a GPU generator's
+/// position cannot be read back, so neither can be checkpointed: randomness that must survive a
+/// resume comes from here. It is ChaCha8 (whose output is fixed by its specification), keyed by the
+/// accelerator's seed and the rank, so ranks draw different masks and every run with the same seed
+/// draws the same ones. Draws happen on the host; [`RankRng::dropout`] moves its mask to the
+/// tensor's device.
 #[derive(Debug)]
 pub struct RankRng {
     rank: usize,

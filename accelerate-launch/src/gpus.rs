@@ -1,10 +1,10 @@
 //! How many GPUs the workers will see, without linking CUDA into the launcher: the machine's GPUs
-//! as the driver lists them (`accelerate_core::device::physical_gpu_count`), narrowed by
+//! as the driver lists them (`accelerate_core::physical_gpu_count`), narrowed by
 //! `CUDA_VISIBLE_DEVICES` the way the CUDA runtime does.
 
 /// GPUs visible to a worker started with this process's environment.
 pub fn visible_gpu_count() -> usize {
-    let physical = accelerate_core::device::physical_gpu_count();
+    let physical = accelerate_core::physical_gpu_count();
     visible_count(
         physical,
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),

@@ -13,8 +13,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use accelerate_core::comm::store::StoreServer;
 use accelerate_core::env::JOB_TOKEN;
+use accelerate_core::StoreServer;
 use clap::Parser;
 use rand::Rng;
 

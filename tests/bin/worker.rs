@@ -641,8 +641,8 @@ fn gather_after_loop() -> Result<()> {
 /// process's device. Joins without an `Accelerator`, which would join a second time.
 fn conformance() -> Result<()> {
     let state = accelerate_core::ProcessState::from_env()?;
-    let device = accelerate_core::device::select_device(&state)?;
-    let membership = accelerate_core::comm::join::join(&state, &device)?;
+    let device = accelerate_core::select_device(&state)?;
+    let membership = accelerate_core::join(&state, &device)?;
     accelerate_tests::conformance_suite::check_communicator(membership.comm.as_ref(), &device)
         .map_err(anyhow::Error::msg)?;
     if state.rank == 0 {

@@ -45,7 +45,7 @@ impl AcceleratorBuilder {
     }
 
     /// The device this process computes on (default: GPU `LOCAL_RANK` in a `cuda` build on a
-    /// machine with GPUs, else the CPU; see [`crate::device`]).
+    /// machine with GPUs, else the CPU; see [`select_device`](crate::select_device)).
     pub fn device(mut self, device: Device) -> Self {
         self.device = Some(device);
         self
@@ -65,7 +65,7 @@ impl AcceleratorBuilder {
     }
 
     /// Precision of the forward and backward passes (default: `ACCELERATE_MIXED_PRECISION`, else
-    /// [`MixedPrecision::No`]). See [`mixed_precision`](crate::mixed_precision).
+    /// [`MixedPrecision::No`]). See [`MixedPrecision`].
     pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
         self.mixed_precision = Some(mode);
         self

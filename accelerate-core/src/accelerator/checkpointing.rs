@@ -7,13 +7,50 @@ use crate::checkpoint::{self, TrainingView};
 use crate::error::Result;
 
 impl Accelerator {
-    /// Saves the whole training state into `dir` (see [`checkpoint`](crate::checkpoint)):
+    /// Saves the whole training state into `dir`:
     /// parameters, every prepared optimizer and scheduler, the accumulation counters and, per
     /// rank, the data loaders' positions, its generator ([`rng`](Self::rng)) and a partial
     /// window's gradients. Call it on every rank at the same point of the loop; it returns once the
     /// checkpoint is complete on disk, with the same outcome on every rank: if any rank fails, all
     /// return an error naming it. An existing checkpoint at `dir` is replaced atomically, and a
     /// replace that a crash interrupted is finished or rolled back first.
+    ///
+    /// # The checkpoint
+    ///
+    /// A checkpoint is a directory:
+    ///
+    /// | file | written by | holds |
+    /// |---|---|---|
+    /// | `model.safetensors` | main process | the parameters, by name (the f32 master weights under mixed precision) |
+    /// | `optimizer_<i>.safetensors`, `optimizer_<i>.json` | main | optimizer `i`'s tensors (moments, buffers); its kind and scalars (step counts, hyper-parameters) |
+    /// | `scheduler_<i>.json` | main | scheduler `i`'s step count and base learning rate |
+    /// | `accumulation.json` | main | the micro-step counter of the current window, K, the optimizer step count |
+    /// | `loss_scaler.json` | main, fp16 only | the dynamic loss scale and its growth tracker |
+    /// | `rank_<r>.json` | rank `r` | the position of each of its data loaders (epoch, batches consumed) |
+    /// | `rank_<r>_gradients.safetensors` | rank `r` | its partial gradient sums, only when saved inside an accumulation window |
+    /// | `rng_<r>.json` | rank `r` | the exact position of its own generator ([`RankRng`](crate::RankRng)) |
+    /// | `manifest.json` | main, last | format version, world size, parameter names/shapes/dtypes, size and CRC-32 of every file |
+    ///
+    /// The random state is the loaders' and each rank's generator's: the shuffle order of an epoch is a
+    /// pure function of the loader's seed and the epoch, so the epoch and the position within it
+    /// restore it; each rank's [`RankRng`](crate::RankRng) (dropout masks) is saved exactly in
+    /// `rng_<r>.json`. On a GPU, the device's own generator (whose position cannot be read) is reset to
+    /// a seed derived from the rank's generator at every save and load, so it too continues alike.
+    /// A checkpoint written before generators were saved has no `rng_<r>.json`; it still loads, with a
+    /// warning that the generators continue from where this run's are.
+    ///
+    /// Every file is written into a temporary sibling directory and fsynced; the directory is then
+    /// renamed into place, so a crash or a full disk leaves the previous checkpoint as it
+    /// was, and the next save or load finishes or rolls back a replace that a crash interrupted between
+    /// its renames. Loading reads and verifies every file before changing anything.
+    ///
+    /// Saving and loading are collectives: what one rank fails at (rank 0 creating the directory, a
+    /// rank writing its part) is agreed on by all ([`Accelerator::agree_across_ranks`](crate::Accelerator::agree_across_ranks)), so every rank returns the
+    /// same outcome and none is left waiting.
+    ///
+    /// CRC-32 (`crc32fast`, already a dependency of the tree) detects what happens to files by accident
+    /// (truncation, bit flips, a file from another checkpoint); it is not a defence against someone
+    /// forging a file, which a checkpoint directory one can write to cannot have anyway.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         checkpoint::save_state(&self.training_view(), dir.as_ref())
     }

@@ -28,7 +28,7 @@ impl Accelerator {
 
     /// Reduces a tensor over all ranks in place (every rank ends with the result). The tensor
     /// must be contiguous (a view with an offset is fine) and of a dtype the communicators carry
-    /// (see [`Communicator`]); on the host or on the accelerator's device.
+    /// (see [`Communicator`](crate::Communicator)); on the host or on the accelerator's device.
     pub fn reduce_in_place(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.comm.all_reduce(tensor, op)
     }

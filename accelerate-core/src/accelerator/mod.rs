@@ -102,7 +102,7 @@ impl Accelerator {
     /// This rank's own random generator, seeded from [`seed`](Self::seed) and the rank, saved by
     /// [`save_state`](Self::save_state) and restored by [`load_state`](Self::load_state): draw
     /// dropout masks and anything else random from it, so that a resumed run continues bitwise
-    /// (see [`rng`](crate::rng)).
+    /// (see [`RankRng`]).
     pub fn rng(&self) -> &RankRng {
         &self.rng
     }

@@ -62,11 +62,6 @@ impl Staging {
         &self.dir
     }
 
-    /// The directory it becomes.
-    pub fn target(&self) -> &Path {
-        &self.target
-    }
-
     /// Creates an empty staging directory, removing what an interrupted save left there.
     pub fn create(&self) -> Result<()> {
         let parent = parent_of(&self.target);

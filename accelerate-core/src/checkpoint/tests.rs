@@ -349,7 +349,7 @@ fn a_file_with_a_valid_checksum_but_bad_content_is_refused() {
         |d| {
             std::fs::write(d.join("accumulation.json"), b"[1, 2]").unwrap();
             let m = d.join("manifest.json");
-            let mut manifest: super::Manifest =
+            let mut manifest: super::manifest::Manifest =
                 serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
             manifest.files.insert(
                 "accumulation.json".into(),
@@ -574,7 +574,7 @@ fn a_checkpoint_saved_before_generators_were_saved_still_loads() {
     // As an older version wrote it: no rng_0.json, and the manifest does not list one.
     std::fs::remove_file(dir.join("rng_0.json")).unwrap();
     let m = dir.join("manifest.json");
-    let mut manifest: super::Manifest =
+    let mut manifest: super::manifest::Manifest =
         serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
     manifest.files.remove("rng_0.json");
     std::fs::write(&m, serde_json::to_vec(&manifest).unwrap()).unwrap();

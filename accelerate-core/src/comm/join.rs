@@ -8,7 +8,7 @@
 //!   set `ACCELERATE_JOB_TOKEN` for every rank, or the store accepts the empty token, like
 //!   PyTorch's TCPStore, which has none (see `store::host_for_job`).
 //!
-//! Every rank also starts its heartbeat ([`super::liveness`]) on a second store connection, so
+//! Every rank also starts its heartbeat (`comm::liveness`) on a second store connection, so
 //! that collectives can tell a dead peer from a busy one.
 
 use std::net::{SocketAddr, ToSocketAddrs};

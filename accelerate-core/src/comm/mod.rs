@@ -23,6 +23,8 @@ pub mod store;
 mod wire_properties;
 
 pub use cpu::{CpuCommOptions, CpuCommunicator};
+pub use cpu::{Transport, TransportChoice};
+pub use join::{join, Membership};
 pub use local::LocalCommunicator;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;

@@ -21,7 +21,8 @@ use crate::comm::cpu::shm::session::RoundTag;
 use crate::comm::cpu::shm::setup::{decode_record, HostCard, Plan};
 use crate::comm::cpu::{CpuCommOptions, TransportChoice};
 use crate::comm::store::wire::{self, FrameError, Request, Response};
-use crate::comm::store::{StoreServer, HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+use crate::comm::store::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+use crate::comm::store::StoreServer;
 use crate::error::Error;
 use crate::fuzzing;
 

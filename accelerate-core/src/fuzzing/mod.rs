@@ -18,7 +18,7 @@ use crate::comm::cpu::shm::region::{self, HEADER_WORDS, MAX_REASON_BYTES};
 use crate::comm::cpu::shm::session::RoundTag;
 use crate::comm::cpu::shm::setup::{self, HostCard, Plan};
 use crate::comm::store::wire::{self, Request, Response};
-use crate::comm::store::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+use crate::comm::store::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
 
 #[cfg(test)]
 mod corpus_replay;

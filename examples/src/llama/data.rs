@@ -77,8 +77,8 @@ impl TokenRows {
     /// problem and the fix.
     pub fn from_safetensors(path: &Path, vocab_size: Option<usize>) -> Result<Self> {
         let file = format!("--data {}", path.display());
-        let mut tensors = accelerate_core::files::load_safetensors(path, &Device::Cpu)
-            .with_context(|| file.clone())?;
+        let mut tensors =
+            accelerate_core::load_safetensors(path, &Device::Cpu).with_context(|| file.clone())?;
         let Some(ids) = tensors.remove(INPUT_IDS) else {
             let mut names: Vec<&String> = tensors.keys().collect();
             names.sort();
@@ -192,7 +192,7 @@ mod tests {
 
     fn write(dir: &Path, name: &str, t: Tensor) -> std::path::PathBuf {
         let p = dir.join("d.safetensors");
-        accelerate_core::files::save_safetensors(&p, &[(name.to_string(), t)]).unwrap();
+        accelerate_core::save_safetensors(&p, &[(name.to_string(), t)]).unwrap();
         p
     }
 

@@ -20,7 +20,7 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        accelerate_core::files::save_safetensors(path, &tensors)
+        accelerate_core::save_safetensors(path, &tensors)
     } else {
         Ok(())
     };

@@ -26,7 +26,7 @@ impl RunArgs {
         if !self.resume {
             return self.start_fresh(acc, root);
         }
-        let latest = accelerate_core::checkpoint::latest_checkpoint(root)
+        let latest = accelerate_core::latest_checkpoint(root)
             .with_context(|| format!("--resume: --checkpoint-dir {}", root.display()))?;
         let Some(latest) = latest else {
             acc.print(format!(
@@ -87,7 +87,7 @@ impl RunArgs {
     /// The main process's part of [`start_fresh`](Self::start_fresh): the number of another
     /// run's checkpoints deleted (0 when `root` holds none), or the refusal.
     fn clear_for_fresh_start(&self, root: &Path) -> accelerate_core::Result<usize> {
-        let existing = accelerate_core::checkpoint::list_checkpoints(root)?;
+        let existing = accelerate_core::list_checkpoints(root)?;
         let Some((newest, _)) = existing.last() else {
             return Ok(0);
         };

@@ -33,10 +33,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor};
 
-pub use options::{
-    parse_timeout, parse_transport, CpuCommOptions, TransportChoice, DEFAULT_BUSY_PEER_TIMEOUT,
-    DEFAULT_CHUNK_BYTES, DEFAULT_COLLECTIVE_TIMEOUT,
-};
+pub use options::{CpuCommOptions, TransportChoice};
 
 use self::element::Element;
 use self::frame::OpCode;

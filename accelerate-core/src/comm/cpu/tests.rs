@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::options::DEFAULT_CHUNK_BYTES;
 use super::*;
 use crate::comm::store::{StoreServer, TcpStoreClient};
 

@@ -16,9 +16,8 @@ mod tests;
 use std::time::Duration;
 
 pub use client::TcpStoreClient;
-pub use host::{check_master_addr, host_for_job, plan_hosting, HostPlan};
-pub use server::{StoreServer, StoreService, HELLO_TIMEOUT, MAX_PENDING_HELLOS};
-pub use wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+pub use host::{check_master_addr, host_for_job};
+pub use server::StoreServer;
 
 use crate::error::{Error, Result};
 

@@ -5,7 +5,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::wire::{decode, Response};
+use super::server::{StoreService, HELLO_TIMEOUT};
+use super::wire::{decode, Response, MAX_FRAME_BYTES};
 use super::*;
 use crate::error::Error;
 
