@@ -45,6 +45,20 @@ impl Default for AdamWConfig {
 /// update. `AdamW::new(params, AdamWConfig { .. })` builds one.
 pub type AdamW = ElementwiseOptimizer<AdamWConfig>;
 
+impl AdamWConfig {
+    /// The scalars of the update at learning rate `lr` and step `step` (from 1).
+    fn coefficients(&self, lr: f64, step: u64) -> AdamWCoefficients {
+        AdamWCoefficients::new(
+            lr,
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            step,
+        )
+    }
+}
+
 impl UpdateRule for AdamWConfig {
     const KIND: &'static str = "adamw";
     const NAME: &'static str = "AdamW";
@@ -122,14 +136,7 @@ impl UpdateRule for AdamWConfig {
         step: u64,
         _first: bool,
     ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
-        let c = AdamWCoefficients::new(
-            lr,
-            self.beta1,
-            self.beta2,
-            self.eps,
-            self.weight_decay,
-            step,
-        );
+        let c = self.coefficients(lr, step);
         move |p, g, state| match state {
             [exp_avg, exp_avg_sq] => kernels::adamw(p, g, exp_avg, exp_avg_sq, &c),
             _ => unreachable!("AdamW keeps two state tensors per parameter"),
@@ -170,14 +177,7 @@ impl UpdateRule for AdamWConfig {
         step: u64,
         _first: bool,
     ) -> Result<bool> {
-        let c = AdamWCoefficients::new(
-            lr,
-            self.beta1,
-            self.beta2,
-            self.eps,
-            self.weight_decay,
-            step,
-        );
+        let c = self.coefficients(lr, step);
         let [exp_avg, exp_avg_sq] = state else {
             unreachable!("AdamW keeps two state tensors per parameter")
         };

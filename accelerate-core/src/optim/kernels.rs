@@ -190,14 +190,8 @@ mod tests {
     use super::*;
 
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        // A fixed LCG: reproducible values in [-1, 1) without a dependency.
-        let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(1664525).wrapping_add(1013904223);
-                (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
+        let values = crate::optim::test_util::pseudo_random(n, seed);
+        values.into_iter().map(|x| x as f32).collect()
     }
 
     #[test]
