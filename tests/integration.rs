@@ -30,3 +30,5 @@ mod llama;
 mod mixed_precision;
 // Overlap of gradient reduction with bucket preparation.
 mod overlap;
+// A user's own optimizer through `prepare()`, against hand-computed window means.
+mod user_optimizer;

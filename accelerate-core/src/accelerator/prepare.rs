@@ -251,15 +251,9 @@ impl Prepare for Vec<(String, Var)> {
     }
 }
 
-impl Prepare for crate::optim::Sgd {
-    type Prepared = PreparedOptimizer<Self>;
-    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
-        accelerator.prepare_optimizer(self)
-    }
-}
-
-impl Prepare for crate::optim::AdamW {
-    type Prepared = PreparedOptimizer<Self>;
+/// Every optimizer, the library's and a user's own: anything implementing [`Optimizer`].
+impl<O: Optimizer + Send + 'static> Prepare for O {
+    type Prepared = PreparedOptimizer<O>;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
         accelerator.prepare_optimizer(self)
     }

@@ -153,44 +153,36 @@ pub(crate) fn sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], first: bool, c: &Sg
     }
 }
 
-/// Runs `kernel` over `(p, g, a, b)`, on several threads when `p` has more than `parallel_min`
-/// elements. `a` and `b` are state slices of `p`'s length, or empty when the kernel needs none; each
-/// call of `kernel` receives matching chunks (empty ones for empty state).
+/// Runs `kernel` over `(p, g, state)`, on several threads when `p` has more than `parallel_min`
+/// elements. Every slice of `state` has `p`'s length; each call of `kernel` receives matching
+/// chunks of `p`, `g` and every state slice.
 pub(crate) fn apply_split<F>(
     p: &mut [f32],
     g: &[f32],
-    a: &mut [f32],
-    b: &mut [f32],
+    state: &mut [&mut [f32]],
     parallel_min: usize,
-    kernel: F,
+    kernel: &F,
 ) where
-    F: Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Sync,
+    F: Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync,
 {
+    debug_assert!(g.len() == p.len() && state.iter().all(|s| s.len() == p.len()));
     let n = p.len();
     if n <= parallel_min.max(1) {
-        kernel(p, g, a, b);
+        kernel(p, g, state);
         return;
     }
     let parts = rayon::current_num_threads().max(2);
     let chunk = n.div_ceil(parts);
-    let kernel = &kernel;
+    let mut state_chunks: Vec<_> = state.iter_mut().map(|s| s.chunks_mut(chunk)).collect();
     rayon::scope(|scope| {
-        let chunks = p
-            .chunks_mut(chunk)
-            .zip(g.chunks(chunk))
-            .zip(chunks_or_empty(a, chunk))
-            .zip(chunks_or_empty(b, chunk));
-        for (((p, g), a), b) in chunks {
-            scope.spawn(move |_| kernel(p, g, a, b));
+        for (p, g) in p.chunks_mut(chunk).zip(g.chunks(chunk)) {
+            let mut state: Vec<&mut [f32]> = state_chunks
+                .iter_mut()
+                .map(|chunks| chunks.next().unwrap_or_default())
+                .collect();
+            scope.spawn(move |_| kernel(p, g, &mut state));
         }
     });
-}
-
-/// Chunks of `s`, followed by empty slices forever (so that an empty state slice pairs with every
-/// chunk of the parameter).
-fn chunks_or_empty(s: &mut [f32], chunk: usize) -> impl Iterator<Item = &mut [f32]> {
-    s.chunks_mut(chunk)
-        .chain(std::iter::repeat_with(<&mut [f32]>::default))
 }
 
 #[cfg(test)]
@@ -198,14 +190,8 @@ mod tests {
     use super::*;
 
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        // A fixed LCG: reproducible values in [-1, 1) without a dependency.
-        let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(1664525).wrapping_add(1013904223);
-                (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
+        let values = crate::optim::test_util::pseudo_random(n, seed);
+        values.into_iter().map(|x| x as f32).collect()
     }
 
     #[test]
@@ -217,12 +203,12 @@ mod tests {
             let mut v1: Vec<f32> = pseudo_random(n, 4).iter().map(|x| x * x).collect();
             let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
             let c = AdamWCoefficients::new(1e-2, 0.9, 0.999, 1e-8, 0.1, 3);
-            apply_split(&mut p1, &g, &mut m1, &mut v1, usize::MAX, |p, g, m, v| {
-                adamw(p, g, m, v, &c)
-            });
-            apply_split(&mut p2, &g, &mut m2, &mut v2, 0, |p, g, m, v| {
-                adamw(p, g, m, v, &c)
-            });
+            let kernel = |p: &mut [f32], g: &[f32], s: &mut [&mut [f32]]| match s {
+                [m, v] => adamw(p, g, m, v, &c),
+                _ => unreachable!("two state slices"),
+            };
+            apply_split(&mut p1, &g, &mut [&mut m1, &mut v1], usize::MAX, &kernel);
+            apply_split(&mut p2, &g, &mut [&mut m2, &mut v2], 0, &kernel);
             assert_eq!(p1, p2, "n = {n}");
             assert_eq!(m1, m2, "n = {n}");
             assert_eq!(v1, v2, "n = {n}");
@@ -241,8 +227,8 @@ mod tests {
             weight_decay: 0.0,
             nesterov: false,
         };
-        apply_split(&mut p, &g, &mut [], &mut [], 0, |p, g, a, _| {
-            sgd(p, g, a, true, &c)
+        apply_split(&mut p, &g, &mut [], 0, &|p, g, _| {
+            sgd(p, g, &mut [], true, &c)
         });
         assert!(
             p.iter().all(|&x| x == -0.5),

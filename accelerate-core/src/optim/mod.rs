@@ -1,29 +1,40 @@
 //! Optimizers with inspectable, savable state, and learning-rate schedulers.
 //!
 //! [`Sgd`] and [`AdamW`] follow PyTorch's `torch.optim.SGD` and `torch.optim.AdamW` (single parameter
-//! group, non-foreach) operation by operation. On the CPU with f32 tensors each parameter is updated
-//! in one pass over its data, with no temporary tensors (candle-nn's AdamW allocates one per
-//! elementwise operation and keeps its state private); other devices and dtypes use tensor ops.
+//! group, non-foreach) operation by operation. Each is an [`UpdateRule`] (its configuration, which
+//! writes the per-element update) inside the one [`ElementwiseOptimizer`], which owns the state,
+//! the walk over the parameters, the fused/tensor-op split and save/load. With f32 tensors on the
+//! CPU (or a GPU) each parameter is updated in one pass over its data, with no temporary tensors
+//! (candle-nn's AdamW allocates one per elementwise operation and keeps its state private); other
+//! devices and dtypes use tensor ops.
+//!
+//! Any other type implementing [`Optimizer`] goes through `Accelerator::prepare` too.
 //!
 //! The learning rate lives in a shared [`LearningRate`] handle that the optimizer reads at every step
 //! and an [`LrScheduler`] writes.
 
 mod adamw;
+#[cfg(test)]
+mod conformance;
 #[cfg(feature = "cuda")]
 mod cuda_kernels;
+mod elementwise;
 mod kernels;
 mod lr;
+mod rule;
 mod scheduler;
 mod sgd;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use elementwise::ElementwiseOptimizer;
 pub use lr::LearningRate;
+pub use rule::UpdateRule;
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;
 
-use candle_core::{Tensor, Var};
+use candle_core::Var;
 
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
@@ -48,42 +59,6 @@ pub trait Optimizer {
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
 }
 
-/// Sorts `params` by name and rejects duplicates and an empty list.
-fn sorted_params(params: Vec<(String, Var)>, optimizer: &str) -> Result<Vec<(String, Var)>> {
-    if params.is_empty() {
-        return Err(Error::Optimizer(format!(
-            "{optimizer} got an empty parameter list; pass the model's named variables \
-             (e.g. from the VarMap the model was built with)"
-        )));
-    }
-    crate::grads::sorted_named_vars(params)
-}
-
-/// The learning rate to use now, rejected if a scheduler or user set something meaningless.
-fn current_lr(lr: &LearningRate) -> Result<f64> {
-    let value = lr.get();
-    if !(value.is_finite() && value >= 0.0) {
-        return Err(Error::Optimizer(format!(
-            "learning rate is {value}; it must be finite and >= 0 (check what set the \
-             LearningRate handle: the optimizer config or a scheduler's base learning rate)"
-        )));
-    }
-    Ok(value)
-}
-
-/// Checks that `grad` fits parameter `name`.
-fn check_grad(name: &str, var: &Var, grad: &Tensor) -> Result<()> {
-    if grad.shape() != var.shape() {
-        return Err(Error::Optimizer(format!(
-            "gradient of {name:?} has shape {:?} but the parameter has shape {:?}; the gradient \
-             buffers were built for other parameters than the optimizer's",
-            grad.dims(),
-            var.dims()
-        )));
-    }
-    Ok(())
-}
-
 /// Fails with a PyTorch-style message unless `ok`.
 fn require(ok: bool, what: &str, value: f64, rule: &str) -> Result<()> {
     if ok {
@@ -91,23 +66,6 @@ fn require(ok: bool, what: &str, value: f64, rule: &str) -> Result<()> {
     } else {
         Err(Error::Optimizer(format!("invalid {what} {value}: {rule}")))
     }
-}
-
-/// Flattens one level of the `Result<Option<_>>` returned by nested `cpu_slices` calls: `Some`
-/// only if every level ran.
-fn nested<T>(r: Result<Option<Result<Option<T>>>>) -> Result<Option<T>> {
-    Ok(r?.transpose()?.flatten())
-}
-
-/// A parameter's value as a plain tensor in `dtype`, outside the autograd graph.
-fn detached(var: &Var, dtype: candle_core::DType) -> Result<Tensor> {
-    Ok(var.as_tensor().detach().to_dtype(dtype)?)
-}
-
-/// Writes `value` (in any dtype) into the parameter.
-fn write_param(var: &Var, value: &Tensor) -> Result<()> {
-    var.set(&value.to_dtype(var.dtype())?)?;
-    Ok(())
 }
 
 #[cfg(test)]

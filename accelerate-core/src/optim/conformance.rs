@@ -1,0 +1,488 @@
+//! The tests every update rule passes, written once: each rule's test module implements
+//! [`Conformance`] (its configurations, the published formula in f64, its invalid settings) and
+//! invokes [`suite!`] to get one `#[test]` per check.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+
+use super::test_util::{assert_close, buffers, named, pseudo_random, values};
+use super::{ElementwiseOptimizer, Optimizer, OptimizerState, UpdateRule};
+
+/// What the suite needs to know about a rule.
+pub(crate) trait Conformance: UpdateRule + Default + PartialEq {
+    /// How close the f32 paths come to the f64 formula (relative, or absolute below 1).
+    const F32_TOLERANCE: f64;
+    /// How close the f64 tensor-op path comes to the f64 formula.
+    const F64_TOLERANCE: f64;
+
+    /// Named configurations that together take every branch of the update.
+    fn configs() -> Vec<(&'static str, Self)>;
+
+    /// A configuration that keeps state for every parameter, with a learning rate other than the
+    /// default (the state tests need something to save).
+    fn stateful() -> Self;
+
+    /// Configurations `new` refuses, each with a word the error must contain.
+    fn invalid_configs() -> Vec<(Self, &'static str)>;
+
+    /// The rule as published, one scalar at a time in f64, for one parameter starting at `p0`:
+    /// each call takes a gradient and returns the parameter after that update.
+    fn reference(&self, p0: &[f64]) -> Reference;
+}
+
+/// The published formula for one parameter: each call takes a gradient and returns the parameter
+/// after that update.
+pub(crate) type Reference = Box<dyn FnMut(&[f64]) -> Vec<f64>>;
+
+const A0: [f64; 5] = [0.5, -1.25, 2.0, 0.0, -0.3];
+const B0: [f64; 3] = [1.0, -2.0, 0.75];
+
+/// Gradients of "a" and "b" at step `s`: they change every step, signs and scale included.
+fn grads_at(s: usize) -> (Vec<f64>, Vec<f64>) {
+    let a = pseudo_random(A0.len(), 10 + s as u32);
+    let b = pseudo_random(B0.len(), 100 + s as u32)
+        .iter()
+        .map(|x| x * 3.0)
+        .collect();
+    (a, b)
+}
+
+/// An optimizer over "a" and "b" (given out of order: `new` sorts by name).
+fn optimizer<R: Conformance>(config: R, dtype: DType) -> ElementwiseOptimizer<R> {
+    ElementwiseOptimizer::new(named(&[("b", &B0), ("a", &A0)], dtype), config).unwrap()
+}
+
+fn run<R: Conformance>(opt: &mut ElementwiseOptimizer<R>, steps: std::ops::Range<usize>) {
+    for s in steps {
+        let (ga, gb) = grads_at(s);
+        opt.step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+            .unwrap();
+    }
+}
+
+/// Tensors (widened to f64, exactly) and scalars of a state.
+type Contents = (BTreeMap<String, Vec<f64>>, BTreeMap<String, f64>);
+
+fn contents(s: &OptimizerState) -> Contents {
+    let tensors = s
+        .tensors
+        .iter()
+        .map(|(k, t)| {
+            let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+            (k.clone(), v.to_vec1().unwrap())
+        })
+        .collect();
+    (tensors, s.scalars.clone())
+}
+
+/// Four updates of every configuration, compared with the formula after each.
+fn check_against_reference<R: Conformance>(dtype: DType, force_fallback: bool, tolerance: f64) {
+    for (what, config) in R::configs() {
+        let mut opt = optimizer(config.clone(), dtype);
+        opt.force_fallback = force_fallback;
+        let (mut ra, mut rb) = (config.reference(&A0), config.reference(&B0));
+        for s in 0..4 {
+            run(&mut opt, s..s + 1);
+            let (ga, gb) = grads_at(s);
+            let (a, b) = (ra(&ga), rb(&gb));
+            let label = |p| format!("{}, {what}: {p} after update {s}", R::NAME);
+            assert_close(&values(&opt.params()[0].1), &a, tolerance, &label("a"));
+            assert_close(&values(&opt.params()[1].1), &b, tolerance, &label("b"));
+        }
+        let fused = dtype == DType::F32 && !force_fallback;
+        let expected_fallbacks = if fused { 0 } else { 8 };
+        assert_eq!(opt.fallback_updates, expected_fallbacks, "{what}");
+    }
+}
+
+pub(crate) fn the_fused_path_matches_the_formula<R: Conformance>() {
+    check_against_reference::<R>(DType::F32, false, R::F32_TOLERANCE);
+}
+
+pub(crate) fn the_tensor_op_path_matches_the_formula<R: Conformance>() {
+    check_against_reference::<R>(DType::F64, false, R::F64_TOLERANCE);
+    check_against_reference::<R>(DType::F32, true, R::F32_TOLERANCE);
+}
+
+pub(crate) fn the_fused_and_tensor_op_paths_agree_on_f32<R: Conformance>() {
+    for (what, config) in R::configs() {
+        let mut fused = optimizer(config.clone(), DType::F32);
+        let mut ops = optimizer(config, DType::F32);
+        ops.force_fallback = true;
+        run(&mut fused, 0..5);
+        run(&mut ops, 0..5);
+        assert_eq!((fused.fallback_updates, ops.fallback_updates), (0, 10));
+        for i in 0..2 {
+            let f = values(&fused.params()[i].1);
+            assert_close(&values(&ops.params()[i].1), &f, 1e-6, what);
+        }
+        let (f, o) = (
+            contents(&fused.state().unwrap()),
+            contents(&ops.state().unwrap()),
+        );
+        assert_eq!(f.1, o.1, "{what}: scalars");
+        assert_eq!(
+            f.0.keys().collect::<Vec<_>>(),
+            o.0.keys().collect::<Vec<_>>()
+        );
+        for (k, t) in &f.0 {
+            assert_close(&o.0[k], t, 1e-6, &format!("{what}: {k}"));
+        }
+    }
+}
+
+pub(crate) fn a_parameter_split_over_threads_equals_the_unsplit_update<R: Conformance>() {
+    let n = 3001;
+    let p0 = pseudo_random(n, 7);
+    let make = || ElementwiseOptimizer::new(named(&[("w", &p0)], DType::F32), R::stateful());
+    let (mut whole, mut split) = (make().unwrap(), make().unwrap());
+    split.parallel_min_elems = 100;
+    for s in 0..3 {
+        let g = pseudo_random(n, 20 + s);
+        whole.step(&buffers(whole.params(), &[("w", &g)])).unwrap();
+        split.step(&buffers(split.params(), &[("w", &g)])).unwrap();
+    }
+    assert_eq!(values(&whole.params()[0].1), values(&split.params()[0].1));
+    assert_eq!(
+        contents(&whole.state().unwrap()),
+        contents(&split.state().unwrap())
+    );
+    assert_ne!(values(&whole.params()[0].1), p0, "the parameter did move");
+}
+
+pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Conformance>() {
+    let config = R::stateful();
+    let mut opt = optimizer(config.clone(), DType::F32);
+    let mut ra = config.reference(&A0);
+    for s in 0..3 {
+        let (ga, _) = grads_at(s);
+        opt.step(&buffers(opt.params(), &[("a", &ga)])).unwrap();
+        ra(&ga);
+    }
+    // Not even weight decay reached "b".
+    assert_eq!(
+        values(&opt.params()[1].1),
+        B0.map(|x| x as f32 as f64).to_vec(),
+        "bit for bit, as stored in f32"
+    );
+    let state = opt.state().unwrap();
+    let of = |p: &str| -> Vec<String> {
+        let keys = state.tensors.keys().chain(state.scalars.keys());
+        keys.filter(|k| k.ends_with(p)).cloned().collect()
+    };
+    assert!(of(".b").is_empty(), "{:?}", of(".b"));
+    assert_eq!(
+        of(".a").len(),
+        config.state_names().len() + usize::from(R::COUNTS_STEPS)
+    );
+    if R::COUNTS_STEPS {
+        assert_eq!(state.scalars["step.a"], 3.0);
+    }
+    // Its first gradient is its first update (fresh state), while "a" continues.
+    let mut rb = config.reference(&B0);
+    let (ga, gb) = grads_at(3);
+    opt.step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+        .unwrap();
+    let tolerance = R::F32_TOLERANCE;
+    assert_close(&values(&opt.params()[0].1), &ra(&ga), tolerance, "a");
+    assert_close(&values(&opt.params()[1].1), &rb(&gb), tolerance, "b");
+    if R::COUNTS_STEPS {
+        let state = opt.state().unwrap();
+        assert_eq!(
+            (state.scalars["step.a"], state.scalars["step.b"]),
+            (4.0, 1.0)
+        );
+    }
+}
+
+pub(crate) fn the_learning_rate_is_read_at_every_step<R: Conformance>() {
+    for (what, config) in R::configs() {
+        let mut opt = optimizer(config, DType::F32);
+        let before: Vec<_> = opt.params().iter().map(|(_, v)| values(v)).collect();
+        opt.learning_rate().clone().set(0.0);
+        run(&mut opt, 0..2);
+        let after: Vec<_> = opt.params().iter().map(|(_, v)| values(v)).collect();
+        assert_eq!(after, before, "{what}: lr 0 moves nothing");
+        assert_eq!(opt.config().lr(), 0.0);
+    }
+}
+
+pub(crate) fn a_bad_learning_rate_or_gradient_is_refused<R: Conformance>() {
+    let mut opt = optimizer(R::stateful(), DType::F32);
+    let before: Vec<_> = opt.params().iter().map(|(_, v)| values(v)).collect();
+    let handle = opt.learning_rate().clone();
+    for bad in [f64::NAN, -1e-3, f64::INFINITY] {
+        handle.set(bad);
+        let (ga, gb) = grads_at(0);
+        let err = opt
+            .step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("learning rate is"), "{err}");
+    }
+    handle.set(0.1);
+    // Gradient buffers built for a parameter "a" of 3 elements where the optimizer's has 5.
+    let other = named(&[("a", &[1.0, 2.0, 3.0])], DType::F32);
+    let err = opt
+        .step(&buffers(&other, &[("a", &[1.0, 1.0, 1.0])]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[3]") && err.contains("[5]"), "{err}");
+    let after: Vec<_> = opt.params().iter().map(|(_, v)| values(v)).collect();
+    assert_eq!(after, before, "refused steps change nothing");
+    assert!(opt.state().unwrap().tensors.is_empty());
+}
+
+pub(crate) fn invalid_hyper_parameters_and_parameter_lists_are_refused<R: Conformance>() {
+    let params = || named(&[("w", &[1.0])], DType::F32);
+    for (config, word) in R::invalid_configs() {
+        let err = ElementwiseOptimizer::new(params(), config)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(word), "{err}");
+    }
+    let dup = vec![params().remove(0), params().remove(0)];
+    let err = ElementwiseOptimizer::new(dup, R::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"w\"") && err.contains("twice"), "{err}");
+    let err = ElementwiseOptimizer::new(vec![], R::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("empty") && err.contains(R::NAME), "{err}");
+}
+
+pub(crate) fn a_state_round_trip_continues_identically<R: Conformance>() {
+    let config = R::stateful();
+    let mut straight = optimizer(config.clone(), DType::F32);
+    run(&mut straight, 0..5);
+
+    let mut first = optimizer(config.clone(), DType::F32);
+    run(&mut first, 0..2);
+    let saved = first.state().unwrap();
+    let saved_contents = contents(&saved);
+    assert!(!saved.tensors.is_empty() || config.state_names().is_empty());
+    // Moving on does not reach the saved copy.
+    run(&mut first, 2..3);
+    assert_eq!(contents(&saved), saved_contents, "state() is a deep copy");
+
+    // A fresh optimizer with default hyper-parameters over parameters holding the values at the
+    // time of saving.
+    let mut resumed =
+        ElementwiseOptimizer::new(named(&[("a", &A0), ("b", &B0)], DType::F32), R::default())
+            .unwrap();
+    let mut at_save = optimizer(config.clone(), DType::F32);
+    run(&mut at_save, 0..2);
+    for ((_, dst), (_, src)) in resumed.params().iter().zip(at_save.params()) {
+        dst.set(src.as_tensor()).unwrap();
+    }
+    resumed.load_state(&saved).unwrap();
+    assert!(
+        resumed.config() == config,
+        "hyper-parameters come from the state: {:?}",
+        resumed.config()
+    );
+    assert_eq!(resumed.learning_rate().get(), config.lr());
+    run(&mut resumed, 2..5);
+    assert_eq!(
+        contents(&saved),
+        saved_contents,
+        "load_state copies the tensors"
+    );
+    for i in 0..2 {
+        assert_eq!(
+            values(&resumed.params()[i].1),
+            values(&straight.params()[i].1)
+        );
+    }
+    assert_eq!(
+        contents(&resumed.state().unwrap()),
+        contents(&straight.state().unwrap())
+    );
+}
+
+pub(crate) fn mismatched_states_are_refused_and_nothing_is_loaded<R: Conformance>() {
+    let config = R::stateful();
+    let mut source = optimizer(config.clone(), DType::F32);
+    run(&mut source, 0..2);
+    let good = source.state().unwrap();
+
+    let mut other = config.clone();
+    other.set_lr(config.lr() * 5.0);
+    let mut target = optimizer(other, DType::F32);
+    run(&mut target, 0..1);
+    let before = contents(&target.state().unwrap());
+    let mut refused = Vec::new();
+
+    // The model's "b" is called "c" in the state.
+    let mut renamed = OptimizerState::new(good.kind.clone());
+    for (k, t) in &good.tensors {
+        renamed.tensors.insert(k.replace(".b", ".c"), t.clone());
+    }
+    for (k, v) in &good.scalars {
+        renamed.scalars.insert(k.replace(".b", ".c"), *v);
+    }
+    refused.push((renamed, vec![".c", "parameter names"]));
+
+    let mut unknown = good.clone();
+    unknown.scalars.insert("step.z".into(), 1.0);
+    refused.push((unknown, vec!["step.z", "parameter names"]));
+
+    if let Some(k) = good.tensors.keys().find(|k| k.ends_with(".a")) {
+        let mut reshaped = good.clone();
+        let t = Tensor::zeros(4, DType::F32, &candle_core::Device::Cpu).unwrap();
+        reshaped.tensors.insert(k.clone(), t);
+        refused.push((reshaped, vec![k.as_str(), "[4]", "[5]"]));
+    }
+    // The same number of elements as "b" (3), in another shape.
+    if let Some(k) = good.tensors.keys().find(|k| k.ends_with(".b")) {
+        let mut reshaped = good.clone();
+        let t = Tensor::zeros((3, 1), DType::F32, &candle_core::Device::Cpu).unwrap();
+        reshaped.tensors.insert(k.clone(), t);
+        refused.push((reshaped, vec![k.as_str(), "[3, 1]"]));
+    }
+
+    // A parameter with several entries that lacks one of them.
+    let entries_of_b = config.state_names().len() + usize::from(R::COUNTS_STEPS);
+    let last_of_b = good.tensors.keys().rev().find(|k| k.ends_with(".b"));
+    let mut incomplete = good.clone();
+    let missing = last_of_b.map(|k| format!("{k:?} missing"));
+    if let (true, Some(k)) = (entries_of_b > 1, last_of_b) {
+        incomplete.tensors.remove(k);
+        refused.push((incomplete, vec![missing.as_deref().unwrap(), "incomplete"]));
+    }
+
+    let mut wrong_kind = good.clone();
+    wrong_kind.kind = "another".into();
+    let expected_kind = format!("{:?}", R::KIND);
+    refused.push((wrong_kind, vec!["\"another\"", expected_kind.as_str()]));
+
+    let names: Vec<&str> = config.hyper_parameters().iter().map(|(n, _)| *n).collect();
+    for name in &names {
+        let mut lacking = good.clone();
+        lacking.scalars.remove(*name);
+        refused.push((lacking, vec![name]));
+    }
+    for (invalid, word) in R::invalid_configs() {
+        let mut bad = good.clone();
+        for (k, v) in invalid.hyper_parameters() {
+            bad.scalars.insert(k.to_string(), v);
+        }
+        refused.push((bad, vec![word]));
+    }
+
+    for (state, words) in &refused {
+        let err = target.load_state(state).unwrap_err().to_string();
+        for word in words {
+            assert!(err.contains(word), "expected {word:?} in: {err}");
+        }
+        assert_eq!(
+            contents(&target.state().unwrap()),
+            before,
+            "a refused load changes nothing ({err})"
+        );
+        assert_eq!(target.learning_rate().get(), config.lr() * 5.0);
+    }
+    target.load_state(&good).unwrap();
+    assert_eq!(contents(&target.state().unwrap()), contents(&good));
+    assert_eq!(
+        target.learning_rate().get(),
+        config.lr(),
+        "the learning rate comes from the state, as in PyTorch"
+    );
+}
+
+/// The CUDA kernel against the CPU kernel, every configuration, with no tensor-op fallback.
+#[cfg(feature = "cuda")]
+pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
+    use super::test_util::{cuda_buffers, on_cuda};
+    for (what, config) in R::configs() {
+        let mut cpu = optimizer(config.clone(), DType::F32);
+        let mut gpu = ElementwiseOptimizer::new(on_cuda(cpu.params()), config).unwrap();
+        for s in 0..5 {
+            let (ga, gb) = grads_at(s);
+            run(&mut cpu, s..s + 1);
+            gpu.step(&cuda_buffers(gpu.params(), &[("a", &ga), ("b", &gb)]))
+                .unwrap();
+        }
+        assert_eq!(
+            gpu.fallback_updates, 0,
+            "{what}: every update took the kernel"
+        );
+        for i in 0..2 {
+            let c = values(&cpu.params()[i].1);
+            let label = format!("{}, {what}: param on the GPU", R::NAME);
+            assert_close(&values(&gpu.params()[i].1), &c, 1e-6, &label);
+        }
+    }
+}
+
+/// One `#[test]` per check of the suite for the rule `$rule` (a full path: the tests live in a
+/// module `conformance` of their own), in that module.
+macro_rules! suite {
+    ($rule:ty) => {
+        mod conformance {
+            use crate::optim::conformance as suite;
+
+            #[test]
+            fn the_fused_path_matches_the_formula() {
+                suite::the_fused_path_matches_the_formula::<$rule>();
+            }
+
+            #[test]
+            fn the_tensor_op_path_matches_the_formula() {
+                suite::the_tensor_op_path_matches_the_formula::<$rule>();
+            }
+
+            #[test]
+            fn the_fused_and_tensor_op_paths_agree_on_f32() {
+                suite::the_fused_and_tensor_op_paths_agree_on_f32::<$rule>();
+            }
+
+            #[test]
+            fn a_parameter_split_over_threads_equals_the_unsplit_update() {
+                suite::a_parameter_split_over_threads_equals_the_unsplit_update::<$rule>();
+            }
+
+            #[test]
+            fn a_parameter_without_gradient_is_untouched_and_gets_no_state() {
+                suite::a_parameter_without_gradient_is_untouched_and_gets_no_state::<$rule>();
+            }
+
+            #[test]
+            fn the_learning_rate_is_read_at_every_step() {
+                suite::the_learning_rate_is_read_at_every_step::<$rule>();
+            }
+
+            #[test]
+            fn a_bad_learning_rate_or_gradient_is_refused() {
+                suite::a_bad_learning_rate_or_gradient_is_refused::<$rule>();
+            }
+
+            #[test]
+            fn invalid_hyper_parameters_and_parameter_lists_are_refused() {
+                suite::invalid_hyper_parameters_and_parameter_lists_are_refused::<$rule>();
+            }
+
+            #[test]
+            fn a_state_round_trip_continues_identically() {
+                suite::a_state_round_trip_continues_identically::<$rule>();
+            }
+
+            #[test]
+            fn mismatched_states_are_refused_and_nothing_is_loaded() {
+                suite::mismatched_states_are_refused_and_nothing_is_loaded::<$rule>();
+            }
+
+            #[cfg(feature = "cuda")]
+            #[test]
+            #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
+            fn the_cuda_kernel_matches_the_cpu_kernel_in_one_launch_per_parameter() {
+                suite::the_cuda_kernel_matches_the_cpu_kernel::<$rule>();
+            }
+        }
+    };
+}
+
+pub(crate) use suite;
