@@ -30,5 +30,7 @@ mod llama;
 mod mixed_precision;
 // Overlap of gradient reduction with bucket preparation.
 mod overlap;
+// Two models with their own optimizers and accumulation, and frozen parameters.
+mod several_models;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;

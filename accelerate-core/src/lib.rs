@@ -107,6 +107,7 @@ mod fuzzing;
 mod grads;
 mod malloc;
 mod mixed_precision;
+mod model;
 pub mod optim;
 mod prepared;
 mod rng;
@@ -137,6 +138,7 @@ pub use malloc::keep_freed_memory;
 pub use mixed_precision::{
     DynamicLossScaler, LossScalerConfig, LossScalerState, MasterWeights, MixedPrecision,
 };
+pub use model::{Model, PreparedModel};
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use rng::{RankRng, RngState};
 pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};

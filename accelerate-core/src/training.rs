@@ -11,8 +11,8 @@
 //! One lock guards the state, taken once per call and never held across a call into user code.
 //! A prepared optimizer or scheduler sits behind its own lock (its handle hands it out through
 //! `inner()`). The order is always the state's lock first, then an optimizer's or a scheduler's;
-//! nothing takes the state's lock while holding one of those. The loaders' iteration stack
-//! ([`LoaderStack`]) is a leaf: nothing else is locked while it is held.
+//! nothing takes the state's lock while holding one of those. The prepared loaders
+//! ([`PreparedLoaders`]) are a leaf: nothing else is locked while they are.
 //!
 //! One training process is one thread of control: the locks exist so that the prepared objects
 //! are `Send` and can be dropped or saved from anywhere, not for contention.
@@ -24,7 +24,7 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::accumulate::{Accumulation, AccumulationCounters, MicroStep};
 use crate::comm::Communicator;
-use crate::data::{LoaderProgress, LoaderStack};
+use crate::data::PreparedLoaders;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 use crate::mixed_precision::{
@@ -44,25 +44,12 @@ pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Where one data loader of a rank stands (saved per rank in checkpoints).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct LoaderPosition {
-    /// The epoch to resume in.
-    pub epoch: u64,
-    /// Batches of that epoch this rank has already consumed.
-    pub batches_consumed: usize,
-    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
-    pub batches_per_epoch: usize,
-}
-
 /// What a checkpoint keeps of the training state (the parameters are saved beside it), taken at
 /// one instant under the state's lock.
 #[derive(Debug)]
 pub(crate) struct TrainingSnapshot {
     /// The accumulation counters and the optimizer step count.
     pub counters: AccumulationCounters,
-    /// Every prepared loader's position on this rank, in order of preparation.
-    pub loaders: Vec<LoaderPosition>,
     /// Inside a window, this rank's partial gradient sums by parameter name.
     pub window_gradients: Option<BTreeMap<String, Tensor>>,
     /// Every prepared optimizer's state, in order of preparation.
@@ -79,8 +66,8 @@ pub(crate) struct TrainingState {
     /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
     /// Set once, read without the lock.
     params: OnceLock<Vec<(String, Var)>>,
-    /// Which prepared loaders a loop is inside, innermost last.
-    loader_stack: Arc<LoaderStack>,
+    /// The accelerator's prepared loaders, shared by every prepared model.
+    loaders: Arc<PreparedLoaders>,
     steps: Mutex<Steps>,
 }
 
@@ -90,8 +77,6 @@ struct Steps {
     /// Present once the parameters were prepared.
     grads: Option<GradientBuffers>,
     mixed: MixedPrecisionState,
-    /// Every prepared loader's progress, in order of preparation.
-    loaders: Vec<Arc<LoaderProgress>>,
     /// Every prepared optimizer, in order of preparation (what checkpoints save as `optimizer_<i>`).
     optimizers: Vec<SharedOptimizer>,
     /// Every prepared scheduler, in order of preparation.
@@ -102,7 +87,6 @@ impl std::fmt::Debug for Steps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Steps")
             .field("accumulation", &self.accumulation)
-            .field("loaders", &self.loaders.len())
             .field("optimizers", &self.optimizers.len())
             .field("schedulers", &self.schedulers.len())
             .finish_non_exhaustive()
@@ -110,11 +94,6 @@ impl std::fmt::Debug for Steps {
 }
 
 impl Steps {
-    /// The loader the loop's current batch came from.
-    fn innermost_loader(&self, stack: &LoaderStack) -> Option<Arc<LoaderProgress>> {
-        stack.innermost().and_then(|i| self.loaders.get(i)).cloned()
-    }
-
     fn zero_if_abandoned(&mut self) {
         if self.accumulation.take_abandoned_window() {
             if let Some(g) = self.grads.as_mut() {
@@ -126,15 +105,18 @@ impl Steps {
 
 impl TrainingState {
     /// A state with no parameters, loaders, optimizers or schedulers prepared yet.
-    pub fn new(accumulation: Accumulation, mixed: MixedPrecisionState) -> Self {
+    pub fn new(
+        accumulation: Accumulation,
+        mixed: MixedPrecisionState,
+        loaders: Arc<PreparedLoaders>,
+    ) -> Self {
         Self {
             params: OnceLock::new(),
-            loader_stack: Arc::default(),
+            loaders,
             steps: Mutex::new(Steps {
                 accumulation,
                 grads: None,
                 mixed,
-                loaders: Vec::new(),
                 optimizers: Vec::new(),
                 schedulers: Vec::new(),
             }),
@@ -195,11 +177,6 @@ impl TrainingState {
         }
     }
 
-    /// The loader the loop's current batch came from (what `gather_for_metrics` asks).
-    pub fn innermost_loader(&self) -> Option<Arc<LoaderProgress>> {
-        self.steps().innermost_loader(&self.loader_stack)
-    }
-
     /// Copies the master weights into the compute copies (nothing without mixed precision).
     pub fn refresh_compute(&self) -> Result<()> {
         self.steps().mixed.refresh_compute()
@@ -245,25 +222,26 @@ impl TrainingState {
         Ok(params)
     }
 
-    /// Registers a prepared loader; its iteration now tells the loop's micro-steps where its
-    /// epochs end. Returns its index (what checkpoints and the settings check call it).
-    pub fn register_loader(&self, progress: Arc<LoaderProgress>) -> Result<usize> {
+    /// Replaces K before anything of this state was used (a [`Model`](crate::Model) with its
+    /// own accumulation steps prepared as the accelerator's first model).
+    pub fn set_accumulation_steps(&self, k: usize) -> Result<()> {
         let mut steps = self.steps();
-        let index = steps.loaders.len();
-        if !progress.attach(self.loader_stack.clone(), index) {
-            return Err(Error::Data(
-                "this data loader was already prepared; prepare each loader once and iterate \
-                 the one prepare() returned"
-                    .into(),
+        if steps.grads.is_some() || steps.accumulation.counters().taken > 0 {
+            return Err(Error::Config(
+                "the accumulation steps of a model are set when it is prepared".into(),
             ));
         }
-        steps.loaders.push(progress);
-        Ok(index)
+        steps.accumulation = Accumulation::new(k)?;
+        Ok(())
     }
 
-    /// Number of loaders prepared so far.
-    pub fn loaders(&self) -> usize {
-        self.steps().loaders.len()
+    /// Whether `lr` is the learning-rate handle of an optimizer prepared over this state (a
+    /// scheduler driving it belongs here).
+    pub fn drives_learning_rate(&self, scheduler: &LrScheduler) -> bool {
+        self.steps()
+            .optimizers
+            .iter()
+            .any(|o| scheduler.drives(lock(o).learning_rate()))
     }
 
     /// Registers a prepared optimizer (saved and restored with the state).
@@ -281,7 +259,7 @@ impl TrainingState {
     /// Begins a micro-step on the loop's request (`accumulate()`).
     pub fn begin_micro_step(&self) -> MicroStep {
         let mut steps = self.steps();
-        let loader = steps.innermost_loader(&self.loader_stack);
+        let loader = self.loaders.innermost();
         let step = steps.accumulation.begin_explicit(loader.as_ref());
         steps.zero_if_abandoned();
         step
@@ -290,7 +268,7 @@ impl TrainingState {
     /// Switches the window about to begin to item-weighted accumulation over `global_items`.
     pub fn set_window_items(&self, global_items: f64, world_size: usize) -> Result<()> {
         let mut steps = self.steps();
-        let loader = steps.innermost_loader(&self.loader_stack);
+        let loader = self.loaders.innermost();
         steps
             .accumulation
             .set_window_items(global_items, world_size, loader.as_ref())
@@ -312,7 +290,7 @@ impl TrainingState {
         }
         let mut guard = self.steps();
         let steps = &mut *guard;
-        let loader = steps.innermost_loader(&self.loader_stack);
+        let loader = self.loaders.innermost();
         let step = steps.accumulation.current_for_backward(loader.as_ref())?;
         let abandoned = steps.accumulation.take_abandoned_window();
         let loss_scale = steps.mixed.loss_scale();
@@ -419,24 +397,13 @@ impl TrainingState {
     pub fn snapshot(&self) -> Result<TrainingSnapshot> {
         let steps = self.steps();
         let counters = steps.accumulation.counters();
-        let loaders = steps
-            .loaders
-            .iter()
-            .map(|p| {
-                let (epoch, batches_consumed) = p.resume_position();
-                LoaderPosition {
-                    epoch,
-                    batches_consumed,
-                    batches_per_epoch: p.batches_per_epoch(),
-                }
-            })
-            .collect();
+        // Copies: the buffers are summed into in place after the snapshot is taken.
         let window_gradients = match (&steps.grads, counters.taken > 0) {
             (Some(grads), true) => Some(
                 grads
                     .names()
-                    .filter_map(|n| grads.get(n).map(|t| (n.to_string(), t.clone())))
-                    .collect(),
+                    .filter_map(|n| grads.get(n).map(|t| Ok((n.to_string(), t.copy()?))))
+                    .collect::<Result<_>>()?,
             ),
             _ => None,
         };
@@ -448,7 +415,6 @@ impl TrainingState {
         let schedulers = steps.schedulers.iter().map(|s| lock(s).state()).collect();
         Ok(TrainingSnapshot {
             counters,
-            loaders,
             window_gradients,
             optimizers,
             schedulers,
@@ -456,19 +422,18 @@ impl TrainingState {
         })
     }
 
+    /// A copy of every parameter's value, by name (what [`restore`](Self::restore) takes).
+    pub fn parameter_values(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.parameters()
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), v.as_tensor().force_contiguous()?)))
+            .collect()
+    }
+
     /// Number of prepared optimizers and schedulers.
     pub fn registered(&self) -> (usize, usize) {
         let steps = self.steps();
         (steps.optimizers.len(), steps.schedulers.len())
-    }
-
-    /// Batches per epoch of every prepared loader on this rank, in order of preparation.
-    pub fn loader_batches_per_epoch(&self) -> Vec<usize> {
-        self.steps()
-            .loaders
-            .iter()
-            .map(|p| p.batches_per_epoch())
-            .collect()
     }
 
     /// Checks that saved counters can continue in this run.
@@ -556,9 +521,6 @@ impl TrainingState {
         // The compute copies take the loaded master weights.
         steps.mixed.refresh_compute()?;
         steps.accumulation.restore(&snapshot.counters);
-        for (saved, progress) in snapshot.loaders.iter().zip(&steps.loaders) {
-            progress.request_resume(saved.epoch, saved.batches_consumed);
-        }
         Ok(())
     }
 }
@@ -566,21 +528,18 @@ impl TrainingState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::LoaderProgress;
     use crate::mixed_precision::LossScalerConfig;
 
-    fn state(k: usize) -> TrainingState {
+    fn state(k: usize) -> (TrainingState, Arc<PreparedLoaders>) {
         let mixed = MixedPrecisionState::new(MixedPrecision::No, LossScalerConfig::default());
-        TrainingState::new(Accumulation::new(k).unwrap(), mixed.unwrap())
-    }
-
-    #[test]
-    fn a_loader_is_prepared_once() {
-        let t = state(1);
-        let p = Arc::new(LoaderProgress::new(3));
-        assert_eq!(t.register_loader(p.clone()).unwrap(), 0);
-        let e = t.register_loader(p).unwrap_err().to_string();
-        assert!(e.contains("already prepared"), "{e}");
-        assert_eq!(t.loaders(), 1);
+        let loaders = Arc::new(PreparedLoaders::default());
+        let state = TrainingState::new(
+            Accumulation::new(k).unwrap(),
+            mixed.unwrap(),
+            loaders.clone(),
+        );
+        (state, loaders)
     }
 
     /// Training batches 1-3 with K=2: windows [1, 2] and [3], the last cut short by the training
@@ -589,11 +548,11 @@ mod tests {
     /// loader was prepared last.
     #[test]
     fn windows_follow_the_loader_the_current_batch_came_from() {
-        let t = state(2);
+        let (t, loaders) = state(2);
         let train = Arc::new(LoaderProgress::new(3));
         let eval = Arc::new(LoaderProgress::new(10));
-        t.register_loader(train.clone()).unwrap();
-        t.register_loader(eval.clone()).unwrap();
+        loaders.register(train.clone()).unwrap();
+        loaders.register(eval.clone()).unwrap();
 
         train.start_epoch(0, 0, 3);
         train.record_yielded(1);
@@ -604,7 +563,7 @@ mod tests {
 
         eval.start_epoch(0, 0, 10);
         eval.record_yielded(1); // `break` after the first evaluation batch
-        assert!(Arc::ptr_eq(&t.innermost_loader().unwrap(), &eval));
+        assert!(Arc::ptr_eq(&loaders.innermost().unwrap(), &eval));
 
         train.record_yielded(3);
         let s3 = t.begin_micro_step();
@@ -615,7 +574,7 @@ mod tests {
         );
         train.end_iteration();
         assert!(
-            Arc::ptr_eq(&t.innermost_loader().unwrap(), &eval),
+            Arc::ptr_eq(&loaders.innermost().unwrap(), &eval),
             "the evaluation loader never ended"
         );
     }

@@ -7,6 +7,7 @@ use candle_core::{DType, Device};
 use super::Accelerator;
 use crate::accumulate::Accumulation;
 use crate::comm::join::join;
+use crate::data::PreparedLoaders;
 use crate::env;
 use crate::error::Result;
 use crate::grads::DEFAULT_BUCKET_CAP_BYTES;
@@ -121,6 +122,7 @@ impl AcceleratorBuilder {
             None => MixedPrecision::from_env()?.unwrap_or_default(),
         };
         let mixed = MixedPrecisionState::new(mode, self.loss_scaler)?;
+        let loaders = Arc::new(PreparedLoaders::default());
         let state = match self.state {
             Some(s) => s,
             None => ProcessState::from_env()?,
@@ -179,7 +181,14 @@ impl AcceleratorBuilder {
             store: membership.store,
             _hosted_store: membership.hosted,
             sync,
-            training: Arc::new(TrainingState::new(accumulation, mixed)),
+            models: vec![Arc::new(TrainingState::new(
+                accumulation,
+                mixed,
+                loaders.clone(),
+            ))],
+            loaders,
+            frozen: Vec::new(),
+            loss_scaler: self.loss_scaler,
         })
     }
 }

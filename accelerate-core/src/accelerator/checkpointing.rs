@@ -111,7 +111,7 @@ impl Accelerator {
     pub fn save_model_sharded(&self, dir: impl AsRef<Path>, max_shard_bytes: u64) -> Result<()> {
         let dir = dir.as_ref();
         let written = if self.is_main_process() {
-            checkpoint::save_model(self.training.parameters(), dir, max_shard_bytes).map(|_| ())
+            checkpoint::save_model(self.training().parameters(), dir, max_shard_bytes).map(|_| ())
         } else {
             Ok(())
         };
@@ -124,7 +124,8 @@ impl Accelerator {
             rank: self.state.rank,
             world_size: self.state.world_size,
             comm: self.comm.as_ref(),
-            training: &self.training,
+            models: &self.models,
+            loaders: &self.loaders,
             rng: &self.rng,
             device: &self.device,
         }

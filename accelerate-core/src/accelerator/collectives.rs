@@ -69,7 +69,7 @@ impl Accelerator {
     /// (per-rank totals, say) keeps every row.
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
         let gathered = self.gather(tensor)?;
-        let Some(loader) = self.training.innermost_loader() else {
+        let Some(loader) = self.loaders.innermost() else {
             return Ok(gathered);
         };
         if !loader.in_last_batch_of_loop() {

@@ -15,8 +15,10 @@ use candle_core::{Device, Tensor, Var};
 use crate::accumulate::MicroStep;
 use crate::comm::store::{Store, StoreServer};
 use crate::comm::{CommStats, Communicator, ReduceOp};
+use crate::data::PreparedLoaders;
 use crate::error::Result;
-use crate::mixed_precision::MixedPrecision;
+use crate::mixed_precision::{LossScalerConfig, MixedPrecision};
+use crate::model::PreparedModel;
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, GradientSyncStats};
@@ -42,8 +44,16 @@ pub struct Accelerator {
     _hosted_store: Option<StoreServer>,
     /// How gradients are averaged across ranks, and the traffic so far.
     sync: GradientSync,
-    /// Everything a training step changes, shared with the prepared objects.
-    training: Arc<TrainingState>,
+    /// The prepared loaders, shared by every model.
+    loaders: Arc<PreparedLoaders>,
+    /// Each prepared model's training state (everything a training step changes, shared with
+    /// the prepared objects), in order of preparation. The first exists from the start: it is
+    /// the one the methods without a model argument act on.
+    models: Vec<Arc<TrainingState>>,
+    /// Every prepared model's frozen parameters, which no optimizer may hold.
+    frozen: Vec<(String, Var)>,
+    /// The loss scaler's configuration, for the training state of each further model.
+    loss_scaler: LossScalerConfig,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -51,12 +61,18 @@ impl std::fmt::Debug for Accelerator {
         f.debug_struct("Accelerator")
             .field("state", &self.state)
             .field("device", &self.device)
-            .field("parameters", &self.training.parameters().len())
+            .field("models", &self.models.len())
+            .field("parameters", &self.training().parameters().len())
             .finish_non_exhaustive()
     }
 }
 
 impl Accelerator {
+    /// The first model's training state (what the methods without a model argument act on).
+    fn training(&self) -> &Arc<TrainingState> {
+        &self.models[0]
+    }
+
     /// A builder with defaults read from the environment.
     pub fn builder() -> AcceleratorBuilder {
         AcceleratorBuilder::default()
@@ -74,7 +90,7 @@ impl Accelerator {
 
     /// The mixed-precision mode.
     pub fn mixed_precision(&self) -> MixedPrecision {
-        self.training.mixed_precision()
+        self.training().mixed_precision()
     }
 
     /// The dtype to build the model in and to cast float inputs to: F32, or BF16/F16 under mixed
@@ -85,13 +101,13 @@ impl Accelerator {
 
     /// The fp16 loss scale the next backward pass multiplies the loss by; `None` without fp16.
     pub fn loss_scale(&self) -> Option<f64> {
-        self.training.loss_scale()
+        self.training().loss_scale()
     }
 
     /// Whether the last sync micro-step skipped its optimizer step because the fp16 gradients
     /// overflowed (Accelerate's `optimizer.step_was_skipped`).
     pub fn step_was_skipped(&self) -> bool {
-        self.training.step_was_skipped()
+        self.training().step_was_skipped()
     }
 
     /// The configured seed.
@@ -139,7 +155,7 @@ impl Accelerator {
 
     /// K: micro-steps per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
-        self.training.accumulation_steps()
+        self.training().accumulation_steps()
     }
 
     /// Optimizer updates per epoch for a loader of `batches_per_rank` batches per rank (the length
@@ -150,7 +166,7 @@ impl Accelerator {
 
     /// Number of gradient buckets (each is one all-reduce per optimizer step).
     pub fn gradient_buckets(&self) -> usize {
-        self.training.gradient_buckets()
+        self.training().gradient_buckets()
     }
 
     /// Whether the sync micro-step overlaps the reduction of a gradient bucket with the
@@ -163,14 +179,14 @@ impl Accelerator {
 
     /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
     pub fn parameters(&self) -> &[(String, Var)] {
-        self.training.parameters()
+        self.training().parameters()
     }
 
     /// A copy of the gradient accumulated for parameter `name` in the current window (f32 under
     /// mixed precision, already divided by the fp16 loss scale; averaged across ranks once the
     /// sync micro-step's backward ran), or `None` if it has none (PyTorch's `grad is None`).
     pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
-        self.training.gradient(name)
+        self.training().gradient(name)
     }
 
     /// Copies the master weights into the model's half-precision compute copies. Call it after
@@ -178,19 +194,34 @@ impl Accelerator {
     /// `prepare_parameters` returned); the optimizer step and `load_state` do it on their own.
     /// Does nothing without mixed precision.
     pub fn refresh_compute_parameters(&self) -> Result<()> {
-        self.training.refresh_compute()
+        self.training().refresh_compute()
     }
 
     /// Begins a micro-step: decides whether it syncs and how its loss is scaled. Call it once per
     /// batch, after taking the batch from the prepared loader.
     pub fn accumulate(&self) -> MicroStep {
-        self.training.begin_micro_step()
+        self.training().begin_micro_step()
+    }
+
+    /// Begins a micro-step of `model` (one prepared with [`Model`](crate::Model)): decides
+    /// whether its gradients sync and how its loss is scaled, by its own accumulation steps.
+    pub fn accumulate_model(&self, model: &PreparedModel) -> MicroStep {
+        model.training().begin_micro_step()
+    }
+
+    /// The backward pass of `loss` into `model`'s gradients only (see
+    /// [`backward`](Self::backward)); other models' parameters that `loss` reaches are left
+    /// alone.
+    pub fn backward_model(&self, model: &PreparedModel, loss: &Tensor) -> Result<()> {
+        model
+            .training()
+            .backward(loss, self.comm.as_ref(), &self.sync)
     }
 
     /// Whether the current micro-step syncs gradients (and steps the optimizer). Use it to guard
     /// clipping and per-step logging.
     pub fn sync_gradients(&self) -> bool {
-        self.training.sync_gradients()
+        self.training().sync_gradients()
     }
 
     /// Switches the window about to begin to item-weighted accumulation: `local_items` is the
@@ -201,7 +232,7 @@ impl Accelerator {
     /// summed over ranks.
     pub fn set_window_items(&self, local_items: usize) -> Result<()> {
         let global = self.reduce_scalar(local_items as f64, ReduceOp::Sum)?;
-        self.training
+        self.training()
             .set_window_items(global, self.state.world_size)
     }
 
@@ -212,19 +243,20 @@ impl Accelerator {
     /// it); one that got a gradient on some ranks only is averaged with zeros for the others. Both
     /// are what one process training on the whole window's batch would have, at any world size.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        self.training.backward(loss, self.comm.as_ref(), &self.sync)
+        self.training()
+            .backward(loss, self.comm.as_ref(), &self.sync)
     }
 
     /// Scales the window's gradients so that their global L2 norm is at most `max_norm`, and
     /// returns the norm before clipping. Acts on the accumulated, averaged gradients, so it only
     /// does something on a micro-step that syncs; elsewhere it returns `None`.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
-        self.training.clip_grad_norm(max_norm)
+        self.training().clip_grad_norm(max_norm)
     }
 
     /// Optimizer steps taken so far.
     pub fn optimizer_steps(&self) -> u64 {
-        self.training.optimizer_steps()
+        self.training().optimizer_steps()
     }
 
     /// Traffic counters of the communicator (all-reduces issued, bytes sent).

@@ -1,16 +1,21 @@
 //! `prepare`: what a loop hands the accelerator (parameters, optimizers, schedulers, data
 //! loaders) and the checks that every rank prepared the same.
 
+use std::sync::Arc;
+
 use candle_core::Var;
 use candle_nn::VarMap;
 
 use super::Accelerator;
+use crate::accumulate::Accumulation;
 use crate::data::{DataLoader, Dataset};
 use crate::error::{Error, Result};
 use crate::grads::sorted_named_vars;
-use crate::mixed_precision::MixedPrecision;
+use crate::mixed_precision::{MixedPrecision, MixedPrecisionState};
+use crate::model::{Model, PreparedModel};
 use crate::optim::{LrScheduler, Optimizer};
 use crate::prepared::{PreparedOptimizer, PreparedScheduler};
+use crate::training::TrainingState;
 
 /// Something [`Accelerator::prepare`] can wrap.
 pub trait Prepare {
@@ -30,21 +35,40 @@ impl Accelerator {
     /// Returns the sorted `(name, Var)` pairs, to build the optimizer from. Under mixed precision
     /// `vars` are the model's half-precision compute copies and the returned pairs are their f32
     /// master weights (same names), which the gradient buffers, the optimizer and checkpoints use.
+    /// This is the accelerator's first model; prepare further ones with [`Model`].
     pub fn prepare_parameters(&mut self, vars: Vec<(String, Var)>) -> Result<Vec<(String, Var)>> {
-        if !self.training.parameters().is_empty() {
+        if !self.training().parameters().is_empty() {
             return Err(Error::Parameters(
                 "parameters were already prepared; prepare all of the model's parameters at once \
-                 (one VarMap or one list of named Vars)"
+                 (one VarMap or one list of named Vars), or prepare a second model with \
+                 accelerator.prepare(Model::new(vars))"
                     .into(),
             ));
         }
-        let vars = sorted_named_vars(vars)?;
-        if vars.is_empty() {
-            return Err(Error::Parameters(
-                "the model has no parameters to train (an empty VarMap?)".into(),
-            ));
+        Ok(self.prepare_model(Model::new(vars))?.parameters().to_vec())
+    }
+
+    /// Prepares a model: the first one the accelerator sees becomes its first model (the one the
+    /// methods without a model argument act on), each further one gets a training state of its
+    /// own. Its trained parameters are registered as
+    /// [`prepare_parameters`](Self::prepare_parameters) does; its frozen ones are broadcast from
+    /// rank 0 once and left alone after.
+    pub fn prepare_model(&mut self, model: Model) -> Result<PreparedModel> {
+        let (trained, frozen, accumulation_steps) = model.into_parts();
+        let trained = sorted_named_vars(trained)?;
+        let frozen = sorted_named_vars(frozen)?;
+        if trained.is_empty() {
+            return Err(Error::Parameters(if frozen.is_empty() {
+                "the model has no parameters to train (an empty VarMap?)".into()
+            } else {
+                format!(
+                    "every one of the model's {} parameters is frozen; freeze fewer (the \
+                     predicate given to Model::freeze returns true for each name it freezes)",
+                    frozen.len()
+                )
+            }));
         }
-        for (name, var) in &vars {
+        for (name, var) in trained.iter().chain(&frozen) {
             if !var.device().same_device(&self.device) {
                 return Err(Error::Parameters(format!(
                     "parameter {name:?} is on {:?} but the accelerator computes on {:?}; build the \
@@ -54,23 +78,68 @@ impl Accelerator {
                 )));
             }
         }
+        for (name, var) in &trained {
+            let other = self.models.iter().find(|m| {
+                m.parameters()
+                    .iter()
+                    .any(|(_, v)| v.as_tensor().id() == var.as_tensor().id())
+            });
+            if other.is_some() {
+                return Err(Error::Parameters(format!(
+                    "parameter {name:?} belongs to a model prepared before; prepare each model \
+                     once, and each parameter in one model"
+                )));
+            }
+        }
+        let first = self.training().parameters().is_empty();
+        let index = if first { 0 } else { self.models.len() };
         let several_ranks = self.state.world_size > 1;
         if several_ranks {
-            self.check_same_parameters_everywhere(&vars)?;
+            self.check_same_parameters_everywhere(index, &trained, &frozen)?;
+        }
+        let training = if first {
+            self.training().clone()
+        } else {
+            let k = self.training().accumulation_steps();
+            let mixed =
+                MixedPrecisionState::new(self.training().mixed_precision(), self.loss_scaler)?;
+            Arc::new(TrainingState::new(
+                Accumulation::new(k)?,
+                mixed,
+                self.loaders.clone(),
+            ))
+        };
+        if let Some(k) = accumulation_steps {
+            training.set_accumulation_steps(k)?;
         }
         let comm = &self.comm;
-        self.training
-            .prepare_parameters(vars, self.bucket_cap_bytes, several_ranks, |var| {
-                if several_ranks {
-                    comm.broadcast(var.as_tensor(), 0)?;
-                }
-                Ok(())
-            })
+        if several_ranks {
+            // Same start everywhere, once: frozen weights are never written after this.
+            for (_, var) in &frozen {
+                comm.broadcast(var.as_tensor(), 0)?;
+            }
+        }
+        training.prepare_parameters(trained, self.bucket_cap_bytes, several_ranks, |var| {
+            if several_ranks {
+                comm.broadcast(var.as_tensor(), 0)?;
+            }
+            Ok(())
+        })?;
+        if !first {
+            self.models.push(training.clone());
+        }
+        self.frozen.extend(frozen.iter().cloned());
+        Ok(PreparedModel::new(index, training, frozen))
     }
 
     /// Compares this rank's parameter names, shapes and dtypes with every other rank's, through
     /// the store; every rank reports the same first difference.
-    fn check_same_parameters_everywhere(&self, vars: &[(String, Var)]) -> Result<()> {
+    fn check_same_parameters_everywhere(
+        &self,
+        model: usize,
+        vars: &[(String, Var)],
+        frozen: &[(String, Var)],
+    ) -> Result<()> {
         let Some(store) = &self.store else {
             return Ok(());
         };
@@ -80,16 +149,24 @@ impl Accelerator {
             "gradient buckets: cap {} bytes, reduced in {:?}, mixed precision {}, overlap {}\n",
             self.bucket_cap_bytes,
             self.sync.reduce_dtype(),
-            self.training.mixed_precision(),
+            self.training().mixed_precision(),
             self.sync.overlap_configured()
         );
         let signature: String = std::iter::once(layout)
             .chain(
                 vars.iter()
-                    .map(|(n, v)| format!("{n} {:?} {:?}\n", v.dims(), v.dtype())),
+                    .map(|(n, v)| format!("{n} {:?} {:?}\n", v.dims(), v.dtype()))
+                    .chain(
+                        frozen
+                            .iter()
+                            .map(|(n, v)| format!("{n} {:?} {:?} frozen\n", v.dims(), v.dtype())),
+                    ),
             )
             .collect();
-        let key = |r: usize| format!("accelerate/parameters/{r}");
+        let key = |r: usize| match model {
+            0 => format!("accelerate/parameters/{r}"),
+            m => format!("accelerate/parameters/model_{m}/{r}"),
+        };
         store.set(&key(self.state.rank), signature.as_bytes())?;
         let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
         let reference = String::from_utf8_lossy(&store.get(&key(0), timeout)?).into_owned();
@@ -131,7 +208,8 @@ impl Accelerator {
         &mut self,
         optimizer: O,
     ) -> Result<PreparedOptimizer<O>> {
-        let params = self.training.parameters();
+        let training = self.model_of_optimizer(&optimizer)?;
+        let params = training.parameters();
         if params.is_empty() {
             return Err(Error::Optimizer(
                 "prepare the model's parameters before the optimizer (prepare_parameters)".into(),
@@ -148,7 +226,7 @@ impl Accelerator {
                  from the Vec returned by prepare_parameters"
             )));
         }
-        let mode = self.training.mixed_precision();
+        let mode = training.mixed_precision();
         if mode != MixedPrecision::No {
             // Same names, other Vars: the half compute copies instead of the f32 masters.
             let stray = optimizer
@@ -165,12 +243,61 @@ impl Accelerator {
                 )));
             }
         }
-        Ok(PreparedOptimizer::new(optimizer, self.training.clone()))
+        Ok(PreparedOptimizer::new(optimizer, training))
     }
 
-    /// Wraps a scheduler so that it advances once per optimizer step.
+    /// The model whose parameters `optimizer` holds (the first model if it holds none of any
+    /// model's, so that the coverage check names what differs); refuses frozen parameters.
+    fn model_of_optimizer<O: Optimizer>(&self, optimizer: &O) -> Result<Arc<TrainingState>> {
+        let ids: Vec<_> = optimizer
+            .params()
+            .iter()
+            .map(|(_, v)| v.as_tensor().id())
+            .collect();
+        let frozen: Vec<&str> = self
+            .frozen
+            .iter()
+            .filter(|(_, v)| ids.contains(&v.as_tensor().id()))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if !frozen.is_empty() {
+            return Err(Error::Optimizer(format!(
+                "the optimizer holds frozen parameters {frozen:?}; build it from \
+                 PreparedModel::parameters(), which holds the trained ones only"
+            )));
+        }
+        let holds = |params: &[(String, Var)]| {
+            params
+                .iter()
+                .any(|(_, v)| ids.contains(&v.as_tensor().id()))
+        };
+        let owners: Vec<&Arc<TrainingState>> = self
+            .models
+            .iter()
+            .filter(|m| holds(m.parameters()))
+            .collect();
+        match owners.as_slice() {
+            [] => Ok(self.training().clone()),
+            [one] => Ok((*one).clone()),
+            _ => Err(Error::Optimizer(
+                "the optimizer holds parameters of several prepared models; give each model an \
+                 optimizer of its own, built from its PreparedModel::parameters()"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Wraps a scheduler so that it advances once per optimizer step of the model whose
+    /// optimizer it drives (the first model's if no prepared optimizer shares its learning
+    /// rate).
     pub fn prepare_scheduler(&mut self, scheduler: LrScheduler) -> PreparedScheduler {
-        PreparedScheduler::new(scheduler, self.training.clone())
+        let training = self
+            .models
+            .iter()
+            .find(|m| m.drives_learning_rate(&scheduler))
+            .unwrap_or(self.training())
+            .clone();
+        PreparedScheduler::new(scheduler, training)
     }
 
     /// Shards a data loader for this rank, places its batches on this process's device, and makes
@@ -187,7 +314,7 @@ impl Accelerator {
         let loader = loader
             .shard(self.state.rank, self.state.world_size)
             .device(self.device.clone());
-        let index = self.training.loaders();
+        let index = self.loaders.len();
         if self.state.world_size > 1 {
             let settings = crate::data::LoaderSettings::new(
                 &loader.plan(),
@@ -195,7 +322,7 @@ impl Accelerator {
             );
             self.check_same_loader_everywhere(index, &settings)?;
         }
-        self.training.register_loader(loader.progress())?;
+        self.loaders.register(loader.progress())?;
         Ok(loader)
     }
 
@@ -256,6 +383,13 @@ impl<O: Optimizer + Send + 'static> Prepare for O {
     type Prepared = PreparedOptimizer<O>;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
         accelerator.prepare_optimizer(self)
+    }
+}
+
+impl Prepare for Model {
+    type Prepared = PreparedModel;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_model(self)
     }
 }
 

@@ -10,27 +10,55 @@ use serde::{Deserialize, Serialize};
 use super::exact::ExactF64;
 use crate::error::{Error, Result};
 
-/// The parameters.
-pub(crate) const PARAMETERS_FILE: &str = "model.safetensors";
-/// The accumulation counters.
-pub(crate) const ACCUMULATION_FILE: &str = "accumulation.json";
-/// The fp16 loss scaler's state (only under fp16).
-pub(crate) const LOSS_SCALER_FILE: &str = "loss_scaler.json";
+/// The names of one prepared model's files. The first model's keep the names of a checkpoint of
+/// one model (`model.safetensors`, `optimizer_<i>.json`, ...); model `m` of several has
+/// `model_<m>.safetensors` and `model_<m>.`-prefixed names for the rest.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ModelFiles(pub usize);
 
-pub(crate) fn optimizer_tensors_file(i: usize) -> String {
-    format!("optimizer_{i}.safetensors")
+impl ModelFiles {
+    fn prefixed(self, name: String) -> String {
+        match self.0 {
+            0 => name,
+            m => format!("model_{m}.{name}"),
+        }
+    }
+
+    /// The parameters.
+    pub fn parameters(self) -> String {
+        match self.0 {
+            0 => "model.safetensors".into(),
+            m => format!("model_{m}.safetensors"),
+        }
+    }
+    /// The accumulation counters.
+    pub fn accumulation(self) -> String {
+        self.prefixed("accumulation.json".into())
+    }
+    /// The fp16 loss scaler's state (only under fp16).
+    pub fn loss_scaler(self) -> String {
+        self.prefixed("loss_scaler.json".into())
+    }
+    /// Optimizer `i`'s tensors.
+    pub fn optimizer_tensors(self, i: usize) -> String {
+        self.prefixed(format!("optimizer_{i}.safetensors"))
+    }
+    /// Optimizer `i`'s kind and scalars.
+    pub fn optimizer_json(self, i: usize) -> String {
+        self.prefixed(format!("optimizer_{i}.json"))
+    }
+    /// Scheduler `i`.
+    pub fn scheduler(self, i: usize) -> String {
+        self.prefixed(format!("scheduler_{i}.json"))
+    }
+    /// Rank `rank`'s partial window gradients.
+    pub fn rank_gradients(self, rank: usize) -> String {
+        self.prefixed(format!("rank_{rank}_gradients.safetensors"))
+    }
 }
-pub(crate) fn optimizer_json_file(i: usize) -> String {
-    format!("optimizer_{i}.json")
-}
-pub(crate) fn scheduler_file(i: usize) -> String {
-    format!("scheduler_{i}.json")
-}
+
 pub(crate) fn rank_file(rank: usize) -> String {
     format!("rank_{rank}.json")
-}
-pub(crate) fn rank_gradients_file(rank: usize) -> String {
-    format!("rank_{rank}_gradients.safetensors")
 }
 pub(crate) fn rng_file(rank: usize) -> String {
     format!("rng_{rank}.json")
@@ -67,7 +95,7 @@ pub(crate) struct LossScalerFile {
     pub growth_tracker: u64,
 }
 
-pub(crate) use crate::training::LoaderPosition;
+pub(crate) use crate::data::LoaderPosition;
 
 /// `rank_<r>.json`: this rank's own part.
 #[derive(Debug, Serialize, Deserialize)]
@@ -77,6 +105,9 @@ pub(crate) struct RankFile {
     pub loaders: Vec<LoaderPosition>,
     /// Whether `rank_<r>_gradients.safetensors` holds a partial window's gradient sums.
     pub has_gradients: bool,
+    /// The same for each further prepared model (`model_<m>.rank_<r>_gradients.safetensors`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub further_models_have_gradients: Vec<bool>,
 }
 
 /// Named tensors as safetensors bytes (copied to the CPU, contiguous).

@@ -9,9 +9,9 @@ use candle_core::Tensor;
 use rand_chacha::ChaCha8Rng;
 
 use super::files::{
-    self, AccumulationFile, LossScalerFile, OptimizerScalars, RankFile, SchedulerFile,
+    self, AccumulationFile, LossScalerFile, ModelFiles, OptimizerScalars, RankFile, SchedulerFile,
 };
-use super::manifest::{Manifest, MANIFEST_FILE};
+use super::manifest::{self, Manifest, MANIFEST_FILE};
 use super::naming::latest_checkpoint;
 use super::save::{is_complete, log_recovery};
 use super::staging;
@@ -20,7 +20,7 @@ use crate::accumulate::AccumulationCounters;
 use crate::error::{Error, Result};
 use crate::mixed_precision::LossScalerState;
 use crate::optim::{OptimizerState, SchedulerState};
-use crate::training::TrainingSnapshot;
+use crate::training::{TrainingSnapshot, TrainingState};
 
 fn problem(path: &Path, problem: impl Into<String>) -> Error {
     Error::Checkpoint {
@@ -53,16 +53,17 @@ pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
     }
 }
 
+/// One model's part of a checkpoint, read and verified.
+struct LoadedModel {
+    params: BTreeMap<String, Tensor>,
+    snapshot: TrainingSnapshot,
+}
+
 /// Everything read and verified, ready to apply.
 struct Loaded {
-    params: BTreeMap<String, Tensor>,
-    optimizers: Vec<OptimizerState>,
-    schedulers: Vec<SchedulerState>,
-    counters: AccumulationCounters,
+    /// Each prepared model's part, in order of preparation.
+    models: Vec<LoadedModel>,
     rank: RankFile,
-    gradients: Option<BTreeMap<String, Tensor>>,
-    /// The fp16 loss scaler's state, when this run has a scaler and the checkpoint one.
-    loss_scaler: Option<LossScalerState>,
     /// This rank's generator, unless the checkpoint predates saved generators.
     rng: Option<ChaCha8Rng>,
 }
@@ -87,14 +88,14 @@ pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf>
 fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     let manifest = Manifest::read(dir)?;
     manifest.check_compatible(dir, view.world_size, view.params())?;
-    let (n_opt, n_sched) = view.training.registered();
-    if manifest.optimizers != n_opt || manifest.schedulers != n_sched {
+    if manifest.models() != view.models.len() {
         return Err(problem(
             &dir.join(MANIFEST_FILE),
             format!(
-                "it holds {} optimizer(s) and {} scheduler(s), but this run prepared {n_opt} and \
-                 {n_sched}; prepare the same objects before load_state",
-                manifest.optimizers, manifest.schedulers
+                "it holds {} prepared model(s), but this run prepared {}; prepare the same \
+                 models before load_state",
+                manifest.models(),
+                view.models.len()
             ),
         ));
     }
@@ -104,109 +105,17 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         manifest.read_verified(dir, name)?;
     }
 
-    let path = dir.join(files::PARAMETERS_FILE);
-    let params =
-        files::parse_safetensors(&path, &manifest.read_verified(dir, files::PARAMETERS_FILE)?)?;
-    for (name, var) in view.params() {
-        match params.get(name) {
-            Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
-            Some(t) => {
-                return Err(problem(
-                    &path,
-                    format!(
-                        "tensor {name:?} is {:?} {:?} but the manifest and the model say {:?} {:?}",
-                        t.dims(),
-                        t.dtype(),
-                        var.dims(),
-                        var.dtype()
-                    ),
-                ))
-            }
-            None => return Err(problem(&path, format!("tensor {name:?} is missing"))),
-        }
-    }
-    if params.len() != view.params().len() {
-        return Err(problem(
-            &path,
-            format!(
-                "holds {} tensors for {} parameters",
-                params.len(),
-                view.params().len()
-            ),
-        ));
-    }
-
-    let mut optimizers = Vec::with_capacity(n_opt);
-    for i in 0..n_opt {
-        let tpath = dir.join(files::optimizer_tensors_file(i));
-        let tensors = files::parse_safetensors(
-            &tpath,
-            &manifest.read_verified(dir, &files::optimizer_tensors_file(i))?,
-        )?;
-        let jpath = dir.join(files::optimizer_json_file(i));
-        let s: OptimizerScalars = files::parse_json(
-            &jpath,
-            &manifest.read_verified(dir, &files::optimizer_json_file(i))?,
-        )?;
-        let mut state = OptimizerState::new(s.kind);
-        state.tensors = tensors;
-        for (k, v) in s.scalars {
-            let v = v
-                .get()
-                .map_err(|e| problem(&jpath, format!("scalar {k:?}: {e}")))?;
-            state.scalars.insert(k, v);
-        }
-        optimizers.push(state);
-    }
-
-    let mut schedulers = Vec::with_capacity(n_sched);
-    for i in 0..n_sched {
-        let spath = dir.join(files::scheduler_file(i));
-        let s: SchedulerFile = files::parse_json(
-            &spath,
-            &manifest.read_verified(dir, &files::scheduler_file(i))?,
-        )?;
-        let base_lr = s
-            .base_lr
-            .get()
-            .map_err(|e| problem(&spath, format!("base_lr: {e}")))?;
-        schedulers.push(SchedulerState {
-            steps: s.steps,
-            base_lr,
-        });
-    }
-
-    let apath = dir.join(files::ACCUMULATION_FILE);
-    let a: AccumulationFile = files::parse_json(
-        &apath,
-        &manifest.read_verified(dir, files::ACCUMULATION_FILE)?,
-    )?;
-    let item_scale = match a.item_scale {
-        Some(v) => Some(
-            v.get()
-                .map_err(|e| problem(&apath, format!("item_scale: {e}")))?,
-        ),
-        None => None,
-    };
-    let counters = AccumulationCounters {
-        steps: a.gradient_accumulation_steps,
-        taken: a.micro_steps_taken_in_window,
-        window_len: a.window_len,
-        item_scale,
-        optimizer_steps: a.optimizer_steps,
-    };
-    view.training
-        .check_counters(&counters)
-        .map_err(|e| problem(&apath, e))?;
-
-    let loss_scaler = read_loss_scaler(view, &manifest, dir)?;
-
     let rpath = dir.join(files::rank_file(view.rank));
     let rank: RankFile = files::parse_json(
         &rpath,
         &manifest.read_verified(dir, &files::rank_file(view.rank))?,
     )?;
-    let loaders = view.training.loader_batches_per_epoch();
+    let loaders: Vec<usize> = view
+        .loaders
+        .positions()
+        .iter()
+        .map(|p| p.batches_per_epoch)
+        .collect();
     if rank.rank != view.rank || rank.loaders.len() != loaders.len() {
         return Err(problem(
             &rpath,
@@ -233,18 +142,177 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             ));
         }
     }
-    let gradients = if counters.taken > 0 {
-        if !rank.has_gradients {
+
+    let models = (0..view.models.len())
+        .map(|m| read_model(view, &manifest, dir, m, &rank))
+        .collect::<Result<Vec<_>>>()?;
+
+    let rng_name = files::rng_file(view.rank);
+    let rng = if manifest.files.contains_key(&rng_name) {
+        let path = dir.join(&rng_name);
+        let state: crate::rng::RngState =
+            files::parse_json(&path, &manifest.read_verified(dir, &rng_name)?)?;
+        Some(
+            view.rng
+                .parse_state(&state)
+                .map_err(|e| problem(&path, e))?,
+        )
+    } else {
+        None
+    };
+    Ok(Loaded { models, rank, rng })
+}
+
+/// Reads and verifies model `m`'s files against this run's model `m`.
+fn read_model(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+    m: usize,
+    rank: &RankFile,
+) -> Result<LoadedModel> {
+    let training = &view.models[m];
+    let names = ModelFiles(m);
+    let which = if m == 0 {
+        String::new()
+    } else {
+        format!("model {m}: ")
+    };
+    let saved = manifest.model_parameters(m).unwrap_or_default();
+    if m > 0 {
+        manifest::check_parameters(
+            &dir.join(MANIFEST_FILE),
+            &format!("model {m} of the "),
+            saved,
+            training.parameters(),
+        )?;
+    }
+    let (n_opt, n_sched) = training.registered();
+    let (saved_opt, saved_sched) = manifest.registered(m);
+    if saved_opt != n_opt || saved_sched != n_sched {
+        return Err(problem(
+            &dir.join(MANIFEST_FILE),
+            format!(
+                "{which}it holds {saved_opt} optimizer(s) and {saved_sched} scheduler(s), but \
+                 this run prepared {n_opt} and {n_sched}; prepare the same objects before \
+                 load_state"
+            ),
+        ));
+    }
+
+    let pname = names.parameters();
+    let path = dir.join(&pname);
+    let params = files::parse_safetensors(&path, &manifest.read_verified(dir, &pname)?)?;
+    let ours = training.parameters();
+    for (name, var) in ours {
+        match params.get(name) {
+            Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
+            Some(t) => {
+                return Err(problem(
+                    &path,
+                    format!(
+                        "tensor {name:?} is {:?} {:?} but the manifest and the model say {:?} {:?}",
+                        t.dims(),
+                        t.dtype(),
+                        var.dims(),
+                        var.dtype()
+                    ),
+                ))
+            }
+            None => return Err(problem(&path, format!("tensor {name:?} is missing"))),
+        }
+    }
+    if params.len() != ours.len() {
+        return Err(problem(
+            &path,
+            format!(
+                "holds {} tensors for {} parameters",
+                params.len(),
+                ours.len()
+            ),
+        ));
+    }
+
+    let mut optimizers = Vec::with_capacity(n_opt);
+    for i in 0..n_opt {
+        let tname = names.optimizer_tensors(i);
+        let tensors =
+            files::parse_safetensors(&dir.join(&tname), &manifest.read_verified(dir, &tname)?)?;
+        let jname = names.optimizer_json(i);
+        let jpath = dir.join(&jname);
+        let s: OptimizerScalars = files::parse_json(&jpath, &manifest.read_verified(dir, &jname)?)?;
+        let mut state = OptimizerState::new(s.kind);
+        state.tensors = tensors;
+        for (k, v) in s.scalars {
+            let v = v
+                .get()
+                .map_err(|e| problem(&jpath, format!("scalar {k:?}: {e}")))?;
+            state.scalars.insert(k, v);
+        }
+        optimizers.push(state);
+    }
+
+    let mut schedulers = Vec::with_capacity(n_sched);
+    for i in 0..n_sched {
+        let sname = names.scheduler(i);
+        let spath = dir.join(&sname);
+        let s: SchedulerFile = files::parse_json(&spath, &manifest.read_verified(dir, &sname)?)?;
+        let base_lr = s
+            .base_lr
+            .get()
+            .map_err(|e| problem(&spath, format!("base_lr: {e}")))?;
+        schedulers.push(SchedulerState {
+            steps: s.steps,
+            base_lr,
+        });
+    }
+
+    let aname = names.accumulation();
+    let apath = dir.join(&aname);
+    let a: AccumulationFile = files::parse_json(&apath, &manifest.read_verified(dir, &aname)?)?;
+    let item_scale = match a.item_scale {
+        Some(v) => Some(
+            v.get()
+                .map_err(|e| problem(&apath, format!("item_scale: {e}")))?,
+        ),
+        None => None,
+    };
+    let counters = AccumulationCounters {
+        steps: a.gradient_accumulation_steps,
+        taken: a.micro_steps_taken_in_window,
+        window_len: a.window_len,
+        item_scale,
+        optimizer_steps: a.optimizer_steps,
+    };
+    training
+        .check_counters(&counters)
+        .map_err(|e| problem(&apath, e))?;
+
+    let loss_scaler = read_loss_scaler(training, manifest, dir, names)?;
+
+    let has_gradients = match m {
+        0 => rank.has_gradients,
+        m => rank
+            .further_models_have_gradients
+            .get(m - 1)
+            .copied()
+            .unwrap_or(false),
+    };
+    let window_gradients = if counters.taken > 0 {
+        if !has_gradients {
             return Err(problem(
-                &rpath,
-                "saved inside an accumulation window but without that window's gradients",
+                &dir.join(files::rank_file(view.rank)),
+                format!(
+                    "{which}saved inside an accumulation window but without that window's \
+                     gradients"
+                ),
             ));
         }
-        let name = files::rank_gradients_file(view.rank);
+        let name = names.rank_gradients(view.rank);
         let gpath = dir.join(&name);
         let g = files::parse_safetensors(&gpath, &manifest.read_verified(dir, &name)?)?;
         for (name, t) in &g {
-            match view.params().iter().find(|(n, _)| n == name) {
+            match ours.iter().find(|(n, _)| n == name) {
                 Some((_, v)) if v.dims() == t.dims() => {}
                 _ => {
                     return Err(problem(
@@ -261,49 +329,35 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     } else {
         None
     };
-    let rng_name = files::rng_file(view.rank);
-    let rng = if manifest.files.contains_key(&rng_name) {
-        let path = dir.join(&rng_name);
-        let state: crate::rng::RngState =
-            files::parse_json(&path, &manifest.read_verified(dir, &rng_name)?)?;
-        Some(
-            view.rng
-                .parse_state(&state)
-                .map_err(|e| problem(&path, e))?,
-        )
-    } else {
-        None
-    };
-    Ok(Loaded {
+    Ok(LoadedModel {
         params,
-        optimizers,
-        schedulers,
-        counters,
-        rank,
-        gradients,
-        loss_scaler,
-        rng,
+        snapshot: TrainingSnapshot {
+            counters,
+            window_gradients,
+            optimizers,
+            schedulers,
+            loss_scaler,
+        },
     })
 }
 
 /// The saved fp16 loss scaler state, checked against this run's scaler. A checkpoint saved without
 /// fp16 has none (the scaler then starts afresh), and a run without fp16 ignores a saved one.
 fn read_loss_scaler(
-    view: &TrainingView<'_>,
+    training: &TrainingState,
     manifest: &Manifest,
     dir: &Path,
+    names: ModelFiles,
 ) -> Result<Option<LossScalerState>> {
-    let Some(mut scaler) = view.training.loss_scaler() else {
+    let Some(mut scaler) = training.loss_scaler() else {
         return Ok(None);
     };
-    if !manifest.files.contains_key(files::LOSS_SCALER_FILE) {
+    let name = names.loss_scaler();
+    if !manifest.files.contains_key(&name) {
         return Ok(None);
     }
-    let path = dir.join(files::LOSS_SCALER_FILE);
-    let f: LossScalerFile = files::parse_json(
-        &path,
-        &manifest.read_verified(dir, files::LOSS_SCALER_FILE)?,
-    )?;
+    let path = dir.join(&name);
+    let f: LossScalerFile = files::parse_json(&path, &manifest.read_verified(dir, &name)?)?;
     let state = LossScalerState {
         scale: f
             .scale
@@ -318,18 +372,28 @@ fn read_loss_scaler(
     Ok(Some(state))
 }
 
+/// Restores every model; if one still refuses its part, the models already restored are put back
+/// as they were (each model puts back its own part itself), so none is half-loaded.
+fn apply_models(view: &TrainingView<'_>, loaded: Vec<LoadedModel>) -> Result<()> {
+    let mut before = Vec::with_capacity(loaded.len());
+    for (training, part) in view.models.iter().zip(loaded) {
+        let now = (training.parameter_values()?, training.snapshot()?);
+        if let Err(e) = training.restore(&part.params, part.snapshot) {
+            for (training, (params, snapshot)) in view.models.iter().zip(before) {
+                let _ = training.restore(&params, snapshot);
+            }
+            return Err(e);
+        }
+        before.push(now);
+    }
+    Ok(())
+}
+
 /// Applies a verified checkpoint (the training state puts back what it changed if a part still
 /// refuses its value), then this rank's generator.
 fn apply(view: &TrainingView<'_>, loaded: Loaded, dir: &Path) -> Result<()> {
-    let snapshot = TrainingSnapshot {
-        counters: loaded.counters,
-        loaders: loaded.rank.loaders,
-        window_gradients: loaded.gradients,
-        optimizers: loaded.optimizers,
-        schedulers: loaded.schedulers,
-        loss_scaler: loaded.loss_scaler,
-    };
-    view.training.restore(&loaded.params, snapshot)?;
+    apply_models(view, loaded.models)?;
+    view.loaders.resume(&loaded.rank.loaders);
     match loaded.rng {
         Some(rng) => view.rng.restore(rng),
         None => {

@@ -37,6 +37,19 @@ pub struct FileEntry {
     pub crc32: u32,
 }
 
+/// A prepared model after the first: its optimizers, schedulers and parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelEntry {
+    /// Its optimizer steps when it was saved.
+    pub optimizer_steps: u64,
+    /// Its prepared optimizers (`model_<m>.optimizer_<i>`).
+    pub optimizers: usize,
+    /// Its prepared schedulers (`model_<m>.scheduler_<i>`).
+    pub schedulers: usize,
+    /// Its parameters, sorted by name.
+    pub parameters: Vec<ParameterEntry>,
+}
+
 /// The manifest: written last, so a checkpoint with a manifest is complete.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -54,6 +67,9 @@ pub struct Manifest {
     pub schedulers: usize,
     /// The model's parameters, sorted by name.
     pub parameters: Vec<ParameterEntry>,
+    /// Each prepared model after the first (none in a checkpoint of one model).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub further_models: Vec<ModelEntry>,
     /// What the random state is (there is no generator to save; see the module documentation).
     pub random_state: String,
     /// Every other file of the checkpoint, by name.
@@ -147,39 +163,79 @@ impl Manifest {
                 ),
             ));
         }
-        let ours = parameter_entries(params);
-        if ours != self.parameters {
-            let mut problems = Vec::new();
-            for p in &self.parameters {
-                match ours.iter().find(|o| o.name == p.name) {
-                    None => problems.push(format!("{:?} is not a parameter of this model", p.name)),
-                    Some(o) if o != p => problems.push(format!(
-                        "{:?} was saved as {:?} {} but the model has {:?} {}",
-                        p.name, p.shape, p.dtype, o.shape, o.dtype
-                    )),
-                    Some(_) => {}
-                }
-            }
-            for o in &ours {
-                if !self.parameters.iter().any(|p| p.name == o.name) {
-                    problems.push(format!(
-                        "{:?} of the model is not in the checkpoint",
-                        o.name
-                    ));
-                }
-            }
-            return Err(corrupt(
-                &path,
-                format!(
-                    "it was saved from a different model: {}; resume with the model \
-                     configuration that saved it",
-                    problems.join("; ")
-                ),
-            ));
-        }
-        Ok(())
+        check_parameters(&path, "", &self.parameters, params)
     }
 
+    /// The saved parameters of model `m` (0 is the first), if the checkpoint has that model.
+    pub fn model_parameters(&self, m: usize) -> Option<&[ParameterEntry]> {
+        match m {
+            0 => Some(&self.parameters),
+            m => self
+                .further_models
+                .get(m - 1)
+                .map(|e| e.parameters.as_slice()),
+        }
+    }
+
+    /// Number of prepared models saved.
+    pub fn models(&self) -> usize {
+        1 + self.further_models.len()
+    }
+
+    /// `(optimizers, schedulers)` saved for model `m`.
+    pub fn registered(&self, m: usize) -> (usize, usize) {
+        match m {
+            0 => (self.optimizers, self.schedulers),
+            m => self
+                .further_models
+                .get(m - 1)
+                .map_or((0, 0), |e| (e.optimizers, e.schedulers)),
+        }
+    }
+}
+
+/// Checks that `params` are the `saved` parameters (names, shapes, dtypes) of the model `which`
+/// names in the message ("" for the first).
+pub fn check_parameters(
+    path: &Path,
+    which: &str,
+    saved: &[ParameterEntry],
+    params: &[(String, Var)],
+) -> Result<()> {
+    let ours = parameter_entries(params);
+    if ours != saved {
+        let mut problems = Vec::new();
+        for p in saved {
+            match ours.iter().find(|o| o.name == p.name) {
+                None => problems.push(format!("{:?} is not a parameter of this model", p.name)),
+                Some(o) if o != p => problems.push(format!(
+                    "{:?} was saved as {:?} {} but the model has {:?} {}",
+                    p.name, p.shape, p.dtype, o.shape, o.dtype
+                )),
+                Some(_) => {}
+            }
+        }
+        for o in &ours {
+            if !saved.iter().any(|p| p.name == o.name) {
+                problems.push(format!(
+                    "{:?} of the model is not in the checkpoint",
+                    o.name
+                ));
+            }
+        }
+        return Err(corrupt(
+            path,
+            format!(
+                "it was saved from a different {which}model: {}; resume with the model \
+                 configuration that saved it",
+                problems.join("; ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Manifest {
     /// Reads `name` from `dir` and checks it against its manifest entry: listed, present, of the
     /// recorded size and CRC-32. Returns its bytes, which the caller parses (no second read).
     pub fn read_verified(&self, dir: &Path, name: &str) -> Result<Vec<u8>> {

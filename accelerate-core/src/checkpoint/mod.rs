@@ -14,13 +14,15 @@ pub mod staging;
 mod tests;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{Device, Var};
 
 use crate::comm::Communicator;
+use crate::data::PreparedLoaders;
 use crate::error::Result;
 use crate::rng::RankRng;
-use crate::training::TrainingState;
+use crate::training::{TrainingSnapshot, TrainingState};
 
 pub(crate) use agree::agree_with;
 pub use model::{
@@ -40,15 +42,23 @@ pub(crate) struct TrainingView<'a> {
     pub rank: usize,
     pub world_size: usize,
     pub comm: &'a dyn Communicator,
-    pub training: &'a TrainingState,
+    /// Every prepared model's training state, the first first.
+    pub models: &'a [Arc<TrainingState>],
+    /// The prepared loaders, shared by the models.
+    pub loaders: &'a PreparedLoaders,
     pub rng: &'a RankRng,
     pub device: &'a Device,
 }
 
 impl TrainingView<'_> {
-    /// The prepared parameters, sorted by name.
+    /// The first model's parameters, sorted by name.
     pub fn params(&self) -> &[(String, Var)] {
-        self.training.parameters()
+        self.models[0].parameters()
+    }
+
+    /// Every model's snapshot, at this instant, in order of preparation.
+    pub fn snapshots(&self) -> Result<Vec<TrainingSnapshot>> {
+        self.models.iter().map(|m| m.snapshot()).collect()
     }
 
     /// Every rank's outcome of `what` on `path`, agreed (see [`agree`]).

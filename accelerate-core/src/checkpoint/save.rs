@@ -8,8 +8,8 @@ use std::path::Path;
 use candle_core::Tensor;
 
 use super::exact::ExactF64;
-use super::files::{self, AccumulationFile, OptimizerScalars, RankFile};
-use super::manifest::{self, Manifest, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+use super::files::{self, AccumulationFile, ModelFiles, OptimizerScalars, RankFile};
+use super::manifest::{self, Manifest, ModelEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 use super::staging::{self, Staging};
 use super::TrainingView;
 use crate::error::{Error, Result};
@@ -39,10 +39,10 @@ pub(crate) fn is_complete(dir: &Path) -> bool {
 pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     let staging = Staging::for_target(dir)?;
     let main = view.rank == 0;
-    let snapshot = view.agree(
+    let snapshots = view.agree(
         dir,
         "taking the training state's snapshot",
-        view.training.snapshot(),
+        view.snapshots(),
     )?;
     let created = if main {
         staging::recover_interrupted_replace(dir, is_complete)
@@ -52,9 +52,12 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
         Ok(())
     };
     view.agree(dir, "creating the checkpoint's directory", created)?;
-    let written = write_rank_part(view, &snapshot, &staging).and_then(|()| {
+    let written = write_rank_part(view, &snapshots, &staging).and_then(|()| {
         if main {
-            write_shared_files(view, &snapshot, &staging)
+            snapshots
+                .iter()
+                .enumerate()
+                .try_for_each(|(m, snapshot)| write_model_files(view, m, snapshot, &staging))
         } else {
             Ok(())
         }
@@ -66,7 +69,7 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
         return Err(e);
     }
     let committed = if main {
-        write_manifest(view, &snapshot, &staging)
+        write_manifest(view, &snapshots, &staging)
             .and_then(|()| staging.commit())
             .inspect_err(|_| staging.abort())
     } else {
@@ -77,25 +80,28 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// This rank's loader positions and, inside a window, its partial gradient sums.
+/// This rank's loader positions and, inside a window, each model's partial gradient sums.
 fn write_rank_part(
     view: &TrainingView<'_>,
-    snapshot: &TrainingSnapshot,
+    snapshots: &[TrainingSnapshot],
     staging: &Staging,
 ) -> Result<()> {
-    let mut has_gradients = false;
-    if let Some(grads) = &snapshot.window_gradients {
-        let tensors: Vec<(String, Tensor)> =
-            grads.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
-        let name = files::rank_gradients_file(view.rank);
-        let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
-        staging.write(&name, &bytes)?;
-        has_gradients = true;
+    let mut has_gradients = Vec::with_capacity(snapshots.len());
+    for (m, snapshot) in snapshots.iter().enumerate() {
+        if let Some(grads) = &snapshot.window_gradients {
+            let tensors: Vec<(String, Tensor)> =
+                grads.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
+            let name = ModelFiles(m).rank_gradients(view.rank);
+            let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+            staging.write(&name, &bytes)?;
+        }
+        has_gradients.push(snapshot.window_gradients.is_some());
     }
     let part = RankFile {
         rank: view.rank,
-        loaders: snapshot.loaders.clone(),
-        has_gradients,
+        loaders: view.loaders.positions(),
+        has_gradients: has_gradients[0],
+        further_models_have_gradients: has_gradients[1..].to_vec(),
     };
     staging.write(&files::rank_file(view.rank), &files::json_bytes(&part)?)?;
     let mut rng = view.rng.state();
@@ -103,22 +109,24 @@ fn write_rank_part(
     staging.write(&files::rng_file(view.rank), &files::json_bytes(&rng)?)
 }
 
-/// Parameters (the f32 masters under mixed precision), optimizers, schedulers, the fp16 loss
-/// scaler and the accumulation counters (main process only).
-fn write_shared_files(
+/// Model `m`'s parameters (the f32 masters under mixed precision), optimizers, schedulers, fp16
+/// loss scaler and accumulation counters (main process only).
+fn write_model_files(
     view: &TrainingView<'_>,
+    m: usize,
     snapshot: &TrainingSnapshot,
     staging: &Staging,
 ) -> Result<()> {
-    let params: Vec<(String, Tensor)> = view
-        .params()
+    let names = ModelFiles(m);
+    let params: Vec<(String, Tensor)> = view.models[m]
+        .parameters()
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    let path = staging.dir().join(files::PARAMETERS_FILE);
+    let name = names.parameters();
     staging.write(
-        files::PARAMETERS_FILE,
-        &files::safetensors_bytes(&path, &params)?,
+        &name,
+        &files::safetensors_bytes(&staging.dir().join(&name), &params)?,
     )?;
 
     for (i, state) in snapshot.optimizers.iter().enumerate() {
@@ -127,7 +135,7 @@ fn write_shared_files(
             .iter()
             .map(|(k, t)| (k.clone(), t.clone()))
             .collect();
-        let name = files::optimizer_tensors_file(i);
+        let name = names.optimizer_tensors(i);
         let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
         staging.write(&name, &bytes)?;
         let scalars = OptimizerScalars {
@@ -138,10 +146,7 @@ fn write_shared_files(
                 .map(|(k, v)| (k.clone(), ExactF64::new(*v)))
                 .collect(),
         };
-        staging.write(
-            &files::optimizer_json_file(i),
-            &files::json_bytes(&scalars)?,
-        )?;
+        staging.write(&names.optimizer_json(i), &files::json_bytes(&scalars)?)?;
     }
 
     for (i, state) in snapshot.schedulers.iter().enumerate() {
@@ -149,7 +154,7 @@ fn write_shared_files(
             steps: state.steps,
             base_lr: ExactF64::new(state.base_lr),
         };
-        staging.write(&files::scheduler_file(i), &files::json_bytes(&file)?)?;
+        staging.write(&names.scheduler(i), &files::json_bytes(&file)?)?;
     }
 
     if let Some(state) = &snapshot.loss_scaler {
@@ -157,7 +162,7 @@ fn write_shared_files(
             scale: ExactF64::new(state.scale),
             growth_tracker: state.growth_tracker,
         };
-        staging.write(files::LOSS_SCALER_FILE, &files::json_bytes(&file)?)?;
+        staging.write(&names.loss_scaler(), &files::json_bytes(&file)?)?;
     }
 
     let c = snapshot.counters;
@@ -168,14 +173,14 @@ fn write_shared_files(
         item_scale: c.item_scale.map(ExactF64::new),
         optimizer_steps: c.optimizer_steps,
     };
-    staging.write(files::ACCUMULATION_FILE, &files::json_bytes(&acc)?)
+    staging.write(&names.accumulation(), &files::json_bytes(&acc)?)
 }
 
 /// Lists every file of the staging directory with its size and checksum, checks that every rank
 /// wrote its part, and writes the manifest last.
 fn write_manifest(
     view: &TrainingView<'_>,
-    snapshot: &TrainingSnapshot,
+    snapshots: &[TrainingSnapshot],
     staging: &Staging,
 ) -> Result<()> {
     let mut entries = BTreeMap::new();
@@ -198,14 +203,27 @@ fn write_manifest(
             });
         }
     }
+    let first = &snapshots[0];
+    let further_models = snapshots
+        .iter()
+        .zip(view.models)
+        .skip(1)
+        .map(|(snapshot, model)| ModelEntry {
+            optimizer_steps: snapshot.counters.optimizer_steps,
+            optimizers: snapshot.optimizers.len(),
+            schedulers: snapshot.schedulers.len(),
+            parameters: manifest::parameter_entries(model.parameters()),
+        })
+        .collect();
     let m = Manifest {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
         world_size: view.world_size,
-        optimizer_steps: snapshot.counters.optimizer_steps,
-        optimizers: snapshot.optimizers.len(),
-        schedulers: snapshot.schedulers.len(),
+        optimizer_steps: first.counters.optimizer_steps,
+        optimizers: first.optimizers.len(),
+        schedulers: first.schedulers.len(),
         parameters: manifest::parameter_entries(view.params()),
+        further_models,
         random_state: RANDOM_STATE.into(),
         files: entries,
     };

@@ -7,7 +7,86 @@
 //! drops. A training loop that evaluates inside an epoch has its evaluation loader on top while
 //! that loop runs, and its training loader back on top at its next batch.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use super::progress::LoaderProgress;
+use crate::error::{Error, Result};
+
+/// Where one data loader of a rank stands (saved per rank in checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct LoaderPosition {
+    /// The epoch to resume in.
+    pub epoch: u64,
+    /// Batches of that epoch this rank has already consumed.
+    pub batches_consumed: usize,
+    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
+    pub batches_per_epoch: usize,
+}
+
+/// The loaders an accelerator prepared, in order of preparation, and which of them a loop is
+/// inside. Every prepared model of the accelerator shares it: a loader's end closes the window of
+/// each model's accumulation alike.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedLoaders {
+    stack: Arc<LoaderStack>,
+    loaders: Mutex<Vec<Arc<LoaderProgress>>>,
+}
+
+impl PreparedLoaders {
+    fn loaders(&self) -> std::sync::MutexGuard<'_, Vec<Arc<LoaderProgress>>> {
+        self.loaders.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a prepared loader; its iteration now tells the loop's micro-steps where its
+    /// epochs end. Returns its index (what checkpoints and the settings check call it).
+    pub fn register(&self, progress: Arc<LoaderProgress>) -> Result<usize> {
+        let mut loaders = self.loaders();
+        let index = loaders.len();
+        if !progress.attach(self.stack.clone(), index) {
+            return Err(Error::Data(
+                "this data loader was already prepared; prepare each loader once and iterate \
+                 the one prepare() returned"
+                    .into(),
+            ));
+        }
+        loaders.push(progress);
+        Ok(index)
+    }
+
+    /// Number of loaders prepared so far.
+    pub fn len(&self) -> usize {
+        self.loaders().len()
+    }
+
+    /// Every prepared loader's position on this rank, in order of preparation.
+    pub fn positions(&self) -> Vec<LoaderPosition> {
+        self.loaders()
+            .iter()
+            .map(|p| {
+                let (epoch, batches_consumed) = p.resume_position();
+                LoaderPosition {
+                    epoch,
+                    batches_consumed,
+                    batches_per_epoch: p.batches_per_epoch(),
+                }
+            })
+            .collect()
+    }
+
+    /// Makes every loader continue from its saved position at its next `iter()`.
+    pub fn resume(&self, positions: &[LoaderPosition]) {
+        for (saved, progress) in positions.iter().zip(self.loaders().iter()) {
+            progress.request_resume(saved.epoch, saved.batches_consumed);
+        }
+    }
+
+    /// The loader the loop's current batch came from (what decides where a window ends and what
+    /// `gather_for_metrics` drops).
+    pub fn innermost(&self) -> Option<Arc<LoaderProgress>> {
+        let id = self.stack.innermost()?;
+        self.loaders().get(id).cloned()
+    }
+}
 
 /// The loaders (by index of preparation) a loop is inside, innermost last.
 #[derive(Debug, Default)]
@@ -46,6 +125,16 @@ impl LoaderStack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loader_is_prepared_once() {
+        let loaders = PreparedLoaders::default();
+        let p = Arc::new(LoaderProgress::new(3));
+        assert_eq!(loaders.register(p.clone()).unwrap(), 0);
+        let e = loaders.register(p).unwrap_err().to_string();
+        assert!(e.contains("already prepared"), "{e}");
+        assert_eq!(loaders.len(), 1);
+    }
 
     #[test]
     fn the_innermost_loader_is_the_one_that_handed_out_last_and_has_not_ended() {

@@ -30,7 +30,7 @@ pub use batch::Batch;
 pub use dataset::Dataset;
 pub use epoch_iter::EpochIter;
 pub use fingerprint::LoaderSettings;
-pub(crate) use iteration::LoaderStack;
+pub(crate) use iteration::{LoaderPosition, PreparedLoaders};
 pub use loader::{DataLoader, DEFAULT_BATCH_TIMEOUT};
 pub use plan::BatchPlan;
 pub use progress::LoaderProgress;

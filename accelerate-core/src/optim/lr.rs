@@ -29,6 +29,11 @@ impl LearningRate {
     pub fn set(&self, lr: f64) {
         self.0.store(lr.to_bits(), Ordering::Release);
     }
+
+    /// Whether `other` is a clone of this handle (shares its value).
+    pub(crate) fn shares_value_with(&self, other: &LearningRate) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 #[cfg(test)]

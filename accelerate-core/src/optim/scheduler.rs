@@ -173,6 +173,11 @@ impl LrScheduler {
         &self.schedule
     }
 
+    /// Whether this scheduler writes `lr` (the handle of the optimizer it drives).
+    pub(crate) fn drives(&self, lr: &LearningRate) -> bool {
+        self.lr.shares_value_with(lr)
+    }
+
     /// What [`load_state`](Self::load_state) needs to resume.
     pub fn state(&self) -> SchedulerState {
         SchedulerState {

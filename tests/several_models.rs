@@ -1,0 +1,359 @@
+//! Two models in one loop, each with its own optimizer and accumulation, and frozen parameters:
+//! against a single-process candle loop on the whole batch with PyTorch's update rules written
+//! out (`ReferenceOptimizer`), and across a checkpoint.
+//!
+//! The models are a "generator" `a` that accumulates K=2 micro-steps per AdamW step and a
+//! "discriminator" `b` that steps SGD with momentum every micro-step. Each loss also reaches the
+//! other model's parameters (`0.5 · mean(other(x)²)`), so a backward pass that leaked into the
+//! other model's gradients would change the result.
+
+use std::sync::Arc;
+
+use accelerate_core::data::{DataLoader, TensorDataset};
+use accelerate_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use accelerate_core::{Accelerator, Model, PreparedModel, ProcessState};
+use accelerate_tests::{
+    named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp, ReferenceOptimizer, TinyMlp,
+};
+use candle_core::{Tensor, Var};
+
+/// Samples per rank per micro-step.
+const B: usize = 4;
+/// The generator's micro-steps per optimizer step.
+const K_A: usize = 2;
+const A_CFG: AdamWConfig = AdamWConfig {
+    lr: 0.01,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 0.1,
+};
+const B_LR: f64 = 0.1;
+const B_MOMENTUM: f64 = 0.9;
+
+fn b_cfg() -> SgdConfig {
+    SgdConfig {
+        lr: B_LR,
+        momentum: B_MOMENTUM,
+        ..SgdConfig::default()
+    }
+}
+
+/// `own`'s cross-entropy on `(x, y)` plus `0.5 · mean(other(x)²)`.
+fn coupled_loss(own: &TinyMlp, other: &TinyMlp, x: &Tensor, y: &Tensor) -> Tensor {
+    let ce = candle_nn::loss::cross_entropy(&own.forward(x).unwrap(), y).unwrap();
+    let reach = (other.forward(x).unwrap().sqr().unwrap().mean_all().unwrap() * 0.5).unwrap();
+    (ce + reach).unwrap()
+}
+
+/// The reference: one process, the whole global batch of every micro-step, candle's gradients and
+/// the written-out update rules. `b` steps every micro-step; `a`'s gradients are averaged over its
+/// window of K_A micro-steps (computed with `b` as it is at each micro-step) and applied at the
+/// window's end. With `freeze_a_l1`, `a`'s first layer never moves.
+fn reference(
+    global: usize,
+    micro_steps: usize,
+    freeze_a_l1: bool,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let (a_map, a) = tiny_mlp(1).unwrap();
+    let (b_map, b) = tiny_mlp(2).unwrap();
+    let (x, y) = tiny_data(global * micro_steps, 3).unwrap();
+    let a_params: Vec<(String, Var)> = named_vars(&a_map)
+        .into_iter()
+        .filter(|(n, _)| !(freeze_a_l1 && n.starts_with("l1.")))
+        .collect();
+    let b_params = named_vars(&b_map);
+    let mut a_opt = ReferenceOptimizer::adamw(A_CFG.lr, A_CFG.weight_decay);
+    let mut b_opt = ReferenceOptimizer::sgd(B_LR, B_MOMENTUM);
+    let mut a_window: Vec<Tensor> = Vec::new();
+    for j in 0..micro_steps {
+        let xs = x.narrow(0, j * global, global).unwrap();
+        let ys = y.narrow(0, j * global, global).unwrap();
+        let grads = coupled_loss(&b, &a, &xs, &ys).backward().unwrap();
+        b_opt.step(&b_params, &grads).unwrap();
+
+        let mut grads = coupled_loss(&a, &b, &xs, &ys).backward().unwrap();
+        let g: Vec<Tensor> = a_params
+            .iter()
+            .map(|(_, v)| grads.get(v.as_tensor()).unwrap().clone())
+            .collect();
+        a_window = if a_window.is_empty() {
+            g
+        } else {
+            a_window
+                .iter()
+                .zip(&g)
+                .map(|(s, g)| (s + g).unwrap())
+                .collect()
+        };
+        if (j + 1) % K_A == 0 {
+            // The window's mean, in the store of this micro-step (whose other entries the
+            // reference optimizer does not read).
+            for ((_, v), s) in a_params.iter().zip(&a_window) {
+                grads.insert(v.as_tensor(), (s / K_A as f64).unwrap());
+            }
+            a_opt.step(&a_params, &grads).unwrap();
+            a_window.clear();
+        }
+    }
+    (snapshot(&named_vars(&a_map)), snapshot(&b_params))
+}
+
+/// Prepares the two models (and their optimizers) on `acc`; `a` keeps the accelerator's K
+/// (built with K_A), `b` takes K=1 of its own.
+struct TwoModels {
+    a: TinyMlp,
+    b: TinyMlp,
+    a_prepared: PreparedModel,
+    b_prepared: PreparedModel,
+    a_opt: accelerate_core::PreparedOptimizer<AdamW>,
+    b_opt: accelerate_core::PreparedOptimizer<Sgd>,
+}
+
+impl TwoModels {
+    fn new(acc: &mut Accelerator, a_seed: u64, b_seed: u64, freeze_a_l1: bool) -> Self {
+        let (a_map, a) = tiny_mlp(a_seed).unwrap();
+        let (b_map, b) = tiny_mlp(b_seed).unwrap();
+        let mut a_model = Model::from_varmap(&a_map);
+        if freeze_a_l1 {
+            a_model = a_model.freeze(|name| name.starts_with("l1."));
+        }
+        let a_prepared = acc.prepare(a_model).unwrap();
+        let b_prepared = acc
+            .prepare(Model::from_varmap(&b_map).gradient_accumulation_steps(1))
+            .unwrap();
+        let a_opt = acc
+            .prepare(AdamW::new(a_prepared.parameters().to_vec(), A_CFG).unwrap())
+            .unwrap();
+        let b_opt = acc
+            .prepare(Sgd::new(b_prepared.parameters().to_vec(), b_cfg()).unwrap())
+            .unwrap();
+        Self {
+            a,
+            b,
+            a_prepared,
+            b_prepared,
+            a_opt,
+            b_opt,
+        }
+    }
+
+    /// One micro-step of the loop: the discriminator steps, then the generator accumulates.
+    fn micro_step(&mut self, acc: &Accelerator, x: &Tensor, y: &Tensor) {
+        let _b_step = acc.accumulate_model(&self.b_prepared);
+        let loss = coupled_loss(&self.b, &self.a, x, y);
+        acc.backward_model(&self.b_prepared, &loss).unwrap();
+        self.b_opt.step().unwrap();
+        self.b_opt.zero_grad();
+
+        let _a_step = acc.accumulate_model(&self.a_prepared);
+        let loss = coupled_loss(&self.a, &self.b, x, y);
+        acc.backward_model(&self.a_prepared, &loss).unwrap();
+        self.a_opt.step().unwrap();
+        self.a_opt.zero_grad();
+    }
+
+    fn values(&self) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let a: Vec<(String, Var)> = self
+            .a_prepared
+            .parameters()
+            .iter()
+            .chain(self.a_prepared.frozen_parameters())
+            .cloned()
+            .collect();
+        let mut a = a;
+        a.sort_by(|x, y| x.0.cmp(&y.0));
+        (snapshot(&a), snapshot(self.b_prepared.parameters()))
+    }
+}
+
+fn assert_close(ours: &[Vec<f32>], reference: &[Vec<f32>], what: &str) {
+    assert_eq!(ours.len(), reference.len(), "{what}");
+    for (i, (o, r)) in ours.iter().zip(reference).enumerate() {
+        for (x, y) in o.iter().zip(r) {
+            assert!(
+                (x - y).abs() <= 2e-5 * (1.0 + y.abs()),
+                "{what}, parameter {i}: ours {x} vs reference {y}"
+            );
+        }
+    }
+}
+
+/// 2 ranks, each with B samples per micro-step, equal one process on batches of 2·B: the
+/// discriminator steps every micro-step, the generator every K_A, and neither backward pass
+/// reaches the other model's gradients.
+#[test]
+fn two_models_on_two_ranks_train_as_one_process_on_the_whole_batch() {
+    for freeze_a_l1 in [false, true] {
+        let micro_steps = 6;
+        let (x, y) = tiny_data(2 * B * micro_steps, 3).unwrap();
+        let ours = ranks_as_threads(
+            2,
+            || Accelerator::builder().gradient_accumulation_steps(K_A),
+            |mut acc| {
+                // Rank 1 starts from other weights: prepare broadcasts rank 0's, frozen ones too.
+                let seeds = if acc.process_index() == 0 {
+                    (1, 2)
+                } else {
+                    (11, 12)
+                };
+                let mut m = TwoModels::new(&mut acc, seeds.0, seeds.1, freeze_a_l1);
+                assert_eq!(m.b_prepared.gradient_accumulation_steps(), 1);
+                assert_eq!(m.a_prepared.gradient_accumulation_steps(), K_A);
+                for j in 0..micro_steps {
+                    let start = (2 * j + acc.process_index()) * B;
+                    m.micro_step(
+                        &acc,
+                        &x.narrow(0, start, B).unwrap(),
+                        &y.narrow(0, start, B).unwrap(),
+                    );
+                    if freeze_a_l1 && (j + 1) % K_A != 0 {
+                        assert!(
+                            m.a_prepared.gradient("l1.weight").unwrap().is_none(),
+                            "a frozen parameter has no gradient buffer"
+                        );
+                        assert!(m.a_prepared.gradient("l2.weight").unwrap().is_some());
+                    }
+                }
+                assert_eq!(m.b_prepared.optimizer_steps(), micro_steps as u64);
+                assert_eq!(m.a_prepared.optimizer_steps(), (micro_steps / K_A) as u64);
+                m.values()
+            },
+        );
+        let (ref_a, ref_b) = reference(2 * B, micro_steps, freeze_a_l1);
+        for (rank, (a, b)) in ours.iter().enumerate() {
+            let what = format!("rank {rank}, frozen first layer: {freeze_a_l1}");
+            assert_close(a, &ref_a, &format!("generator, {what}"));
+            assert_close(b, &ref_b, &format!("discriminator, {what}"));
+        }
+    }
+}
+
+/// An optimizer may hold only trained parameters of one model.
+#[test]
+fn an_optimizer_over_frozen_parameters_or_two_models_is_refused() {
+    let mut acc = Accelerator::builder()
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let (a_map, _) = tiny_mlp(1).unwrap();
+    let (b_map, _) = tiny_mlp(2).unwrap();
+    let a = acc
+        .prepare(Model::from_varmap(&a_map).freeze(|n| n.starts_with("l1.")))
+        .unwrap();
+    let b = acc.prepare(Model::from_varmap(&b_map)).unwrap();
+    assert_eq!(
+        a.frozen_parameters()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["l1.bias", "l1.weight"]
+    );
+
+    let with_frozen = named_vars(&a_map);
+    let e = acc
+        .prepare(Sgd::new(with_frozen, b_cfg()).unwrap())
+        .err()
+        .expect("an optimizer over frozen parameters")
+        .to_string();
+    assert!(e.contains("l1.weight") && e.contains("frozen"), "{e}");
+
+    let both: Vec<(String, Var)> = a
+        .parameters()
+        .iter()
+        .cloned()
+        .chain(
+            b.parameters()
+                .iter()
+                .map(|(n, v)| (format!("b.{n}"), v.clone())),
+        )
+        .collect();
+    let e = acc
+        .prepare(Sgd::new(both, b_cfg()).unwrap())
+        .err()
+        .expect("an optimizer over two models")
+        .to_string();
+    assert!(e.contains("several prepared models"), "{e}");
+
+    let e = acc
+        .prepare(Model::from_varmap(&a_map).freeze(|_| true))
+        .expect_err("a model with every parameter frozen")
+        .to_string();
+    assert!(e.contains("frozen"), "{e}");
+}
+
+/// Saved inside the generator's window (after micro-step 3 of 6, the discriminator having stepped
+/// three times), loaded into a fresh process, and continued: both models end bitwise where an
+/// uninterrupted run ends.
+#[test]
+fn a_checkpoint_holds_both_models_and_resumes_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let micro_steps = 6;
+    let run = |save_after: Option<usize>, load: bool| {
+        let mut acc = Accelerator::builder()
+            .gradient_accumulation_steps(K_A)
+            .process_state(ProcessState::single())
+            .build()
+            .unwrap();
+        let mut m = TwoModels::new(&mut acc, 1, 2, true);
+        let (x, y) = tiny_data(B * micro_steps, 3).unwrap();
+        let loader = DataLoader::new(Arc::new(TensorDataset::new(x, y).unwrap()), B);
+        let mut loader = acc.prepare(loader).unwrap();
+        if load {
+            acc.load_state(dir.path()).unwrap();
+        }
+        for (j, batch) in loader.iter().enumerate() {
+            let (x, y) = batch.unwrap();
+            m.micro_step(&acc, &x, &y);
+            if save_after == Some(j + 1) {
+                acc.save_state(dir.path()).unwrap();
+                return None;
+            }
+        }
+        Some((
+            m.values(),
+            m.a_prepared.optimizer_steps(),
+            m.b_prepared.optimizer_steps(),
+        ))
+    };
+    let whole = run(None, false).unwrap();
+    assert!(run(Some(3), false).is_none());
+    for file in [
+        "model.safetensors",
+        "model_1.safetensors",
+        "optimizer_0.json",
+        "model_1.optimizer_0.json",
+        "rank_0_gradients.safetensors",
+        "model_1.accumulation.json",
+    ] {
+        assert!(dir.path().join(file).is_file(), "{file} is missing");
+    }
+    assert!(
+        !dir.path()
+            .join("model_1.rank_0_gradients.safetensors")
+            .exists(),
+        "the discriminator (K=1) is never inside a window between micro-steps"
+    );
+    let resumed = run(None, true).unwrap();
+    assert_eq!(resumed.1, whole.1);
+    assert_eq!(resumed.2, whole.2);
+    assert!(
+        resumed.0 == whole.0,
+        "the resumed run differs from the uninterrupted one"
+    );
+
+    // A run that prepared one model only is refused, naming the difference.
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(K_A)
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let (a_map, _) = tiny_mlp(1).unwrap();
+    acc.prepare(Model::from_varmap(&a_map).freeze(|n| n.starts_with("l1.")))
+        .unwrap();
+    let e = acc.load_state(dir.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("2 prepared model(s)") && e.contains("prepared 1"),
+        "{e}"
+    );
+}
