@@ -26,6 +26,8 @@ mod distributed;
 mod gpt;
 // The `llama` model and example against Hugging Face transformers.
 mod llama;
+// Loops that leave a loader early: windows, gathers and resume positions stay those of the loop.
+mod loops;
 // Mixed precision: loss scaling, bf16 buffers and reductions, against hand-computed values.
 mod mixed_precision;
 // Overlap of gradient reduction with bucket preparation.

@@ -393,8 +393,10 @@ impl TrainingState {
 
     // ---- Snapshot and restore ----
 
-    /// What a checkpoint saves of this rank's state, at this instant.
-    pub fn snapshot(&self) -> Result<TrainingSnapshot> {
+    /// What a checkpoint saves of this rank's state, at this instant. The optimizers',
+    /// schedulers' and loss scaler's states, which only the main process writes, are taken only
+    /// `with_shared` state: each is a full copy of the moments on the host.
+    pub fn snapshot(&self, with_shared: bool) -> Result<TrainingSnapshot> {
         let steps = self.steps();
         let counters = steps.accumulation.counters();
         // Copies: the buffers are summed into in place after the snapshot is taken.
@@ -407,6 +409,15 @@ impl TrainingState {
             ),
             _ => None,
         };
+        if !with_shared {
+            return Ok(TrainingSnapshot {
+                counters,
+                window_gradients,
+                optimizers: Vec::new(),
+                schedulers: Vec::new(),
+                loss_scaler: None,
+            });
+        }
         let optimizers = steps
             .optimizers
             .iter()

@@ -375,11 +375,19 @@ fn read_loss_scaler(
 /// Restores every model; if one still refuses its part, the models already restored are put back
 /// as they were (each model puts back its own part itself), so none is half-loaded.
 fn apply_models(view: &TrainingView<'_>, loaded: Vec<LoadedModel>) -> Result<()> {
+    // With one model, its own restore is the whole rollback: no second copy of its state.
+    let several = loaded.len() > 1;
     let mut before = Vec::with_capacity(loaded.len());
     for (training, part) in view.models.iter().zip(loaded) {
-        let now = (training.parameter_values()?, training.snapshot()?);
+        let now = if several {
+            Some((training.parameter_values()?, training.snapshot(true)?))
+        } else {
+            None
+        };
         if let Err(e) = training.restore(&part.params, part.snapshot) {
-            for (training, (params, snapshot)) in view.models.iter().zip(before) {
+            for (training, (params, snapshot)) in
+                view.models.iter().zip(before.into_iter().flatten())
+            {
                 let _ = training.restore(&params, snapshot);
             }
             return Err(e);

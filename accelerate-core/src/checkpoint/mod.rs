@@ -56,9 +56,11 @@ impl TrainingView<'_> {
         self.models[0].parameters()
     }
 
-    /// Every model's snapshot, at this instant, in order of preparation.
+    /// Every model's snapshot, at this instant, in order of preparation; the shared state
+    /// (optimizers, schedulers, loss scaler) on the main process only, which writes it.
     pub fn snapshots(&self) -> Result<Vec<TrainingSnapshot>> {
-        self.models.iter().map(|m| m.snapshot()).collect()
+        let main = self.rank == 0;
+        self.models.iter().map(|m| m.snapshot(main)).collect()
     }
 
     /// Every rank's outcome of `what` on `path`, agreed (see [`agree`]).

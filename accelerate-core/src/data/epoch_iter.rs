@@ -221,6 +221,10 @@ impl<D: Dataset> Iterator for EpochIter<D> {
 
 impl<D: Dataset> Drop for EpochIter<D> {
     fn drop(&mut self) {
+        if !self.finished {
+            // Left with `break` or `take`: the loop is no longer inside this loader.
+            self.progress.end_iteration();
+        }
         if let Source::Prefetch(prefetcher) = &mut self.source {
             prefetcher.stop(self.batch_timeout);
         }

@@ -95,7 +95,9 @@ impl LoaderProgress {
         self.iterating() && self.at_end()
     }
 
-    /// Records that the iteration over the current epoch has ended (the iterator returned `None`).
+    /// Records that the loop is no longer inside the current epoch: its iterator returned its end,
+    /// or was dropped before it (a `break`, a `take`). The position stays where the loop left it,
+    /// so a checkpoint saved after a loop stopped at a step limit resumes there.
     pub(crate) fn end_iteration(&self) {
         self.iterating.store(false, Ordering::Release);
         if let Some((stack, id)) = self.stack.get() {
