@@ -84,3 +84,29 @@ fn a_user_optimizer_steps_only_on_sync_micro_steps_with_averaged_gradients() {
     }
     assert_eq!(opt.state().unwrap().scalars["lr"], 0.5);
 }
+
+#[test]
+fn an_optimizer_listing_a_parameter_twice_is_refused_by_name() {
+    // A user's optimizer with "w" in two parameter groups would update it twice per step.
+    let mut acc = Accelerator::builder()
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let w = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+    let b = Var::new(&[0.0f32], &Device::Cpu).unwrap();
+    let params = acc
+        .prepare(vec![("w".to_string(), w.clone()), ("b".to_string(), b)])
+        .unwrap();
+    let mut twice = params.clone();
+    twice.push(("w".to_string(), w));
+    twice.sort_by(|a, b| a.0.cmp(&b.0));
+    let err = acc
+        .prepare(PlainSgd {
+            params: twice,
+            lr: LearningRate::new(0.5),
+        })
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("\"w\" more than once"), "{err}");
+}

@@ -148,6 +148,11 @@ fn write_shared_files(
         let file = files::SchedulerFile {
             steps: state.steps,
             base_lr: ExactF64::new(state.base_lr),
+            group_base_lrs: state
+                .group_base_lrs
+                .iter()
+                .map(|&v| ExactF64::new(v))
+                .collect(),
         };
         staging.write(&files::scheduler_file(i), &files::json_bytes(&file)?)?;
     }
