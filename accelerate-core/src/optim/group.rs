@@ -266,3 +266,117 @@ mod against_pytorch {
         check(&f, "adamw", [config(0), config(1)], DType::F32, true, 2e-6);
     }
 }
+
+/// Group settings through `Accelerator::save_state` and `load_state`.
+#[cfg(test)]
+mod checkpoint {
+    use candle_core::{Device, Var};
+
+    use super::ParamGroup;
+    use crate::optim::{AdamW, AdamWConfig, LrScheduler, Schedule};
+    use crate::{Accelerator, ProcessState};
+
+    const SCHEDULE: Schedule = Schedule::LinearWarmupDecay {
+        warmup_steps: 1,
+        total_steps: 10,
+    };
+
+    /// An accelerator over "w" and "b", with AdamW over `groups` (names per group, one config
+    /// each) and a scheduler, all prepared.
+    fn setup(
+        groups: &[(&[&str], AdamWConfig)],
+    ) -> (
+        Accelerator,
+        crate::PreparedOptimizer<AdamW>,
+        crate::PreparedScheduler,
+        [Var; 2],
+    ) {
+        let mut acc = Accelerator::builder()
+            .process_state(ProcessState::single())
+            .build()
+            .unwrap();
+        let w = Var::new(&[1.0f32, -1.0], &Device::Cpu).unwrap();
+        let b = Var::new(&[0.5f32], &Device::Cpu).unwrap();
+        let params = acc
+            .prepare(vec![
+                ("w".to_string(), w.clone()),
+                ("b".to_string(), b.clone()),
+            ])
+            .unwrap();
+        let groups = groups
+            .iter()
+            .map(|(names, config)| {
+                let members = params
+                    .iter()
+                    .filter(|(n, _)| names.contains(&n.as_str()))
+                    .cloned()
+                    .collect();
+                ParamGroup::new(members, *config)
+            })
+            .collect();
+        let opt = acc.prepare(AdamW::with_groups(groups).unwrap()).unwrap();
+        let sched = acc
+            .prepare(LrScheduler::new(opt.learning_rate_handle(), SCHEDULE).unwrap())
+            .unwrap();
+        (acc, opt, sched, [w, b])
+    }
+
+    #[test]
+    fn group_settings_are_saved_restored_and_other_groups_refused() {
+        let decay = AdamWConfig {
+            lr: 0.1,
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        let no_decay = AdamWConfig {
+            lr: 0.04,
+            beta1: 0.8,
+            weight_decay: 0.0,
+            ..AdamWConfig::default()
+        };
+        let (acc, mut opt, mut sched, [w, b]) = setup(&[(&["w"], decay), (&["b"], no_decay)]);
+        for _ in 0..3 {
+            let _step = acc.accumulate();
+            let loss = (w.as_tensor().sum_all().unwrap()
+                + b.as_tensor().sqr().unwrap().sum_all().unwrap())
+            .unwrap();
+            acc.backward(&loss).unwrap();
+            opt.step().unwrap();
+            sched.step();
+            opt.zero_grad();
+        }
+        // Factor at step 3: (10 - 3) / 9.
+        let rates = opt.learning_rate_handle().get_all();
+        assert_eq!(rates, [0.1 * 7.0 / 9.0, 0.04 * 7.0 / 9.0]);
+        let dir = tempfile::tempdir().unwrap();
+        acc.save_state(dir.path()).unwrap();
+
+        // A fresh run whose groups have other settings: the checkpoint's win.
+        let d = AdamWConfig::default();
+        let (acc2, opt2, sched2, _) = setup(&[(&["w"], d), (&["b"], d)]);
+        acc2.load_state(dir.path()).unwrap();
+        assert_eq!(opt2.learning_rate_handle().get_all(), rates);
+        assert_eq!(sched2.state().base_lrs(), [0.1, 0.04]);
+        let mut expected = [decay, no_decay];
+        expected[0].lr = rates[0];
+        expected[1].lr = rates[1];
+        assert_eq!(opt2.inner().group_configs(), expected);
+
+        // Groups with other members, or one group: refused by name, nothing loaded.
+        for groups in [
+            vec![(&["b"][..], d), (&["w"][..], d)],
+            vec![(&["b", "w"][..], d)],
+        ] {
+            let (acc3, opt3, _, [w3, _]) = setup(&groups);
+            let err = acc3.load_state(dir.path()).unwrap_err().to_string();
+            assert!(err.contains("parameter group"), "{err}");
+            assert_eq!(
+                opt3.learning_rate_handle().get_all()[0],
+                d.lr * 0.0,
+                "warm-up step 0"
+            );
+            let w3: Vec<f32> = w3.as_tensor().to_vec1().unwrap();
+            assert_eq!(w3, [1.0, -1.0], "parameters untouched");
+        }
+    }
+}

@@ -10,12 +10,14 @@
 //!
 //! [`Lion`] is a third rule on the same core.
 //!
-//! Any other type implementing [`Optimizer`] goes through `Accelerator::prepare` too.
+//! Any other type implementing [`Optimizer`] goes through `Accelerator::prepare` too; candle-nn's
+//! optimizers do through [`CandleOptimizer`].
 //!
 //! The learning rates (one per group) live in a shared [`LearningRate`] handle that the optimizer
 //! reads at every step and an [`LrScheduler`] writes.
 
 mod adamw;
+mod candle_adapter;
 #[cfg(test)]
 mod conformance;
 #[cfg(feature = "cuda")]
@@ -31,6 +33,7 @@ mod sgd;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use candle_adapter::CandleOptimizer;
 pub use elementwise::ElementwiseOptimizer;
 pub use group::{is_no_decay, split_decay, DecaySplit, ParamGroup};
 pub use lion::{Lion, LionConfig};
