@@ -48,7 +48,8 @@ impl<O: Optimizer> PreparedOptimizer<O> {
         self.training.step_was_skipped()
     }
 
-    /// The current learning rate.
+    /// The current learning rate (of the first parameter group; `learning_rate_handle().get_all()`
+    /// has every group's).
     pub fn learning_rate(&self) -> f64 {
         lock(&self.inner).learning_rate().get()
     }
@@ -99,7 +100,8 @@ impl PreparedScheduler {
         self.training.step_scheduler(&self.inner);
     }
 
-    /// The learning rate set by the last step.
+    /// The learning rate set by the last step (of the first parameter group; `inner().last_lrs()`
+    /// has every group's).
     pub fn last_lr(&self) -> f64 {
         lock(&self.inner).last_lr()
     }

@@ -217,6 +217,17 @@ impl Accelerator {
         }
         let theirs: Vec<&str> = optimizer.params().iter().map(|(n, _)| n.as_str()).collect();
         let ours: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+        // A parameter listed twice (in two parameter groups of a user's optimizer) would be
+        // updated twice per step.
+        let mut sorted = theirs.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(Error::Optimizer(format!(
+                "the optimizer lists parameter {:?} more than once (in two parameter groups?); \
+                 every prepared parameter must be in exactly one group",
+                pair[0]
+            )));
+        }
         if theirs != ours {
             let missing: Vec<_> = ours.iter().filter(|n| !theirs.contains(n)).collect();
             let extra: Vec<_> = theirs.iter().filter(|n| !ours.contains(n)).collect();

@@ -76,6 +76,9 @@ pub(crate) struct OptimizerScalars {
 pub(crate) struct SchedulerFile {
     pub steps: usize,
     pub base_lr: ExactF64,
+    /// The base rates of parameter groups after the first; absent with one group.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_base_lrs: Vec<ExactF64>,
 }
 
 /// `accumulation.json`.

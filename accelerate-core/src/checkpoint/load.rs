@@ -261,9 +261,16 @@ fn read_model(
             .base_lr
             .get()
             .map_err(|e| problem(&spath, format!("base_lr: {e}")))?;
+        let group_base_lrs = s
+            .group_base_lrs
+            .iter()
+            .map(|v| v.get())
+            .collect::<std::result::Result<Vec<f64>, _>>()
+            .map_err(|e| problem(&spath, format!("group_base_lrs: {e}")))?;
         schedulers.push(SchedulerState {
             steps: s.steps,
             base_lr,
+            group_base_lrs,
         });
     }
 

@@ -153,6 +153,11 @@ fn write_model_files(
         let file = files::SchedulerFile {
             steps: state.steps,
             base_lr: ExactF64::new(state.base_lr),
+            group_base_lrs: state
+                .group_base_lrs
+                .iter()
+                .map(|&v| ExactF64::new(v))
+                .collect(),
         };
         staging.write(&names.scheduler(i), &files::json_bytes(&file)?)?;
     }

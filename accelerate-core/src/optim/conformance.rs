@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor};
 
 use super::test_util::{assert_close, buffers, named, pseudo_random, values};
-use super::{ElementwiseOptimizer, Optimizer, OptimizerState, UpdateRule};
+use super::{ElementwiseOptimizer, Optimizer, OptimizerState, ParamGroup, UpdateRule};
 
 /// What the suite needs to know about a rule.
 pub(crate) trait Conformance: UpdateRule + Default + PartialEq {
@@ -302,6 +302,171 @@ pub(crate) fn a_state_round_trip_continues_identically<R: Conformance>() {
     );
 }
 
+/// Two groups over "a" and "b" with the first two configurations of the rule (other rates, weight
+/// decay, betas or momentum), given in the order (b's group, a's group): group 0 holds "b".
+fn two_groups<R: Conformance>(dtype: DType) -> (ElementwiseOptimizer<R>, R, R) {
+    let configs = R::configs();
+    let (ca, cb) = (configs[1].1.clone(), configs[configs.len() - 1].1.clone());
+    assert!(ca != cb, "the suite needs two different configurations");
+    let opt = ElementwiseOptimizer::with_groups(vec![
+        ParamGroup::new(named(&[("b", &B0)], dtype), cb.clone()),
+        ParamGroup::new(named(&[("a", &A0)], dtype), ca.clone()),
+    ])
+    .unwrap();
+    (opt, ca, cb)
+}
+
+pub(crate) fn each_group_follows_the_formula_with_its_own_hyper_parameters<R: Conformance>() {
+    for (dtype, force_fallback, tolerance) in [
+        (DType::F32, false, R::F32_TOLERANCE),
+        (DType::F32, true, R::F32_TOLERANCE),
+        (DType::F64, false, R::F64_TOLERANCE),
+    ] {
+        let (mut opt, ca, cb) = two_groups::<R>(dtype);
+        opt.force_fallback = force_fallback;
+        assert_eq!(opt.learning_rate().get_all(), vec![cb.lr(), ca.lr()]);
+        assert_eq!(opt.group_params(), vec![vec!["b"], vec!["a"]]);
+        assert!(opt.group_configs() == vec![cb.clone(), ca.clone()]);
+        let (mut ra, mut rb) = (ca.reference(&A0), cb.reference(&B0));
+        for s in 0..4 {
+            run(&mut opt, s..s + 1);
+            let (ga, gb) = grads_at(s);
+            let label = |p| format!("{} groups ({dtype:?}): {p} after update {s}", R::NAME);
+            assert_close(
+                &values(&opt.params()[0].1),
+                &ra(&ga),
+                tolerance,
+                &label("a"),
+            );
+            assert_close(
+                &values(&opt.params()[1].1),
+                &rb(&gb),
+                tolerance,
+                &label("b"),
+            );
+        }
+    }
+}
+
+pub(crate) fn a_parameter_in_two_groups_is_refused_by_name<R: Conformance>() {
+    let err = ElementwiseOptimizer::with_groups(vec![
+        ParamGroup::new(named(&[("a", &A0), ("b", &B0)], DType::F32), R::stateful()),
+        ParamGroup::new(named(&[("b", &B0)], DType::F32), R::default()),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("\"b\"") && err.contains("groups 0 and 1"),
+        "{err}"
+    );
+    let err = ElementwiseOptimizer::<R>::with_groups(vec![])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no parameter groups"), "{err}");
+    let err = ElementwiseOptimizer::with_groups(vec![
+        ParamGroup::new(named(&[("a", &A0)], DType::F32), R::stateful()),
+        ParamGroup::new(
+            named(&[("b", &B0)], DType::F32),
+            R::invalid_configs()[0].0.clone(),
+        ),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("parameter group 1"), "{err}");
+}
+
+pub(crate) fn a_state_of_two_groups_round_trips_and_other_groups_are_refused<R: Conformance>() {
+    let (mut straight, ca, cb) = two_groups::<R>(DType::F32);
+    run(&mut straight, 0..2);
+    let (mut first, _, _) = two_groups::<R>(DType::F32);
+    run(&mut first, 0..2);
+    // A scheduler-style change of one group's rate is saved too.
+    let rates = vec![cb.lr() * 0.5, ca.lr() * 0.25];
+    first.learning_rate().set_all(&rates).unwrap();
+    straight.learning_rate().set_all(&rates).unwrap();
+    let saved = first.state().unwrap();
+    assert_eq!(saved.scalars["param_groups"], 2.0);
+    assert_eq!(
+        (
+            saved.scalars["param_group.a"],
+            saved.scalars["param_group.b"]
+        ),
+        (1.0, 0.0)
+    );
+    assert_eq!(saved.scalars["param_groups.1.lr"], ca.lr() * 0.25);
+
+    // Fresh groups with default hyper-parameters over the values at the time of saving.
+    let at_save: Vec<Tensor> = first
+        .params()
+        .iter()
+        .map(|(_, v)| v.as_tensor().copy().unwrap())
+        .collect();
+    let fresh = |a_group: usize| {
+        let mut groups = vec![
+            ParamGroup::new(vec![], R::default()),
+            ParamGroup::new(vec![], R::default()),
+        ];
+        groups[1 - a_group].params = named(&[("b", &B0)], DType::F32);
+        groups[a_group].params = named(&[("a", &A0)], DType::F32);
+        let opt = ElementwiseOptimizer::with_groups(groups).unwrap();
+        for ((_, dst), src) in opt.params().iter().zip(&at_save) {
+            dst.set(src).unwrap();
+        }
+        opt
+    };
+    let mut resumed = fresh(1);
+    resumed.load_state(&saved).unwrap();
+    assert_eq!(resumed.learning_rate().get_all(), rates);
+    let mut expected = vec![cb.clone(), ca.clone()];
+    expected[0].set_lr(rates[0]);
+    expected[1].set_lr(rates[1]);
+    assert!(
+        resumed.group_configs() == expected,
+        "{:?}",
+        resumed.group_configs()
+    );
+    for opt in [&mut straight, &mut first, &mut resumed] {
+        run(opt, 2..5);
+    }
+    for i in 0..2 {
+        assert_eq!(values(&resumed.params()[i].1), values(&first.params()[i].1));
+        assert_close(
+            &values(&resumed.params()[i].1),
+            &values(&straight.params()[i].1),
+            0.0,
+            "resumed = uninterrupted",
+        );
+    }
+
+    // Other membership, other group counts: refused by name, nothing loaded.
+    let mut swapped = fresh(0);
+    let before = contents(&swapped.state().unwrap());
+    let err = swapped.load_state(&saved).unwrap_err().to_string();
+    assert!(
+        err.contains("\"a\" (saved in group 1, here in group 0)") && err.contains("\"b\""),
+        "{err}"
+    );
+    assert_eq!(contents(&swapped.state().unwrap()), before);
+    let mut one_group = optimizer(R::stateful(), DType::F32);
+    let before = contents(&one_group.state().unwrap());
+    let err = one_group.load_state(&saved).unwrap_err().to_string();
+    assert!(
+        err.contains("2 parameter group(s)") && err.contains("has 1"),
+        "{err}"
+    );
+    assert_eq!(contents(&one_group.state().unwrap()), before);
+    let mut single = optimizer(R::stateful(), DType::F32);
+    run(&mut single, 0..1);
+    let err = fresh(1)
+        .load_state(&single.state().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("1 parameter group(s)") && err.contains("has 2"),
+        "{err}"
+    );
+}
+
 pub(crate) fn mismatched_states_are_refused_and_nothing_is_loaded<R: Conformance>() {
     let config = R::stateful();
     let mut source = optimizer(config.clone(), DType::F32);
@@ -468,6 +633,21 @@ macro_rules! suite {
             #[test]
             fn a_state_round_trip_continues_identically() {
                 suite::a_state_round_trip_continues_identically::<$rule>();
+            }
+
+            #[test]
+            fn each_group_follows_the_formula_with_its_own_hyper_parameters() {
+                suite::each_group_follows_the_formula_with_its_own_hyper_parameters::<$rule>();
+            }
+
+            #[test]
+            fn a_parameter_in_two_groups_is_refused_by_name() {
+                suite::a_parameter_in_two_groups_is_refused_by_name::<$rule>();
+            }
+
+            #[test]
+            fn a_state_of_two_groups_round_trips_and_other_groups_are_refused() {
+                suite::a_state_of_two_groups_round_trips_and_other_groups_are_refused::<$rule>();
             }
 
             #[test]

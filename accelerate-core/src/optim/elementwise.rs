@@ -8,6 +8,7 @@
 
 use candle_core::{Tensor, Var};
 
+use super::group::ParamGroup;
 use super::kernels;
 use super::rule::UpdateRule;
 use super::state::{key, snapshot, state_dtype, OptimizerState, StateReader};
@@ -25,17 +26,22 @@ struct ParamState {
     step: u64,
 }
 
-/// An optimizer over named parameters that applies the update rule `R` to each parameter with a
-/// gradient; [`Sgd`](super::Sgd) and [`AdamW`](super::AdamW) are this type over their
-/// configurations.
+/// An optimizer over named parameters, in one or more [`ParamGroup`]s, that applies the update
+/// rule `R` to each parameter with a gradient, with its group's hyper-parameters;
+/// [`Sgd`](super::Sgd) and [`AdamW`](super::AdamW) are this type over their configurations.
 ///
 /// State tensors are f32 (f64 for f64 parameters), created at a parameter's first update; a
 /// parameter that never had a gradient has no state and is not touched, as in PyTorch.
 #[derive(Debug)]
 pub struct ElementwiseOptimizer<R: UpdateRule> {
+    /// Every group's parameters, sorted by name.
     params: Vec<(String, Var)>,
+    /// The group of each parameter of `params`.
+    group_of: Vec<usize>,
     states: Vec<Option<ParamState>>,
-    rule: R,
+    /// Each group's hyper-parameters (their learning rates are the handle's initial ones).
+    rules: Vec<R>,
+    /// One rate per group.
     lr: LearningRate,
     /// Parameters with more elements are updated by several threads.
     pub(crate) parallel_min_elems: usize,
@@ -47,57 +53,143 @@ pub struct ElementwiseOptimizer<R: UpdateRule> {
 
 impl<R: UpdateRule> ElementwiseOptimizer<R> {
     /// An optimizer over `params` (sorted by name here; names must be unique) with the
-    /// hyper-parameters `rule`, whose learning rate starts the [`LearningRate`] handle.
+    /// hyper-parameters `rule`, whose learning rate starts the [`LearningRate`] handle: one
+    /// parameter group.
     pub fn new(params: Vec<(String, Var)>, rule: R) -> Result<Self> {
-        rule.validate()?;
-        if params.is_empty() {
+        Self::with_groups(vec![ParamGroup::new(params, rule)])
+    }
+
+    /// An optimizer over parameter groups, each with its own hyper-parameters, as PyTorch's
+    /// `param_groups`; the [`LearningRate`] handle holds one rate per group, in this order. A
+    /// parameter name may appear in only one group; a group may be empty, but not all of them.
+    pub fn with_groups(groups: Vec<ParamGroup<R>>) -> Result<Self> {
+        if groups.is_empty() {
+            return Err(Error::Optimizer(format!(
+                "{} got no parameter groups; use {}::new(params, config) for one group",
+                R::NAME,
+                R::NAME
+            )));
+        }
+        let mut named = Vec::new();
+        let mut rules = Vec::with_capacity(groups.len());
+        for (g, group) in groups.into_iter().enumerate() {
+            group.config.validate().map_err(|e| match (&e, g) {
+                (Error::Optimizer(m), 1..) => Error::Optimizer(format!("parameter group {g}: {m}")),
+                _ => e,
+            })?;
+            named.extend(group.params.into_iter().map(|(n, v)| (n, (v, g))));
+            rules.push(group.config);
+        }
+        if named.is_empty() {
             return Err(Error::Optimizer(format!(
                 "{} got an empty parameter list; pass the model's named variables \
                  (e.g. from the VarMap the model was built with)",
                 R::NAME
             )));
         }
-        let params = crate::grads::sorted_named_vars(params)?;
-        let states = params.iter().map(|_| None).collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for pair in named.windows(2) {
+            if pair[0].0 == pair[1].0 {
+                let (a, b) = (pair[0].1 .1, pair[1].1 .1);
+                return Err(Error::Optimizer(if a == b {
+                    format!(
+                        "parameter name {:?} appears twice in parameter group {a}; every \
+                         parameter needs a unique name",
+                        pair[0].0
+                    )
+                } else {
+                    format!(
+                        "parameter {:?} is in parameter groups {a} and {b}; a parameter may be in \
+                         only one group (PyTorch refuses this too)",
+                        pair[0].0
+                    )
+                }));
+            }
+        }
+        let (params, group_of): (Vec<_>, Vec<usize>) =
+            named.into_iter().map(|(n, (v, g))| ((n, v), g)).unzip();
+        let lr = LearningRate::per_group(&rules.iter().map(R::lr).collect::<Vec<_>>());
+        let states = group_of.iter().map(|_| None).collect();
         Ok(Self {
             params,
+            group_of,
             states,
-            lr: LearningRate::new(rule.lr()),
-            rule,
+            lr,
+            rules,
             parallel_min_elems: kernels::PARALLEL_MIN_ELEMS,
             force_fallback: false,
             fallback_updates: 0,
         })
     }
 
-    /// The hyper-parameters, with the learning rate read from the learning-rate handle.
+    /// The hyper-parameters of the first parameter group (the only one, in the common case), with
+    /// the learning rate read from the learning-rate handle.
     pub fn config(&self) -> R {
-        let mut rule = self.rule.clone();
-        rule.set_lr(self.lr.get());
-        rule
+        self.group_configs().swap_remove(0)
     }
+
+    /// Every parameter group's hyper-parameters, with the learning rates read from the handle.
+    pub fn group_configs(&self) -> Vec<R> {
+        self.rules
+            .iter()
+            .zip(self.lr.get_all())
+            .map(|(rule, lr)| {
+                let mut rule = rule.clone();
+                rule.set_lr(lr);
+                rule
+            })
+            .collect()
+    }
+
+    /// The names of each parameter group's parameters, sorted, in group order.
+    pub fn group_params(&self) -> Vec<Vec<&str>> {
+        let mut out = vec![Vec::new(); self.rules.len()];
+        for ((name, _), &g) in self.params.iter().zip(&self.group_of) {
+            out[g].push(name.as_str());
+        }
+        out
+    }
+}
+
+/// The scalar holding the number of parameter groups (only states of several groups have it).
+const GROUPS_KEY: &str = "param_groups";
+
+/// The scalar holding hyper-parameter `what` of group `g`, in a state of several groups.
+fn group_key(g: usize, what: &str) -> String {
+    format!("{GROUPS_KEY}.{g}.{what}")
+}
+
+/// The scalar holding the group of parameter `name`, in a state of several groups.
+fn membership_key(name: &str) -> String {
+    key("param_group", name)
 }
 
 impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
     fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
-        let lr = current_lr(&self.lr)?;
-        for ((name, var), slot) in self.params.iter().zip(self.states.iter_mut()) {
+        let lrs = current_lrs(&self.lr)?;
+        for (((name, var), slot), &g) in self
+            .params
+            .iter()
+            .zip(self.states.iter_mut())
+            .zip(&self.group_of)
+        {
             let Some(grad) = grads.get(name) else {
                 continue;
             };
             check_grad(name, var, grad)?;
+            let (rule, lr) = (&self.rules[g], lrs[g]);
             let first = slot.is_none();
             let state = match slot {
                 Some(state) => state,
                 None => slot.insert(ParamState {
-                    tensors: zeros_like(var, self.rule.state_names().len())?,
+                    tensors: zeros_like(var, rule.state_names().len())?,
                     step: 0,
                 }),
             };
             let step = state.step + 1;
             let fused = !self.force_fallback
                 && update_fused(
-                    &self.rule,
+                    rule,
                     var,
                     grad,
                     &state.tensors,
@@ -109,8 +201,7 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
                 let param = var.as_tensor().detach().to_dtype(dtype)?;
                 let grad = grad.detach().to_device(var.device())?.to_dtype(dtype)?;
                 let value =
-                    self.rule
-                        .update_tensors(&param, &grad, &mut state.tensors, lr, step, first)?;
+                    rule.update_tensors(&param, &grad, &mut state.tensors, lr, step, first)?;
                 var.set(&value.to_dtype(var.dtype())?)?;
                 self.fallback_updates += 1;
             }
@@ -127,15 +218,32 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
         &self.params
     }
 
+    /// With one group the hyper-parameters are saved under their bare names (`"lr"`, ...); with
+    /// several, `"param_groups"` holds their number, `"param_groups.<g>.<name>"` group `g`'s
+    /// hyper-parameters and `"param_group.<parameter>"` each parameter's group.
     fn state(&self) -> Result<OptimizerState> {
         let mut saved = OptimizerState::new(R::KIND);
-        for (k, v) in self.config().hyper_parameters() {
-            saved.scalars.insert(k.to_string(), v);
+        let configs = self.group_configs();
+        if let [config] = configs.as_slice() {
+            for (k, v) in config.hyper_parameters() {
+                saved.scalars.insert(k.to_string(), v);
+            }
+        } else {
+            saved
+                .scalars
+                .insert(GROUPS_KEY.into(), configs.len() as f64);
+            for (g, config) in configs.iter().enumerate() {
+                for (k, v) in config.hyper_parameters() {
+                    saved.scalars.insert(group_key(g, k), v);
+                }
+            }
+            for ((param, _), &g) in self.params.iter().zip(&self.group_of) {
+                saved.scalars.insert(membership_key(param), g as f64);
+            }
         }
-        let names = self.rule.state_names();
-        for ((param, _), slot) in self.params.iter().zip(&self.states) {
+        for (((param, _), slot), &g) in self.params.iter().zip(&self.states).zip(&self.group_of) {
             let Some(state) = slot else { continue };
-            for (what, t) in names.iter().zip(&state.tensors) {
+            for (what, t) in self.rules[g].state_names().iter().zip(&state.tensors) {
                 saved.tensors.insert(key(what, param), snapshot(t)?);
             }
             if R::COUNTS_STEPS {
@@ -147,11 +255,10 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
 
     fn load_state(&mut self, saved: &OptimizerState) -> Result<()> {
         let mut reader = StateReader::new(saved, R::KIND)?;
-        let rule = R::from_hyper_parameters(&mut |name| reader.scalar(name))?;
-        rule.validate()?;
-        let names = rule.state_names();
+        let rules = self.read_groups(&mut reader)?;
         let mut states = Vec::with_capacity(self.params.len());
-        for (param, var) in &self.params {
+        for ((param, var), &g) in self.params.iter().zip(&self.group_of) {
+            let names = rules[g].state_names();
             let dtype = state_dtype(var.dtype());
             let mut found = Vec::with_capacity(names.len());
             for what in names {
@@ -190,10 +297,73 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
             });
         }
         reader.finish()?;
-        self.lr.set(rule.lr());
-        self.rule = rule;
+        self.lr
+            .set_all(&rules.iter().map(R::lr).collect::<Vec<_>>())?;
+        self.rules = rules;
         self.states = states;
         Ok(())
+    }
+}
+
+impl<R: UpdateRule> ElementwiseOptimizer<R> {
+    /// The saved groups' hyper-parameters (validated), after checking that the state has as many
+    /// groups as this optimizer, with the same parameters in each.
+    fn read_groups(&self, reader: &mut StateReader<'_>) -> Result<Vec<R>> {
+        let saved_groups = match reader.optional_scalar(GROUPS_KEY)? {
+            None => 1,
+            Some(n) if n >= 2.0 && n.fract() == 0.0 && n < 1e6 => n as usize,
+            Some(n) => {
+                return Err(Error::Optimizer(format!(
+                    "{} state scalar {GROUPS_KEY:?} is {n}; it must be a whole number >= 2 (a \
+                     damaged checkpoint?)",
+                    R::NAME
+                )))
+            }
+        };
+        let ours = self.rules.len();
+        if saved_groups != ours {
+            return Err(Error::Optimizer(format!(
+                "the {} state was saved with {saved_groups} parameter group(s) but this optimizer \
+                 has {ours}; build the optimizer with the same groups as the run that saved it",
+                R::NAME
+            )));
+        }
+        if ours == 1 {
+            let rule = R::from_hyper_parameters(&mut |name| reader.scalar(name))?;
+            rule.validate()?;
+            return Ok(vec![rule]);
+        }
+        let mut moved = Vec::new();
+        for ((param, _), &g) in self.params.iter().zip(&self.group_of) {
+            let k = membership_key(param);
+            let theirs = reader.scalar(&k)?;
+            if theirs != g as f64 {
+                moved.push(format!(
+                    "{param:?} (saved in group {theirs}, here in group {g})"
+                ));
+            }
+        }
+        if !moved.is_empty() {
+            return Err(Error::Optimizer(format!(
+                "the {} state's parameter groups hold other parameters than this optimizer's: {}; \
+                 build the groups as the run that saved the state did",
+                R::NAME,
+                moved.join(", ")
+            )));
+        }
+        (0..ours)
+            .map(|g| {
+                let rule =
+                    R::from_hyper_parameters(&mut |name| reader.scalar(&group_key(g, name)))?;
+                rule.validate().map_err(|e| match e {
+                    Error::Optimizer(m) => {
+                        Error::Optimizer(format!("saved parameter group {g}: {m}"))
+                    }
+                    e => e,
+                })?;
+                Ok(rule)
+            })
+            .collect()
     }
 }
 
@@ -214,16 +384,24 @@ fn zeros_like(var: &Var, n: usize) -> Result<Vec<Tensor>> {
         .collect()
 }
 
-/// The learning rate to use now, rejected if a scheduler or user set something meaningless.
-fn current_lr(lr: &LearningRate) -> Result<f64> {
-    let value = lr.get();
-    if !(value.is_finite() && value >= 0.0) {
-        return Err(Error::Optimizer(format!(
-            "learning rate is {value}; it must be finite and >= 0 (check what set the \
-             LearningRate handle: the optimizer config or a scheduler's base learning rate)"
-        )));
+/// Each group's learning rate to use now, rejected if a scheduler or user set something
+/// meaningless.
+fn current_lrs(lr: &LearningRate) -> Result<Vec<f64>> {
+    let values = lr.get_all();
+    for (g, &value) in values.iter().enumerate() {
+        if !(value.is_finite() && value >= 0.0) {
+            let group = if values.len() > 1 {
+                format!(" of parameter group {g}")
+            } else {
+                String::new()
+            };
+            return Err(Error::Optimizer(format!(
+                "learning rate{group} is {value}; it must be finite and >= 0 (check what set the \
+                 LearningRate handle: the optimizer config or a scheduler's base learning rate)"
+            )));
+        }
     }
-    Ok(value)
+    Ok(values)
 }
 
 /// Checks that `grad` fits parameter `name`.

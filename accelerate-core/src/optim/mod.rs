@@ -1,25 +1,31 @@
 //! Optimizers with inspectable, savable state, and learning-rate schedulers.
 //!
-//! [`Sgd`] and [`AdamW`] follow PyTorch's `torch.optim.SGD` and `torch.optim.AdamW` (single parameter
-//! group, non-foreach) operation by operation. Each is an [`UpdateRule`] (its configuration, which
+//! [`Sgd`] and [`AdamW`] follow PyTorch's `torch.optim.SGD` and `torch.optim.AdamW` (non-foreach)
+//! operation by operation, with one or more [`ParamGroup`]s of their own hyper-parameters. Each is an [`UpdateRule`] (its configuration, which
 //! writes the per-element update) inside the one [`ElementwiseOptimizer`], which owns the state,
 //! the walk over the parameters, the fused/tensor-op split and save/load. With f32 tensors on the
 //! CPU (or a GPU) each parameter is updated in one pass over its data, with no temporary tensors
 //! (candle-nn's AdamW allocates one per elementwise operation and keeps its state private); other
 //! devices and dtypes use tensor ops.
 //!
-//! Any other type implementing [`Optimizer`] goes through `Accelerator::prepare` too.
+//! [`Lion`] is a third rule on the same core.
 //!
-//! The learning rate lives in a shared [`LearningRate`] handle that the optimizer reads at every step
-//! and an [`LrScheduler`] writes.
+//! Any other type implementing [`Optimizer`] goes through `Accelerator::prepare` too; candle-nn's
+//! optimizers do through [`CandleOptimizer`].
+//!
+//! The learning rates (one per group) live in a shared [`LearningRate`] handle that the optimizer
+//! reads at every step and an [`LrScheduler`] writes.
 
 mod adamw;
+mod candle_adapter;
 #[cfg(test)]
 mod conformance;
 #[cfg(feature = "cuda")]
 mod cuda_kernels;
 mod elementwise;
+mod group;
 mod kernels;
+mod lion;
 mod lr;
 mod rule;
 mod scheduler;
@@ -27,7 +33,10 @@ mod sgd;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use candle_adapter::CandleOptimizer;
 pub use elementwise::ElementwiseOptimizer;
+pub use group::{is_no_decay, split_decay, DecaySplit, ParamGroup};
+pub use lion::{Lion, LionConfig};
 pub use lr::LearningRate;
 pub use rule::UpdateRule;
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};

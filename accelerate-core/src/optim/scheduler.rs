@@ -1,7 +1,7 @@
 //! Learning-rate schedules, counted in optimizer steps.
 //!
 //! The semantics are transformers' `LambdaLR` schedules: the learning rate used by optimizer step `i`
-//! (0-based) is `base_lr · factor(i)`. Creating an [`LrScheduler`] applies `factor(0)`; each
+//! (0-based) is `base_lr · factor(i)`, for each parameter group with its own base rate. Creating an [`LrScheduler`] applies `factor(0)`; each
 //! [`LrScheduler::step`] after an optimizer step applies the factor of the next one. Steps are
 //! optimizer updates, not micro-batches and not processes (Accelerate multiplies by the number of
 //! processes; we do not).
@@ -109,39 +109,55 @@ impl Schedule {
     }
 }
 
-/// What a scheduler needs to resume: how many optimizer steps it has seen and its base rate.
+/// What a scheduler needs to resume: how many optimizer steps it has seen and its base rates.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SchedulerState {
     /// Optimizer steps taken so far.
     pub steps: usize,
-    /// The learning rate the factors multiply.
+    /// The learning rate the factors multiply (the first parameter group's).
     pub base_lr: f64,
+    /// The base rates of the parameter groups after the first, in group order (empty with one
+    /// group, and in states saved before groups existed).
+    #[serde(default)]
+    pub group_base_lrs: Vec<f64>,
 }
 
-/// Sets a [`LearningRate`] to `base_lr · schedule.factor(steps)` after every optimizer step.
+impl SchedulerState {
+    /// Every group's base rate, in group order.
+    pub fn base_lrs(&self) -> Vec<f64> {
+        std::iter::once(self.base_lr)
+            .chain(self.group_base_lrs.iter().copied())
+            .collect()
+    }
+}
+
+/// Sets a [`LearningRate`] to `base_lr · schedule.factor(steps)` after every optimizer step, each
+/// parameter group's rate from its own base rate (PyTorch's `LambdaLR`).
 #[derive(Debug, Clone)]
 pub struct LrScheduler {
     lr: LearningRate,
     schedule: Schedule,
-    base_lr: f64,
+    base_lrs: Vec<f64>,
     steps: usize,
-    last_lr: f64,
+    last_lrs: Vec<f64>,
 }
 
 impl LrScheduler {
-    /// A scheduler driving `lr`, whose current value becomes the base learning rate; the rate of
-    /// step 0 is applied at once. Fails on an invalid schedule (warm-up longer than the run, no
-    /// steps) or a base rate that is negative or not finite.
+    /// A scheduler driving `lr`, whose current rates become the base learning rates (one per
+    /// parameter group); the rates of step 0 are applied at once. Fails on an invalid schedule
+    /// (warm-up longer than the run, no steps) or a base rate that is negative or not finite.
     pub fn new(lr: LearningRate, schedule: Schedule) -> Result<Self> {
         schedule.validate()?;
-        let base_lr = lr.get();
-        check_base_lr(base_lr)?;
+        let base_lrs = lr.get_all();
+        for &base_lr in &base_lrs {
+            check_base_lr(base_lr)?;
+        }
         let mut scheduler = Self {
             lr,
             schedule,
-            base_lr,
+            last_lrs: base_lrs.clone(),
+            base_lrs,
             steps: 0,
-            last_lr: base_lr,
         };
         scheduler.apply();
         Ok(scheduler)
@@ -158,14 +174,26 @@ impl LrScheduler {
         self.steps
     }
 
-    /// The learning rate this scheduler last set (the one the next optimizer step uses).
+    /// The learning rate this scheduler last set (the one the next optimizer step uses), of the
+    /// first parameter group.
     pub fn last_lr(&self) -> f64 {
-        self.last_lr
+        self.last_lrs[0]
     }
 
-    /// The learning rate the factors multiply.
+    /// The learning rates this scheduler last set, one per parameter group (PyTorch's
+    /// `get_last_lr()`).
+    pub fn last_lrs(&self) -> &[f64] {
+        &self.last_lrs
+    }
+
+    /// The learning rate the factors multiply, of the first parameter group.
     pub fn base_lr(&self) -> f64 {
-        self.base_lr
+        self.base_lrs[0]
+    }
+
+    /// The learning rates the factors multiply, one per parameter group.
+    pub fn base_lrs(&self) -> &[f64] {
+        &self.base_lrs
     }
 
     /// The schedule.
@@ -182,23 +210,40 @@ impl LrScheduler {
     pub fn state(&self) -> SchedulerState {
         SchedulerState {
             steps: self.steps,
-            base_lr: self.base_lr,
+            base_lr: self.base_lrs[0],
+            group_base_lrs: self.base_lrs[1..].to_vec(),
         }
     }
 
-    /// Resumes from `state` and sets the learning rate for step `state.steps` at once, so the result
-    /// does not depend on whether the optimizer's state was loaded before or after.
+    /// Resumes from `state` and sets the learning rates for step `state.steps` at once, so the
+    /// result does not depend on whether the optimizer's state was loaded before or after. A state
+    /// with another number of parameter groups is refused, and nothing changes.
     pub fn load_state(&mut self, state: &SchedulerState) -> Result<()> {
-        check_base_lr(state.base_lr)?;
+        let base_lrs = state.base_lrs();
+        if base_lrs.len() != self.base_lrs.len() {
+            return Err(Error::Optimizer(format!(
+                "the scheduler state holds base learning rates for {} parameter group(s) but this \
+                 scheduler drives {}; build the optimizer with the same groups as the run that \
+                 saved it",
+                base_lrs.len(),
+                self.base_lrs.len()
+            )));
+        }
+        for &base_lr in &base_lrs {
+            check_base_lr(base_lr)?;
+        }
         self.steps = state.steps;
-        self.base_lr = state.base_lr;
+        self.base_lrs = base_lrs;
         self.apply();
         Ok(())
     }
 
     fn apply(&mut self) {
-        self.last_lr = self.base_lr * self.schedule.factor(self.steps);
-        self.lr.set(self.last_lr);
+        let factor = self.schedule.factor(self.steps);
+        self.last_lrs = self.base_lrs.iter().map(|b| b * factor).collect();
+        self.lr
+            .set_all(&self.last_lrs)
+            .expect("one base rate per group of the handle, checked at new and load_state");
     }
 }
 
@@ -361,7 +406,8 @@ mod tests {
             saved,
             SchedulerState {
                 steps: 4,
-                base_lr: 0.2
+                base_lr: 0.2,
+                group_base_lrs: vec![]
             }
         );
 
@@ -376,9 +422,54 @@ mod tests {
         assert!(resumed
             .load_state(&SchedulerState {
                 steps: 0,
-                base_lr: f64::NAN
+                base_lr: f64::NAN,
+                group_base_lrs: vec![]
             })
             .is_err());
+    }
+
+    #[test]
+    fn each_group_is_scaled_from_its_own_base_rate() {
+        // LambdaLR: group i's rate at step s is base_i · factor(s).
+        let lr = LearningRate::per_group(&[0.1, 0.02, 0.0]);
+        let schedule = Schedule::LinearWarmupDecay {
+            warmup_steps: 1,
+            total_steps: 3,
+        };
+        let mut s = LrScheduler::new(lr.clone(), schedule).unwrap();
+        let factors = [0.0, 1.0, 0.5, 0.0];
+        for (step, f) in factors.iter().enumerate() {
+            if step > 0 {
+                s.step();
+            }
+            let expected = [0.1 * f, 0.02 * f, 0.0];
+            assert_eq!(lr.get_all(), expected, "step {step}");
+            assert_eq!(s.last_lrs(), expected);
+        }
+        let saved = s.state();
+        assert_eq!(
+            (saved.base_lr, saved.group_base_lrs.clone()),
+            (0.1, vec![0.02, 0.0])
+        );
+
+        // Resuming takes every group's saved base rate; another group count is refused.
+        let lr2 = LearningRate::per_group(&[1.0, 1.0, 1.0]);
+        let mut resumed = LrScheduler::new(lr2.clone(), schedule).unwrap();
+        let mut at_step_2 = saved.clone();
+        at_step_2.steps = 2;
+        resumed.load_state(&at_step_2).unwrap();
+        assert_eq!(lr2.get_all(), [0.05, 0.01, 0.0]);
+        let mut one = LrScheduler::new(LearningRate::new(0.3), schedule).unwrap();
+        let err = one.load_state(&saved).unwrap_err().to_string();
+        assert!(
+            err.contains("3 parameter group(s)") && err.contains("drives 1"),
+            "{err}"
+        );
+        assert_eq!(
+            (one.steps(), one.base_lrs()),
+            (0, &[0.3][..]),
+            "nothing loaded"
+        );
     }
 
     #[test]

@@ -1,0 +1,297 @@
+//! Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), a rule of the
+//! elementwise optimizer core.
+//!
+//! Per parameter with a gradient `g`: `c = β1·m + (1-β1)·g; p = p·(1 - lr·wd) - lr·sign(c);
+//! m = β2·m + (1-β2)·g`, with `sign(0) = 0`. The moment `m` starts at zero and is saved as
+//! `"exp_avg.<parameter>"`, as the authors' `lion-pytorch` names it. There is no CUDA kernel: on a
+//! GPU the update runs as tensor ops.
+
+use candle_core::Tensor;
+
+use super::require;
+use super::{ElementwiseOptimizer, UpdateRule};
+use crate::error::Result;
+
+/// Hyper-parameters of [`Lion`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LionConfig {
+    /// Learning rate (the initial value of the optimizer's [`LearningRate`](super::LearningRate)
+    /// handle). Lion's update has the size of `lr` in every element, so it wants a rate 3-10×
+    /// smaller than AdamW's.
+    pub lr: f64,
+    /// Weight of the moment in the update's direction `c`, in `[0, 1]`.
+    pub beta1: f64,
+    /// Decay rate of the moment, in `[0, 1]`.
+    pub beta2: f64,
+    /// Decoupled weight decay: `p *= 1 - lr·weight_decay` before the update.
+    pub weight_decay: f64,
+}
+
+impl Default for LionConfig {
+    /// The paper's (and `lion-pytorch`'s) defaults: lr 1e-4, betas (0.9, 0.99), no weight decay.
+    fn default() -> Self {
+        Self {
+            lr: 1e-4,
+            beta1: 0.9,
+            beta2: 0.99,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Lion over named parameters; see the module documentation for the update.
+/// `Lion::new(params, LionConfig { .. })` builds one.
+pub type Lion = ElementwiseOptimizer<LionConfig>;
+
+/// `sign(x)` with `sign(0) = 0`, as candle's `sign` computes it (so that both paths agree).
+fn sign(x: f32) -> f32 {
+    f32::from(x > 0.0) - f32::from(x < 0.0)
+}
+
+impl UpdateRule for LionConfig {
+    const KIND: &'static str = "lion";
+    const NAME: &'static str = "Lion";
+    const COUNTS_STEPS: bool = false;
+
+    fn validate(&self) -> Result<()> {
+        require(
+            self.lr.is_finite() && self.lr >= 0.0,
+            "Lion learning rate",
+            self.lr,
+            "must be >= 0",
+        )?;
+        require(
+            (0.0..=1.0).contains(&self.beta1),
+            "Lion beta1",
+            self.beta1,
+            "must be in [0, 1]",
+        )?;
+        require(
+            (0.0..=1.0).contains(&self.beta2),
+            "Lion beta2",
+            self.beta2,
+            "must be in [0, 1]",
+        )?;
+        require(
+            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
+            "Lion weight_decay",
+            self.weight_decay,
+            "must be >= 0",
+        )
+    }
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("lr", self.lr),
+            ("beta1", self.beta1),
+            ("beta2", self.beta2),
+            ("weight_decay", self.weight_decay),
+        ]
+    }
+
+    fn from_hyper_parameters(read: &mut dyn FnMut(&str) -> Result<f64>) -> Result<Self> {
+        Ok(Self {
+            lr: read("lr")?,
+            beta1: read("beta1")?,
+            beta2: read("beta2")?,
+            weight_decay: read("weight_decay")?,
+        })
+    }
+
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg"]
+    }
+
+    fn f32_kernel(
+        &self,
+        lr: f64,
+        _step: u64,
+        _first: bool,
+    ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
+        // The scalars in f64, rounded once.
+        let decay = (1.0 - lr * self.weight_decay) as f32;
+        let lr = lr as f32;
+        let (beta1, one_minus_beta1) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
+        let (beta2, one_minus_beta2) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
+        move |p, g, state| {
+            let [exp_avg] = state else {
+                unreachable!("Lion keeps one state tensor per parameter")
+            };
+            for ((p, &g), m) in p.iter_mut().zip(g).zip(exp_avg.iter_mut()) {
+                let c = beta1 * *m + one_minus_beta1 * g;
+                *p = *p * decay - lr * sign(c);
+                *m = beta2 * *m + one_minus_beta2 * g;
+            }
+        }
+    }
+
+    fn update_tensors(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        state: &mut [Tensor],
+        lr: f64,
+        _step: u64,
+        _first: bool,
+    ) -> Result<Tensor> {
+        let [exp_avg] = state else {
+            unreachable!("Lion keeps one state tensor per parameter")
+        };
+        let c = ((&*exp_avg * self.beta1)? + (g * (1.0 - self.beta1))?)?;
+        let p = ((p * (1.0 - lr * self.weight_decay))? - (c.sign()? * lr)?)?;
+        *exp_avg = ((&*exp_avg * self.beta2)? + (g * (1.0 - self.beta2))?)?;
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::DType;
+
+    use super::*;
+    use crate::optim::conformance::{Conformance, Reference};
+    use crate::optim::test_util::{assert_close, buffers, named, values};
+    use crate::optim::Optimizer;
+
+    impl Conformance for LionConfig {
+        const F32_TOLERANCE: f64 = 1e-6;
+        const F64_TOLERANCE: f64 = 1e-14;
+
+        fn configs() -> Vec<(&'static str, Self)> {
+            let base = LionConfig {
+                lr: 0.01,
+                ..LionConfig::default()
+            };
+            vec![
+                ("defaults", base),
+                (
+                    "weight decay",
+                    LionConfig {
+                        lr: 0.02,
+                        weight_decay: 0.5,
+                        ..base
+                    },
+                ),
+                (
+                    "other betas",
+                    LionConfig {
+                        lr: 0.03,
+                        beta1: 0.5,
+                        beta2: 0.8,
+                        weight_decay: 0.1,
+                    },
+                ),
+            ]
+        }
+
+        fn stateful() -> Self {
+            LionConfig {
+                lr: 0.02,
+                weight_decay: 0.1,
+                ..LionConfig::default()
+            }
+        }
+
+        fn invalid_configs() -> Vec<(Self, &'static str)> {
+            let d = LionConfig::default();
+            vec![
+                (LionConfig { lr: -1e-4, ..d }, "learning rate"),
+                (LionConfig { beta1: 1.5, ..d }, "beta1"),
+                (LionConfig { beta2: -0.1, ..d }, "beta2"),
+                (
+                    LionConfig {
+                        weight_decay: f64::INFINITY,
+                        ..d
+                    },
+                    "weight_decay",
+                ),
+            ]
+        }
+
+        /// Lion as published (Chen et al. 2023, Program 1), one scalar at a time in f64.
+        // Indexed loops on purpose: the formula is written out element by element.
+        #[allow(clippy::needless_range_loop)]
+        fn reference(&self, p0: &[f64]) -> Reference {
+            let c = *self;
+            let mut p = p0.to_vec();
+            let mut m = vec![0.0; p.len()];
+            Box::new(move |g| {
+                for i in 0..p.len() {
+                    let update = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
+                    let sign = if update > 0.0 {
+                        1.0
+                    } else if update < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    };
+                    p[i] = p[i] * (1.0 - c.lr * c.weight_decay) - c.lr * sign;
+                    m[i] = c.beta2 * m[i] + (1.0 - c.beta2) * g[i];
+                }
+                p.clone()
+            })
+        }
+    }
+
+    crate::optim::conformance::suite!(crate::optim::LionConfig);
+
+    #[test]
+    fn by_hand() {
+        // Step 1 (m = 0): c = 0.1·g, so p moves by lr against the sign of g, and not where g = 0.
+        // Step 2: m = 0.01·g1 = [0, 0.01, -0.02]; c = 0.9·m + 0.1·g2 with g2 = [1, -0.05, 0.1]
+        // = [0.1, 0.004, -0.008]: in elements 2 and 3 the moment's sign wins over g2's.
+        for fallback in [false, true] {
+            let config = LionConfig {
+                lr: 0.1,
+                ..LionConfig::default()
+            };
+            let mut opt = Lion::new(named(&[("w", &[1.0, 1.0, 1.0])], DType::F32), config).unwrap();
+            opt.force_fallback = fallback;
+            opt.step(&buffers(opt.params(), &[("w", &[0.0, 1.0, -2.0])]))
+                .unwrap();
+            assert_close(
+                &values(&opt.params()[0].1),
+                &[1.0, 0.9, 1.1],
+                1e-7,
+                "step 1",
+            );
+            opt.step(&buffers(opt.params(), &[("w", &[1.0, -0.05, 0.1])]))
+                .unwrap();
+            assert_close(
+                &values(&opt.params()[0].1),
+                &[0.9, 0.8, 1.2],
+                1e-7,
+                "step 2",
+            );
+            let m = opt.state().unwrap().tensors["exp_avg.w"].to_dtype(DType::F64);
+            let m: Vec<f64> = m.unwrap().to_vec1().unwrap();
+            assert_close(
+                &m,
+                &[0.01, 0.99 * 0.01 - 0.0005, -0.0198 + 0.001],
+                1e-7,
+                "m",
+            );
+        }
+    }
+
+    #[test]
+    fn defaults_are_the_papers() {
+        assert_eq!(
+            LionConfig::default(),
+            LionConfig {
+                lr: 1e-4,
+                beta1: 0.9,
+                beta2: 0.99,
+                weight_decay: 0.0
+            }
+        );
+    }
+}
