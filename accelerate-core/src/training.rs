@@ -51,7 +51,8 @@ pub(crate) struct LoaderPosition {
     pub epoch: u64,
     /// Batches of that epoch this rank has already consumed.
     pub batches_consumed: usize,
-    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
+    /// Batches per epoch on this rank (a different value means a different dataset or batch size);
+    /// 0 for a streaming loader, whose length is not known in advance.
     pub batches_per_epoch: usize,
 }
 
@@ -427,7 +428,7 @@ impl TrainingState {
                 LoaderPosition {
                     epoch,
                     batches_consumed,
-                    batches_per_epoch: p.batches_per_epoch(),
+                    batches_per_epoch: p.batches_per_epoch_in_advance().unwrap_or(0),
                 }
             })
             .collect();
@@ -462,12 +463,13 @@ impl TrainingState {
         (steps.optimizers.len(), steps.schedulers.len())
     }
 
-    /// Batches per epoch of every prepared loader on this rank, in order of preparation.
-    pub fn loader_batches_per_epoch(&self) -> Vec<usize> {
+    /// Batches per epoch of every prepared loader on this rank, in order of preparation (`None`
+    /// for a streaming loader).
+    pub fn loader_batches_per_epoch(&self) -> Vec<Option<usize>> {
         self.steps()
             .loaders
             .iter()
-            .map(|p| p.batches_per_epoch())
+            .map(|p| p.batches_per_epoch_in_advance())
             .collect()
     }
 

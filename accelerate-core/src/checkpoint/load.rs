@@ -220,7 +220,9 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             ),
         ));
     }
-    for (i, (saved, &now)) in rank.loaders.iter().zip(&loaders).enumerate() {
+    for (i, (saved, now)) in rank.loaders.iter().zip(&loaders).enumerate() {
+        // A stream's length is known only once read: its iteration checks the position instead.
+        let Some(now) = *now else { continue };
         if saved.batches_per_epoch != now || saved.batches_consumed > now {
             return Err(problem(
                 &rpath,
