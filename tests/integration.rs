@@ -30,5 +30,7 @@ mod llama;
 mod mixed_precision;
 // Overlap of gradient reduction with bucket preparation.
 mod overlap;
+// Streaming data (JSONL shards) against a single-process reading of the stream.
+mod streaming;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;
