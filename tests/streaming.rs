@@ -428,7 +428,7 @@ fn bad_input_names_the_file_and_the_line() {
     let missing = dir.path().join("missing.jsonl");
     let e = JsonlShards::new(
         [&missing],
-        |v| Ok(v),
+        Ok,
         |_: Vec<serde_json::Value>| Ok(Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?),
     )
     .unwrap_err()
