@@ -426,11 +426,9 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
 fn bad_input_names_the_file_and_the_line() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.jsonl");
-    let e = JsonlShards::new(
-        [&missing],
-        Ok,
-        |_: Vec<serde_json::Value>| Ok(Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?),
-    )
+    let e = JsonlShards::new([&missing], Ok, |_: Vec<serde_json::Value>| {
+        Ok(Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?)
+    })
     .unwrap_err()
     .to_string();
     assert!(e.contains("missing.jsonl"), "{e}");
