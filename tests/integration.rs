@@ -34,5 +34,7 @@ mod mixed_precision;
 mod overlap;
 // Two models with their own optimizers and accumulation, and frozen parameters.
 mod several_models;
+// Streaming data (JSONL shards) against a single-process reading of the stream.
+mod streaming;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;

@@ -8,7 +8,7 @@ use candle_nn::VarMap;
 
 use super::Accelerator;
 use crate::accumulate::Accumulation;
-use crate::data::{DataLoader, Dataset};
+use crate::data::{DataLoader, Dataset, IterableDataset, StreamingLoader};
 use crate::error::{Error, Result};
 use crate::grads::sorted_named_vars;
 use crate::mixed_precision::{MixedPrecision, MixedPrecisionState};
@@ -337,6 +337,29 @@ impl Accelerator {
         Ok(loader)
     }
 
+    /// [`prepare_data_loader`](Self::prepare_data_loader) for a stream: shards it for this rank,
+    /// places its batches on this process's device, looks ahead K − 1 batches (so each
+    /// accumulation window's length is known at its first micro-step) and registers it. On
+    /// several ranks its batch size, drop_last and K are compared with every other rank's.
+    pub fn prepare_streaming_loader<S: IterableDataset>(
+        &mut self,
+        loader: StreamingLoader<S>,
+    ) -> Result<StreamingLoader<S>> {
+        let k = self.gradient_accumulation_steps();
+        let lookahead = loader.lookahead_batches().max(k - 1);
+        let loader = loader
+            .shard(self.state.rank, self.state.world_size)
+            .device(self.device.clone())
+            .lookahead(lookahead);
+        let index = self.loaders.len();
+        if self.state.world_size > 1 {
+            let settings = crate::data::LoaderSettings::new(&loader.plan(), k);
+            self.check_same_loader_everywhere(index, &settings)?;
+        }
+        self.loaders.register(loader.progress())?;
+        Ok(loader)
+    }
+
     /// Compares the settings of this rank's `index`-th prepared loader with every other rank's,
     /// through the store; every rank reports the same differences.
     fn check_same_loader_everywhere(
@@ -415,5 +438,12 @@ impl<D: Dataset> Prepare for DataLoader<D> {
     type Prepared = DataLoader<D>;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
         accelerator.prepare_data_loader(self)
+    }
+}
+
+impl<S: IterableDataset> Prepare for StreamingLoader<S> {
+    type Prepared = StreamingLoader<S>;
+    fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
+        accelerator.prepare_streaming_loader(self)
     }
 }

@@ -110,12 +110,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         &rpath,
         &manifest.read_verified(dir, &files::rank_file(view.rank))?,
     )?;
-    let loaders: Vec<usize> = view
-        .loaders
-        .positions()
-        .iter()
-        .map(|p| p.batches_per_epoch)
-        .collect();
+    let loaders = view.loaders.batches_per_epoch();
     if rank.rank != view.rank || rank.loaders.len() != loaders.len() {
         return Err(problem(
             &rpath,
@@ -129,7 +124,9 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             ),
         ));
     }
-    for (i, (saved, &now)) in rank.loaders.iter().zip(&loaders).enumerate() {
+    for (i, (saved, now)) in rank.loaders.iter().zip(&loaders).enumerate() {
+        // A stream's length is known only once read: its iteration checks the position instead.
+        let Some(now) = *now else { continue };
         if saved.batches_per_epoch != now || saved.batches_consumed > now {
             return Err(problem(
                 &rpath,

@@ -268,8 +268,7 @@ fn produce<D: Dataset>(
     batches: Vec<Vec<usize>>,
     sender: SyncSender<Result<D::Batch>>,
 ) {
-    #[cfg(feature = "cuda")]
-    super::pinned::enable_on_this_thread();
+    enable_pinned_staging();
     for indices in batches {
         let batch = build_batch(dataset.as_ref(), &indices, &device).and_then(|batch| {
             finish_device_work(&device)?;
@@ -280,6 +279,13 @@ fn produce<D: Dataset>(
             return;
         }
     }
+}
+
+/// Lets a loader thread stage its host-to-GPU copies through pinned memory (see `pinned`); a
+/// no-op without the `cuda` feature.
+pub(super) fn enable_pinned_staging() {
+    #[cfg(feature = "cuda")]
+    super::pinned::enable_on_this_thread();
 }
 
 /// Waits on the prefetch thread until the GPU work it queued for a batch has completed: the
@@ -304,7 +310,7 @@ fn produce<D: Dataset>(
 /// reusable at once for the next batch. The price: this thread starts gathering the next batch
 /// only once the transfer is done, which matters only where gathering plus copying takes longer
 /// than a training step.
-fn finish_device_work(device: &Device) -> Result<()> {
+pub(super) fn finish_device_work(device: &Device) -> Result<()> {
     let failed = |e: &dyn std::fmt::Display| {
         Error::Device(format!(
             "copying a batch to {:?} on the data loader's prefetch thread failed: {e}",
@@ -342,7 +348,7 @@ impl<B> Prefetcher<B> {
     }
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = panic.downcast_ref::<String>() {

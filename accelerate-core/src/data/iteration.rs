@@ -19,7 +19,8 @@ pub(crate) struct LoaderPosition {
     pub epoch: u64,
     /// Batches of that epoch this rank has already consumed.
     pub batches_consumed: usize,
-    /// Batches per epoch on this rank (a different value means a different dataset or batch size).
+    /// Batches per epoch on this rank (a different value means a different dataset or batch size);
+    /// 0 for a streaming loader, whose length is not known in advance.
     pub batches_per_epoch: usize,
 }
 
@@ -67,9 +68,18 @@ impl PreparedLoaders {
                 LoaderPosition {
                     epoch,
                     batches_consumed,
-                    batches_per_epoch: p.batches_per_epoch(),
+                    batches_per_epoch: p.batches_per_epoch_in_advance().unwrap_or(0),
                 }
             })
+            .collect()
+    }
+
+    /// Batches per epoch of every prepared loader on this rank, in order of preparation (`None`
+    /// for a streaming loader).
+    pub fn batches_per_epoch(&self) -> Vec<Option<usize>> {
+        self.loaders()
+            .iter()
+            .map(|p| p.batches_per_epoch_in_advance())
             .collect()
     }
 

@@ -274,8 +274,11 @@ impl<D: Dataset> DataLoader<D> {
     /// Iterates the next epoch (as [`DataLoader::iter`]) in windows of up to `k` consecutive batches;
     /// the last window may be shorter. A loop then knows a whole accumulation window (e.g. its token
     /// count) before its first backward pass.
-    pub fn windows(&mut self, k: usize) -> WindowIter<D> {
-        WindowIter::new(self.iter(), k)
+    pub fn windows(&mut self, k: usize) -> WindowIter<EpochIter<D>> {
+        let batches = self.iter();
+        let (epoch, position) = (batches.epoch(), batches.position());
+        let progress = Arc::clone(batches.progress_handle());
+        WindowIter::new(batches, k, epoch, position, progress)
     }
 }
 

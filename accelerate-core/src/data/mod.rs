@@ -6,18 +6,27 @@
 //! shuffle identical on every rank, batch `i` to rank `i mod N`, even batches by wrapping around
 //! (the [`BatchPlan`]), prefetch on a background thread, skip-to-position for exact resume, and a
 //! shared [`LoaderProgress`] that tells the accelerator where the epoch stands.
+//!
+//! Data read as a stream is an [`IterableDataset`] (e.g. [`JsonlShards`], JSON Lines files read
+//! lazily); a [`StreamingLoader`] shards it between ranks as Accelerate's
+//! `IterableDatasetShard`, transforms its records on worker threads and resumes by re-reading.
 
 mod batch;
 mod dataset;
 mod epoch_iter;
 mod fingerprint;
+mod iterable;
 mod iteration;
+mod jsonl;
 mod loader;
 #[cfg(feature = "cuda")]
 mod pinned;
 mod plan;
 mod progress;
 mod shuffle;
+mod stream_iter;
+mod stream_loader;
+mod stream_shard;
 mod tensor_dataset;
 mod window;
 
@@ -30,10 +39,14 @@ pub use batch::Batch;
 pub use dataset::Dataset;
 pub use epoch_iter::EpochIter;
 pub use fingerprint::LoaderSettings;
+pub use iterable::{IterableDataset, Records};
 pub(crate) use iteration::{LoaderPosition, PreparedLoaders};
+pub use jsonl::{JsonlRecord, JsonlShards};
 pub use loader::{DataLoader, DEFAULT_BATCH_TIMEOUT};
 pub use plan::BatchPlan;
-pub use progress::LoaderProgress;
+pub use progress::{LoaderProgress, UNKNOWN_BATCHES_PER_EPOCH};
 pub use shuffle::shuffled_indices;
+pub use stream_iter::StreamIter;
+pub use stream_loader::StreamingLoader;
 pub use tensor_dataset::TensorDataset;
 pub use window::WindowIter;

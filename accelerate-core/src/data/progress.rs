@@ -37,7 +37,13 @@ pub struct LoaderProgress {
     /// A position restored from a checkpoint, `(epoch, batches to skip)`, that the loader's next
     /// `iter()` starts from (set by `Accelerator::load_state`, which cannot reach the loader).
     pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
+    /// Whether the loader reads a stream, whose batches per epoch are known only once its end is.
+    streamed: AtomicBool,
 }
+
+/// What [`LoaderProgress::batches_per_epoch`] reports for a stream whose end has not been seen in
+/// the current epoch: more batches than any window needs, never the end.
+pub const UNKNOWN_BATCHES_PER_EPOCH: usize = usize::MAX;
 
 impl LoaderProgress {
     /// Progress of a loader that has not started iterating and hands out `batches_per_epoch`
@@ -47,6 +53,22 @@ impl LoaderProgress {
             batches_per_epoch: AtomicUsize::new(batches_per_epoch),
             ..Self::default()
         }
+    }
+
+    /// Progress of a streaming loader: its batches per epoch are
+    /// [`UNKNOWN_BATCHES_PER_EPOCH`] until the stream's end is seen.
+    pub(crate) fn for_stream() -> Self {
+        Self {
+            batches_per_epoch: AtomicUsize::new(UNKNOWN_BATCHES_PER_EPOCH),
+            streamed: AtomicBool::new(true),
+            ..Self::default()
+        }
+    }
+
+    /// The batches per epoch known before iterating: `None` for a streaming loader (a checkpoint
+    /// cannot compare a stream's length before reading it).
+    pub fn batches_per_epoch_in_advance(&self) -> Option<usize> {
+        (!self.streamed.load(Ordering::Acquire)).then(|| self.batches_per_epoch())
     }
 
     /// Epoch of the batch last handed out (set when that epoch's iteration starts).
@@ -59,7 +81,9 @@ impl LoaderProgress {
         self.batches_yielded.load(Ordering::Acquire)
     }
 
-    /// Batches this rank hands out per epoch.
+    /// Batches this rank hands out per epoch ([`UNKNOWN_BATCHES_PER_EPOCH`] for a stream until the
+    /// reader has seen its end: the loader looks ahead far enough that it is known by the first
+    /// micro-step of the last accumulation window, and at the last batch).
     pub fn batches_per_epoch(&self) -> usize {
         self.batches_per_epoch.load(Ordering::Acquire)
     }
@@ -115,6 +139,13 @@ impl LoaderProgress {
         self.iterating.store(true, Ordering::Release);
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.touch();
+    }
+
+    /// Records the start of a stream's `epoch` at batch `skip`: its length is unknown again until
+    /// the reader reaches its end.
+    pub(crate) fn start_stream_epoch(&self, epoch: u64, skip: usize) {
+        *self.plan.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.start_epoch(epoch, skip, UNKNOWN_BATCHES_PER_EPOCH);
     }
 
     /// Records that the `count`-th batch of the current epoch has been handed out.

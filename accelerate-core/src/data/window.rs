@@ -1,25 +1,43 @@
 //! Grouping an epoch's batches into accumulation windows.
 
-use super::dataset::Dataset;
-use super::epoch_iter::EpochIter;
+use std::sync::Arc;
+
+use super::progress::LoaderProgress;
 use crate::error::{Error, Result};
 
 /// Iterator over windows of up to `k` consecutive batches of one epoch (the last may be shorter);
-/// see [`DataLoader::windows`](super::DataLoader::windows).
+/// see [`DataLoader::windows`](super::DataLoader::windows) and
+/// [`StreamingLoader::windows`](super::StreamingLoader::windows). `I` is the epoch's batch
+/// iterator ([`EpochIter`](super::EpochIter) or [`StreamIter`](super::StreamIter)).
 ///
 /// A whole window is fetched before it is returned, so a training loop can count the window's
 /// items (e.g. tokens) before its first backward pass. An error ends the iteration; the batches
 /// already fetched for that window are dropped with it.
-pub struct WindowIter<D: Dataset> {
-    batches: EpochIter<D>,
+pub struct WindowIter<I> {
+    batches: I,
+    progress: Arc<LoaderProgress>,
+    epoch: u64,
+    /// Batches of the epoch fetched so far, skipped ones included.
+    position: usize,
     size: usize,
     finished: bool,
 }
 
-impl<D: Dataset> WindowIter<D> {
-    pub(crate) fn new(batches: EpochIter<D>, size: usize) -> Self {
+impl<I> WindowIter<I> {
+    /// Windows of `size` batches of `batches`, an iteration of `epoch` that starts at batch
+    /// `position` and reports to `progress`.
+    pub(crate) fn new(
+        batches: I,
+        size: usize,
+        epoch: u64,
+        position: usize,
+        progress: Arc<LoaderProgress>,
+    ) -> Self {
         Self {
             batches,
+            progress,
+            epoch,
+            position,
             size,
             finished: false,
         }
@@ -27,17 +45,17 @@ impl<D: Dataset> WindowIter<D> {
 
     /// The epoch being iterated.
     pub fn epoch(&self) -> u64 {
-        self.batches.epoch()
+        self.epoch
     }
 
     /// Batches of the epoch handed out so far (in returned windows), skipped ones included.
     pub fn position(&self) -> usize {
-        self.batches.position()
+        self.position
     }
 }
 
-impl<D: Dataset> Iterator for WindowIter<D> {
-    type Item = Result<Vec<D::Batch>>;
+impl<B, I: Iterator<Item = Result<B>>> Iterator for WindowIter<I> {
+    type Item = Result<Vec<B>>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.finished {
@@ -51,11 +69,14 @@ impl<D: Dataset> Iterator for WindowIter<D> {
                     .into(),
             )));
         }
-        let start = self.batches.position();
+        let start = self.position;
         let mut window = Vec::with_capacity(self.size);
         while window.len() < self.size {
             match self.batches.next() {
-                Some(Ok(batch)) => window.push(batch),
+                Some(Ok(batch)) => {
+                    window.push(batch);
+                    self.position += 1;
+                }
                 Some(Err(e)) => {
                     self.finished = true;
                     return Some(Err(e));
@@ -67,16 +88,14 @@ impl<D: Dataset> Iterator for WindowIter<D> {
             self.finished = true;
             // The loop over the epoch ends here, also when the batch iterator already ended while
             // the last (shorter) window was fetched.
-            self.batches.progress_handle().end_iteration();
+            self.progress.end_iteration();
             None
         } else {
             // The loop consumes the window's batches after this returns, one per micro-step: the
             // accelerator counts each as handed out when its micro-step begins, so it sees the
             // window start (and how many batches remain from there) at the first micro-step, and
             // a checkpoint saved at the window's end resumes after the window.
-            self.batches
-                .progress_handle()
-                .record_window(start, window.len());
+            self.progress.record_window(start, window.len());
             Some(Ok(window))
         }
     }
