@@ -1,10 +1,12 @@
-//! The training state machine: everything a training step changes, owned in one place.
+//! The training state machine: everything a training step of one prepared model changes, owned
+//! in one place.
 //!
-//! [`TrainingState`] holds the accumulation counters, the gradient buffers, the mixed-precision
-//! state, the prepared loaders and the registries of prepared optimizers and schedulers. The
-//! `Accelerator` and the objects it prepared share it (`Arc`) and change it only through its
-//! methods, which are the steps of the loop: begin a micro-step, backward, step the optimizer, step
-//! the scheduler, snapshot and restore.
+//! [`TrainingState`] holds the model's parameters, accumulation counters, gradient buffers,
+//! mixed-precision state and the registries of its prepared optimizers and schedulers; it reads
+//! the accelerator's prepared loaders, which every model shares. The `Accelerator` and the
+//! objects it prepared share it (`Arc`) and change it only through its methods, which are the
+//! steps of the loop: begin a micro-step, backward, step the optimizer, step the scheduler,
+//! snapshot and restore.
 //!
 //! ## Locks
 //!
