@@ -51,6 +51,25 @@ fn a_gather_after_the_loops_keeps_every_row_when_a_loader_was_left_at_its_last_b
     assert_eq!(acc.gather_for_metrics(&totals).unwrap().dim(0).unwrap(), 3);
 }
 
+/// A `windows()` loop left with `break` inside its last, shorter window (whose batches had all
+/// been fetched) no longer counts as inside the loader: a gather after it keeps every row.
+#[test]
+fn a_gather_after_a_windows_loop_left_inside_its_last_window_keeps_every_row() {
+    let mut acc = single(2);
+    let mut train = acc.prepare(DataLoader::new(indices(5), 1)).unwrap();
+    'epoch: for window in train.windows(2) {
+        let window = window.unwrap();
+        for (i, _) in window.iter().enumerate() {
+            let _step = acc.accumulate();
+            if window.len() == 1 && i == 0 {
+                break 'epoch;
+            }
+        }
+    }
+    let totals = Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap();
+    assert_eq!(acc.gather_for_metrics(&totals).unwrap().dim(0).unwrap(), 3);
+}
+
 /// K = 2 over 8 training batches: 4 windows, 4 optimizer steps, syncing on every second
 /// micro-step, whether the loop iterates batches or windows, although after the first micro-step
 /// of every window an evaluation loop reads one batch and breaks.

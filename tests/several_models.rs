@@ -357,3 +357,102 @@ fn a_checkpoint_holds_both_models_and_resumes_bitwise() {
         "{e}"
     );
 }
+
+/// Two models stepping on the batches of `windows(2)`: each batch counts once, however many
+/// models begin a micro-step on it, so both see windows of two (4 batches: 2 optimizer steps
+/// each), in whichever order they begin.
+#[test]
+fn two_models_on_the_windows_of_one_loader_see_each_batch_once() {
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(2)
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let (a_map, a) = tiny_mlp(1).unwrap();
+    let (b_map, b) = tiny_mlp(2).unwrap();
+    let a_model = acc.prepare(Model::from_varmap(&a_map)).unwrap();
+    let b_model = acc.prepare(Model::from_varmap(&b_map)).unwrap();
+    let mut a_opt = acc
+        .prepare(Sgd::new(a_model.parameters().to_vec(), b_cfg()).unwrap())
+        .unwrap();
+    let mut b_opt = acc
+        .prepare(Sgd::new(b_model.parameters().to_vec(), b_cfg()).unwrap())
+        .unwrap();
+    let (x, y) = tiny_data(4 * B, 3).unwrap();
+    let mut loader = acc
+        .prepare(DataLoader::new(
+            Arc::new(TensorDataset::new(x, y).unwrap()),
+            B,
+        ))
+        .unwrap();
+    let mut windows = Vec::new();
+    for (w, window) in loader.windows(2).enumerate() {
+        for (x, y) in window.unwrap() {
+            // The second window's micro-steps begin with the other model first.
+            let order = if w == 0 { [0, 1] } else { [1, 0] };
+            for m in order {
+                let (model, net, other, opt) = if m == 0 {
+                    (&a_model, &a, &b, &mut a_opt)
+                } else {
+                    (&b_model, &b, &a, &mut b_opt)
+                };
+                let step = acc.accumulate_model(model);
+                windows.push((m, step.window_len, step.sync));
+                acc.backward_model(model, &coupled_loss(net, other, &x, &y))
+                    .unwrap();
+                opt.step().unwrap();
+                opt.zero_grad();
+            }
+        }
+    }
+    assert_eq!(a_model.optimizer_steps(), 2);
+    assert_eq!(b_model.optimizer_steps(), 2);
+    assert_eq!(
+        windows,
+        [
+            (0, 2, false),
+            (1, 2, false),
+            (0, 2, true),
+            (1, 2, true),
+            (1, 2, false),
+            (0, 2, false),
+            (1, 2, true),
+            (0, 2, true)
+        ]
+    );
+}
+
+/// `save_model` writes the whole first model, its frozen parameters too (a Hugging Face loader
+/// needs every weight), with their values.
+#[test]
+fn save_model_writes_the_frozen_parameters_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acc = Accelerator::builder()
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let (map, _) = tiny_mlp(1).unwrap();
+    let expected: Vec<(String, Vec<f32>)> = named_vars(&map)
+        .into_iter()
+        .map(|(n, v)| (n, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    acc.prepare(Model::from_varmap(&map).freeze(|n| n.starts_with("l1.")))
+        .unwrap();
+    acc.save_model(dir.path()).unwrap();
+    let saved = candle_core::safetensors::load(
+        dir.path().join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut names: Vec<&String> = saved.keys().collect();
+    names.sort();
+    assert_eq!(names, ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]);
+    for (name, values) in expected {
+        let got = saved[&name]
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(got, values, "{name}");
+    }
+}

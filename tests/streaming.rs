@@ -223,6 +223,30 @@ fn gather_for_metrics_on_ranks_returns_each_record_of_the_stream_once() {
     }
 }
 
+/// A stream's loop left with `take` at its last batch no longer counts as inside the loader: a
+/// gather after it keeps every row (as for a map-style loader).
+#[test]
+fn a_gather_after_a_stream_loop_left_at_its_last_batch_keeps_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = write_stream(dir.path(), 9, 1);
+    let mut acc = Accelerator::builder()
+        .process_state(accelerate_core::ProcessState::single())
+        .build()
+        .unwrap();
+    let mut loader = acc
+        .prepare(StreamingLoader::new(Arc::new(id_stream(&shards)), 4))
+        .unwrap();
+    // 9 records in batches of 4: 4, 4 and a last batch of 1.
+    let sizes: Vec<usize> = loader
+        .iter()
+        .take(3)
+        .map(|b| b.unwrap().dim(0).unwrap())
+        .collect();
+    assert_eq!(sizes, [4, 4, 1]);
+    let totals = Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap();
+    assert_eq!(acc.gather_for_metrics(&totals).unwrap().dim(0).unwrap(), 3);
+}
+
 /// Trains the tiny model on `n` ranks (threads), K micro-batches of `b` each, for `epochs`
 /// epochs of the stream; returns rank 0's final parameters.
 fn train_on_ranks(

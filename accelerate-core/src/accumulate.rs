@@ -14,6 +14,7 @@
 //!
 //! The counter resets when the loader starts a new epoch.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::data::LoaderProgress;
@@ -74,6 +75,9 @@ pub(crate) struct Accumulation {
     /// Set when a window was left unfinished (the loop left an epoch mid-window): its partial
     /// gradient sum must be discarded, not carried into the next window.
     abandoned_window: bool,
+    /// Who this accumulation is to a loader handing out windows: each prepared model's is
+    /// distinct, so a batch that several models step on counts once.
+    consumer: usize,
 }
 
 impl Accumulation {
@@ -85,7 +89,9 @@ impl Accumulation {
                 crate::env::GRADIENT_ACCUMULATION_STEPS
             )));
         }
+        static NEXT_CONSUMER: AtomicUsize = AtomicUsize::new(0);
         Ok(Self {
+            consumer: NEXT_CONSUMER.fetch_add(1, Ordering::Relaxed),
             steps,
             taken: 0,
             window_len: steps,
@@ -222,7 +228,7 @@ impl Accumulation {
     pub fn begin(&mut self, loader: Option<&Arc<LoaderProgress>>) -> MicroStep {
         if let Some(p) = loader {
             // Iterating `windows()`: this micro-step's batch counts as handed out now.
-            p.begin_window_batch();
+            p.begin_window_batch(self.consumer);
         }
         if self.taken != 0 && self.loader_generation.is_none() {
             // A window restored from a checkpoint continues in the resumed iteration.

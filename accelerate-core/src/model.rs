@@ -102,20 +102,11 @@ impl Model {
 pub struct PreparedModel {
     index: usize,
     training: Arc<TrainingState>,
-    frozen: Vec<(String, Var)>,
 }
 
 impl PreparedModel {
-    pub(crate) fn new(
-        index: usize,
-        training: Arc<TrainingState>,
-        frozen: Vec<(String, Var)>,
-    ) -> Self {
-        Self {
-            index,
-            training,
-            frozen,
-        }
+    pub(crate) fn new(index: usize, training: Arc<TrainingState>) -> Self {
+        Self { index, training }
     }
 
     pub(crate) fn training(&self) -> &Arc<TrainingState> {
@@ -136,7 +127,7 @@ impl PreparedModel {
 
     /// The frozen parameters, sorted by name.
     pub fn frozen_parameters(&self) -> &[(String, Var)] {
-        &self.frozen
+        self.training.frozen()
     }
 
     /// K: this model's micro-steps per optimizer step.

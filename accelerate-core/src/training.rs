@@ -68,6 +68,8 @@ pub(crate) struct TrainingState {
     /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
     /// Set once, read without the lock.
     params: OnceLock<Vec<(String, Var)>>,
+    /// The model's frozen parameters, sorted by name (set once, at prepare).
+    frozen: OnceLock<Vec<(String, Var)>>,
     /// The accelerator's prepared loaders, shared by every prepared model.
     loaders: Arc<PreparedLoaders>,
     steps: Mutex<Steps>,
@@ -114,6 +116,7 @@ impl TrainingState {
     ) -> Self {
         Self {
             params: OnceLock::new(),
+            frozen: OnceLock::new(),
             loaders,
             steps: Mutex::new(Steps {
                 accumulation,
@@ -164,6 +167,28 @@ impl TrainingState {
     /// The prepared parameters, sorted by name (empty before they are prepared).
     pub fn parameters(&self) -> &[(String, Var)] {
         self.params.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// The model's frozen parameters, sorted by name.
+    pub fn frozen(&self) -> &[(String, Var)] {
+        self.frozen.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// Records the model's frozen parameters (once, when it is prepared).
+    pub fn set_frozen(&self, frozen: Vec<(String, Var)>) {
+        let _ = self.frozen.set(frozen);
+    }
+
+    /// Every parameter of the model, trained and frozen, sorted by name: what a saved model holds.
+    pub fn all_parameters(&self) -> Vec<(String, Var)> {
+        let mut all: Vec<(String, Var)> = self
+            .parameters()
+            .iter()
+            .chain(self.frozen())
+            .cloned()
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     /// Number of gradient buckets.

@@ -99,10 +99,10 @@ impl Accelerator {
         checkpoint::load_state(&self.training_view(), dir.as_ref())
     }
 
-    /// Writes the model alone into `dir` as safetensors with PyTorch names and layouts
-    /// (`model.safetensors`, or shards with a Hugging Face index above 5 GB). Main process only
-    /// writes; every rank returns after it finished, with its outcome (an error naming rank 0 if
-    /// it failed).
+    /// Writes the first model alone into `dir`, its trained and frozen parameters, as safetensors
+    /// with PyTorch names and layouts (`model.safetensors`, or shards with a Hugging Face index
+    /// above 5 GB). Main process only writes; every rank returns after it finished, with its
+    /// outcome (an error naming rank 0 if it failed).
     pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<()> {
         self.save_model_sharded(dir, checkpoint::DEFAULT_MAX_SHARD_BYTES)
     }
@@ -111,7 +111,8 @@ impl Accelerator {
     pub fn save_model_sharded(&self, dir: impl AsRef<Path>, max_shard_bytes: u64) -> Result<()> {
         let dir = dir.as_ref();
         let written = if self.is_main_process() {
-            checkpoint::save_model(self.training().parameters(), dir, max_shard_bytes).map(|_| ())
+            checkpoint::save_model(&self.training().all_parameters(), dir, max_shard_bytes)
+                .map(|_| ())
         } else {
             Ok(())
         };

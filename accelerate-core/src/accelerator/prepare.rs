@@ -129,7 +129,8 @@ impl Accelerator {
             self.models.push(training.clone());
         }
         self.frozen.extend(frozen.iter().cloned());
-        Ok(PreparedModel::new(index, training, frozen))
+        training.set_frozen(frozen);
+        Ok(PreparedModel::new(index, training))
     }
 
     /// Compares this rank's parameter names, shapes and dtypes with every other rank's, through

@@ -45,6 +45,8 @@ pub(crate) struct EpochSpec<D: Dataset> {
 pub struct EpochIter<D: Dataset> {
     source: Source<D>,
     progress: Arc<LoaderProgress>,
+    /// The progress's generation when this iteration started.
+    generation: u64,
     epoch: u64,
     rank: usize,
     /// Index within the epoch of the next batch to hand out.
@@ -99,6 +101,7 @@ impl<D: Dataset> EpochIter<D> {
         };
         Self {
             source,
+            generation: spec.progress.generation(),
             progress: spec.progress,
             epoch: spec.epoch,
             rank: spec.rank,
@@ -118,6 +121,8 @@ impl<D: Dataset> EpochIter<D> {
     ) -> Self {
         Self {
             source: Source::Failed(Some(error)),
+            // It started no iteration, so it ends none.
+            generation: u64::MAX,
             progress,
             epoch,
             rank,
@@ -221,10 +226,8 @@ impl<D: Dataset> Iterator for EpochIter<D> {
 
 impl<D: Dataset> Drop for EpochIter<D> {
     fn drop(&mut self) {
-        if !self.finished {
-            // Left with `break` or `take`: the loop is no longer inside this loader.
-            self.progress.end_iteration();
-        }
+        // Left with `break`, `take` or an error: the loop is no longer inside this loader.
+        self.progress.end_iteration_of(self.generation);
         if let Source::Prefetch(prefetcher) = &mut self.source {
             prefetcher.stop(self.batch_timeout);
         }

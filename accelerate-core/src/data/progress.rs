@@ -7,6 +7,15 @@ use std::sync::{Arc, OnceLock};
 use super::iteration::LoaderStack;
 use super::plan::BatchPlan;
 
+/// The window last handed out by `windows()`: where it starts, its length, and on how many of its
+/// batches each consumer (a prepared model's accumulation) has begun a micro-step.
+#[derive(Debug)]
+struct PendingWindow {
+    start: usize,
+    len: usize,
+    begun: Vec<(usize, usize)>,
+}
+
 /// Per-rank view of where iteration stands, shared (`Arc`) between a
 /// [`DataLoader`](super::DataLoader) and whoever needs to know, such as the accelerator's
 /// gradient-accumulation logic: the end of the loader always syncs gradients, and the accumulation
@@ -33,7 +42,7 @@ pub struct LoaderProgress {
     /// Batches of the window last handed out by `DataLoader::windows` that no micro-step has begun
     /// yet: the loop consumes a window one batch per micro-step, and each counts as handed out
     /// when its micro-step begins (so a checkpoint saved at the window's end resumes after it).
-    window_pending: AtomicUsize,
+    window: std::sync::Mutex<Option<PendingWindow>>,
     /// A position restored from a checkpoint, `(epoch, batches to skip)`, that the loader's next
     /// `iter()` starts from (set by `Accelerator::load_state`, which cannot reach the loader).
     pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
@@ -119,6 +128,14 @@ impl LoaderProgress {
         self.iterating() && self.at_end()
     }
 
+    /// [`end_iteration`](Self::end_iteration), if the iteration that started at `generation` is
+    /// still the current one: an iterator dropped after a newer one started leaves that one be.
+    pub(crate) fn end_iteration_of(&self, generation: u64) {
+        if self.generation() == generation {
+            self.end_iteration();
+        }
+    }
+
     /// Records that the loop is no longer inside the current epoch: its iterator returned its end,
     /// or was dropped before it (a `break`, a `take`). The position stays where the loop left it,
     /// so a checkpoint saved after a loop stopped at a step limit resumes there.
@@ -135,7 +152,7 @@ impl LoaderProgress {
         self.batches_per_epoch
             .store(batches_per_epoch, Ordering::Release);
         self.batches_yielded.store(skip, Ordering::Release);
-        self.window_pending.store(0, Ordering::Release);
+        *self.window.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.iterating.store(true, Ordering::Release);
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.touch();
@@ -161,7 +178,11 @@ impl LoaderProgress {
     /// the window's micro-steps are still to come.
     pub(crate) fn record_window(&self, start: usize, len: usize) {
         self.batches_yielded.store(start, Ordering::Release);
-        self.window_pending.store(len, Ordering::Release);
+        *self.window.lock().unwrap_or_else(|e| e.into_inner()) = Some(PendingWindow {
+            start,
+            len,
+            begun: Vec::new(),
+        });
         self.iterating.store(true, Ordering::Release);
         self.touch();
     }
@@ -169,12 +190,28 @@ impl LoaderProgress {
     /// Counts the next batch of the pending window as handed out (a micro-step is beginning on
     /// it); does nothing when no window is pending (batches handed out one by one are counted by
     /// the iterator itself).
-    pub(crate) fn begin_window_batch(&self) {
-        let took = self
-            .window_pending
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-        if took.is_ok() {
-            self.batches_yielded.fetch_add(1, Ordering::AcqRel);
+    ///
+    /// `consumer` names whose micro-step it is (each prepared model's accumulation has its own):
+    /// several models begin a micro-step on the same batch, and the batch counts once, when the
+    /// first of them begins on it.
+    pub(crate) fn begin_window_batch(&self, consumer: usize) {
+        let mut window = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(w) = window.as_mut() else {
+            return;
+        };
+        let index = match w.begun.iter().position(|(c, _)| *c == consumer) {
+            Some(i) => i,
+            None => {
+                w.begun.push((consumer, 0));
+                w.begun.len() - 1
+            }
+        };
+        if w.begun[index].1 < w.len {
+            w.begun[index].1 += 1;
+            let furthest = w.begun.iter().map(|(_, n)| *n).max().unwrap_or(0);
+            self.batches_yielded
+                .store(w.start + furthest, Ordering::Release);
+            drop(window);
             self.touch();
         }
     }
@@ -270,21 +307,21 @@ mod tests {
         p.start_epoch(0, 0, 10);
         p.record_window(6, 3);
         assert_eq!(p.batches_yielded(), 6, "handed out, none begun");
-        p.begin_window_batch();
+        p.begin_window_batch(0);
         assert_eq!(p.batches_yielded(), 7);
-        p.begin_window_batch();
-        p.begin_window_batch();
+        p.begin_window_batch(0);
+        p.begin_window_batch(0);
         assert_eq!(p.resume_position(), (0, 9), "the whole window consumed");
-        p.begin_window_batch();
+        p.begin_window_batch(0);
         assert_eq!(p.batches_yielded(), 9, "nothing pending: no change");
         p.record_window(9, 1);
-        p.begin_window_batch();
+        p.begin_window_batch(0);
         assert!(p.at_end());
         assert_eq!(p.resume_position(), (1, 0));
         // A new epoch drops what is left of a window.
         p.record_window(0, 3);
         p.start_epoch(1, 0, 10);
-        p.begin_window_batch();
+        p.begin_window_batch(0);
         assert_eq!(p.batches_yielded(), 0);
     }
 
@@ -303,8 +340,8 @@ mod tests {
         p.start_epoch(1, 0, 2);
         p.end_iteration();
         p.record_window(0, 2);
-        p.begin_window_batch();
-        p.begin_window_batch();
+        p.begin_window_batch(0);
+        p.begin_window_batch(0);
         assert!(p.in_last_batch_of_loop());
     }
 

@@ -77,6 +77,8 @@ pub struct StreamIter<S: IterableDataset> {
     messages: Option<Receiver<Message<S::Batch>>>,
     failed: Option<Error>,
     progress: Arc<LoaderProgress>,
+    /// The progress's generation when this iteration started.
+    generation: u64,
     plan: BatchPlan,
     epoch: u64,
     rank: usize,
@@ -92,6 +94,7 @@ impl<S: IterableDataset> StreamIter<S> {
         let mut iter = Self {
             messages: None,
             failed: None,
+            generation: spec.progress.generation(),
             progress: spec.progress.clone(),
             plan: spec.plan,
             epoch: spec.epoch,
@@ -118,6 +121,8 @@ impl<S: IterableDataset> StreamIter<S> {
         Self {
             messages: None,
             failed: Some(error),
+            // It started no iteration, so it ends none.
+            generation: u64::MAX,
             progress,
             plan,
             epoch,
@@ -167,6 +172,14 @@ impl<S: IterableDataset> StreamIter<S> {
                    StreamingLoader::batch_timeout"
                 .into(),
         }
+    }
+}
+
+impl<S: IterableDataset> Drop for StreamIter<S> {
+    fn drop(&mut self) {
+        // Left with `break`, `take` or an error: the loop is no longer inside this loader (as
+        // for a map-style loader's `EpochIter`).
+        self.progress.end_iteration_of(self.generation);
     }
 }
 

@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 pub struct WindowIter<I> {
     batches: I,
     progress: Arc<LoaderProgress>,
+    /// The progress's generation when this iteration started.
+    generation: u64,
     epoch: u64,
     /// Batches of the epoch fetched so far, skipped ones included.
     position: usize,
@@ -35,6 +37,7 @@ impl<I> WindowIter<I> {
     ) -> Self {
         Self {
             batches,
+            generation: progress.generation(),
             progress,
             epoch,
             position,
@@ -51,6 +54,14 @@ impl<I> WindowIter<I> {
     /// Batches of the epoch handed out so far (in returned windows), skipped ones included.
     pub fn position(&self) -> usize {
         self.position
+    }
+}
+
+impl<I> Drop for WindowIter<I> {
+    fn drop(&mut self) {
+        // Left inside a window (also the last, after the batch iterator ended): the loop is no
+        // longer inside this loader.
+        self.progress.end_iteration_of(self.generation);
     }
 }
 
