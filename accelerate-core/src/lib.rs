@@ -118,7 +118,7 @@ mod training;
 pub use accelerator::{
     Accelerator, AcceleratorBuilder, Prepare, DEFAULT_OVERLAP_GRADIENT_REDUCTION,
 };
-pub use accumulate::MicroStep;
+pub use accumulate::{MicroStep, NoSync};
 pub use checkpoint::{
     check_no_newer_checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints,
     prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
