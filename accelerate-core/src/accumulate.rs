@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use crate::data::LoaderProgress;
 use crate::error::{Error, Result};
-use crate::training::TrainingState;
 
 /// What one micro-step is: its place in the window and whether it syncs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,37 +31,6 @@ pub struct MicroStep {
     pub window_len: usize,
     /// Factor applied to this micro-step's gradient before it is added to the window's sum.
     pub loss_scale: f64,
-}
-
-/// A scope in which backward passes accumulate gradients locally, without averaging them across
-/// ranks, whatever K says (Accelerate's `accelerator.no_sync(model)`, DDP's `no_sync()`); from
-/// [`Accelerator::no_sync`](crate::Accelerator::no_sync) or
-/// [`PreparedModel::no_sync`](crate::PreparedModel::no_sync). The first backward pass after the
-/// guard is dropped that ends a window averages everything accumulated, as DDP does.
-///
-/// While it lives, no micro-step syncs: `sync_gradients()` is false, and the optimizer's `step`,
-/// `zero_grad` and the clipping calls do nothing. Accelerate leaves stepping inside `no_sync` to
-/// the user, where it would step each rank with its own unaveraged gradients and the replicas
-/// would drift apart; here it cannot happen. The loss is still scaled by the window's 1/k: with
-/// the default K of 1, that is 1, and a loop doing its own accumulation with the guard divides
-/// its losses itself, as under Accelerate.
-#[must_use = "the guard ends when dropped: `let _guard = accelerator.no_sync();`"]
-#[derive(Debug)]
-pub struct NoSync {
-    training: Arc<TrainingState>,
-}
-
-impl NoSync {
-    pub(crate) fn new(training: Arc<TrainingState>) -> Self {
-        training.begin_no_sync();
-        Self { training }
-    }
-}
-
-impl Drop for NoSync {
-    fn drop(&mut self) {
-        self.training.end_no_sync();
-    }
 }
 
 /// What a checkpoint keeps of the accumulation state: enough to continue a window that was saved

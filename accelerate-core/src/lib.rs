@@ -108,6 +108,7 @@ mod grads;
 mod malloc;
 mod mixed_precision;
 mod model;
+mod no_sync;
 pub mod optim;
 mod prepared;
 mod rng;
@@ -118,7 +119,7 @@ mod training;
 pub use accelerator::{
     Accelerator, AcceleratorBuilder, Prepare, DEFAULT_OVERLAP_GRADIENT_REDUCTION,
 };
-pub use accumulate::{MicroStep, NoSync};
+pub use accumulate::MicroStep;
 pub use checkpoint::{
     check_no_newer_checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints,
     prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
@@ -139,6 +140,7 @@ pub use mixed_precision::{
     DynamicLossScaler, LossScalerConfig, LossScalerState, MasterWeights, MixedPrecision,
 };
 pub use model::{Model, PreparedModel};
+pub use no_sync::NoSync;
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use rng::{RankRng, RngState};
 pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
