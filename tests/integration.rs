@@ -38,3 +38,6 @@ mod several_models;
 mod streaming;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;
+// no_sync, sync_each_batch, clip_grad_value, object collectives, split_between_processes,
+// on_main_process, set_seed, register_for_checkpointing: against hand-computed values.
+mod utilities;

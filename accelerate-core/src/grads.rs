@@ -436,6 +436,15 @@ impl GradientBuffers {
         Ok(())
     }
 
+    /// Clamps every element of every accumulated gradient to `[-limit, limit]`, in place
+    /// (PyTorch's `clip_grad_value_`). A NaN stays NaN, as `torch.clamp` leaves it.
+    pub fn clamp(&mut self, limit: f64) -> Result<()> {
+        for slot in self.slots.iter().filter(|s| s.written) {
+            clamp_in_place(&slot.view, limit)?;
+        }
+        Ok(())
+    }
+
     /// Whether every accumulated gradient is finite (no inf or NaN): the fp16 overflow check.
     pub fn all_finite(&self) -> Result<bool> {
         for slot in self.slots.iter().filter(|s| s.written) {
@@ -618,6 +627,16 @@ fn scale_in_place(view: &Tensor, factor: f64) -> Result<()> {
     if with_f32_mut(view, |xs| xs.iter_mut().for_each(|x| *x *= f))?.is_none() {
         let scaled = (view.clone() * factor)?;
         overwrite_view(view, &scaled)?;
+    }
+    Ok(())
+}
+
+fn clamp_in_place(view: &Tensor, limit: f64) -> Result<()> {
+    let l = limit as f32;
+    // f32::clamp keeps NaN, as torch.clamp does.
+    if with_f32_mut(view, |xs| xs.iter_mut().for_each(|x| *x = x.clamp(-l, l)))?.is_none() {
+        let clamped = view.clamp(-limit, limit)?;
+        overwrite_view(view, &clamped)?;
     }
     Ok(())
 }

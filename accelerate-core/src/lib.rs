@@ -108,6 +108,7 @@ mod grads;
 mod malloc;
 mod mixed_precision;
 mod model;
+mod no_sync;
 pub mod optim;
 mod prepared;
 mod rng;
@@ -139,6 +140,7 @@ pub use mixed_precision::{
     DynamicLossScaler, LossScalerConfig, LossScalerState, MasterWeights, MixedPrecision,
 };
 pub use model::{Model, PreparedModel};
+pub use no_sync::NoSync;
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use rng::{RankRng, RngState};
 pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};

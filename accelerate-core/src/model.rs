@@ -161,4 +161,17 @@ impl PreparedModel {
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
         self.training.clip_grad_norm(max_norm)
     }
+
+    /// Clamps every element of this model's window gradients to `[-limit, limit]` (see
+    /// [`Accelerator::clip_grad_value`](crate::Accelerator::clip_grad_value)); returns whether it
+    /// acted.
+    pub fn clip_grad_value(&self, limit: f64) -> Result<bool> {
+        self.training.clip_grad_value(limit)
+    }
+
+    /// A guard in whose scope this model's backward passes accumulate locally, without averaging
+    /// across ranks (see [`NoSync`](crate::NoSync)).
+    pub fn no_sync(&self) -> crate::NoSync {
+        crate::NoSync::new(self.training.clone())
+    }
 }

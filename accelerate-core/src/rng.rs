@@ -13,13 +13,31 @@ use crate::error::{Error, Result};
 /// loaders' shuffles and any other ChaCha8 seeded with the same numbers.
 const DOMAIN: &[u8; 16] = b"accel-rs rankrng";
 
+/// Domain tag of the generators handed to the user ([`user_chacha`]), so that they never
+/// repeat the accelerator's own stream.
+const USER_DOMAIN: &[u8; 16] = b"accel-rs userrng";
+
 /// The ChaCha8 key of `(seed, rank)`.
 fn key(seed: u64, rank: usize) -> [u8; 32] {
+    keyed(seed, rank, DOMAIN)
+}
+
+fn keyed(seed: u64, rank: usize, domain: &[u8; 16]) -> [u8; 32] {
     let mut key = [0u8; 32];
     key[..8].copy_from_slice(&seed.to_le_bytes());
     key[8..16].copy_from_slice(&(rank as u64).to_le_bytes());
-    key[16..].copy_from_slice(DOMAIN);
+    key[16..].copy_from_slice(domain);
     key
+}
+
+/// A ChaCha8 generator of the user's own, a pure function of `(seed, rank, stream)`: its key is
+/// the seed and the rank (little-endian u64s) followed by the tag `accel-rs userrng`, and
+/// `stream` is ChaCha's stream number, so one seed gives each rank, and each purpose, a stream
+/// of its own that no other generator of the runtime draws.
+pub(crate) fn user_chacha(seed: u64, rank: usize, stream: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::from_seed(keyed(seed, rank, USER_DOMAIN));
+    rng.set_stream(stream);
+    rng
 }
 
 /// This rank's generator.
@@ -64,6 +82,11 @@ impl RankRng {
             rank,
             inner: Mutex::new(ChaCha8Rng::from_seed(key(seed, rank))),
         }
+    }
+
+    /// Restarts this generator as [`new`](Self::new)`(seed, rank)` starts.
+    pub(crate) fn reseed(&self, seed: u64) {
+        *self.lock() = ChaCha8Rng::from_seed(key(seed, self.rank));
     }
 
     /// The generator itself, for any draw (`rand`'s `Rng` methods work on it). Hold the guard

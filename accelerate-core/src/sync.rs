@@ -48,6 +48,9 @@ pub(crate) struct GradientSync {
     /// accumulation is already queued asynchronously on the device's stream, and candle's work
     /// from another thread would go to that thread's stream, unordered with the reduction).
     overlap: bool,
+    /// Whether every micro-step's backward averages the gradients (Accelerate's
+    /// `sync_each_batch`), not only the window's last.
+    each_micro_step: bool,
     stats: Cell<GradientSyncStats>,
 }
 
@@ -70,8 +73,21 @@ impl GradientSync {
             reduce_dtype,
             overlap_configured: overlap,
             overlap: overlap && world_size > 1 && device.is_cpu(),
+            each_micro_step: false,
             stats: Cell::new(GradientSyncStats::default()),
         })
+    }
+
+    /// Averages the gradients on every micro-step (see
+    /// [`AcceleratorBuilder::sync_each_batch`](crate::AcceleratorBuilder::sync_each_batch)).
+    pub fn sync_each_batch(mut self, each: bool) -> Self {
+        self.each_micro_step = each;
+        self
+    }
+
+    /// Whether every micro-step averages the gradients, not only the window's last.
+    pub fn syncs_each_batch(&self) -> bool {
+        self.each_micro_step
     }
 
     /// The dtype buckets travel in.

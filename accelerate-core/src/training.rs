@@ -85,6 +85,11 @@ struct Steps {
     optimizers: Vec<SharedOptimizer>,
     /// Every prepared scheduler, in order of preparation.
     schedulers: Vec<SharedScheduler>,
+    /// Live [`NoSync`](crate::NoSync) guards: while any lives, no backward pass averages.
+    no_sync_guards: usize,
+    /// Whether the buffers hold gradients that a backward under a `NoSync` guard added on a
+    /// micro-step that would have synced: they outlive their window, so a checkpoint keeps them.
+    unsynced_across_windows: bool,
 }
 
 impl std::fmt::Debug for Steps {
@@ -100,10 +105,20 @@ impl std::fmt::Debug for Steps {
 impl Steps {
     fn zero_if_abandoned(&mut self) {
         if self.accumulation.take_abandoned_window() {
-            if let Some(g) = self.grads.as_mut() {
-                g.zero();
-            }
+            self.zero_gradients();
         }
+    }
+
+    fn zero_gradients(&mut self) {
+        if let Some(g) = self.grads.as_mut() {
+            g.zero();
+        }
+        self.unsynced_across_windows = false;
+    }
+
+    /// Whether the current micro-step syncs: the window's last, and no `NoSync` guard lives.
+    fn sync_now(&self) -> bool {
+        self.accumulation.sync_gradients() && self.no_sync_guards == 0
     }
 }
 
@@ -124,6 +139,8 @@ impl TrainingState {
                 mixed,
                 optimizers: Vec::new(),
                 schedulers: Vec::new(),
+                no_sync_guards: 0,
+                unsynced_across_windows: false,
             }),
         }
     }
@@ -159,9 +176,20 @@ impl TrainingState {
         self.steps().accumulation.optimizer_steps()
     }
 
-    /// Whether the current micro-step syncs gradients.
+    /// Whether the current micro-step syncs gradients (never while a `NoSync` guard lives).
     pub fn sync_gradients(&self) -> bool {
-        self.steps().accumulation.sync_gradients()
+        self.steps().sync_now()
+    }
+
+    /// A `NoSync` guard begins: backward passes accumulate locally until it ends.
+    pub fn begin_no_sync(&self) {
+        self.steps().no_sync_guards += 1;
+    }
+
+    /// A `NoSync` guard ends.
+    pub fn end_no_sync(&self) {
+        let mut steps = self.steps();
+        steps.no_sync_guards = steps.no_sync_guards.saturating_sub(1);
     }
 
     /// The prepared parameters, sorted by name (empty before they are prepared).
@@ -338,15 +366,28 @@ impl TrainingState {
         })?;
         if abandoned {
             buffers.zero();
+            steps.unsynced_across_windows = false;
         }
         let sources = steps.mixed.grad_sources(self.parameters());
         let scale = step.loss_scale / loss_scale;
-        if step.sync {
+        let guarded = steps.no_sync_guards > 0;
+        if !guarded && (step.sync || sync.syncs_each_batch()) {
+            // With sync_each_batch the window's sum so far is already equal on every rank, so
+            // averaging it again with this micro-step's gradient adds this micro-step's average.
             sync.accumulate_and_average(comm, buffers, sources, &grad_store, scale)?;
-            // After the reduction, so that every rank sees the same gradients and decides alike.
-            steps.mixed.after_sync(buffers)?;
+            steps.unsynced_across_windows = false;
+            if step.sync {
+                // After the reduction, so that every rank sees the same gradients and decides
+                // alike.
+                steps.mixed.after_sync(buffers)?;
+            }
         } else {
             buffers.accumulate(sources, &grad_store, scale)?;
+            if step.sync {
+                // Under a NoSync guard the window ends without syncing; its sums stay for the
+                // next micro-step that syncs.
+                steps.unsynced_across_windows = true;
+            }
         }
         steps.accumulation.backward_finished();
         Ok(())
@@ -356,7 +397,7 @@ impl TrainingState {
     /// the norm before clipping, or `None` on a micro-step that does not sync.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
         let mut steps = self.steps();
-        if !steps.accumulation.sync_gradients() {
+        if !steps.sync_now() {
             return Ok(None);
         }
         let Some(buffers) = steps.grads.as_mut() else {
@@ -371,13 +412,33 @@ impl TrainingState {
         Ok(Some(norm))
     }
 
+    /// Clamps every element of the window's gradients to `[-limit, limit]`; returns whether it
+    /// acted (only on a micro-step that syncs, where the gradients are the window's average).
+    pub fn clip_grad_value(&self, limit: f64) -> Result<bool> {
+        if !limit.is_finite() || limit < 0.0 {
+            return Err(Error::Config(format!(
+                "clip_grad_value({limit}): the limit is the largest magnitude a gradient element \
+                 keeps, a finite number >= 0"
+            )));
+        }
+        let mut steps = self.steps();
+        if !steps.sync_now() {
+            return Ok(false);
+        }
+        let Some(buffers) = steps.grads.as_mut() else {
+            return Ok(false);
+        };
+        buffers.clamp(limit)?;
+        Ok(true)
+    }
+
     /// Steps `optimizer` from the window's averaged gradients on the micro-step that syncs (a
     /// no-op elsewhere). Under fp16 a window whose gradients overflowed is skipped and its
     /// gradients dropped; under mixed precision the compute copies take the updated masters.
     pub fn step_optimizer<O: Optimizer + ?Sized>(&self, optimizer: &Mutex<O>) -> Result<()> {
         let mut guard = self.steps();
         let steps = &mut *guard;
-        if !steps.accumulation.sync_gradients() {
+        if !steps.sync_now() {
             return Ok(());
         }
         let grads = steps.grads.as_mut().ok_or_else(|| {
@@ -402,10 +463,8 @@ impl TrainingState {
     /// window's gradients are still being summed).
     pub fn zero_grad(&self) {
         let mut steps = self.steps();
-        if steps.accumulation.sync_gradients() {
-            if let Some(g) = steps.grads.as_mut() {
-                g.zero();
-            }
+        if steps.sync_now() {
+            steps.zero_gradients();
         }
     }
 
@@ -427,7 +486,8 @@ impl TrainingState {
         let steps = self.steps();
         let counters = steps.accumulation.counters();
         // Copies: the buffers are summed into in place after the snapshot is taken.
-        let window_gradients = match (&steps.grads, counters.taken > 0) {
+        let inside_window = counters.taken > 0 || steps.unsynced_across_windows;
+        let window_gradients = match (&steps.grads, inside_window) {
             (Some(grads), true) => Some(
                 grads
                     .names()
@@ -549,6 +609,8 @@ impl TrainingState {
                 buffers.zero();
             }
         }
+        steps.unsynced_across_windows =
+            snapshot.counters.taken == 0 && snapshot.window_gradients.is_some();
         if let Some(scaler) = steps.mixed.scaler.as_mut() {
             match &snapshot.loss_scaler {
                 Some(state) => scaler.load_state(state)?,

@@ -29,6 +29,7 @@ pub struct AcceleratorBuilder {
     loss_scaler: LossScalerConfig,
     gradient_reduce_dtype: Option<DType>,
     overlap_gradient_reduction: Option<bool>,
+    sync_each_batch: bool,
 }
 
 impl AcceleratorBuilder {
@@ -105,6 +106,19 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Averages the gradients across ranks on every micro-step, not only on the last of each
+    /// accumulation window (Accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`).
+    /// The window's average, and so every update, is the same as without it (up to float
+    /// rounding): each micro-step adds its local gradient to the window's sum, already equal on
+    /// every rank, and averages again. It costs K times the gradient traffic. Under DDP it saves
+    /// the memory of the unsynced gradients; here the window's sums live in the same buffers
+    /// either way, so it saves nothing: use it to match an Accelerate configuration, or to spread
+    /// the traffic over the window. Default: off.
+    pub fn sync_each_batch(mut self, each: bool) -> Self {
+        self.sync_each_batch = each;
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let steps = match self.gradient_accumulation_steps {
@@ -160,7 +174,8 @@ impl AcceleratorBuilder {
             self.gradient_reduce_dtype.unwrap_or(DType::F32),
             overlap_gradient_reduction,
             &device,
-        )?;
+        )?
+        .sync_each_batch(self.sync_each_batch);
         let membership = join(&state, &device)?;
         if device.is_cpu() {
             crate::malloc::keep_freed_memory();
@@ -189,6 +204,7 @@ impl AcceleratorBuilder {
             loaders,
             frozen: Vec::new(),
             loss_scaler: self.loss_scaler,
+            custom: Vec::new(),
         })
     }
 }

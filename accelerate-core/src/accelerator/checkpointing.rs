@@ -1,6 +1,10 @@
 //! Checkpoints of the whole training state, and the model alone, from the accelerator.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use super::Accelerator;
 use crate::checkpoint::{self, TrainingView};
@@ -29,6 +33,7 @@ impl Accelerator {
     /// | `rank_<r>.json` | rank `r` | the position of each of its data loaders (epoch, batches consumed) |
     /// | `rank_<r>_gradients.safetensors` | rank `r` | its partial gradient sums, only when saved inside an accumulation window |
     /// | `rng_<r>.json` | rank `r` | the exact position of its own generator ([`RankRng`](crate::RankRng)) |
+    /// | `custom_checkpoint_<i>.json` | main | object `i` registered with [`register_for_checkpointing`](Self::register_for_checkpointing), as JSON |
     /// | `manifest.json` | main, last | format version, world size, parameter names/shapes/dtypes, size and CRC-32 of every file |
     ///
     /// The random state is the loaders' and each rank's generator's: the shuffle order of an epoch is a
@@ -87,6 +92,29 @@ impl Accelerator {
         Ok(dir)
     }
 
+    /// Registers `value` to be saved by [`save_state`](Self::save_state) and restored by
+    /// [`load_state`](Self::load_state) with the rest of the training state (Accelerate's
+    /// `register_for_checkpointing`): an epoch counter, a best metric, a struct of your own;
+    /// anything serde writes as JSON. Returns the handle the loop and the accelerator share: change
+    /// the value through it (`*epoch.lock().unwrap() += 1`); `save_state` writes it as it is then,
+    /// and `load_state` replaces it.
+    ///
+    /// The main process's value is saved (`custom_checkpoint_<i>.json`, `i` in order of
+    /// registration, listed in the manifest with its checksum), and every rank loads it. A
+    /// checkpoint holding another number of registered objects, or a value that does not parse
+    /// as the registered type, is refused before anything is loaded; a checkpoint without any
+    /// loads when nothing is registered. Register the same objects in the same order in the run
+    /// that resumes, before `load_state`. Unlike Accelerate, which takes any object with
+    /// `state_dict`/`load_state_dict`, the value itself is the state.
+    pub fn register_for_checkpointing<T>(&mut self, value: T) -> Arc<Mutex<T>>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let handle = Arc::new(Mutex::new(value));
+        self.custom.push(handle.clone());
+        handle
+    }
+
     /// Restores a state saved by [`save_state`](Self::save_state) from `dir`, or from the latest
     /// `checkpoint_<N>` under `dir` (under mixed precision: the f32 master weights, copied into
     /// the compute copies, and the fp16 loss scaler), with each rank's generator. Prepare the same
@@ -129,6 +157,7 @@ impl Accelerator {
             loaders: &self.loaders,
             rng: &self.rng,
             device: &self.device,
+            custom: &self.custom,
         }
     }
 }

@@ -2,10 +2,12 @@
 //! splitting work between processes and waiting for everyone.
 
 use candle_core::{DType, Device, Tensor};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use super::Accelerator;
 use crate::comm::ReduceOp;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 impl Accelerator {
     /// Reduces a tensor over all ranks (a copy; the argument is untouched). Like
@@ -101,14 +103,28 @@ impl Accelerator {
         Ok(Tensor::cat(&[tensor, &pad], dim)?)
     }
 
-    /// This rank's contiguous share of `items`: the shares are as equal as possible, the first
-    /// ranks getting one more when the length does not divide.
+    /// This rank's contiguous share of `items` (any slice: prompts, file names, rows): the shares
+    /// are as equal as possible, the first ranks getting one more when the length does not
+    /// divide, and a rank beyond the items (more ranks than items) gets an empty slice, as
+    /// Accelerate's `split_between_processes` cuts them. For shares of equal length see
+    /// [`split_between_processes_padded`](Self::split_between_processes_padded).
     pub fn split_between_processes<'a, T>(&self, items: &'a [T]) -> &'a [T] {
-        let (n, r) = (self.state.world_size, self.state.rank);
-        let (base, extra) = (items.len() / n, items.len() % n);
-        let start = r * base + r.min(extra);
-        let len = base + usize::from(r < extra);
-        &items[start..start + len]
+        let range = share_of(items.len(), self.state.world_size, self.state.rank);
+        &items[range]
+    }
+
+    /// This rank's share of `items` as [`split_between_processes`](Self::split_between_processes)
+    /// cuts it, padded with the last item of `items` up to the longest share, so that every rank
+    /// holds the same number and a [`gather`](Self::gather) of per-item results lines up; drop the
+    /// padded results after gathering (Accelerate's `apply_padding=True`, which pads with the
+    /// same item). `items` empty gives empty shares.
+    pub fn split_between_processes_padded<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        let longest = items.len().div_ceil(self.state.world_size);
+        let mut share = self.split_between_processes(items).to_vec();
+        if let Some(last) = items.last() {
+            share.resize(longest, last.clone());
+        }
+        share
     }
 
     /// Runs `f` on the main process first, then on the others (e.g. to download or preprocess
@@ -122,6 +138,118 @@ impl Accelerator {
             self.wait_for_everyone()?;
         }
         Ok(result)
+    }
+
+    /// Runs `f` on the local main process of each machine first, then on the other processes
+    /// of that machine (e.g. to fill a cache on a disk each machine has of its own). The other
+    /// processes wait at a barrier of the whole job, as Accelerate's does: they go once every
+    /// machine's local main process has finished `f`.
+    pub fn local_main_process_first<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let first = self.is_local_main_process();
+        if !first {
+            self.wait_for_everyone()?;
+        }
+        let result = f();
+        if first {
+            self.wait_for_everyone()?;
+        }
+        Ok(result)
+    }
+
+    /// Runs `f` on the main process only and returns its result there; `None` on every other
+    /// rank (Accelerate's `@on_main_process`, as a closure). Not a collective: nothing waits.
+    pub fn on_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_main_process().then(f)
+    }
+
+    /// Runs `f` on the local main process of each machine only; `None` elsewhere.
+    pub fn on_local_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_local_main_process().then(f)
+    }
+
+    /// `tensor` as rank `from` has it, on every rank (Accelerate's `broadcast(tensor,
+    /// from_process)`): a copy, the argument is untouched. Every rank passes a tensor of the same
+    /// shape and dtype (the others' values are ignored); any dtype and layout, on the host or on
+    /// the accelerator's device. Ranks passing different sizes get an error naming each rank's,
+    /// and a rank that never calls it is a timeout naming it.
+    pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
+        self.check_root("broadcast", from)?;
+        let (wire, original) = wire_dtype(tensor)?;
+        let out = if original.is_none() {
+            wire.copy()?
+        } else {
+            wire
+        };
+        self.comm.broadcast(&out, from)?;
+        Ok(match original {
+            Some(dtype) => out.to_dtype(dtype)?,
+            None => out,
+        })
+    }
+
+    /// Every rank's `value`, in rank order, on every rank (Accelerate's `gather_object`): any
+    /// serde value (JSON on the wire, so maps need string keys), of any size per rank. A
+    /// collective: call it on every rank at the same point.
+    pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        let bytes = to_json("gather_object", value)?;
+        let lengths = self.gather(&Tensor::new(&[bytes.len() as i64], &Device::Cpu)?)?;
+        let lengths: Vec<usize> = lengths
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|l| l as usize)
+            .collect();
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let mut padded = bytes;
+        padded.resize(longest.max(1), 0);
+        let rows = Tensor::from_vec(padded, (1, longest.max(1)), &Device::Cpu)?;
+        let all = self.comm.all_gather(&rows)?;
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(rank, &len)| {
+                let row = all.get(rank)?.narrow(0, 0, len)?.to_vec1::<u8>()?;
+                from_json("gather_object", rank, &row)
+            })
+            .collect()
+    }
+
+    /// Rank `from`'s `value` on every rank (Accelerate's `broadcast_object_list`, for one
+    /// object): any serde value. Every rank passes a value (the others' are ignored, and dropped);
+    /// a collective.
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: T,
+        from: usize,
+    ) -> Result<T> {
+        self.check_root("broadcast_object", from)?;
+        if self.state.world_size == 1 {
+            return Ok(value);
+        }
+        let bytes = if self.state.rank == from {
+            to_json("broadcast_object", &value)?
+        } else {
+            Vec::new()
+        };
+        let len = Tensor::new(&[bytes.len() as i64], &Device::Cpu)?;
+        self.comm.broadcast(&len, from)?;
+        let len = len.to_vec1::<i64>()?[0] as usize;
+        let mut padded = bytes;
+        padded.resize(len.max(1), 0);
+        let wire = Tensor::from_vec(padded, len.max(1), &Device::Cpu)?;
+        self.comm.broadcast(&wire, from)?;
+        let received = wire.narrow(0, 0, len)?.to_vec1::<u8>()?;
+        from_json("broadcast_object", from, &received)
+    }
+
+    fn check_root(&self, op: &str, from: usize) -> Result<()> {
+        if from >= self.state.world_size {
+            return Err(Error::Config(format!(
+                "{op} from rank {from}, but the job has ranks 0..{}; pass a rank below the \
+                 number of processes",
+                self.state.world_size
+            )));
+        }
+        Ok(())
     }
 
     /// For a step done on some ranks only (typically writing a file on the main process): every
@@ -159,4 +287,48 @@ fn wire_dtype(tensor: &Tensor) -> Result<(Tensor, Option<DType>)> {
         None => tensor.contiguous()?,
     };
     Ok((t.contiguous()?, wire.map(|_| tensor.dtype())))
+}
+
+/// The range of the `rank`-th of `ranks` contiguous shares of `len` items: as equal as possible,
+/// the first `len % ranks` one longer (Accelerate's layout).
+fn share_of(len: usize, ranks: usize, rank: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (len / ranks, len % ranks);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// `value` as JSON bytes, for an object collective.
+fn to_json<T: Serialize>(op: &str, value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|e| {
+        Error::Config(format!(
+            "{op}: the value cannot be written as JSON ({e}); maps need string keys"
+        ))
+    })
+}
+
+/// The value rank `rank` sent, parsed.
+fn from_json<T: DeserializeOwned>(op: &'static str, rank: usize, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Collective {
+        op,
+        peer: Some(rank),
+        problem: format!(
+            "the value rank {rank} sent is not of the type this rank expects ({e}); pass the same \
+             type on every rank"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share_of;
+
+    /// Accelerate's layout, written out: 10 items on 3 ranks are 4, 3, 3; 2 items on 3 ranks are
+    /// 1, 1, 0.
+    #[test]
+    fn shares_give_the_first_ranks_one_more() {
+        let shares: Vec<_> = (0..3).map(|r| share_of(10, 3, r)).collect();
+        assert_eq!(shares, vec![0..4, 4..7, 7..10]);
+        let shares: Vec<_> = (0..3).map(|r| share_of(2, 3, r)).collect();
+        assert_eq!(shares, vec![0..1, 1..2, 2..2]);
+    }
 }

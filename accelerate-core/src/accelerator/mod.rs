@@ -13,6 +13,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor, Var};
 
 use crate::accumulate::MicroStep;
+use crate::checkpoint::SharedCustomState;
 use crate::comm::store::{Store, StoreServer};
 use crate::comm::{CommStats, Communicator, ReduceOp};
 use crate::data::PreparedLoaders;
@@ -54,6 +55,8 @@ pub struct Accelerator {
     frozen: Vec<(String, Var)>,
     /// The loss scaler's configuration, for the training state of each further model.
     loss_scaler: LossScalerConfig,
+    /// The user's objects registered for checkpointing, in order of registration.
+    custom: Vec<SharedCustomState>,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -121,6 +124,37 @@ impl Accelerator {
     /// (see [`RankRng`]).
     pub fn rng(&self) -> &RankRng {
         &self.rng
+    }
+
+    /// Seeds every generator the runtime and candle use that can be seeded (Accelerate's
+    /// `set_seed`): this rank's [`rng`](Self::rng) restarts as it does in a run built with
+    /// `seed` (keyed by the seed and the rank, so ranks still draw different dropout masks), and
+    /// on a GPU the device's generator is seeded with `seed` on every rank, so that `randn` on the
+    /// device initializes every rank's model alike, as Accelerate's default
+    /// (`device_specific=False`) does. [`seed`](Self::seed) reports it afterwards.
+    ///
+    /// Not seeded: candle's CPU `rand`/`randn`, which draw from a thread generator that candle
+    /// offers no way to seed (build CPU weights from a generator of your own, e.g.
+    /// [`rank_rng`](Self::rank_rng), or broadcast them, as `prepare` does); and a data loader's
+    /// shuffle, which follows its own `DataLoader::seed`.
+    pub fn set_seed(&mut self, seed: u64) -> Result<()> {
+        if !self.device.is_cpu() {
+            self.device.set_seed(seed)?;
+        }
+        self.rng.reseed(seed);
+        self.seed = seed;
+        Ok(())
+    }
+
+    /// A ChaCha8 generator of your own for this rank, a pure function of the accelerator's
+    /// [`seed`](Self::seed), the rank and `stream` (pick one stream per purpose: data
+    /// augmentation, noise): the same in every run with the same seed, different on each rank
+    /// and for each stream, and never the stream [`rng`](Self::rng) draws. Checkpoints do not
+    /// save it; to continue it bitwise after a resume, keep its position in a state registered
+    /// with [`register_for_checkpointing`](Self::register_for_checkpointing), or draw from
+    /// [`rng`](Self::rng).
+    pub fn rank_rng(&self, stream: u64) -> rand_chacha::ChaCha8Rng {
+        crate::rng::user_chacha(self.seed, self.state.rank, stream)
     }
 
     /// The process identity read from the environment.
@@ -218,6 +252,13 @@ impl Accelerator {
             .backward(loss, self.comm.as_ref(), &self.sync)
     }
 
+    /// A guard in whose scope backward passes of the first model accumulate gradients locally,
+    /// without the all-reduce, whatever K says (Accelerate's `accelerator.no_sync(model)`; per
+    /// model: [`PreparedModel::no_sync`]). See [`NoSync`](crate::NoSync).
+    pub fn no_sync(&self) -> crate::NoSync {
+        crate::NoSync::new(self.training().clone())
+    }
+
     /// Whether the current micro-step syncs gradients (and steps the optimizer). Use it to guard
     /// clipping and per-step logging.
     pub fn sync_gradients(&self) -> bool {
@@ -252,6 +293,15 @@ impl Accelerator {
     /// does something on a micro-step that syncs; elsewhere it returns `None`.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
         self.training().clip_grad_norm(max_norm)
+    }
+
+    /// Clamps every element of the window's gradients to `[-clip_value, clip_value]` (PyTorch's
+    /// `clip_grad_value_`, Accelerate's `clip_grad_value_`). Like
+    /// [`clip_grad_norm`](Self::clip_grad_norm) it acts on the accumulated, averaged gradients,
+    /// so only on a micro-step that syncs (returning `true`); elsewhere it does nothing and
+    /// returns `false`. Per model: [`PreparedModel::clip_grad_value`].
+    pub fn clip_grad_value(&self, clip_value: f64) -> Result<bool> {
+        self.training().clip_grad_value(clip_value)
     }
 
     /// Optimizer steps taken so far.

@@ -2,6 +2,7 @@
 //! the training state; if applying still fails (an optimizer refuses its state), what was already
 //! applied is rolled back, so nothing is ever half-loaded.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -15,7 +16,7 @@ use super::manifest::{self, Manifest, MANIFEST_FILE};
 use super::naming::latest_checkpoint;
 use super::save::{is_complete, log_recovery};
 use super::staging;
-use super::TrainingView;
+use super::{custom_file, TrainingView};
 use crate::accumulate::AccumulationCounters;
 use crate::error::{Error, Result};
 use crate::mixed_precision::LossScalerState;
@@ -66,6 +67,8 @@ struct Loaded {
     rank: RankFile,
     /// This rank's generator, unless the checkpoint predates saved generators.
     rng: Option<ChaCha8Rng>,
+    /// Each registered object's saved value, parsed, in order of registration.
+    custom: Vec<Box<dyn Any + Send>>,
 }
 
 /// Loads the checkpoint at `dir` (or the latest under it); returns the directory loaded. First the
@@ -157,7 +160,52 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     } else {
         None
     };
-    Ok(Loaded { models, rank, rng })
+    let custom = read_custom(view, &manifest, dir)?;
+    Ok(Loaded {
+        models,
+        rank,
+        rng,
+        custom,
+    })
+}
+
+/// Reads and parses every registered object's saved value; refuses a checkpoint that holds
+/// another number of them than this run registered.
+fn read_custom(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+) -> Result<Vec<Box<dyn Any + Send>>> {
+    if manifest.custom_objects != view.custom.len() {
+        return Err(problem(
+            &dir.join(MANIFEST_FILE),
+            format!(
+                "it holds {} object(s) registered for checkpointing, but this run registered {} \
+                 with register_for_checkpointing; register the same objects, in the same order, \
+                 before load_state",
+                manifest.custom_objects,
+                view.custom.len()
+            ),
+        ));
+    }
+    view.custom
+        .iter()
+        .enumerate()
+        .map(|(i, object)| {
+            let name = custom_file(i);
+            let bytes = manifest.read_verified(dir, &name)?;
+            object.parse(&bytes).map_err(|e| {
+                problem(
+                    &dir.join(&name),
+                    format!(
+                        "does not hold a {} ({e}), which this run registered as object {i}; \
+                         register the same objects, in the same order, as the run that saved it",
+                        object.type_name()
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Reads and verifies model `m`'s files against this run's model `m`.
@@ -302,7 +350,8 @@ fn read_model(
             .copied()
             .unwrap_or(false),
     };
-    let window_gradients = if counters.taken > 0 {
+    // Gradients outside a window: a backward under a NoSync guard ended a window unsynced.
+    let window_gradients = if counters.taken > 0 || has_gradients {
         if !has_gradients {
             return Err(problem(
                 &dir.join(files::rank_file(view.rank)),
@@ -405,6 +454,10 @@ fn apply_models(view: &TrainingView<'_>, loaded: Vec<LoadedModel>) -> Result<()>
 /// refuses its value), then this rank's generator.
 fn apply(view: &TrainingView<'_>, loaded: Loaded, dir: &Path) -> Result<()> {
     apply_models(view, loaded.models)?;
+    // Parsed and checked already: replacing the values cannot fail.
+    for (object, value) in view.custom.iter().zip(loaded.custom) {
+        object.apply(value);
+    }
     view.loaders.resume(&loaded.rank.loaders);
     match loaded.rng {
         Some(rng) => view.rng.restore(rng),

@@ -70,10 +70,18 @@ pub struct Manifest {
     /// Each prepared model after the first (none in a checkpoint of one model).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub further_models: Vec<ModelEntry>,
+    /// Objects registered with `register_for_checkpointing` (`custom_checkpoint_<i>.json`);
+    /// absent, and 0, in a checkpoint of a run that registered none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub custom_objects: usize,
     /// What the random state is (there is no generator to save; see the module documentation).
     pub random_state: String,
     /// Every other file of the checkpoint, by name.
     pub files: BTreeMap<String, FileEntry>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// CRC-32 and size of `bytes`.

@@ -1,6 +1,7 @@
 //! Save and load the whole training state (the format: `Accelerator::save_state`).
 
 mod agree;
+mod custom;
 mod exact;
 mod files;
 mod load;
@@ -25,6 +26,7 @@ use crate::rng::RankRng;
 use crate::training::{TrainingSnapshot, TrainingState};
 
 pub(crate) use agree::agree_with;
+pub(crate) use custom::{custom_file, SharedCustomState};
 pub use model::{
     save_model, DEFAULT_MAX_SHARD_BYTES, MODEL_FILE as MODEL_SAFETENSORS, MODEL_INDEX_FILE,
 };
@@ -48,6 +50,8 @@ pub(crate) struct TrainingView<'a> {
     pub loaders: &'a PreparedLoaders,
     pub rng: &'a RankRng,
     pub device: &'a Device,
+    /// The user's objects registered for checkpointing, in order of registration.
+    pub custom: &'a [SharedCustomState],
 }
 
 impl TrainingView<'_> {

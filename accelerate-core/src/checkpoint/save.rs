@@ -11,7 +11,7 @@ use super::exact::ExactF64;
 use super::files::{self, AccumulationFile, ModelFiles, OptimizerScalars, RankFile};
 use super::manifest::{self, Manifest, ModelEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
 use super::staging::{self, Staging};
-use super::TrainingView;
+use super::{custom_file, TrainingView};
 use crate::error::{Error, Result};
 use crate::training::TrainingSnapshot;
 
@@ -39,10 +39,11 @@ pub(crate) fn is_complete(dir: &Path) -> bool {
 pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     let staging = Staging::for_target(dir)?;
     let main = view.rank == 0;
-    let snapshots = view.agree(
+    let (snapshots, custom) = view.agree(
         dir,
         "taking the training state's snapshot",
-        view.snapshots(),
+        view.snapshots()
+            .and_then(|s| Ok((s, custom_values(view, dir)?))),
     )?;
     let created = if main {
         staging::recover_interrupted_replace(dir, is_complete)
@@ -58,6 +59,12 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
                 .iter()
                 .enumerate()
                 .try_for_each(|(m, snapshot)| write_model_files(view, m, snapshot, &staging))
+                .and_then(|()| {
+                    custom
+                        .iter()
+                        .enumerate()
+                        .try_for_each(|(i, bytes)| staging.write(&custom_file(i), bytes))
+                })
         } else {
             Ok(())
         }
@@ -78,6 +85,28 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     view.agree(dir, "committing the checkpoint", committed)?;
     view.reseed_device()?;
     Ok(())
+}
+
+/// The registered objects' values now, as JSON (main process, which writes them; empty on the
+/// others).
+fn custom_values(view: &TrainingView<'_>, dir: &Path) -> Result<Vec<Vec<u8>>> {
+    if view.rank != 0 {
+        return Ok(Vec::new());
+    }
+    view.custom
+        .iter()
+        .enumerate()
+        .map(|(i, object)| {
+            object.to_json().map_err(|e| Error::Checkpoint {
+                path: dir.join(custom_file(i)),
+                problem: format!(
+                    "registered object {i} ({}) cannot be written as JSON ({e}); maps need \
+                     string keys",
+                    object.type_name()
+                ),
+            })
+        })
+        .collect()
 }
 
 /// This rank's loader positions and, inside a window, each model's partial gradient sums.
@@ -229,6 +258,7 @@ fn write_manifest(
         schedulers: first.schedulers.len(),
         parameters: manifest::parameter_entries(view.params()),
         further_models,
+        custom_objects: view.custom.len(),
         random_state: RANDOM_STATE.into(),
         files: entries,
     };
