@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use accelerate_core::data::{JsonlShards, StreamingLoader};
 use accelerate_core::optim::{Sgd, SgdConfig};
-use accelerate_core::{Accelerator, Result};
+use accelerate_core::{Accelerator, Model, Result};
 use accelerate_tests::{named_vars, ranks_as_threads, snapshot, tiny_mlp, ReferenceOptimizer};
 use candle_core::{Device, Tensor};
 
@@ -247,6 +247,15 @@ fn a_gather_after_a_stream_loop_left_at_its_last_batch_keeps_every_row() {
     assert_eq!(acc.gather_for_metrics(&totals).unwrap().dim(0).unwrap(), 3);
 }
 
+/// How a run gives its model K micro-steps.
+#[derive(Clone, Copy)]
+enum KFrom {
+    /// The accelerator's builder; the loader is prepared after the model.
+    Builder,
+    /// The model's own `Model::gradient_accumulation_steps`, prepared after the loader.
+    ModelAfterLoader,
+}
+
 /// Trains the tiny model on `n` ranks (threads), K micro-batches of `b` each, for `epochs`
 /// epochs of the stream; returns rank 0's final parameters.
 fn train_on_ranks(
@@ -256,18 +265,44 @@ fn train_on_ranks(
     b: usize,
     epochs: usize,
 ) -> Vec<Vec<f32>> {
-    let builder = move || Accelerator::builder().gradient_accumulation_steps(k);
+    train_on_ranks_with(shards, n, k, b, epochs, KFrom::Builder)
+}
+
+fn train_on_ranks_with(
+    shards: &[PathBuf],
+    n: usize,
+    k: usize,
+    b: usize,
+    epochs: usize,
+    k_from: KFrom,
+) -> Vec<Vec<f32>> {
+    let builder_k = match k_from {
+        KFrom::Builder => k,
+        KFrom::ModelAfterLoader => 1,
+    };
+    let builder = move || Accelerator::builder().gradient_accumulation_steps(builder_k);
     let params = ranks_as_threads(n, builder, |mut acc| {
         let (varmap, model) = tiny_mlp(1).unwrap();
-        let params = acc.prepare(&varmap).unwrap();
+        let loader = StreamingLoader::new(Arc::new(training_stream(shards)), b).num_workers(2);
+        let (params, mut loader) = match k_from {
+            KFrom::Builder => {
+                let params = acc.prepare(&varmap).unwrap();
+                (params, acc.prepare(loader).unwrap())
+            }
+            KFrom::ModelAfterLoader => {
+                let loader = acc.prepare(loader).unwrap();
+                let model = Model::from_varmap(&varmap).gradient_accumulation_steps(k);
+                let prepared = acc.prepare(model).unwrap();
+                assert_eq!(prepared.gradient_accumulation_steps(), k);
+                (prepared.parameters().to_vec(), loader)
+            }
+        };
         let cfg = SgdConfig {
             lr: 0.1,
             momentum: 0.9,
             ..SgdConfig::default()
         };
         let mut opt = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
-        let loader = StreamingLoader::new(Arc::new(training_stream(shards)), b).num_workers(2);
-        let mut loader = acc.prepare(loader).unwrap();
         for _ in 0..epochs {
             for batch in loader.iter() {
                 let (x, y) = batch.unwrap();
@@ -335,6 +370,20 @@ fn n_ranks_times_k_micro_batches_of_a_stream_equal_one_process_with_the_big_batc
     // The comparison can fail: one rank without accumulation is far from it.
     let alone = train_on_ranks(&shards, 1, 1, 4, 1);
     assert!(max_diff(&alone, &reference) > 1e-3);
+}
+
+#[test]
+fn a_model_prepared_after_the_stream_with_its_own_k_weights_its_last_window_by_its_length() {
+    // The stream is prepared while K is 1; the model prepared after it accumulates 3 micro-steps.
+    // 2 ranks, B = 4, 64 records: windows of 3, 3 and 2 batches per epoch, the last of 16
+    // records, which the stream must read 2 batches ahead to know at the window's start.
+    let dir = tempfile::tempdir().unwrap();
+    let shards = write_stream(dir.path(), 64, 3);
+    let ours = train_on_ranks_with(&shards, 2, 3, 4, 2, KFrom::ModelAfterLoader);
+    let (reference, steps) = train_reference(&shards, 24, 2);
+    assert_eq!(steps, 6);
+    let d = max_diff(&ours, &reference);
+    assert!(d < 1e-5, "max |Δθ| = {d}");
 }
 
 /// Trains on 2 ranks, K = 2, for 2 epochs of the stream; with `stop_at`, stops after that many

@@ -129,6 +129,7 @@ impl TrainingState {
         mixed: MixedPrecisionState,
         loaders: Arc<PreparedLoaders>,
     ) -> Self {
+        loaders.require_window_lookahead(accumulation.steps() - 1);
         Self {
             params: OnceLock::new(),
             frozen: OnceLock::new(),
@@ -287,6 +288,7 @@ impl TrainingState {
             ));
         }
         steps.accumulation = Accumulation::new(k)?;
+        self.loaders.require_window_lookahead(k - 1);
         Ok(())
     }
 

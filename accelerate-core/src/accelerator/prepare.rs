@@ -339,19 +339,18 @@ impl Accelerator {
     }
 
     /// [`prepare_data_loader`](Self::prepare_data_loader) for a stream: shards it for this rank,
-    /// places its batches on this process's device, looks ahead K − 1 batches (so each
-    /// accumulation window's length is known at its first micro-step) and registers it. On
+    /// places its batches on this process's device and registers it; from then on it looks ahead
+    /// the largest K − 1 of the models prepared, before or after it (so each accumulation
+    /// window's length is known at its first micro-step). On
     /// several ranks its batch size, drop_last and K are compared with every other rank's.
     pub fn prepare_streaming_loader<S: IterableDataset>(
         &mut self,
         loader: StreamingLoader<S>,
     ) -> Result<StreamingLoader<S>> {
         let k = self.gradient_accumulation_steps();
-        let lookahead = loader.lookahead_batches().max(k - 1);
         let loader = loader
             .shard(self.state.rank, self.state.world_size)
-            .device(self.device.clone())
-            .lookahead(lookahead);
+            .device(self.device.clone());
         let index = self.loaders.len();
         if self.state.world_size > 1 {
             let settings = crate::data::LoaderSettings::new(&loader.plan(), k);

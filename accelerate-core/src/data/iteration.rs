@@ -7,6 +7,7 @@
 //! drops. A training loop that evaluates inside an epoch has its evaluation loader on top while
 //! that loop runs, and its training loader back on top at its next batch.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::progress::LoaderProgress;
@@ -31,6 +32,8 @@ pub(crate) struct LoaderPosition {
 pub(crate) struct PreparedLoaders {
     stack: Arc<LoaderStack>,
     loaders: Mutex<Vec<Arc<LoaderProgress>>>,
+    /// The largest K − 1 of the models prepared: how far ahead streams read.
+    window_lookahead: AtomicUsize,
 }
 
 impl PreparedLoaders {
@@ -50,8 +53,19 @@ impl PreparedLoaders {
                     .into(),
             ));
         }
+        progress.raise_window_lookahead(self.window_lookahead.load(Ordering::Acquire));
         loaders.push(progress);
         Ok(index)
+    }
+
+    /// Makes every stream, prepared or yet to be, read `batches` ahead at least: a model that
+    /// accumulates K micro-steps needs K − 1 to know its window's length at its first micro-step.
+    pub fn require_window_lookahead(&self, batches: usize) {
+        let loaders = self.loaders();
+        self.window_lookahead.fetch_max(batches, Ordering::AcqRel);
+        for progress in loaders.iter() {
+            progress.raise_window_lookahead(batches);
+        }
     }
 
     /// Number of loaders prepared so far.

@@ -48,6 +48,10 @@ pub struct LoaderProgress {
     pending_resume: std::sync::Mutex<Option<(u64, usize)>>,
     /// Whether the loader reads a stream, whose batches per epoch are known only once its end is.
     streamed: AtomicBool,
+    /// The batches a stream must read ahead so that every prepared model knows its window's length
+    /// at the window's first micro-step: the largest K − 1 of the accelerator's models, raised
+    /// as models are prepared (a model prepared after the loader may accumulate longer).
+    window_lookahead: AtomicUsize,
 }
 
 /// What [`LoaderProgress::batches_per_epoch`] reports for a stream whose end has not been seen in
@@ -72,6 +76,16 @@ impl LoaderProgress {
             streamed: AtomicBool::new(true),
             ..Self::default()
         }
+    }
+
+    /// Makes a stream read at least `batches` ahead from its next iteration on.
+    pub(crate) fn raise_window_lookahead(&self, batches: usize) {
+        self.window_lookahead.fetch_max(batches, Ordering::AcqRel);
+    }
+
+    /// The batches a stream must read ahead for the accumulation windows of the models prepared.
+    pub(crate) fn window_lookahead(&self) -> usize {
+        self.window_lookahead.load(Ordering::Acquire)
     }
 
     /// The batches per epoch known before iterating: `None` for a streaming loader (a checkpoint

@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 /// as for a map-style loader. One rank keeps a partial last batch.
 ///
 /// Unlike [`DataLoader`](super::DataLoader) the length is unknown in advance: the reader looks
-/// ahead `lookahead` batches (what [`Accelerator::prepare`](crate::Accelerator::prepare) sets from
-/// K) so that the end of the stream, and so the length of the last accumulation window, is known
+/// ahead `lookahead` batches (at least the largest K − 1 of the models prepared on the same
+/// accelerator, before or after the loader) so that the end of the stream, and so the length of the last accumulation window, is known
 /// in time. There is no shuffle; the dataset gets the epoch and may vary its order by it.
 /// Records are transformed into items on `num_workers` threads and the batches handed out in
 /// stream order, identical to those of one worker.
@@ -90,8 +90,9 @@ impl<S: IterableDataset> StreamingLoader<S> {
     }
 
     /// How many batches past the one handed out the reader must have seen (at least 1, so the
-    /// loader knows which batch is the last). `Accelerator::prepare` raises it to K − 1, so that
-    /// each accumulation window's length is known at its first micro-step. Only the raw records
+    /// loader knows which batch is the last). Once prepared, each iteration reads at least the
+    /// largest K − 1 of the accelerator's models ahead, so that each accumulation window's length
+    /// is known at its first micro-step. Only the raw records
     /// of this rank's batches are held for it.
     pub fn lookahead(mut self, batches: usize) -> Self {
         self.lookahead = batches;
@@ -191,7 +192,9 @@ impl<S: IterableDataset> StreamingLoader<S> {
             rank: self.rank,
             plan: self.plan,
             skip,
-            lookahead: self.lookahead_batches(),
+            lookahead: self
+                .lookahead_batches()
+                .max(self.progress.window_lookahead()),
             num_workers: self.num_workers,
             prefetch: self.prefetch.max(self.num_workers),
             batch_timeout: self.batch_timeout,
