@@ -456,3 +456,68 @@ fn save_model_writes_the_frozen_parameters_too() {
         assert_eq!(got, values, "{name}");
     }
 }
+
+#[test]
+fn the_second_model_weights_its_window_by_the_items_of_its_own_count() {
+    // Model b (prepared second, K = 2) takes item-weighted windows: rank 0 has 3 then 2 rows, rank
+    // 1 has 4 then 1, and each passes the *sum* of its rows' cross-entropies. b's synced gradient
+    // must be that of the mean cross-entropy over all 10 rows in one process. Model a (the first,
+    // K = 1) only takes part, so an item count applied to the wrong model would show.
+    const ROWS: [[usize; 2]; 2] = [[3, 2], [4, 1]];
+    let (x, y) = tiny_data(10, 7).unwrap();
+    let (reference_map, reference_model) = tiny_mlp(2).unwrap();
+    let loss = candle_nn::loss::cross_entropy(&reference_model.forward(&x).unwrap(), &y).unwrap();
+    let grads = loss.backward().unwrap();
+    let reference: Vec<(String, Vec<f32>)> = named_vars(&reference_map)
+        .into_iter()
+        .map(|(name, var)| {
+            let g = grads.get(var.as_tensor()).unwrap();
+            (name, g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        })
+        .collect();
+    let per_rank = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+        let rank = acc.process_index();
+        let (a_map, _) = tiny_mlp(1).unwrap();
+        let (b_map, b) = tiny_mlp(2).unwrap();
+        acc.prepare(Model::from_varmap(&a_map)).unwrap();
+        let b_prepared = acc
+            .prepare(Model::from_varmap(&b_map).gradient_accumulation_steps(2))
+            .unwrap();
+        let start = ROWS[..rank].iter().flatten().sum::<usize>();
+        let rows = ROWS[rank];
+        acc.set_window_items_model(&b_prepared, rows[0] + rows[1])
+            .unwrap();
+        let mut first = start;
+        for n in rows {
+            let _step = acc.accumulate_model(&b_prepared);
+            let xs = x.narrow(0, first, n).unwrap();
+            let ys = y.narrow(0, first, n).unwrap();
+            let mean = candle_nn::loss::cross_entropy(&b.forward(&xs).unwrap(), &ys).unwrap();
+            acc.backward_model(&b_prepared, &(mean * n as f64).unwrap())
+                .unwrap();
+            first += n;
+        }
+        assert!(b_prepared.sync_gradients());
+        b_prepared
+            .parameters()
+            .iter()
+            .map(|(name, _)| {
+                let g = b_prepared.gradient(name).unwrap().unwrap();
+                (
+                    name.clone(),
+                    g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    for ours in per_rank {
+        for ((name, got), (_, want)) in ours.iter().zip(&reference) {
+            let d = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-6, "{name}: max |Δg| = {d}");
+        }
+    }
+}

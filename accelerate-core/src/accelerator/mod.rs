@@ -265,16 +265,26 @@ impl Accelerator {
         self.training().sync_gradients()
     }
 
-    /// Switches the window about to begin to item-weighted accumulation: `local_items` is the
+    /// Switches the first model's window about to begin to item-weighted accumulation (per
+    /// model: [`set_window_items_model`](Self::set_window_items_model)): `local_items` is the
     /// number of items (e.g. non-padding tokens) in this rank's batches of the whole window, and the
     /// losses passed to [`backward`](Self::backward) in that window must be *sums* over items. The
     /// resulting gradient equals that of one batch holding the whole window on all ranks, averaged
     /// per item. Call before the window's first [`accumulate`](Self::accumulate); the count is
     /// summed over ranks.
     pub fn set_window_items(&self, local_items: usize) -> Result<()> {
+        self.set_window_items_of(self.training(), local_items)
+    }
+
+    /// [`set_window_items`](Self::set_window_items) for `model`'s window about to begin (by its
+    /// own accumulation steps), before its first [`accumulate_model`](Self::accumulate_model).
+    pub fn set_window_items_model(&self, model: &PreparedModel, local_items: usize) -> Result<()> {
+        self.set_window_items_of(model.training(), local_items)
+    }
+
+    fn set_window_items_of(&self, training: &TrainingState, local_items: usize) -> Result<()> {
         let global = self.reduce_scalar(local_items as f64, ReduceOp::Sum)?;
-        self.training()
-            .set_window_items(global, self.state.world_size)
+        training.set_window_items(global, self.state.world_size)
     }
 
     /// Computes the gradients of `loss` (a scalar) and adds them, scaled for the window, into the
