@@ -10,7 +10,9 @@
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, TensorDataset};
-use accelerate_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use accelerate_core::optim::{
+    AdamW, AdamWConfig, LearningRate, LrScheduler, Schedule, Sgd, SgdConfig,
+};
 use accelerate_core::{Accelerator, Model, PreparedModel, ProcessState};
 use accelerate_tests::{
     named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp, ReferenceOptimizer, TinyMlp,
@@ -280,6 +282,15 @@ fn an_optimizer_over_frozen_parameters_or_two_models_is_refused() {
         .expect_err("a model with every parameter frozen")
         .to_string();
     assert!(e.contains("frozen"), "{e}");
+
+    // A scheduler whose optimizer is not prepared (yet) could follow either model's steps.
+    let lr = LearningRate::new(0.1);
+    let e = acc
+        .prepare(LrScheduler::new(lr.clone(), Schedule::Constant).unwrap())
+        .err()
+        .expect("a scheduler driving no prepared optimizer, two models prepared")
+        .to_string();
+    assert!(e.contains("after the optimizer"), "{e}");
 }
 
 /// Saved inside the generator's window (after micro-step 3 of 6, the discriminator having stepped

@@ -300,16 +300,28 @@ impl Accelerator {
     }
 
     /// Wraps a scheduler so that it advances once per optimizer step of the model whose
-    /// optimizer it drives (the first model's if no prepared optimizer shares its learning
-    /// rate).
-    pub fn prepare_scheduler(&mut self, scheduler: LrScheduler) -> PreparedScheduler {
-        let training = self
+    /// optimizer it drives. With one model prepared, a scheduler prepared before its optimizer
+    /// follows that model; with several, it must be prepared after the optimizer it drives (an
+    /// error otherwise, since which model's steps it should follow is unknown).
+    pub fn prepare_scheduler(&mut self, scheduler: LrScheduler) -> Result<PreparedScheduler> {
+        let training = match self
             .models
             .iter()
             .find(|m| m.drives_learning_rate(&scheduler))
-            .unwrap_or(self.training())
-            .clone();
-        PreparedScheduler::new(scheduler, training)
+        {
+            Some(model) => model.clone(),
+            None if self.models.len() <= 1 => self.training().clone(),
+            None => {
+                return Err(Error::Config(format!(
+                    "the learning-rate scheduler drives no prepared optimizer, and {} models are \
+                     prepared, so which model's optimizer steps it should follow is unknown; \
+                     prepare the scheduler after the optimizer whose learning rate it drives \
+                     (built with LrScheduler::new(optimizer.learning_rate(), ...))",
+                    self.models.len()
+                )))
+            }
+        };
+        Ok(PreparedScheduler::new(scheduler, training))
     }
 
     /// Shards a data loader for this rank, places its batches on this process's device, and makes
@@ -430,7 +442,7 @@ impl Prepare for Model {
 impl Prepare for LrScheduler {
     type Prepared = PreparedScheduler;
     fn prepare_with(self, accelerator: &mut Accelerator) -> Result<Self::Prepared> {
-        Ok(accelerator.prepare_scheduler(self))
+        accelerator.prepare_scheduler(self)
     }
 }
 
