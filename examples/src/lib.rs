@@ -6,5 +6,6 @@
 pub mod gpt;
 pub mod layers;
 pub mod llama;
+pub mod lora;
 pub mod mlp;
 pub mod run;
