@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use accelerate_core::Accelerator;
-use accelerate_examples::llama::{self, LlamaArgs, LlamaConfig, LlamaRun};
+use accelerate_examples::llama::{LlamaArgs, LlamaConfig, LlamaRun};
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -47,15 +47,8 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     let mut session = LlamaRun::start(&args.llama)?;
+    let (varmap, model) = session.build_model()?;
     let acc = &mut session.acc;
-    let device = acc.device().clone();
-    // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
-    let (varmap, model) = llama::build_in(
-        session.config,
-        args.llama.seed,
-        &device,
-        acc.compute_dtype(),
-    )?;
     let params = acc.prepare(&varmap)?;
     if let Some(path) = &args.llama.init_weights {
         accelerate_core::load_into_vars(path, &params)

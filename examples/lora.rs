@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use accelerate_core::{Accelerator, Model};
-use accelerate_examples::llama::{self, LlamaArgs, LlamaRun};
+use accelerate_examples::llama::{LlamaArgs, LlamaRun};
 use accelerate_examples::lora::{self, LoraConfig, LoraTarget};
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
@@ -127,15 +127,8 @@ fn base_model_name(args: &Args) -> Option<String> {
 fn run(args: &Args) -> Result<()> {
     let lora = lora_config(args)?;
     let mut session = LlamaRun::start(&args.llama)?;
-    let acc = &mut session.acc;
-    let device = acc.device().clone();
-    // The base in the compute dtype, its weights loaded before `prepare` broadcasts them once.
-    let (varmap, base) = llama::build_in(
-        session.config,
-        args.llama.seed,
-        &device,
-        acc.compute_dtype(),
-    )?;
+    // The base's weights are loaded before `prepare` broadcasts them, once.
+    let (varmap, base) = session.build_model()?;
     if let Some(path) = &args.llama.init_weights {
         let base_params: Vec<(String, Var)> = {
             let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
@@ -146,6 +139,7 @@ fn run(args: &Args) -> Result<()> {
     }
     let model = lora::with_adapters(&base, &lora, &varmap, args.llama.seed)?;
     drop(base);
+    let acc = &mut session.acc;
     let prepared =
         acc.prepare(Model::from_varmap(&varmap).freeze(|name| !lora::is_adapter_parameter(name)))?;
     // The adapters (their f32 masters under mixed precision).

@@ -15,7 +15,8 @@ use accelerate_core::Model;
 use accelerate_examples::llama::{self, LlamaArgs, LlamaConfig, LlamaRun};
 use accelerate_examples::lora::{self, LoraConfig, LoraTarget};
 use accelerate_tests::{
-    load_flat, max_abs_diff_flat, output_text as text, summary_value, Job, JobOutput,
+    load_flat, max_abs_diff_flat, output_text as text, small_llama_args, summary_value, Job,
+    JobOutput,
 };
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
@@ -136,45 +137,23 @@ fn training_moves_only_the_adapters_and_leaves_the_base_bitwise_unchanged() {
     }
 }
 
-/// Flags of a small shuffled run (1 layer, hidden 32) with adapters on three projections.
+/// Flags of a small shuffled run (1 layer, hidden 32, SGD) with adapters on three projections.
 fn small_model_args(out: &Path, batch: usize, steps: u64) -> Vec<String> {
-    [
-        "--layers",
-        "1",
-        "--width",
-        "32",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--intermediate",
-        "48",
-        "--context",
-        "16",
-        "--seed",
-        "5",
+    let mut args = small_llama_args(batch, steps);
+    let lora = [
         "--lora-r",
         "4",
         "--lora-alpha",
         "8",
         "--lora-targets",
         "q_proj,v_proj,down_proj",
-        // SGD, whose step is proportional to the gradient: AdamW's would hide a wrongly scaled
-        // accumulated gradient.
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.3",
-        "--batch-size",
-        &batch.to_string(),
-        "--max-steps",
-        &steps.to_string(),
-        "--save-adapter",
-        out.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    ];
+    args.extend(lora.map(String::from));
+    args.extend([
+        "--save-adapter".to_string(),
+        out.to_str().unwrap().to_string(),
+    ]);
+    args
 }
 
 #[test]

@@ -17,6 +17,7 @@ use accelerate_core::optim::{
 use accelerate_core::Accelerator;
 use anyhow::Result;
 use candle_core::Var;
+use candle_nn::VarMap;
 
 use super::cli::{check_flags, data_and_config, LlamaArgs};
 use super::config::LlamaConfig;
@@ -51,6 +52,19 @@ impl<'a> LlamaRun<'a> {
             dataset,
             source,
         })
+    }
+
+    /// The model of the flags' size in a fresh `VarMap`, in the accelerator's compute dtype
+    /// (bf16/f16 under mixed precision; `prepare` returns the f32 masters), on its device, with
+    /// the weights seeded by --seed (see [`super::init_weights`]).
+    pub fn build_model(&self) -> Result<(VarMap, Llama)> {
+        let acc = &self.acc;
+        Ok(super::model::build_in(
+            self.config,
+            self.args.seed,
+            acc.device(),
+            acc.compute_dtype(),
+        )?)
     }
 
     /// Prints where the data comes from and the model's size on the main process; `parameters`
