@@ -23,6 +23,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::LlamaConfig;
+use crate::frozen_linear::frozen_linear;
 use crate::lora::{LoraAdapter, LoraTarget};
 
 /// The standard deviation of the seeded initial weights: transformers' `initializer_range`.
@@ -34,7 +35,7 @@ pub struct Llama {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: Tensor,
-    lm_head: Linear,
+    lm_head: Projection,
     /// `[max_position_embeddings, head_dim / 2]`: cos and sin of position × inverse frequency.
     cos: Tensor,
     sin: Tensor,
@@ -58,12 +59,26 @@ struct DecoderLayer {
 #[derive(Debug, Clone)]
 struct Projection {
     linear: Linear,
+    /// `W` is not trained: no gradient is computed for it ([`frozen_linear`]).
+    frozen: bool,
     adapter: Option<LoraAdapter>,
 }
 
 impl Projection {
+    fn new(linear: Linear) -> Self {
+        Self {
+            linear,
+            frozen: false,
+            adapter: None,
+        }
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.linear.forward(x)?;
+        let y = if self.frozen {
+            frozen_linear(x, self.linear.weight())?
+        } else {
+            self.linear.forward(x)?
+        };
         match &self.adapter {
             None => Ok(y),
             Some(adapter) => y + adapter.update(x)?,
@@ -74,6 +89,7 @@ impl Projection {
     fn detached(&self) -> Self {
         Self {
             linear: Linear::new(self.linear.weight().detach(), None),
+            frozen: true,
             adapter: self.adapter.clone(),
         }
     }
@@ -103,10 +119,7 @@ impl DecoderLayer {
         let attn = vb.pp("self_attn");
         let mlp = vb.pp("mlp");
         let lin = |i, o, vb| {
-            Ok::<_, candle_core::Error>(Projection {
-                linear: candle_nn::linear_no_bias(i, o, vb)?,
-                adapter: None,
-            })
+            Ok::<_, candle_core::Error>(Projection::new(candle_nn::linear_no_bias(i, o, vb)?))
         };
         Ok(Self {
             input_layernorm: norm_weight(h, vb.pp("input_layernorm"))?,
@@ -198,7 +211,11 @@ impl Llama {
             )?,
             layers,
             norm: norm_weight(c.hidden_size, model.pp("norm"))?,
-            lm_head: candle_nn::linear_no_bias(c.hidden_size, c.vocab_size, vb.pp("lm_head"))?,
+            lm_head: Projection::new(candle_nn::linear_no_bias(
+                c.hidden_size,
+                c.vocab_size,
+                vb.pp("lm_head"),
+            )?),
             cos,
             sin,
             config,
@@ -211,9 +228,10 @@ impl Llama {
     }
 
     /// The same model over plain tensors that share the parameters' storage: what the parameters
-    /// hold (a later `Var::set` or broadcast included) is what it computes with, but candle
-    /// records no gradient for them and differentiates nothing before the first parameter the
-    /// forward pass reads. The frozen base of a LoRA fine-tune.
+    /// hold (a later `Var::set` or broadcast included) is what it computes with, but no gradient
+    /// is computed for them (the projections are [`frozen_linear`]s), and nothing before the
+    /// first parameter the forward pass reads is differentiated. The frozen base of a LoRA
+    /// fine-tune.
     pub fn detached(&self) -> Self {
         Self {
             embed_tokens: Embedding::new(
@@ -222,7 +240,7 @@ impl Llama {
             ),
             layers: self.layers.iter().map(DecoderLayer::detached).collect(),
             norm: self.norm.detach(),
-            lm_head: Linear::new(self.lm_head.weight().detach(), None),
+            lm_head: self.lm_head.detached(),
             cos: self.cos.clone(),
             sin: self.sin.clone(),
             config: self.config,
