@@ -26,6 +26,8 @@ mod distributed;
 mod gpt;
 // The `llama` model and example against Hugging Face transformers.
 mod llama;
+// The `lora` example: adapters over a frozen base, PEFT's files, N ranks against one process.
+mod lora;
 // Loops that leave a loader early: windows, gathers and resume positions stay those of the loop.
 mod loops;
 // Mixed precision: loss scaling, bf16 buffers and reductions, against hand-computed values.

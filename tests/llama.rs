@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use accelerate_examples::llama::{self, LlamaConfig};
 use accelerate_tests::{
-    load_flat, max_abs_diff_flat, output_text as text, summary_value, Job, JobOutput,
+    load_flat, max_abs_diff_flat, output_text as text, small_llama_args, summary_value, Job,
+    JobOutput,
 };
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -195,37 +196,12 @@ fn one_sgd_step_of_the_example_gives_transformers_weights_under_their_names() {
 }
 
 fn small_model_args(out: &Path, batch: usize, steps: u64) -> Vec<String> {
-    [
-        "--layers",
-        "1",
-        "--width",
-        "32",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--intermediate",
-        "48",
-        "--context",
-        "16",
-        "--seed",
-        "5",
-        // SGD, whose step is proportional to the gradient: AdamW's would hide a wrongly scaled
-        // (say, summed instead of averaged) accumulated gradient.
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.3",
-        "--batch-size",
-        &batch.to_string(),
-        "--max-steps",
-        &steps.to_string(),
-        "--save-model",
-        out.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    let mut args = small_llama_args(batch, steps);
+    args.extend([
+        "--save-model".to_string(),
+        out.to_str().unwrap().to_string(),
+    ]);
+    args
 }
 
 #[test]

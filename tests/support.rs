@@ -243,6 +243,40 @@ pub fn built_binary(relative: &str) -> std::path::PathBuf {
     path
 }
 
+/// Flags of a small `llama`-workload run (1 layer, hidden 32, rows of 16 tokens of the built-in
+/// text, seed 5) with SGD at lr 0.3, whose step is proportional to the gradient (AdamW's would
+/// hide a wrongly scaled accumulated gradient): `batch` rows per micro-batch, `steps` optimizer
+/// steps. The `llama` and `lora` examples take them alike.
+pub fn small_llama_args(batch: usize, steps: u64) -> Vec<String> {
+    [
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--intermediate",
+        "48",
+        "--context",
+        "16",
+        "--seed",
+        "5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.3",
+        "--batch-size",
+        &batch.to_string(),
+        "--max-steps",
+        &steps.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// Arguments of a small (hidden width 16), shuffled `mlp` run of two epochs that saves its
 /// weights to `out`: AdamW at lr 0.003 or SGD at 0.1.
 pub fn small_mlp_args(

@@ -7,11 +7,18 @@
 //! - [`model`]: the model and its summed causal-LM loss.
 //! - [`data`]: rows of token ids (`input_ids` `[N, T]` of a safetensors file, or a text cut into
 //!   rows).
+//! - [`cli`]: the flags of a training run ([`LlamaArgs`]), their checks, the data and model size
+//!   they pick.
+//! - [`train`]: the training loop ([`LlamaRun`]), shared by the `llama` and `lora` examples.
 
+pub mod cli;
 pub mod config;
 pub mod data;
 pub mod model;
+pub mod train;
 
+pub use cli::LlamaArgs;
 pub use config::{default_intermediate, LlamaConfig};
 pub use data::{RowBatch, TokenRows, INPUT_IDS};
 pub use model::{build_in, causal_lm_loss_sum, init_weights, Llama};
+pub use train::LlamaRun;

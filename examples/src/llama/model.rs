@@ -23,6 +23,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::LlamaConfig;
+use crate::frozen_linear::frozen_linear;
+use crate::lora::{LoraAdapter, LoraTarget};
 
 /// The standard deviation of the seeded initial weights: transformers' `initializer_range`.
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -33,7 +35,7 @@ pub struct Llama {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: Tensor,
-    lm_head: Linear,
+    lm_head: Projection,
     /// `[max_position_embeddings, head_dim / 2]`: cos and sin of position × inverse frequency.
     cos: Tensor,
     sin: Tensor,
@@ -43,14 +45,54 @@ pub struct Llama {
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     input_layernorm: Tensor,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Projection,
+    k_proj: Projection,
+    v_proj: Projection,
+    o_proj: Projection,
     post_attention_layernorm: Tensor,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: Projection,
+    up_proj: Projection,
+    down_proj: Projection,
+}
+
+/// A linear projection `x · Wᵀ` (no bias), plus a LoRA adapter's update when one is attached.
+#[derive(Debug, Clone)]
+struct Projection {
+    linear: Linear,
+    /// `W` is not trained: no gradient is computed for it ([`frozen_linear`]).
+    frozen: bool,
+    adapter: Option<LoraAdapter>,
+}
+
+impl Projection {
+    fn new(linear: Linear) -> Self {
+        Self {
+            linear,
+            frozen: false,
+            adapter: None,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = if self.frozen {
+            frozen_linear(x, self.linear.weight())?
+        } else {
+            self.linear.forward(x)?
+        };
+        match &self.adapter {
+            None => Ok(y),
+            Some(adapter) => y + adapter.update(x)?,
+        }
+    }
+
+    /// The same projection over a plain tensor sharing `W`'s storage (see [`Llama::detached`]).
+    fn detached(&self) -> Self {
+        Self {
+            linear: Linear::new(self.linear.weight().detach(), None),
+            frozen: true,
+            adapter: self.adapter.clone(),
+        }
+    }
 }
 
 /// `x` `[b, kv_heads, t, d]` with every key/value head repeated for its `groups` query heads:
@@ -76,7 +118,9 @@ impl DecoderLayer {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let attn = vb.pp("self_attn");
         let mlp = vb.pp("mlp");
-        let lin = |i, o, vb| candle_nn::linear_no_bias(i, o, vb);
+        let lin = |i, o, vb| {
+            Ok::<_, candle_core::Error>(Projection::new(candle_nn::linear_no_bias(i, o, vb)?))
+        };
         Ok(Self {
             input_layernorm: norm_weight(h, vb.pp("input_layernorm"))?,
             q_proj: lin(h, c.num_attention_heads * hd, attn.pp("q_proj"))?,
@@ -99,6 +143,32 @@ impl DecoderLayer {
             &self.up_proj.forward(&normed)?,
         )?;
         x + self.down_proj.forward(&gated)?
+    }
+
+    fn projection_mut(&mut self, target: LoraTarget) -> &mut Projection {
+        match target {
+            LoraTarget::QProj => &mut self.q_proj,
+            LoraTarget::KProj => &mut self.k_proj,
+            LoraTarget::VProj => &mut self.v_proj,
+            LoraTarget::OProj => &mut self.o_proj,
+            LoraTarget::GateProj => &mut self.gate_proj,
+            LoraTarget::UpProj => &mut self.up_proj,
+            LoraTarget::DownProj => &mut self.down_proj,
+        }
+    }
+
+    fn detached(&self) -> Self {
+        Self {
+            input_layernorm: self.input_layernorm.detach(),
+            q_proj: self.q_proj.detached(),
+            k_proj: self.k_proj.detached(),
+            v_proj: self.v_proj.detached(),
+            o_proj: self.o_proj.detached(),
+            post_attention_layernorm: self.post_attention_layernorm.detach(),
+            gate_proj: self.gate_proj.detached(),
+            up_proj: self.up_proj.detached(),
+            down_proj: self.down_proj.detached(),
+        }
     }
 
     /// Grouped-query causal self-attention of `x` `[b, t, hidden]`.
@@ -141,7 +211,11 @@ impl Llama {
             )?,
             layers,
             norm: norm_weight(c.hidden_size, model.pp("norm"))?,
-            lm_head: candle_nn::linear_no_bias(c.hidden_size, c.vocab_size, vb.pp("lm_head"))?,
+            lm_head: Projection::new(candle_nn::linear_no_bias(
+                c.hidden_size,
+                c.vocab_size,
+                vb.pp("lm_head"),
+            )?),
             cos,
             sin,
             config,
@@ -151,6 +225,63 @@ impl Llama {
     /// The model's size.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// The same model over plain tensors that share the parameters' storage: what the parameters
+    /// hold (a later `Var::set` or broadcast included) is what it computes with, but no gradient
+    /// is computed for them (the projections are [`frozen_linear`]s), and nothing before the
+    /// first parameter the forward pass reads is differentiated. The frozen base of a LoRA
+    /// fine-tune.
+    pub fn detached(&self) -> Self {
+        Self {
+            embed_tokens: Embedding::new(
+                self.embed_tokens.embeddings().detach(),
+                self.config.hidden_size,
+            ),
+            layers: self.layers.iter().map(DecoderLayer::detached).collect(),
+            norm: self.norm.detach(),
+            lm_head: self.lm_head.detached(),
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            config: self.config,
+        }
+    }
+
+    /// `(out, in)`: the shape of the weight of projection `target` in every decoder layer.
+    pub fn projection_shape(&self, target: LoraTarget) -> (usize, usize) {
+        let c = &self.config;
+        let (h, q, kv) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        match target {
+            LoraTarget::QProj => (q, h),
+            LoraTarget::KProj | LoraTarget::VProj => (kv, h),
+            LoraTarget::OProj => (h, q),
+            LoraTarget::GateProj | LoraTarget::UpProj => (c.intermediate_size, h),
+            LoraTarget::DownProj => (h, c.intermediate_size),
+        }
+    }
+
+    /// Adds `adapter`'s update to projection `target` of decoder layer `layer` (replacing any
+    /// adapter attached there before).
+    pub fn attach_adapter(
+        &mut self,
+        layer: usize,
+        target: LoraTarget,
+        adapter: LoraAdapter,
+    ) -> Result<()> {
+        self.projection(layer, target)?.adapter = Some(adapter);
+        Ok(())
+    }
+
+    fn projection(&mut self, layer: usize, target: LoraTarget) -> Result<&mut Projection> {
+        let layers = self.layers.len();
+        match self.layers.get_mut(layer) {
+            Some(l) => Ok(l.projection_mut(target)),
+            None => candle_core::bail!("layer {layer} of a model of {layers} layers"),
+        }
     }
 
     /// Logits `[b, t, vocab]` in f32 of the next token at every position of `input_ids` `[b, t]`
