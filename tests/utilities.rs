@@ -101,6 +101,55 @@ fn no_sync_accumulates_locally_and_the_next_sync_averages_everything() {
     }
 }
 
+/// The guard scoped around the backward pass only, the step after it (what Rust's scoping
+/// invites): the window ended under the guard, so its gradients are each rank's own. The step
+/// must not apply them (each rank would step with its own, and the replicas would drift apart);
+/// the next backward outside the guard averages everything, and then the step applies
+/// `lr` times the mean of the four inputs, on every rank alike.
+#[test]
+fn a_step_after_the_guard_is_dropped_waits_for_the_averaging_backward() {
+    let lr = 0.1;
+    let results = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+        let rank = acc.process_index();
+        let w = Var::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+        let params = acc.prepare(vec![("w".to_string(), w.clone())]).unwrap();
+        let cfg = SgdConfig {
+            lr,
+            ..SgdConfig::default()
+        };
+        let mut opt = acc.prepare(Sgd::new(params, cfg).unwrap()).unwrap();
+        {
+            let _guard = acc.no_sync();
+            acc.backward(&(linear_loss(&w, &input(rank, 0)) * 0.5).unwrap())
+                .unwrap();
+        }
+        assert!(
+            !acc.sync_gradients(),
+            "rank {rank}: the window's gradients are unaveraged"
+        );
+        assert_eq!(acc.clip_grad_norm(1e-3).unwrap(), None);
+        opt.step().unwrap();
+        opt.zero_grad();
+        assert_eq!(values(&w), vec![1.0, -2.0], "rank {rank} stepped alone");
+        acc.backward(&(linear_loss(&w, &input(rank, 1)) * 0.5).unwrap())
+            .unwrap();
+        assert!(acc.sync_gradients());
+        opt.step().unwrap();
+        opt.zero_grad();
+        values(&w)
+    });
+    // As in the test above: the mean of the four inputs is [2.5, -2.25].
+    let expected = [1.0 - lr * 2.5, -2.0 + lr * 2.25];
+    for (rank, w) in results.into_iter().enumerate() {
+        for (got, want) in w.iter().zip(expected) {
+            assert!(
+                (*got as f64 - want).abs() < 1e-6,
+                "rank {rank}: {w:?} vs {expected:?}"
+            );
+        }
+    }
+}
+
 /// A saved checkpoint between the `no_sync` micro-step and the one that syncs keeps the rank's
 /// unsynced gradient, so the resumed run ends where the uninterrupted one does.
 #[test]

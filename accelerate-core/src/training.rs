@@ -116,9 +116,14 @@ impl Steps {
         self.unsynced_across_windows = false;
     }
 
-    /// Whether the current micro-step syncs: the window's last, and no `NoSync` guard lives.
+    /// Whether the current micro-step syncs: the window's last, no `NoSync` guard lives, and the
+    /// buffers were averaged since (a backward under a guard that ended the window leaves them
+    /// unaveraged after the guard is dropped: stepping on them would step each rank with its own
+    /// gradients, and the replicas would drift apart).
     fn sync_now(&self) -> bool {
-        self.accumulation.sync_gradients() && self.no_sync_guards == 0
+        self.accumulation.sync_gradients()
+            && self.no_sync_guards == 0
+            && !self.unsynced_across_windows
     }
 }
 
