@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use accelerate_core::optim::{LrScheduler, Schedule, Sgd, SgdConfig};
 use accelerate_core::{Accelerator, LossScalerConfig, MixedPrecision, ProcessState};
-use accelerate_tests::{metric_losses, named_vars, output_text as text, Job};
+use accelerate_tests::{metric_losses, named_vars, output_text as text, ranks_as_threads, Job};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 
@@ -507,45 +507,6 @@ fn two_ranks_under_the_launchers_bf16_flag_end_with_identical_parameters() {
     );
 }
 
-/// Two ranks as threads of this process, joined as under torchrun (rank 0 hosts the store on
-/// MASTER_PORT + 1); `f` runs on each rank's accelerator.
-fn two_ranks<R: Send>(
-    builder: impl Fn() -> accelerate_core::AcceleratorBuilder + Sync,
-    f: impl Fn(Accelerator) -> R + Sync,
-) -> Vec<R> {
-    use accelerate_core::Launcher;
-    let port = loop {
-        // A free port whose successor is free too.
-        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            break p;
-        }
-    };
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let (builder, f) = (&builder, &f);
-                scope.spawn(move || {
-                    let state = ProcessState {
-                        rank,
-                        world_size: 2,
-                        local_rank: rank,
-                        local_world_size: 2,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        job_token: String::new(),
-                        restart_count: 0,
-                        launcher: Launcher::Torchrun,
-                    };
-                    f(builder().process_state(state).build().unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 #[test]
 fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
     // Each rank's gradient of sum(w * x) is its own x: the reduction can be checked by hand.
@@ -556,7 +517,8 @@ fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
             .collect(),
     ];
     let run = |dtype: DType| {
-        two_ranks(
+        ranks_as_threads(
+            2,
             || Accelerator::builder().gradient_reduce_dtype(dtype),
             |mut acc| {
                 let varmap = VarMap::new();

@@ -560,7 +560,8 @@ fn manifest(dir: &std::path::Path) -> Value {
 }
 
 /// Saved values come back after `load_state`, in a fresh run; the files are listed in the
-/// manifest with their sizes, and hold the values as JSON.
+/// manifest with their sizes, and hold the values as CBOR (RFC 8949: 42 is `0x18 0x2a`, a text
+/// string's UTF-8 bytes are written as they are).
 #[test]
 fn registered_objects_are_saved_and_loaded_with_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -573,11 +574,13 @@ fn registered_objects_are_saved_and_loaded_with_the_checkpoint() {
 
     let m = manifest(dir.path());
     assert_eq!(m["custom_objects"], 2);
-    for (i, text) in ["42", "\"warmup done\""].into_iter().enumerate() {
-        let name = format!("custom_checkpoint_{i}.json");
-        let bytes = std::fs::read(dir.path().join(&name)).unwrap();
+    let counter_bytes = std::fs::read(dir.path().join("custom_checkpoint_0.cbor")).unwrap();
+    assert_eq!(counter_bytes, [0x18, 0x2a]);
+    let state_bytes = std::fs::read(dir.path().join("custom_checkpoint_1.cbor")).unwrap();
+    assert!(state_bytes.windows(11).any(|w| w == b"warmup done"));
+    for (i, bytes) in [counter_bytes, state_bytes].iter().enumerate() {
+        let name = format!("custom_checkpoint_{i}.cbor");
         assert_eq!(m["files"][&name]["bytes"], bytes.len(), "{name}");
-        assert!(String::from_utf8(bytes).unwrap().contains(text), "{name}");
     }
 
     let (fresh, c2, s2) = run_with(2);
@@ -599,6 +602,22 @@ fn another_count_of_registered_objects_is_refused() {
     let (plain, _, _) = run_with(0);
     plain.save_state(with_none.path()).unwrap();
     assert!(manifest(with_none.path()).get("custom_objects").is_none());
+    // Version 1, which builds before registered objects read alike; with objects, version 2,
+    // which they refuse rather than lose the objects; a newer version is refused here.
+    assert_eq!(manifest(with_none.path())["format_version"], 1);
+    assert_eq!(manifest(with_two.path())["format_version"], 2);
+    let newer = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(with_none.path()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), newer.path().join(entry.file_name())).unwrap();
+    }
+    let text = std::fs::read_to_string(newer.path().join("manifest.json")).unwrap();
+    let bumped = text.replace("\"format_version\": 1", "\"format_version\": 3");
+    assert_ne!(text, bumped);
+    std::fs::write(newer.path().join("manifest.json"), bumped).unwrap();
+    let (plain3, _, _) = run_with(0);
+    let err = plain3.load_state(newer.path()).unwrap_err().to_string();
+    assert!(err.contains("format version 3"), "{err}");
 
     let (one, c1, _) = run_with(1);
     let err = one.load_state(with_two.path()).unwrap_err().to_string();
@@ -631,17 +650,85 @@ fn a_registered_object_of_another_type_or_corrupt_is_refused() {
     let text = other.register_for_checkpointing(String::from("kept"));
     let err = other.load_state(dir.path()).unwrap_err().to_string();
     assert!(
-        err.contains("custom_checkpoint_0.json") && err.contains("String"),
+        err.contains("custom_checkpoint_0.cbor") && err.contains("String"),
         "{err}"
     );
     assert_eq!(*text.lock().unwrap(), "kept");
 
-    std::fs::write(dir.path().join("custom_checkpoint_0.json"), b"6").unwrap();
+    std::fs::write(dir.path().join("custom_checkpoint_0.cbor"), b"6").unwrap();
     let (fresh, c2, _) = run_with(1);
     let err = fresh.load_state(dir.path()).unwrap_err().to_string();
     assert!(
-        err.contains("custom_checkpoint_0.json") && err.contains("checksum"),
+        err.contains("custom_checkpoint_0.cbor") && err.contains("checksum"),
         "{err}"
     );
     assert_eq!(*c2.unwrap().lock().unwrap(), 0);
+}
+
+/// The usual `best_loss = inf`, and a NaN, saved and loaded back as the floats they were (JSON
+/// would have written both as `null`, which no longer reads as an f64).
+#[test]
+fn non_finite_floats_in_registered_objects_survive_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let build = || {
+        let mut acc = single().build().unwrap();
+        let w = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+        acc.prepare(vec![("w".to_string(), w)]).unwrap();
+        let best = acc.register_for_checkpointing(0.0f64);
+        let pair = acc.register_for_checkpointing((0.0f64, 0.0f32));
+        (acc, best, pair)
+    };
+    let (acc, best, pair) = build();
+    *best.lock().unwrap() = f64::INFINITY;
+    *pair.lock().unwrap() = (f64::NEG_INFINITY, f32::NAN);
+    acc.save_state(dir.path()).unwrap();
+    let (fresh, best, pair) = build();
+    fresh.load_state(dir.path()).unwrap();
+    assert_eq!(*best.lock().unwrap(), f64::INFINITY);
+    let (low, nan) = *pair.lock().unwrap();
+    assert_eq!(low, f64::NEG_INFINITY);
+    assert!(nan.is_nan());
+}
+
+/// A loop that saves while holding a handle's guard gets an error naming the object, not a wait
+/// on itself forever; nothing is written.
+#[test]
+fn saving_while_holding_a_handle_is_an_error_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let (acc, counter, _) = run_with(1);
+    let counter = counter.unwrap();
+    let guard = counter.lock().unwrap();
+    let err = acc.save_state(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("registered object 0") && err.contains("drop the guard"),
+        "{err}"
+    );
+    assert!(!dir.path().join("manifest.json").exists());
+    drop(guard);
+    acc.save_state(dir.path()).unwrap();
+    let guard = counter.lock().unwrap();
+    let err = acc.load_state(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("drop the guard"), "{err}");
+    drop(guard);
+}
+
+/// Ranks that registered different numbers of objects cannot save: only the main process's
+/// values are written and every rank loads them, so the checkpoint would not load here. Every
+/// rank gets the error, naming each rank's count.
+#[test]
+fn ranks_registering_different_counts_cannot_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    let errors = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+        let w = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+        acc.prepare(vec![("w".to_string(), w)]).unwrap();
+        if acc.process_index() == 0 {
+            acc.register_for_checkpointing(5u64);
+        }
+        acc.save_state(&path).unwrap_err().to_string()
+    });
+    for err in errors {
+        assert!(err.contains("rank 0: 1, rank 1: 0"), "{err}");
+    }
+    assert!(!dir.path().join("manifest.json").exists());
 }

@@ -635,8 +635,11 @@ fn clamp_in_place(view: &Tensor, limit: f64) -> Result<()> {
     let l = limit as f32;
     // f32::clamp keeps NaN, as torch.clamp does.
     if with_f32_mut(view, |xs| xs.iter_mut().for_each(|x| *x = x.clamp(-l, l)))?.is_none() {
+        // candle's clamp is a maximum then a minimum, which turn NaN into a bound (fmaxf/fminf
+        // on CUDA, a comparison on the CPU): NaN is put back where it was.
         let clamped = view.clamp(-limit, limit)?;
-        overwrite_view(view, &clamped)?;
+        let nan = view.ne(view)?;
+        overwrite_view(view, &nan.where_cond(view, &clamped)?)?;
     }
     Ok(())
 }
@@ -672,6 +675,28 @@ mod tests {
                 Var::zeros((3, 2), DType::F32, &Device::Cpu).unwrap(),
             ),
         ]
+    }
+
+    /// The clamp of the tensor path (any dtype, any device), taken here by f64 tensors, on the
+    /// CPU and, built with `cuda` on a machine with a GPU, on the GPU (where candle's clamp, made
+    /// of fmaxf/fminf, would turn NaN into a bound): PyTorch's `clamp` written out, NaN kept,
+    /// infinities clamped.
+    #[test]
+    fn clamp_in_place_keeps_nan_on_the_tensor_path() {
+        #[allow(unused_mut)]
+        let mut devices = vec![Device::Cpu];
+        #[cfg(feature = "cuda")]
+        if let Ok(gpu) = Device::new_cuda(0) {
+            devices.push(gpu);
+        }
+        for device in devices {
+            let values = [f64::NAN, 3.0, -3.0, 0.5, f64::INFINITY, f64::NEG_INFINITY];
+            let t = Tensor::new(&values, &device).unwrap();
+            clamp_in_place(&t, 1.0).unwrap();
+            let got = t.to_vec1::<f64>().unwrap();
+            assert!(got[0].is_nan(), "{device:?}: {got:?}");
+            assert_eq!(got[1..], [1.0, -1.0, 0.5, 1.0, -1.0], "{device:?}");
+        }
     }
 
     fn value(i: usize, seed: u64) -> f32 {

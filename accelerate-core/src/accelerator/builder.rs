@@ -113,7 +113,9 @@ impl AcceleratorBuilder {
     /// every rank, and averages again. It costs K times the gradient traffic. Under DDP it saves
     /// the memory of the unsynced gradients; here the window's sums live in the same buffers
     /// either way, so it saves nothing: use it to match an Accelerate configuration, or to spread
-    /// the traffic over the window. Default: off.
+    /// the traffic over the window. With a reduced [`gradient_reduce_dtype`](Self::gradient_reduce_dtype)
+    /// the window's running sum is rounded to that dtype at every micro-step rather than once, so
+    /// the rounding grows with K. Default: off.
     pub fn sync_each_batch(mut self, each: bool) -> Self {
         self.sync_each_batch = each;
         self

@@ -33,7 +33,7 @@ impl Accelerator {
     /// | `rank_<r>.json` | rank `r` | the position of each of its data loaders (epoch, batches consumed) |
     /// | `rank_<r>_gradients.safetensors` | rank `r` | its partial gradient sums, only when saved inside an accumulation window |
     /// | `rng_<r>.json` | rank `r` | the exact position of its own generator ([`RankRng`](crate::RankRng)) |
-    /// | `custom_checkpoint_<i>.json` | main | object `i` registered with [`register_for_checkpointing`](Self::register_for_checkpointing), as JSON |
+    /// | `custom_checkpoint_<i>.cbor` | main | object `i` registered with [`register_for_checkpointing`](Self::register_for_checkpointing), as CBOR |
     /// | `manifest.json` | main, last | format version, world size, parameter names/shapes/dtypes, size and CRC-32 of every file |
     ///
     /// The random state is the loaders' and each rank's generator's: the shuffle order of an epoch is a
@@ -99,7 +99,7 @@ impl Accelerator {
     /// the value through it (`*epoch.lock().unwrap() += 1`); `save_state` writes it as it is then,
     /// and `load_state` replaces it.
     ///
-    /// The main process's value is saved (`custom_checkpoint_<i>.json`, `i` in order of
+    /// The main process's value is saved (`custom_checkpoint_<i>.cbor`, `i` in order of
     /// registration, listed in the manifest with its checksum), and every rank loads it. A
     /// checkpoint holding another number of registered objects, or a value that does not parse
     /// as the registered type, is refused before anything is loaded; a checkpoint without any

@@ -133,6 +133,12 @@ impl Accelerator {
     /// device initializes every rank's model alike, as Accelerate's default
     /// (`device_specific=False`) does. [`seed`](Self::seed) reports it afterwards.
     ///
+    /// The device's generator stays alike on every rank only until the first `save_state` or
+    /// `load_state`, which reseed it from each rank's own generator so that a resumed run draws
+    /// what the uninterrupted one would: build the model before then. candle's own dropout on
+    /// the GPU draws from that generator; per-rank dropout masks that resume bitwise come from
+    /// [`RankRng::dropout`].
+    ///
     /// Not seeded: candle's CPU `rand`/`randn`, which draw from a thread generator that candle
     /// offers no way to seed (build CPU weights from a generator of your own, e.g.
     /// [`rank_rng`](Self::rank_rng), or broadcast them, as `prepare` does); and a data loader's
@@ -150,9 +156,11 @@ impl Accelerator {
     /// [`seed`](Self::seed), the rank and `stream` (pick one stream per purpose: data
     /// augmentation, noise): the same in every run with the same seed, different on each rank
     /// and for each stream, and never the stream [`rng`](Self::rng) draws. Checkpoints do not
-    /// save it; to continue it bitwise after a resume, keep its position in a state registered
-    /// with [`register_for_checkpointing`](Self::register_for_checkpointing), or draw from
-    /// [`rng`](Self::rng).
+    /// save it: to continue bitwise after a resume, draw from [`rng`](Self::rng), which every
+    /// rank saves for itself. (An object registered with
+    /// [`register_for_checkpointing`](Self::register_for_checkpointing) does not do: only the
+    /// main process's value is saved and every rank loads it, so per-rank generators kept there
+    /// would all become rank 0's.)
     pub fn rank_rng(&self, stream: u64) -> rand_chacha::ChaCha8Rng {
         crate::rng::user_chacha(self.seed, self.state.rank, stream)
     }

@@ -193,6 +193,15 @@ fn read_custom(
         .enumerate()
         .map(|(i, object)| {
             let name = custom_file(i);
+            object.check_unlocked().map_err(|e| {
+                problem(
+                    &dir.join(&name),
+                    format!(
+                        "registered object {i} ({}) cannot be loaded: {e}",
+                        object.type_name()
+                    ),
+                )
+            })?;
             let bytes = manifest.read_verified(dir, &name)?;
             object.parse(&bytes).map_err(|e| {
                 problem(
@@ -454,9 +463,18 @@ fn apply_models(view: &TrainingView<'_>, loaded: Vec<LoadedModel>) -> Result<()>
 /// refuses its value), then this rank's generator.
 fn apply(view: &TrainingView<'_>, loaded: Loaded, dir: &Path) -> Result<()> {
     apply_models(view, loaded.models)?;
-    // Parsed and checked already: replacing the values cannot fail.
-    for (object, value) in view.custom.iter().zip(loaded.custom) {
-        object.apply(value);
+    // Parsed, and their locks seen free, already: replacing the values fails only if another
+    // thread of the loop holds a handle's lock for longer than the bounded wait.
+    for (i, (object, value)) in view.custom.iter().zip(loaded.custom).enumerate() {
+        object.apply(value).map_err(|e| {
+            problem(
+                &dir.join(custom_file(i)),
+                format!(
+                    "registered object {i} ({}) was not replaced: {e}",
+                    object.type_name()
+                ),
+            )
+        })?;
     }
     view.loaders.resume(&loaded.rank.loaders);
     match loaded.rng {

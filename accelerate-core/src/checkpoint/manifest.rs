@@ -11,8 +11,15 @@ use crate::error::{Error, Result};
 /// Name of the manifest file in a checkpoint directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 
-/// Version of the checkpoint layout this code writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest checkpoint layout this code writes and reads. Version 2 added several models
+/// (`further_models`), objects registered for checkpointing (`custom_objects`) and the gradients
+/// a `no_sync` guard left outside a window; a checkpoint that uses none of them is written as
+/// version 1, which older builds read alike, and one that does is refused by them instead of
+/// silently losing that state.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The oldest checkpoint layout this code reads.
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 
 /// What the `format` field of every manifest says.
 pub const FORMAT_NAME: &str = "accelerate-rs checkpoint";
@@ -70,7 +77,7 @@ pub struct Manifest {
     /// Each prepared model after the first (none in a checkpoint of one model).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub further_models: Vec<ModelEntry>,
-    /// Objects registered with `register_for_checkpointing` (`custom_checkpoint_<i>.json`);
+    /// Objects registered with `register_for_checkpointing` (`custom_checkpoint_<i>.cbor`);
     /// absent, and 0, in a checkpoint of a run that registered none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub custom_objects: usize,
@@ -139,12 +146,13 @@ impl Manifest {
                 ),
             ));
         }
-        if manifest.format_version != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&manifest.format_version) {
             return Err(corrupt(
                 &path,
                 format!(
-                    "format version {} cannot be read by this build, which reads version \
-                     {FORMAT_VERSION}; load it with the version of accelerate-rs that wrote it",
+                    "format version {} cannot be read by this build, which reads versions \
+                     {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}; load it with the version of \
+                     accelerate-rs that wrote it",
                     manifest.format_version
                 ),
             ));

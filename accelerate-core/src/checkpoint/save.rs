@@ -9,7 +9,9 @@ use candle_core::Tensor;
 
 use super::exact::ExactF64;
 use super::files::{self, AccumulationFile, ModelFiles, OptimizerScalars, RankFile};
-use super::manifest::{self, Manifest, ModelEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE};
+use super::manifest::{
+    self, Manifest, ModelEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
+};
 use super::staging::{self, Staging};
 use super::{custom_file, TrainingView};
 use crate::error::{Error, Result};
@@ -37,6 +39,7 @@ pub(crate) fn is_complete(dir: &Path) -> bool {
 /// step that a rank does apart is agreed on by all before the next (see [`super::agree`]), so all
 /// ranks return the same outcome.
 pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
+    check_same_custom_count(view, dir)?;
     let staging = Staging::for_target(dir)?;
     let main = view.rank == 0;
     let (snapshots, custom) = view.agree(
@@ -87,7 +90,7 @@ pub(crate) fn save_state(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The registered objects' values now, as JSON (main process, which writes them; empty on the
+/// The registered objects' values now, as CBOR (main process, which writes them; empty on the
 /// others).
 fn custom_values(view: &TrainingView<'_>, dir: &Path) -> Result<Vec<Vec<u8>>> {
     if view.rank != 0 {
@@ -97,16 +100,46 @@ fn custom_values(view: &TrainingView<'_>, dir: &Path) -> Result<Vec<Vec<u8>>> {
         .iter()
         .enumerate()
         .map(|(i, object)| {
-            object.to_json().map_err(|e| Error::Checkpoint {
+            object.encode().map_err(|e| Error::Checkpoint {
                 path: dir.join(custom_file(i)),
                 problem: format!(
-                    "registered object {i} ({}) cannot be written as JSON ({e}); maps need \
-                     string keys",
+                    "registered object {i} ({}) cannot be saved: {e}",
                     object.type_name()
                 ),
             })
         })
         .collect()
+}
+
+/// Every rank's number of objects registered for checkpointing; refused on every rank, naming
+/// them, unless all registered as many (only the main process's values are saved, and every rank
+/// loads them: a rank that registered another number could not load the checkpoint).
+fn check_same_custom_count(view: &TrainingView<'_>, dir: &Path) -> Result<()> {
+    if view.world_size == 1 {
+        return Ok(());
+    }
+    let local = Tensor::new(&[view.custom.len() as i64], &candle_core::Device::Cpu)?;
+    let counts = view
+        .comm
+        .all_gather(&local)?
+        .flatten_all()?
+        .to_vec1::<i64>()?;
+    if counts.iter().all(|&c| c == counts[0]) {
+        return Ok(());
+    }
+    let per_rank: Vec<String> = counts
+        .iter()
+        .enumerate()
+        .map(|(rank, c)| format!("rank {rank}: {c}"))
+        .collect();
+    Err(Error::Checkpoint {
+        path: dir.to_path_buf(),
+        problem: format!(
+            "the ranks registered different numbers of objects for checkpointing ({}); call \
+             register_for_checkpointing with the same objects, in the same order, on every rank",
+            per_rank.join(", ")
+        ),
+    })
 }
 
 /// This rank's loader positions and, inside a window, each model's partial gradient sums.
@@ -238,7 +271,7 @@ fn write_manifest(
         }
     }
     let first = &snapshots[0];
-    let further_models = snapshots
+    let further_models: Vec<ModelEntry> = snapshots
         .iter()
         .zip(view.models)
         .skip(1)
@@ -249,9 +282,19 @@ fn write_manifest(
             parameters: manifest::parameter_entries(model.parameters()),
         })
         .collect();
+    // A no_sync guard is used alike on every rank, so the main process's snapshot tells.
+    let unsynced_outside_window = snapshots
+        .iter()
+        .any(|s| s.window_gradients.is_some() && s.counters.taken == 0);
+    let needs_newest =
+        !further_models.is_empty() || !view.custom.is_empty() || unsynced_outside_window;
     let m = Manifest {
         format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
+        format_version: if needs_newest {
+            FORMAT_VERSION
+        } else {
+            OLDEST_FORMAT_VERSION
+        },
         world_size: view.world_size,
         optimizer_steps: first.counters.optimizer_steps,
         optimizers: first.optimizers.len(),
