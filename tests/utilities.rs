@@ -360,8 +360,8 @@ fn report(rank: usize) -> Report {
     }
 }
 
-/// On 1, 2 and 3 ranks: `broadcast` gives every rank the last rank's tensor (f32 and u32, which
-/// travels as i64), `gather_object` every rank's value of a different size in rank order, and
+/// On 1, 2 and 3 ranks: `broadcast` gives every rank the last rank's tensor (f32 and u32, in
+/// their own dtype), `gather_object` every rank's value of a different size in rank order, and
 /// `broadcast_object` the last rank's value.
 #[test]
 fn broadcast_and_object_collectives_on_one_two_and_three_ranks() {
@@ -731,4 +731,249 @@ fn ranks_registering_different_counts_cannot_save() {
         assert!(err.contains("rank 0: 1, rank 1: 0"), "{err}");
     }
     assert!(!dir.path().join("manifest.json").exists());
+}
+
+/// Infinities and NaN survive `gather_object` and `broadcast_object` on 2 ranks (the classic
+/// `best_loss = inf`, a diverged loss), and so does a map with integer keys; a value of another
+/// type is still refused, naming the rank that sent it.
+#[test]
+fn object_collectives_keep_non_finite_floats_and_refuse_another_type() {
+    let results = ranks_as_threads(2, Accelerator::builder, |acc| {
+        let rank = acc.process_index();
+        let mine = vec![f64::INFINITY, f64::NAN, -(rank as f64) - 0.5];
+        let gathered = acc.gather_object(&mine).unwrap();
+        let from_one = acc
+            .broadcast_object((f64::NEG_INFINITY, rank as f64, f64::NAN), 1)
+            .unwrap();
+        let keyed = std::collections::BTreeMap::from([(rank as u64 + 7, f64::INFINITY)]);
+        let keyed = acc.broadcast_object(keyed, 1).unwrap();
+        let mismatch = if rank == 0 {
+            acc.gather_object(&vec![1.0f64, f64::NAN])
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        } else {
+            acc.gather_object(&"nan".to_string())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        (gathered, from_one, keyed, mismatch)
+    });
+    for (rank, (gathered, from_one, keyed, _)) in results.iter().enumerate() {
+        assert_eq!(gathered.len(), 2, "rank {rank}");
+        for (sender, row) in gathered.iter().enumerate() {
+            assert_eq!(row[0], f64::INFINITY, "rank {rank}, sent by {sender}");
+            assert!(row[1].is_nan(), "rank {rank}, sent by {sender}: {row:?}");
+            assert_eq!(row[2], -(sender as f64) - 0.5, "rank {rank}");
+        }
+        assert_eq!(from_one.0, f64::NEG_INFINITY, "rank {rank}");
+        assert_eq!(from_one.1, 1.0, "rank {rank}: rank 1's value");
+        assert!(from_one.2.is_nan(), "rank {rank}: {from_one:?}");
+        assert_eq!(
+            keyed,
+            &std::collections::BTreeMap::from([(8u64, f64::INFINITY)]),
+            "rank {rank}"
+        );
+    }
+    let err = results[0].3.clone().unwrap_err();
+    assert!(
+        err.contains("rank 1") && err.contains("not of the type"),
+        "{err}"
+    );
+}
+
+/// A value whose `Serialize` implementation fails (on the rank given), as a user type with a
+/// field it refuses to write might.
+struct Unwritable {
+    fails: bool,
+}
+
+impl serde::Serialize for Unwritable {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if self.fails {
+            return Err(serde::ser::Error::custom(
+                "this value refuses to be written",
+            ));
+        }
+        serializer.serialize_u32(3)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unwritable {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        u32::deserialize(deserializer).map(|_| Unwritable { fails: false })
+    }
+}
+
+/// A rank whose value cannot be serialized still takes part in `gather_object` and
+/// `broadcast_object`: every rank returns an error naming rank 1, and the ranks stay in step (a
+/// broadcast right after gives every rank rank 0's values; had a rank left early, the others
+/// would still be inside the object collective and that broadcast would be refused or wait).
+#[test]
+fn an_object_that_cannot_be_serialized_fails_every_rank_naming_it() {
+    let results = ranks_as_threads(2, Accelerator::builder, |acc| {
+        let rank = acc.process_index();
+        let value = Unwritable { fails: rank == 1 };
+        let gathered = acc
+            .gather_object(&value)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        let after_gather = acc
+            .broadcast(
+                &Tensor::new(&[rank as f64, 2.0, 3.0], &Device::Cpu).unwrap(),
+                0,
+            )
+            .and_then(|t| Ok(t.to_vec1::<f64>()?))
+            .map_err(|e| e.to_string());
+        let value = Unwritable { fails: rank == 1 };
+        let broadcast = acc
+            .broadcast_object(value, 1)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        let after_broadcast = acc
+            .broadcast(&Tensor::new(&[rank as f64, 5.0], &Device::Cpu).unwrap(), 0)
+            .and_then(|t| Ok(t.to_vec1::<f64>()?))
+            .map_err(|e| e.to_string());
+        (gathered, after_gather, broadcast, after_broadcast)
+    });
+    for (rank, (gathered, after_gather, broadcast, after_broadcast)) in results.iter().enumerate() {
+        for err in [gathered, broadcast] {
+            let err = err.clone().unwrap_err();
+            assert!(
+                err.contains("rank 1") && err.contains("cannot be serialized"),
+                "rank {rank}: {err}"
+            );
+        }
+        assert_eq!(
+            after_gather.as_ref().unwrap(),
+            &vec![0.0, 2.0, 3.0],
+            "rank {rank}"
+        );
+        assert_eq!(
+            after_broadcast.as_ref().unwrap(),
+            &vec![0.0, 5.0],
+            "rank {rank}"
+        );
+    }
+    let own = results[1].0.clone().unwrap_err();
+    assert!(own.contains("this value refuses to be written"), "{own}");
+}
+
+/// `broadcast` of a 3-element view of a 100,000-element buffer returns a tensor of exactly those
+/// 3 elements (not a copy of the whole buffer), with rank 1's values, and not tracked: the
+/// values are rank 1's, so no gradient flows back into the caller's variable.
+#[test]
+fn broadcast_of_a_view_holds_only_the_view_and_is_not_tracked() {
+    let results = ranks_as_threads(2, Accelerator::builder, |acc| {
+        let rank = acc.process_index() as f64;
+        let base = (Tensor::arange(0f32, 100_000., &Device::Cpu).unwrap() + 1e6 * rank).unwrap();
+        let var = Var::from_tensor(&base).unwrap();
+        let view = var.as_tensor().narrow(0, 10, 3).unwrap();
+        let out = acc.broadcast(&view, 1).unwrap();
+        let (storage, layout) = out.storage_and_layout();
+        let held = match &*storage {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+            other => panic!("expected f32 host storage, got {:?}", other.dtype()),
+        };
+        let offset = layout.start_offset();
+        drop(storage);
+        let grads = out.sum_all().unwrap().backward().unwrap();
+        let input_grad = grads.get(var.as_tensor()).is_some();
+        (
+            out.to_vec1::<f32>().unwrap(),
+            held,
+            offset,
+            input_grad,
+            values(&var)[10],
+        )
+    });
+    for (rank, (vals, held, offset, input_grad, untouched)) in results.into_iter().enumerate() {
+        assert_eq!(
+            vals,
+            vec![1e6 + 10.0, 1e6 + 11.0, 1e6 + 12.0],
+            "rank {rank}"
+        );
+        assert!(!input_grad, "rank {rank}: a gradient flowed into the input");
+        assert_eq!((held, offset), (3, 0), "rank {rank}: elements held, offset");
+        assert_eq!(
+            untouched,
+            1e6 * rank as f32 + 10.0,
+            "rank {rank}: the input changed"
+        );
+    }
+}
+
+/// `broadcast` keeps the tensor's dtype (bf16, f16, u8, i64, f64, and i32, which the
+/// communicators do not carry and which travels converted), with rank 1's values; u8 and bf16
+/// travel in their own dtype (the root sends 1 and 2 bytes per element, plus the few dozen bytes
+/// of the collectives' agreements, not the 8 and 4 of i64 and f32); ranks passing different
+/// dtypes (bf16 against f32, i32 against i64) are refused on every rank, naming both.
+#[test]
+fn broadcast_keeps_each_dtype_and_refuses_mismatched_dtypes() {
+    let dtypes = [
+        DType::BF16,
+        DType::F16,
+        DType::U8,
+        DType::I64,
+        DType::F64,
+        DType::I32,
+    ];
+    let results = ranks_as_threads(2, Accelerator::builder, |acc| {
+        let rank = acc.process_index() as f32;
+        let kept: Vec<_> = dtypes
+            .iter()
+            .map(|&dtype| {
+                let t = Tensor::new(&[3f32 + rank, 200.0 + rank], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let out = acc.broadcast(&t, 1).unwrap();
+                let vals = out.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+                (out.dtype(), vals)
+            })
+            .collect();
+        let sent: Vec<u64> = [DType::U8, DType::BF16]
+            .iter()
+            .map(|&dtype| {
+                let t = Tensor::zeros(10_000, dtype, &Device::Cpu).unwrap();
+                let before = acc.comm_stats().bytes_sent;
+                acc.broadcast(&t, 1).unwrap();
+                acc.comm_stats().bytes_sent - before
+            })
+            .collect();
+        let mismatched: Vec<_> = [(DType::BF16, DType::F32), (DType::I32, DType::I64)]
+            .iter()
+            .map(|&(on_zero, on_one)| {
+                let dtype = if rank == 0.0 { on_zero } else { on_one };
+                let t = Tensor::new(&[1f32, 2.0], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                acc.broadcast(&t, 0).map(|_| ()).map_err(|e| e.to_string())
+            })
+            .collect();
+        (kept, sent, mismatched)
+    });
+    let root_sent = &results[1].1;
+    for (sent, payload) in root_sent.iter().zip([10_000u64, 20_000]) {
+        assert!(
+            (payload..payload + 1_000).contains(sent),
+            "the root sent {sent} bytes for a payload of {payload}"
+        );
+    }
+    for (rank, (kept, _, mismatched)) in results.into_iter().enumerate() {
+        for (&dtype, (got, vals)) in dtypes.iter().zip(kept) {
+            assert_eq!(got, dtype, "rank {rank}");
+            assert_eq!(vals, vec![4.0, 201.0], "rank {rank}, {dtype:?}");
+        }
+        for (err, names) in mismatched
+            .into_iter()
+            .zip([["bf16", "f32"], ["i32", "i64"]])
+        {
+            let err = err.unwrap_err();
+            assert!(
+                err.contains(names[0]) && err.contains(names[1]) && err.contains("dtype"),
+                "rank {rank}: {err}"
+            );
+        }
+    }
 }

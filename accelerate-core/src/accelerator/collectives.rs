@@ -6,6 +6,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::Accelerator;
+use crate::comm::contract::SUPPORTED_DTYPES;
+use crate::comm::staging::compact_copy;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 
@@ -168,36 +170,84 @@ impl Accelerator {
     }
 
     /// `tensor` as rank `from` has it, on every rank (Accelerate's `broadcast(tensor,
-    /// from_process)`): a copy, the argument is untouched. Every rank passes a tensor of the same
+    /// from_process)`): a new tensor holding exactly the tensor's elements (of a view, only the
+    /// view's), not tracked for gradients (its values are rank `from`'s, so no gradient flows
+    /// back into the argument, which is untouched). Every rank passes a tensor of the same
     /// shape and dtype (the others' values are ignored); any dtype and layout, on the host or on
-    /// the accelerator's device. Ranks passing different sizes get an error naming each rank's,
-    /// and a rank that never calls it is a timeout naming it.
+    /// the accelerator's device. The tensor travels in its own dtype where the communicators
+    /// carry it (see [`Communicator`](crate::Communicator)); i16 and i32 travel as i64, smaller
+    /// floats as f32, and come back in their own dtype. Ranks passing different dtypes or sizes
+    /// get an error naming each rank's, and a rank that never calls it is a timeout naming it.
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
         self.check_root("broadcast", from)?;
-        let (wire, original) = wire_dtype(tensor)?;
-        let out = if original.is_none() {
-            wire.copy()?
+        if self.state.world_size > 1 {
+            self.check_same_dtype("broadcast", tensor.dtype())?;
+        }
+        let carried = SUPPORTED_DTYPES.contains(&tensor.dtype());
+        // A compact copy: the in-place broadcast must not write into the caller's storage, and a
+        // narrow view of a large buffer must not drag the whole buffer along.
+        let out = if carried {
+            compact_copy(tensor, tensor.device())?
         } else {
-            wire
+            wire_dtype(tensor)?.0
         };
         self.comm.broadcast(&out, from)?;
-        Ok(match original {
-            Some(dtype) => out.to_dtype(dtype)?,
-            None => out,
+        let out = if carried {
+            out
+        } else {
+            out.to_dtype(tensor.dtype())?
+        };
+        Ok(out.detach())
+    }
+
+    /// Refuses, on every rank alike, a collective where the ranks passed tensors of different
+    /// dtypes: the communicators' own agreement compares the dtype on the wire, which for the
+    /// dtypes converted before travelling (i32 as i64, f8 as f32) does not tell them apart.
+    fn check_same_dtype(&self, op: &'static str, dtype: DType) -> Result<()> {
+        let code = Tensor::new(&[dtype_index(dtype)], &Device::Cpu)?;
+        let codes = self.comm.all_gather(&code)?.to_vec1::<i64>()?;
+        let Some(peer) = codes.iter().position(|&c| c != codes[0]) else {
+            return Ok(());
+        };
+        let each: Vec<String> = codes
+            .iter()
+            .enumerate()
+            .map(|(rank, &c)| format!("rank {rank}: {}", dtype_name(c)))
+            .collect();
+        Err(Error::Collective {
+            op,
+            peer: Some(peer),
+            problem: format!(
+                "the ranks passed tensors of different dtypes ({}); pass the same dtype on every \
+                 rank (convert with to_dtype first). Nothing was exchanged",
+                each.join(", ")
+            ),
         })
     }
 
     /// Every rank's `value`, in rank order, on every rank (Accelerate's `gather_object`): any
-    /// serde value (JSON on the wire, so maps need string keys), of any size per rank. A
-    /// collective: call it on every rank at the same point.
+    /// serde value (CBOR on the wire, which keeps infinities and NaN and takes maps with keys of
+    /// any type), of any size per rank. A collective: call it on every rank at the same point.
+    /// A rank passing a value of another type, or one that cannot be serialized, makes every
+    /// rank return an error naming it.
     pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
-        let bytes = to_json("gather_object", value)?;
-        let lengths = self.gather(&Tensor::new(&[bytes.len() as i64], &Device::Cpu)?)?;
-        let lengths: Vec<usize> = lengths
-            .to_vec1::<i64>()?
-            .into_iter()
-            .map(|l| l as usize)
-            .collect();
+        const OP: &str = "gather_object";
+        let encoded = to_cbor(OP, self.state.rank, value);
+        // A length of -1 tells the others this rank's value could not be encoded, so that every
+        // rank takes part in both collectives and all of them refuse together.
+        let my_len = encoded.as_ref().map_or(-1, |bytes| bytes.len() as i64);
+        let lengths = self
+            .comm
+            .all_gather(&Tensor::new(&[my_len], &Device::Cpu)?)?
+            .to_vec1::<i64>()?;
+        if let Some(failed) = lengths.iter().position(|&l| l < 0) {
+            return Err(match encoded {
+                Err(own) => own,
+                Ok(_) => not_encoded(OP, failed),
+            });
+        }
+        let bytes = encoded?;
+        let lengths: Vec<usize> = lengths.into_iter().map(|l| l as usize).collect();
         let longest = lengths.iter().copied().max().unwrap_or(0);
         let mut padded = bytes;
         padded.resize(longest.max(1), 0);
@@ -208,37 +258,49 @@ impl Accelerator {
             .enumerate()
             .map(|(rank, &len)| {
                 let row = all.get(rank)?.narrow(0, 0, len)?.to_vec1::<u8>()?;
-                from_json("gather_object", rank, &row)
+                from_cbor(OP, rank, &row)
             })
             .collect()
     }
 
     /// Rank `from`'s `value` on every rank (Accelerate's `broadcast_object_list`, for one
-    /// object): any serde value. Every rank passes a value (the others' are ignored, and dropped);
-    /// a collective.
+    /// object): any serde value, CBOR on the wire as for
+    /// [`gather_object`](Self::gather_object). Every rank passes a value (the others' are
+    /// ignored, and dropped); a collective. When rank `from`'s value cannot be serialized, every
+    /// rank returns an error naming it.
     pub fn broadcast_object<T: Serialize + DeserializeOwned>(
         &self,
         value: T,
         from: usize,
     ) -> Result<T> {
-        self.check_root("broadcast_object", from)?;
+        const OP: &str = "broadcast_object";
+        self.check_root(OP, from)?;
         if self.state.world_size == 1 {
             return Ok(value);
         }
-        let bytes = if self.state.rank == from {
-            to_json("broadcast_object", &value)?
+        let encoded = if self.state.rank == from {
+            to_cbor(OP, from, &value)
         } else {
-            Vec::new()
+            Ok(Vec::new())
         };
-        let len = Tensor::new(&[bytes.len() as i64], &Device::Cpu)?;
+        // -1: rank `from` could not encode its value; every rank learns it from this broadcast.
+        let len = encoded.as_ref().map_or(-1, |bytes| bytes.len() as i64);
+        let len = Tensor::new(&[len], &Device::Cpu)?;
         self.comm.broadcast(&len, from)?;
-        let len = len.to_vec1::<i64>()?[0] as usize;
-        let mut padded = bytes;
+        let len = len.to_vec1::<i64>()?[0];
+        if len < 0 {
+            return Err(match encoded {
+                Err(own) => own,
+                Ok(_) => not_encoded(OP, from),
+            });
+        }
+        let len = len as usize;
+        let mut padded = encoded?;
         padded.resize(len.max(1), 0);
         let wire = Tensor::from_vec(padded, len.max(1), &Device::Cpu)?;
         self.comm.broadcast(&wire, from)?;
         let received = wire.narrow(0, 0, len)?.to_vec1::<u8>()?;
-        from_json("broadcast_object", from, &received)
+        from_cbor(OP, from, &received)
     }
 
     fn check_root(&self, op: &str, from: usize) -> Result<()> {
@@ -297,18 +359,68 @@ fn share_of(len: usize, ranks: usize, rank: usize) -> std::ops::Range<usize> {
     start..start + base + usize::from(rank < extra)
 }
 
-/// `value` as JSON bytes, for an object collective.
-fn to_json<T: Serialize>(op: &str, value: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec(value).map_err(|e| {
+/// The dtypes a rank may pass, numbered for [`Accelerator::check_same_dtype`]: the index is
+/// what travels.
+const DTYPES: [DType; 14] = [
+    DType::U8,
+    DType::U32,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+    DType::F8E4M3,
+    DType::F6E2M3,
+    DType::F6E3M2,
+    DType::F4,
+    DType::F8E8M0,
+];
+
+/// `dtype`'s number in [`DTYPES`].
+fn dtype_index(dtype: DType) -> i64 {
+    DTYPES
+        .iter()
+        .position(|&d| d == dtype)
+        .map_or(-1, |i| i as i64)
+}
+
+/// The name of the dtype numbered `index` in [`DTYPES`].
+fn dtype_name(index: i64) -> &'static str {
+    usize::try_from(index)
+        .ok()
+        .and_then(|i| DTYPES.get(i))
+        .map_or("an unknown dtype", |d| d.as_str())
+}
+
+/// `value` as CBOR bytes, for an object collective.
+fn to_cbor<T: Serialize>(op: &'static str, rank: usize, value: &T) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    ciborium::into_writer(value, &mut bytes).map_err(|e| {
         Error::Config(format!(
-            "{op}: the value cannot be written as JSON ({e}); maps need string keys"
+            "{op}: the value of rank {rank} (this rank) cannot be serialized ({e}); its Serialize \
+             implementation returned an error. Every rank refused the collective"
         ))
-    })
+    })?;
+    Ok(bytes)
+}
+
+/// The error of the ranks whose own value was fine when rank `failed`'s could not be encoded.
+fn not_encoded(op: &'static str, failed: usize) -> Error {
+    Error::Collective {
+        op,
+        peer: Some(failed),
+        problem: format!(
+            "the value of rank {failed} cannot be serialized (its error says why); nothing was \
+             exchanged, every rank refused the collective"
+        ),
+    }
 }
 
 /// The value rank `rank` sent, parsed.
-fn from_json<T: DeserializeOwned>(op: &'static str, rank: usize, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|e| Error::Collective {
+fn from_cbor<T: DeserializeOwned>(op: &'static str, rank: usize, bytes: &[u8]) -> Result<T> {
+    ciborium::from_reader(bytes).map_err(|e| Error::Collective {
         op,
         peer: Some(rank),
         problem: format!(
