@@ -15,6 +15,7 @@ use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionSta
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
+use crate::tracking::{TrackerKind, Trackers, DEFAULT_LOGGING_DIR};
 use crate::training::TrainingState;
 
 /// Configures an [`Accelerator`].
@@ -30,6 +31,8 @@ pub struct AcceleratorBuilder {
     gradient_reduce_dtype: Option<DType>,
     overlap_gradient_reduction: Option<bool>,
     sync_each_batch: bool,
+    report_to: Vec<TrackerKind>,
+    logging_dir: Option<std::path::PathBuf>,
 }
 
 impl AcceleratorBuilder {
@@ -121,6 +124,21 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// The trackers [`Accelerator::log`] writes to on the main process (Hugging Face's
+    /// `report_to`; default none). [`parse_report_to`](crate::parse_report_to) reads a
+    /// `--report-to tensorboard,csv,jsonl` flag.
+    pub fn report_to(mut self, kinds: impl IntoIterator<Item = TrackerKind>) -> Self {
+        self.report_to = kinds.into_iter().collect();
+        self
+    }
+
+    /// The directory the trackers write to, created if missing (default
+    /// [`DEFAULT_LOGGING_DIR`](crate::DEFAULT_LOGGING_DIR), `runs`).
+    pub fn logging_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.logging_dir = Some(dir.into());
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let steps = match self.gradient_accumulation_steps {
@@ -143,6 +161,10 @@ impl AcceleratorBuilder {
             Some(s) => s,
             None => ProcessState::from_env()?,
         };
+        let logging_dir = self
+            .logging_dir
+            .unwrap_or_else(|| DEFAULT_LOGGING_DIR.into());
+        let trackers = Trackers::open(&self.report_to, &logging_dir, state.is_main_process())?;
         let bucket_cap_bytes = match self.bucket_cap_bytes {
             Some(b) => b,
             None => env::read(
@@ -207,6 +229,7 @@ impl AcceleratorBuilder {
             frozen: Vec::new(),
             loss_scaler: self.loss_scaler,
             custom: Vec::new(),
+            trackers: std::sync::Mutex::new(trackers),
         })
     }
 }

@@ -1,0 +1,200 @@
+//! Logging metrics to files (Accelerate's trackers): `Accelerator::log` hands each call's metrics
+//! to the trackers chosen with `report_to`, on the main process only, and `end_training` closes
+//! them and draws the loss and learning-rate curves.
+//!
+//! Every tracker appends whole records and flushes them to the operating system before `log`
+//! returns, so a crash of the process loses nothing already logged, and a failed write is cut
+//! back off the file so it never ends in a partial record.
+
+mod append;
+mod csv_table;
+mod curves;
+mod event_record;
+mod jsonl;
+mod kind;
+mod tensorboard;
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+pub use kind::{parse_report_to, TrackerKind};
+
+/// Hugging Face's tag of the training loss (the Trainer's `loss`, under `train/` in TensorBoard).
+pub const TRAIN_LOSS: &str = "train/loss";
+/// Hugging Face's tag of the learning rate.
+pub const TRAIN_LEARNING_RATE: &str = "train/learning_rate";
+/// Hugging Face's tag of the gradient norm before clipping.
+pub const TRAIN_GRAD_NORM: &str = "train/grad_norm";
+/// Hugging Face's tag of the evaluation loss.
+pub const EVAL_LOSS: &str = "eval/loss";
+/// Hugging Face's tag of the evaluation accuracy (from `compute_metrics`' `accuracy`).
+pub const EVAL_ACCURACY: &str = "eval/accuracy";
+
+/// The logging directory when `report_to` is given without one (Hugging Face's `runs`).
+pub const DEFAULT_LOGGING_DIR: &str = "runs";
+
+/// File name of the loss and learning-rate curves drawn by `end_training`.
+pub const CURVES_PNG: &str = "training_curves.png";
+
+/// One destination of logged metrics. A trait because there are three: JSON Lines, CSV and
+/// TensorBoard event files.
+trait Tracker: Send {
+    /// Appends one log call's metrics (validated: distinct names, none `step`).
+    fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()>;
+    /// Makes everything written durable (fsync); called by `end_training`.
+    fn finish(&mut self) -> Result<()>;
+}
+
+/// The series the curves PNG draws, kept as they are logged.
+#[derive(Debug, Default)]
+struct Curves {
+    train_loss: Vec<(u64, f64)>,
+    eval_loss: Vec<(u64, f64)>,
+    learning_rate: Vec<(u64, f64)>,
+}
+
+/// The trackers of one process: those chosen with `report_to` on the main process, none elsewhere.
+pub(crate) struct Trackers {
+    trackers: Vec<Box<dyn Tracker>>,
+    logging_dir: Option<PathBuf>,
+    curves: Curves,
+    ended: bool,
+}
+
+impl std::fmt::Debug for Trackers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trackers")
+            .field("trackers", &self.trackers.len())
+            .field("logging_dir", &self.logging_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Trackers {
+    /// Opens the trackers of `kinds` in `logging_dir` (created if missing) when `main_process`;
+    /// on every other rank, nothing is opened and nothing will be written.
+    pub(crate) fn open(
+        kinds: &[TrackerKind],
+        logging_dir: &Path,
+        main_process: bool,
+    ) -> Result<Self> {
+        let mut trackers: Vec<Box<dyn Tracker>> = Vec::new();
+        let active = main_process && !kinds.is_empty();
+        if active {
+            std::fs::create_dir_all(logging_dir)
+                .map_err(|e| io_error(logging_dir, "creating the logging directory", e))?;
+            let mut seen = Vec::new();
+            for kind in kinds {
+                if seen.contains(kind) {
+                    continue;
+                }
+                seen.push(*kind);
+                trackers.push(match kind {
+                    TrackerKind::Jsonl => Box::new(jsonl::JsonlTracker::open(logging_dir)?),
+                    TrackerKind::Csv => Box::new(csv_table::CsvTracker::open(logging_dir)?),
+                    TrackerKind::TensorBoard => {
+                        Box::new(tensorboard::TensorBoardTracker::create(logging_dir)?)
+                    }
+                });
+            }
+        }
+        Ok(Self {
+            trackers,
+            logging_dir: active.then(|| logging_dir.to_path_buf()),
+            curves: Curves::default(),
+            ended: false,
+        })
+    }
+
+    /// Hands one log call to every tracker, after checking the names (on every rank, so a bad
+    /// name fails alike everywhere).
+    pub(crate) fn log(&mut self, step: u64, metrics: Vec<(String, f64)>) -> Result<()> {
+        validate_names(&metrics)?;
+        if self.ended {
+            return Err(Error::Config(
+                "log was called after end_training, which closed the trackers; log before \
+                 ending the training"
+                    .into(),
+            ));
+        }
+        if self.trackers.is_empty() {
+            return Ok(());
+        }
+        for tracker in &mut self.trackers {
+            tracker.log(step, &metrics)?;
+        }
+        for (name, value) in &metrics {
+            let series = match name.as_str() {
+                TRAIN_LOSS => &mut self.curves.train_loss,
+                EVAL_LOSS => &mut self.curves.eval_loss,
+                TRAIN_LEARNING_RATE => &mut self.curves.learning_rate,
+                _ => continue,
+            };
+            series.push((step, *value));
+        }
+        Ok(())
+    }
+
+    /// Makes every tracker's file durable and draws the curves PNG (when something was logged
+    /// to draw). A second call does nothing.
+    pub(crate) fn end(&mut self) -> Result<()> {
+        if self.ended {
+            return Ok(());
+        }
+        self.ended = true;
+        for tracker in &mut self.trackers {
+            tracker.finish()?;
+        }
+        let Some(dir) = &self.logging_dir else {
+            return Ok(());
+        };
+        let c = &self.curves;
+        if c.train_loss.is_empty() && c.eval_loss.is_empty() && c.learning_rate.is_empty() {
+            return Ok(());
+        }
+        curves::draw_png(
+            &dir.join(CURVES_PNG),
+            &c.train_loss,
+            &c.eval_loss,
+            &c.learning_rate,
+        )
+    }
+
+    /// Where this process writes, if it writes at all.
+    pub(crate) fn logging_dir(&self) -> Option<&Path> {
+        self.logging_dir.as_deref()
+    }
+}
+
+/// Names must be distinct, not `step` (the column and key the step takes), and printable.
+fn validate_names(metrics: &[(String, f64)]) -> Result<()> {
+    for (i, (name, _)) in metrics.iter().enumerate() {
+        if name.is_empty() || name == "step" || name.chars().any(char::is_control) {
+            return Err(Error::Config(format!(
+                "metric name {name:?} cannot be logged: names must be non-empty, printable and \
+                 not \"step\" (the step is log's own argument); use e.g. \"train/loss\""
+            )));
+        }
+        if metrics[..i].iter().any(|(other, _)| other == name) {
+            return Err(Error::Config(format!(
+                "metric {name:?} appears twice in one log call; log each name once per call"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A tracker's I/O failure, naming the file and the way out.
+fn io_error(path: &Path, action: &str, source: std::io::Error) -> Error {
+    Error::Tracking {
+        path: path.to_path_buf(),
+        problem: format!(
+            "{action} failed: {source}; check that the logging directory is writable and has \
+             free space, or choose another with `logging_dir` (or leave it out of `report_to`)"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests;
