@@ -38,6 +38,8 @@ mod overlap;
 mod several_models;
 // Streaming data (JSONL shards) against a single-process reading of the stream.
 mod streaming;
+// Trackers under the launcher: only the main process writes.
+mod tracking;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;
 // no_sync, sync_each_batch, clip_grad_value, object collectives, split_between_processes,
