@@ -109,4 +109,11 @@ mod tests {
         let err = parse_report_to("none,csv").unwrap_err().to_string();
         assert!(err.contains("cannot be combined"), "{err}");
     }
+
+    /// clap's `value_parser = parse_report_to` needs an error it can box as `Send + Sync`.
+    #[test]
+    fn the_parse_error_can_be_boxed_for_command_line_parsers() {
+        fn boxable<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>>(_: E) {}
+        boxable(parse_report_to("bogus").unwrap_err());
+    }
 }
