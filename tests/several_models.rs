@@ -560,8 +560,7 @@ fn a_parameter_shared_between_models_is_refused_under_mixed_precision() {
             ("v".into(), half(2.0)),
             ("w_again".into(), shared),
         ]))
-        .err()
-        .expect("a parameter of the first model in the second")
+        .expect_err("a parameter of the first model in the second")
         .to_string();
     assert!(
         e.contains("w_again") && e.contains("prepared before"),
