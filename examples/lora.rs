@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use accelerate_core::{Accelerator, Model};
 use accelerate_examples::llama::{LlamaArgs, LlamaRun};
-use accelerate_examples::lora::{self, LoraConfig, LoraTarget};
+use accelerate_examples::lora::{self, LoraConfig, LoraRunIdentity, LoraTarget};
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
 use candle_core::Var;
@@ -29,7 +29,7 @@ struct Args {
     /// The adapters' rank r [default: 8, or --load-adapter's].
     #[arg(long)]
     lora_r: Option<usize>,
-    /// The adapters' alpha; their update is scaled by alpha / r [default: 16, or
+    /// The adapters' alpha; their update is scaled by alpha / r [default: 16 (PEFT's is 8), or
     /// --load-adapter's].
     #[arg(long)]
     lora_alpha: Option<f64>,
@@ -47,9 +47,16 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     save_adapter: Option<PathBuf>,
     /// base_model_name_or_path of the saved adapter_config.json (default: the --init-weights
-    /// file's directory, else the --config file's, else null).
+    /// file's directory, else the --config file's, as absolute paths, else null).
     #[arg(long, value_name = "NAME")]
     base_model_name: Option<String>,
+}
+
+/// --load-adapter's directory for messages (the layer check only fails for a loaded adapter).
+fn adapter_dir(args: &Args) -> String {
+    args.load_adapter
+        .as_deref()
+        .map_or(String::new(), |d| d.display().to_string())
 }
 
 fn main() {
@@ -57,7 +64,8 @@ fn main() {
 }
 
 /// The adapters' settings: --load-adapter's, which the flags may repeat but not contradict, or the
-/// flags' (with PEFT's usual defaults).
+/// flags' (defaults r 8 and `q_proj,v_proj` as PEFT's examples use them, and alpha 16, twice r,
+/// where PEFT's `LoraConfig` defaults to 8).
 fn lora_config(args: &Args) -> Result<LoraConfig> {
     let targets = args
         .lora_targets
@@ -73,10 +81,12 @@ fn lora_config(args: &Args) -> Result<LoraConfig> {
         }
     }
     let Some(dir) = &args.load_adapter else {
+        let defaults = LoraConfig::default();
         return Ok(LoraConfig {
-            r: args.lora_r.unwrap_or(8),
-            alpha: args.lora_alpha.unwrap_or(16.0),
-            targets: targets.unwrap_or(vec![LoraTarget::QProj, LoraTarget::VProj]),
+            r: args.lora_r.unwrap_or(defaults.r),
+            alpha: args.lora_alpha.unwrap_or(defaults.alpha),
+            targets: targets.unwrap_or(defaults.targets),
+            ..defaults
         });
     };
     let saved = lora::read_adapter_config(dir)
@@ -110,23 +120,32 @@ fn lora_config(args: &Args) -> Result<LoraConfig> {
     Ok(saved)
 }
 
-/// base_model_name_or_path for adapter_config.json (see --base-model-name).
-fn base_model_name(args: &Args) -> Option<String> {
-    if let Some(name) = &args.base_model_name {
-        return Some(name.clone());
-    }
-    let from = args
-        .llama
-        .init_weights
-        .as_ref()
-        .or(args.llama.config.as_ref())?;
-    let dir = from.parent().filter(|d| !d.as_os_str().is_empty())?;
-    Some(dir.display().to_string())
-}
-
 fn run(args: &Args) -> Result<()> {
     let lora = lora_config(args)?;
     let mut session = LlamaRun::start(&args.llama)?;
+    lora.check_layers(session.config.num_hidden_layers)
+        .with_context(|| format!("--load-adapter {}", adapter_dir(args)))?;
+    if lora.dropout > 0.0 {
+        session.acc.print(format!(
+            "note: the adapter was trained with lora_dropout {}; dropout is not applied while \
+             training here (it does not change what the adapter computes), and the value is \
+             written back with --save-adapter",
+            lora.dropout
+        ));
+    }
+    if let Some(dir) = &args.save_adapter {
+        // Before training, so that an unwritable directory does not cost a run.
+        let made = if session.acc.is_main_process() {
+            lora::prepare_adapter_dir(dir)
+                .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+        } else {
+            Ok(())
+        };
+        session
+            .acc
+            .agree_across_ranks(dir, "creating the adapter directory", made)
+            .with_context(|| format!("--save-adapter {}", dir.display()))?;
+    }
     // The base's weights are loaded before `prepare` broadcasts them, once.
     let (varmap, base) = session.build_model()?;
     if let Some(path) = &args.llama.init_weights {
@@ -142,6 +161,10 @@ fn run(args: &Args) -> Result<()> {
     let acc = &mut session.acc;
     let prepared =
         acc.prepare(Model::from_varmap(&varmap).freeze(|name| !lora::is_adapter_parameter(name)))?;
+    // Saved with every checkpoint and compared once --resume has loaded one: registered before
+    // the training loop loads it.
+    let identity = LoraRunIdentity::new(&lora, prepared.frozen_parameters())?;
+    let restored = acc.register_for_checkpointing(identity.clone());
     // The adapters (their f32 masters under mixed precision).
     let params = prepared.parameters().to_vec();
     if let Some(dir) = &args.load_adapter {
@@ -162,11 +185,22 @@ fn run(args: &Args) -> Result<()> {
             .join(","),
         count(prepared.frozen_parameters())
     ));
+    session.check_after_resume(move |_| {
+        let checkpoint = restored.lock().unwrap_or_else(|e| e.into_inner());
+        identity
+            .check_resumable_from(&checkpoint)
+            .context("--resume")
+    });
     let acc = session.train(&model, params)?;
+    let base_model = lora::base_model_name_or_path(
+        args.base_model_name.as_deref(),
+        args.llama.init_weights.as_deref(),
+        args.llama.config.as_deref(),
+    );
     save_adapter(
         &acc,
         &lora,
-        base_model_name(args).as_deref(),
+        base_model.as_deref(),
         args.save_adapter.as_deref(),
     )
 }

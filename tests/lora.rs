@@ -111,6 +111,7 @@ fn training_moves_only_the_adapters_and_leaves_the_base_bitwise_unchanged() {
         r: 4,
         alpha: 8.0,
         targets: vec![LoraTarget::QProj, LoraTarget::VProj, LoraTarget::UpProj],
+        ..LoraConfig::default()
     };
     let model = lora::with_adapters(&base, &config, &varmap, 0).unwrap();
     let before: BTreeMap<String, Vec<u32>> = named(&varmap)
@@ -417,4 +418,147 @@ fn bad_adapter_flags_are_refused_with_the_problem_named() {
         saved.to_str().unwrap(),
     ]);
     assert!(e.contains("--load-adapter") && e.contains("missing"), "{e}");
+}
+
+/// Saves a fresh adapter of a 1-layer model (hidden 16) into `dir` and returns its config.
+fn saved_small_adapter(dir: &Path) -> serde_json::Value {
+    let o = run_lora(&[
+        "--layers",
+        "1",
+        "--width",
+        "16",
+        "--max-steps",
+        "0",
+        "--save-adapter",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn a_peft_adapter_with_dropout_and_module_paths_loads_and_keeps_its_dropout() {
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("adapter");
+    let mut json = saved_small_adapter(&saved);
+    // As PEFT writes a LoRA with lora_dropout=0.05 and target_modules="all-linear" (paths).
+    json["lora_dropout"] = serde_json::json!(0.05);
+    json["target_modules"] = serde_json::json!([
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.0.self_attn.q_proj"
+    ]);
+    std::fs::write(
+        saved.join("adapter_config.json"),
+        serde_json::to_vec(&json).unwrap(),
+    )
+    .unwrap();
+    let again = dir.path().join("again");
+    let o = run_lora(&[
+        "--layers",
+        "1",
+        "--width",
+        "16",
+        "--max-steps",
+        "1",
+        "--load-adapter",
+        saved.to_str().unwrap(),
+        "--save-adapter",
+        again.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("lora_dropout 0.05; dropout is not applied while training here"),
+        "{}",
+        text(&o)
+    );
+    let json2: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(again.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(json2["lora_dropout"], 0.05);
+    assert_eq!(
+        json2["target_modules"],
+        serde_json::json!(["q_proj", "v_proj"])
+    );
+
+    // Those paths cover layer 0 only: a 2-layer model is refused, naming the missing layer.
+    let e = refused(&[
+        "--layers",
+        "2",
+        "--width",
+        "16",
+        "--load-adapter",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--load-adapter") && e.contains("q_proj in layers {0} only: missing [1]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn an_unwritable_save_adapter_directory_fails_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let o = run_lora(&[
+        "--layers",
+        "1",
+        "--width",
+        "16",
+        "--max-steps",
+        "2",
+        "--save-adapter",
+        file.join("adapter").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("--save-adapter"), "{}", text(&o));
+    assert!(
+        !text(&o).contains("final_loss="),
+        "trained first:\n{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn a_resume_with_other_lora_settings_or_another_base_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let args = |steps: u64, extra: &[&str]| {
+        let mut a = small_llama_args(4, steps);
+        a.extend(
+            [
+                "--checkpoint-every",
+                "1",
+                "--checkpoint-dir",
+                ckpt.to_str().unwrap(),
+            ]
+            .map(String::from),
+        );
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let o = run_lora(&args(2, &[]));
+    assert!(o.status.success(), "{}", text(&o));
+
+    let o = run_lora(&args(3, &["--resume", "--lora-alpha", "64"]));
+    assert!(!o.status.success(), "{}", text(&o));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("--resume") && e.contains("--lora-alpha 64 (the checkpoint's 16)"),
+        "{e}"
+    );
+    // Another --seed draws another base.
+    let mut reseeded = args(3, &["--resume"]);
+    let seed = reseeded.iter().position(|a| a == "--seed").unwrap();
+    reseeded[seed + 1] = "6".to_string();
+    let o = run_lora(&reseeded);
+    assert!(!o.status.success(), "{}", text(&o));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("the base model's weights"), "{e}");
+
+    // The same settings and base resume.
+    let o = run_lora(&args(3, &["--resume"]));
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(summary_value::<f64>(&o, "steps"), 3.0, "{}", text(&o));
 }

@@ -532,3 +532,38 @@ fn the_second_model_weights_its_window_by_the_items_of_its_own_count() {
         }
     }
 }
+
+/// Under mixed precision the model holds half-precision compute copies and the state trains f32
+/// masters; a parameter of a model prepared before, passed again in another model, is still
+/// recognised and refused (two masters of one weight would each overwrite it).
+#[test]
+fn a_parameter_shared_between_models_is_refused_under_mixed_precision() {
+    let mut acc = Accelerator::builder()
+        .process_state(ProcessState::single())
+        .mixed_precision(accelerate_core::MixedPrecision::Bf16)
+        .build()
+        .unwrap();
+    let half = |v: f32| {
+        Var::from_tensor(
+            &Tensor::new(&[v, v], &candle_core::Device::Cpu)
+                .unwrap()
+                .to_dtype(candle_core::DType::BF16)
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let shared = half(1.0);
+    acc.prepare(Model::new(vec![("w".into(), shared.clone())]))
+        .unwrap();
+    let e = acc
+        .prepare(Model::new(vec![
+            ("v".into(), half(2.0)),
+            ("w_again".into(), shared),
+        ]))
+        .expect_err("a parameter of the first model in the second")
+        .to_string();
+    assert!(
+        e.contains("w_again") && e.contains("prepared before"),
+        "{e}"
+    );
+}

@@ -203,6 +203,20 @@ impl TrainingState {
         self.params.get().map_or(&[], Vec::as_slice)
     }
 
+    /// Whether `var` is one of this state's trained parameters, or under mixed precision the
+    /// compute copy of one (what the user's model holds, and passed to `prepare`).
+    pub fn trains(&self, var: &Var) -> bool {
+        let id = var.as_tensor().id();
+        let is = |(_, v): &(String, Var)| v.as_tensor().id() == id;
+        self.parameters().iter().any(is)
+            || self
+                .steps()
+                .mixed
+                .weights
+                .as_ref()
+                .is_some_and(|w| w.compute().iter().any(is))
+    }
+
     /// The model's frozen parameters, sorted by name.
     pub fn frozen(&self) -> &[(String, Var)] {
         self.frozen.get().map_or(&[], Vec::as_slice)

@@ -4,8 +4,11 @@
 //! candle's matrix product differentiates both operands whenever either is tracked: with a plain
 //! (detached) weight it still computes `xᵀ · grad`, and for a batched input it computes it for the
 //! weight broadcast over the batch and keeps that until the backward pass ends (a weight's size
-//! per row of the batch). This op skips both: on the CPU it is a custom op of `x` alone, the
-//! weight a constant of it. On other devices it falls back to candle's product.
+//! per row of the batch). On the CPU this op skips both: it is a custom op of `x` alone, the
+//! weight a constant of it. On other devices (no custom-op kernel there) it falls back to
+//! [`frozen_linear_by_matmul`], candle's 2-D product over the rows of `x`: no batch-sized weight
+//! gradient, but candle still computes one weight-sized gradient (`xᵀ · grad`) during the backward
+//! pass and keeps it until the pass ends.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
@@ -13,12 +16,20 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 /// (see the module docs).
 pub fn frozen_linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if !x.device().is_cpu() {
-        return x.broadcast_matmul(&weight.detach().t()?);
+        return frozen_linear_by_matmul(x, weight);
     }
     let x = x.contiguous()?;
     x.apply_op1(FrozenLinear {
         weight: weight.detach(),
     })
+}
+
+/// [`frozen_linear`]'s path off the CPU (any device): `x` `[..., in]` viewed as `[rows, in]`
+/// times the detached `Wᵀ` through one 2-D product, reshaped back. Its backward pass computes the
+/// gradient of `x` and one weight-sized gradient that nothing reads, never one per row of the
+/// batch.
+pub fn frozen_linear_by_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    rows_times(x, &weight.detach(), true)
 }
 
 /// The op: its weight is a constant, not an operand.
@@ -95,5 +106,113 @@ mod tests {
         let gx = grads.get(x.as_tensor()).unwrap().to_vec3::<f32>().unwrap();
         assert_eq!(gx, [[[1., 0., 6.], [-1., -2., 0.]]]);
         assert!(grads.get(w.as_tensor()).is_none());
+    }
+
+    /// Deterministic values in about ±1 (no generator needed).
+    fn ramp(n: usize, step: f32) -> Vec<f32> {
+        (0..n).map(|i| (i as f32 * step).sin()).collect()
+    }
+
+    /// `max |a - b|` of two tensors of one shape, in f32.
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        assert_eq!(a.dims(), b.dims());
+        let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
+        d.abs().unwrap().max_all().unwrap().to_scalar().unwrap()
+    }
+
+    /// For batch 3 of 4 rows of 5 features and a weight of 6 outputs, the input either as built or
+    /// a transposed (non-contiguous) view, in `dtype`: `f`'s value and input gradient against
+    /// candle's plain product of the same tensors (`x.broadcast_matmul(Wᵀ)`, both tracked), and
+    /// the sizes of what `f`'s backward pass leaves in the gradient store besides the gradients of
+    /// the input and of the loss's constant factor.
+    fn check_against_candles_product(
+        f: fn(&Tensor, &Tensor) -> Result<Tensor>,
+        dtype: DType,
+        transposed: bool,
+        tolerance: f32,
+    ) -> Vec<usize> {
+        let d = &Device::Cpu;
+        let (batch, rows, inp, out) = (3, 4, 5, 6);
+        let w = Tensor::from_vec(ramp(out * inp, 0.7), (out, inp), d).unwrap();
+        let w = w.to_dtype(dtype).unwrap();
+        // Built as [batch, in, rows] and viewed transposed, or built as [batch, rows, in].
+        let built = if transposed {
+            (batch, inp, rows)
+        } else {
+            (batch, rows, inp)
+        };
+        let x = Tensor::from_vec(ramp(batch * rows * inp, 0.3), built, d)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let view = |x: &Tensor| {
+            let v = if transposed {
+                x.transpose(1, 2).unwrap()
+            } else {
+                x.clone()
+            };
+            assert_eq!(v.dims(), [batch, rows, inp]);
+            assert_eq!(v.is_contiguous(), !transposed);
+            v
+        };
+        let c = Tensor::from_vec(ramp(batch * rows * out, 1.1), (batch, rows, out), d)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        // Tracked copies for `f`, tracked copies for the reference.
+        let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+        let (xr, wr) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+        let y = f(&view(xv.as_tensor()), wv.as_tensor()).unwrap();
+        let reference = view(xr.as_tensor())
+            .broadcast_matmul(&wr.as_tensor().t().unwrap())
+            .unwrap();
+        assert_eq!(y.dtype(), dtype);
+        let dy = max_diff(&y, &reference);
+        assert!(
+            dy <= tolerance,
+            "{dtype:?} transposed {transposed}: value off by {dy}"
+        );
+        let loss = |y: &Tensor| (y * &c).unwrap().sum_all().unwrap();
+        let grads = loss(&y).backward().unwrap();
+        let reference_grads = loss(&reference).backward().unwrap();
+        let gx = grads.get(xv.as_tensor()).unwrap();
+        let dg = max_diff(gx, reference_grads.get(xr.as_tensor()).unwrap());
+        assert!(
+            dg <= tolerance,
+            "{dtype:?} transposed {transposed}: gradient off by {dg}"
+        );
+        assert!(
+            grads.get(wv.as_tensor()).is_none(),
+            "the weight got a gradient"
+        );
+        // The reference could have failed the comparison: its gradient is not zero.
+        let scale = max_diff(gx, &gx.zeros_like().unwrap());
+        assert!(scale > 0.5, "{scale}");
+        grads
+            .get_ids()
+            .filter(|id| **id != xv.as_tensor().id() && **id != c.id())
+            .map(|id| grads.get_id(*id).unwrap().elem_count())
+            .collect()
+    }
+
+    #[test]
+    fn batched_transposed_and_bf16_inputs_match_candles_product_on_both_paths() {
+        for transposed in [false, true] {
+            for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 0.05)] {
+                // The CPU op: nothing but the input's gradient is computed.
+                let rest =
+                    check_against_candles_product(frozen_linear, dtype, transposed, tolerance);
+                assert_eq!(rest, Vec::<usize>::new(), "{dtype:?}");
+                // The path off the CPU: at most one weight-sized gradient (6 x 5), never one
+                // per row of the batch (3 x 6 x 5).
+                let rest = check_against_candles_product(
+                    frozen_linear_by_matmul,
+                    dtype,
+                    transposed,
+                    tolerance,
+                );
+                assert!(rest.iter().all(|&n| n <= 30), "{dtype:?}: {rest:?}");
+            }
+        }
     }
 }

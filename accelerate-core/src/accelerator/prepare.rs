@@ -79,12 +79,7 @@ impl Accelerator {
             }
         }
         for (name, var) in &trained {
-            let other = self.models.iter().find(|m| {
-                m.parameters()
-                    .iter()
-                    .any(|(_, v)| v.as_tensor().id() == var.as_tensor().id())
-            });
-            if other.is_some() {
+            if self.models.iter().any(|m| m.trains(var)) {
                 return Err(Error::Parameters(format!(
                     "parameter {name:?} belongs to a model prepared before; prepare each model \
                      once, and each parameter in one model"

@@ -37,6 +37,19 @@ pub struct LlamaRun<'a> {
     pub config: LlamaConfig,
     dataset: TokenRows,
     source: String,
+    after_resume: Option<AfterResume<'a>>,
+}
+
+/// A check of what `--resume` loaded (see [`LlamaRun::check_after_resume`]).
+struct AfterResume<'a>(Box<ResumeCheckFn<'a>>);
+
+/// The function of an [`AfterResume`].
+type ResumeCheckFn<'a> = dyn FnOnce(&Accelerator) -> Result<()> + 'a;
+
+impl std::fmt::Debug for AfterResume<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AfterResume")
+    }
 }
 
 impl<'a> LlamaRun<'a> {
@@ -51,7 +64,16 @@ impl<'a> LlamaRun<'a> {
             config,
             dataset,
             source,
+            after_resume: None,
         })
+    }
+
+    /// Runs `check` on every rank once the training loop has loaded --resume's checkpoint (or
+    /// found none), before the first step: an error ends the run. The `lora` example refuses a
+    /// checkpoint of other adapters or another base with it, comparing what it registered for
+    /// checkpointing.
+    pub fn check_after_resume(&mut self, check: impl FnOnce(&Accelerator) -> Result<()> + 'a) {
+        self.after_resume = Some(AfterResume(Box::new(check)));
     }
 
     /// The model of the flags' size in a fresh `VarMap`, in the accelerator's compute dtype
@@ -93,6 +115,7 @@ impl<'a> LlamaRun<'a> {
             args,
             mut acc,
             dataset,
+            after_resume,
             ..
         } = self;
         let row_len = dataset.row_len();
@@ -119,6 +142,7 @@ impl<'a> LlamaRun<'a> {
             total_steps,
             epochs,
             row_len,
+            after_resume,
         };
         match args.optimizer {
             OptimizerKind::Adamw => training.train_with(AdamW::new(
@@ -152,6 +176,7 @@ struct Training<'a> {
     total_steps: u64,
     epochs: usize,
     row_len: usize,
+    after_resume: Option<AfterResume<'a>>,
 }
 
 impl Training<'_> {
@@ -166,10 +191,14 @@ impl Training<'_> {
             total_steps,
             epochs,
             row_len,
+            after_resume,
         } = self;
         let mut opt = acc.prepare_optimizer(opt)?;
         let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
         args.run.resume_if_asked(&acc, &loader)?;
+        if let Some(AfterResume(check)) = after_resume {
+            check(&acc)?;
+        }
         let mut monitor = RunMonitor::start(
             &acc,
             args.metrics.as_deref(),

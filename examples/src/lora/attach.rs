@@ -77,6 +77,7 @@ mod tests {
             r: 4,
             alpha: 8.0,
             targets: vec![LoraTarget::QProj, LoraTarget::VProj, LoraTarget::DownProj],
+            ..LoraConfig::default()
         }
     }
 
