@@ -147,6 +147,6 @@ pub use rng::{RankRng, RngState};
 pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
 pub use sync::GradientSyncStats;
 pub use tracking::{
-    parse_report_to, TrackerKind, CURVES_PNG, DEFAULT_LOGGING_DIR, EVAL_ACCURACY, EVAL_LOSS,
-    TRAIN_GRAD_NORM, TRAIN_LEARNING_RATE, TRAIN_LOSS,
+    parse_report_to, TrackerErrors, TrackerKind, CURVES_PNG, DEFAULT_LOGGING_DIR, EVAL_ACCURACY,
+    EVAL_LOSS, TRAIN_GRAD_NORM, TRAIN_LEARNING_RATE, TRAIN_LOSS,
 };

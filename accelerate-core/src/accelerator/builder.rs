@@ -15,7 +15,7 @@ use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionSta
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
-use crate::tracking::{TrackerKind, Trackers, DEFAULT_LOGGING_DIR};
+use crate::tracking::{TrackerErrors, TrackerKind, Trackers, DEFAULT_LOGGING_DIR};
 use crate::training::TrainingState;
 
 /// Configures an [`Accelerator`].
@@ -33,6 +33,7 @@ pub struct AcceleratorBuilder {
     sync_each_batch: bool,
     report_to: Vec<TrackerKind>,
     logging_dir: Option<std::path::PathBuf>,
+    tracker_errors: TrackerErrors,
 }
 
 impl AcceleratorBuilder {
@@ -139,6 +140,14 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// What `log` and `end_training` do when a tracker cannot write its file (default
+    /// [`TrackerErrors::Warn`]: print once per file and go on). The other trackers get every
+    /// call either way.
+    pub fn tracker_errors(mut self, policy: TrackerErrors) -> Self {
+        self.tracker_errors = policy;
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let steps = match self.gradient_accumulation_steps {
@@ -164,7 +173,7 @@ impl AcceleratorBuilder {
         let logging_dir = self
             .logging_dir
             .unwrap_or_else(|| DEFAULT_LOGGING_DIR.into());
-        let trackers = Trackers::open(&self.report_to, &logging_dir, state.is_main_process())?;
+        let trackers = Trackers::open(&self.report_to, &logging_dir, &state, self.tracker_errors)?;
         let bucket_cap_bytes = match self.bucket_cap_bytes {
             Some(b) => b,
             None => env::read(

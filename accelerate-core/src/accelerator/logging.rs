@@ -23,6 +23,8 @@ impl Accelerator {
     /// ```
     ///
     /// Every tracker has the call on disk (handed to the operating system) when it returns. A
+    /// tracker that cannot write does not keep the call from the others; its failure is printed
+    /// or returned as [`tracker_errors`](crate::AcceleratorBuilder::tracker_errors) says. A
     /// name that is empty, `step`, holds a control character or appears twice in one call is an
     /// error; so is a call after [`end_training`](Self::end_training).
     pub fn log<N: Into<String>>(

@@ -5,6 +5,12 @@
 //! Every tracker appends whole records and flushes them to the operating system before `log`
 //! returns, so a crash of the process loses nothing already logged, and a failed write is cut
 //! back off the file so it never ends in a partial record.
+//!
+//! A tracker that cannot write (a full disk) does not stop the others: every log call is handed
+//! to every tracker and to the curves, and the failures are reported afterwards, as a warning
+//! (the default: a multi-day run is not killed by its logs) or as an error
+//! ([`TrackerErrors`]). A failed call is not to be retried: the trackers that did write it would
+//! have it twice.
 
 mod append;
 mod csv_table;
@@ -17,6 +23,7 @@ mod tensorboard;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::state::ProcessState;
 
 pub use kind::{parse_report_to, TrackerKind};
 
@@ -36,6 +43,19 @@ pub const DEFAULT_LOGGING_DIR: &str = "runs";
 
 /// File name of the loss and learning-rate curves drawn by `end_training`.
 pub const CURVES_PNG: &str = "training_curves.png";
+
+/// What [`Accelerator::log`](crate::Accelerator::log) and
+/// [`end_training`](crate::Accelerator::end_training) do when a tracker cannot write its file.
+/// Either way every other tracker and the curves still get the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrackerErrors {
+    /// Print the failure on stderr, once per tracker (naming its file and the fix), and go on:
+    /// a full disk does not end the training.
+    #[default]
+    Warn,
+    /// Return one [`Error::Tracking`] naming every tracker that failed.
+    Fail,
+}
 
 /// One destination of logged metrics. A trait because there are three: JSON Lines, CSV and
 /// TensorBoard event files.
@@ -57,6 +77,9 @@ struct Curves {
 /// The trackers of one process: those chosen with `report_to` on the main process, none elsewhere.
 pub(crate) struct Trackers {
     trackers: Vec<Box<dyn Tracker>>,
+    /// Per tracker: whether its failure was already printed (warned once, not at every step).
+    warned: Vec<bool>,
+    on_error: TrackerErrors,
     logging_dir: Option<PathBuf>,
     curves: Curves,
     ended: bool,
@@ -72,15 +95,17 @@ impl std::fmt::Debug for Trackers {
 }
 
 impl Trackers {
-    /// Opens the trackers of `kinds` in `logging_dir` (created if missing) when `main_process`;
+    /// Opens the trackers of `kinds` in `logging_dir` (created if missing) on the main process
+    /// (global rank 0, not each machine's local rank 0: Accelerate's `log` writes once per job);
     /// on every other rank, nothing is opened and nothing will be written.
     pub(crate) fn open(
         kinds: &[TrackerKind],
         logging_dir: &Path,
-        main_process: bool,
+        state: &ProcessState,
+        on_error: TrackerErrors,
     ) -> Result<Self> {
         let mut trackers: Vec<Box<dyn Tracker>> = Vec::new();
-        let active = main_process && !kinds.is_empty();
+        let active = state.is_main_process() && !kinds.is_empty();
         if active {
             std::fs::create_dir_all(logging_dir)
                 .map_err(|e| io_error(logging_dir, "creating the logging directory", e))?;
@@ -100,7 +125,9 @@ impl Trackers {
             }
         }
         Ok(Self {
+            warned: vec![false; trackers.len()],
             trackers,
+            on_error,
             logging_dir: active.then(|| logging_dir.to_path_buf()),
             curves: Curves::default(),
             ended: false,
@@ -121,9 +148,11 @@ impl Trackers {
         if self.trackers.is_empty() {
             return Ok(());
         }
-        for tracker in &mut self.trackers {
-            tracker.log(step, &metrics)?;
-        }
+        let results: Vec<Result<()>> = self
+            .trackers
+            .iter_mut()
+            .map(|tracker| tracker.log(step, &metrics))
+            .collect();
         for (name, value) in &metrics {
             let series = match name.as_str() {
                 TRAIN_LOSS => &mut self.curves.train_loss,
@@ -133,7 +162,40 @@ impl Trackers {
             };
             series.push((step, *value));
         }
-        Ok(())
+        self.report(results, &format!("logging step {step}"))
+    }
+
+    /// Applies the [`TrackerErrors`] policy to one result per tracker.
+    fn report(&mut self, results: Vec<Result<()>>, action: &str) -> Result<()> {
+        let mut failures = Vec::new();
+        for (i, result) in results.into_iter().enumerate() {
+            let Err(e) = result else { continue };
+            match self.on_error {
+                TrackerErrors::Warn => {
+                    if !std::mem::replace(&mut self.warned[i], true) {
+                        eprintln!(
+                            "warning: {e} (while {action}; the other trackers go on, and \
+                             further failures of this file are not printed; \
+                             `tracker_errors(TrackerErrors::Fail)` makes this an error)"
+                        );
+                    }
+                }
+                TrackerErrors::Fail => failures.push(e.to_string()),
+            }
+        }
+        if failures.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Tracking {
+            path: self.logging_dir.clone().unwrap_or_default(),
+            problem: format!(
+                "{} of {} trackers failed while {action} (the others wrote it; do not retry \
+                 the call, they would have it twice): {}",
+                failures.len(),
+                self.trackers.len(),
+                failures.join("; ")
+            ),
+        })
     }
 
     /// Makes every tracker's file durable and draws the curves PNG (when something was logged
@@ -143,9 +205,19 @@ impl Trackers {
             return Ok(());
         }
         self.ended = true;
-        for tracker in &mut self.trackers {
-            tracker.finish()?;
-        }
+        let results: Vec<Result<()>> = self
+            .trackers
+            .iter_mut()
+            .map(|tracker| tracker.finish())
+            .collect();
+        // The curves are drawn whatever the trackers' fate, and their failure is reported first.
+        let drawn = self.draw_curves();
+        let finished = self.report(results, "syncing the files at end_training");
+        drawn.and(finished)
+    }
+
+    /// Draws the curves PNG when something was logged to draw.
+    fn draw_curves(&self) -> Result<()> {
         let Some(dir) = &self.logging_dir else {
             return Ok(());
         };

@@ -15,6 +15,17 @@ fn accelerator(dir: &Path, kinds: &[TrackerKind]) -> Accelerator {
         .unwrap()
 }
 
+/// The state of global rank `rank` of 2 on two machines, `local_rank` on its own.
+fn rank(rank: usize, local_rank: usize) -> ProcessState {
+    ProcessState {
+        rank,
+        world_size: 2,
+        local_rank,
+        local_world_size: 1,
+        ..ProcessState::single()
+    }
+}
+
 fn files(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -77,13 +88,15 @@ fn every_tracker_has_each_log_call_and_end_training_draws_the_curves() {
 fn other_ranks_create_and_write_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("logs");
-    let mut trackers = Trackers::open(&TrackerKind::ALL, &dir, false).unwrap();
+    let mut trackers =
+        Trackers::open(&TrackerKind::ALL, &dir, &rank(1, 1), TrackerErrors::Warn).unwrap();
     assert_eq!(trackers.logging_dir(), None);
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     trackers.end().unwrap();
     assert!(!dir.exists(), "a non-main rank created {}", dir.display());
     // Names are still checked there, so a bad one fails on every rank alike.
-    let mut trackers = Trackers::open(&TrackerKind::ALL, &dir, false).unwrap();
+    let mut trackers =
+        Trackers::open(&TrackerKind::ALL, &dir, &rank(1, 1), TrackerErrors::Warn).unwrap();
     assert!(trackers.log(1, vec![("step".into(), 1.0)]).is_err());
 }
 
@@ -135,4 +148,112 @@ fn an_unusable_logging_dir_is_an_error_naming_it_and_the_fix() {
         err.contains("logging_dir") && err.contains("writable"),
         "{err}"
     );
+}
+
+/// A tracker whose every write fails as on a full disk: it appends to `/dev/full`.
+struct FullDisk(append::AppendFile);
+
+impl Tracker for FullDisk {
+    fn log(&mut self, _step: u64, _metrics: &[(String, f64)]) -> crate::Result<()> {
+        self.0.append(b"record\n")
+    }
+    fn finish(&mut self) -> crate::Result<()> {
+        self.0.append(b"last\n")
+    }
+}
+
+fn full_disk() -> Option<Box<dyn Tracker>> {
+    let path = Path::new("/dev/full");
+    if !path.exists() {
+        eprintln!("skipped: no /dev/full on this system");
+        return None;
+    }
+    Some(Box::new(FullDisk(
+        append::AppendFile::open(path, false).unwrap(),
+    )))
+}
+
+#[test]
+fn a_failing_tracker_leaves_the_others_and_the_curves_their_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(failing) = full_disk() else { return };
+    let mut trackers = Trackers::open(
+        &[TrackerKind::Jsonl],
+        tmp.path(),
+        &ProcessState::single(),
+        TrackerErrors::Warn,
+    )
+    .unwrap();
+    // First in line, so a failure that stopped the loop would starve the JSONL tracker.
+    trackers.trackers.insert(0, failing);
+    trackers.warned.insert(0, false);
+    trackers.log(1, vec![(TRAIN_LOSS.into(), 2.0)]).unwrap();
+    trackers.log(2, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
+    trackers.end().unwrap();
+    let jsonl = std::fs::read_to_string(tmp.path().join(jsonl::FILE)).unwrap();
+    assert_eq!(
+        jsonl,
+        "{\"step\":1,\"train/loss\":2.0}\n{\"step\":2,\"train/loss\":1.0}\n"
+    );
+    assert!(tmp.path().join(CURVES_PNG).exists(), "the curves are drawn");
+}
+
+#[test]
+fn under_fail_the_error_names_the_failed_file_and_the_others_still_have_the_call() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(failing) = full_disk() else { return };
+    let state = ProcessState::single();
+    let mut trackers = Trackers::open(
+        &[TrackerKind::Jsonl],
+        tmp.path(),
+        &state,
+        TrackerErrors::Fail,
+    )
+    .unwrap();
+    trackers.trackers.insert(0, failing);
+    trackers.warned.insert(0, false);
+    let err = trackers
+        .log(1, vec![(TRAIN_LOSS.into(), 2.0)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("1 of 2 trackers") && err.contains("/dev/full") && err.contains("space"),
+        "{err}"
+    );
+    assert!(!err.contains(jsonl::FILE), "{err}");
+    let err = trackers.end().unwrap_err().to_string();
+    assert!(
+        err.contains("/dev/full") && err.contains("end_training"),
+        "{err}"
+    );
+    let jsonl = std::fs::read_to_string(tmp.path().join(jsonl::FILE)).unwrap();
+    assert_eq!(jsonl, "{\"step\":1,\"train/loss\":2.0}\n");
+    assert!(tmp.path().join(CURVES_PNG).exists(), "the curves are drawn");
+}
+
+#[test]
+fn the_main_process_is_global_rank_zero_not_each_machines_local_rank_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Rank 1 is local rank 0 of the second machine: it must not write.
+    let second_machine = tmp.path().join("second");
+    let mut trackers = Trackers::open(
+        &TrackerKind::ALL,
+        &second_machine,
+        &rank(1, 0),
+        TrackerErrors::Warn,
+    )
+    .unwrap();
+    trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
+    trackers.end().unwrap();
+    assert!(!second_machine.exists(), "rank 1 (local rank 0) wrote");
+    let first_machine = tmp.path().join("first");
+    let mut trackers = Trackers::open(
+        &[TrackerKind::Jsonl],
+        &first_machine,
+        &rank(0, 0),
+        TrackerErrors::Warn,
+    )
+    .unwrap();
+    trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
+    assert!(first_machine.join(jsonl::FILE).exists());
 }
