@@ -15,7 +15,7 @@ use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionSta
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
-use crate::tracking::{TrackerErrors, TrackerKind, Trackers, DEFAULT_LOGGING_DIR};
+use crate::tracking::{TrackerErrors, TrackerKind, Trackers};
 use crate::training::TrainingState;
 
 /// Configures an [`Accelerator`].
@@ -133,8 +133,12 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// The directory the trackers write to, created if missing (default
-    /// [`DEFAULT_LOGGING_DIR`](crate::DEFAULT_LOGGING_DIR), `runs`).
+    /// The directory the trackers write to, created if missing. A directory that holds a
+    /// previous run's files is continued (what a resumed run wants); one that another live run
+    /// is writing to is refused. Default: a directory of this run's own,
+    /// `runs/<YYYYmmdd-HHMMSS>_<host>` under [`DEFAULT_LOGGING_DIR`](crate::DEFAULT_LOGGING_DIR)
+    /// (Hugging Face's Trainer uses `<output_dir>/runs/<time>_<host>`), so separate runs never
+    /// mix their files.
     pub fn logging_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.logging_dir = Some(dir.into());
         self
@@ -170,10 +174,6 @@ impl AcceleratorBuilder {
             Some(s) => s,
             None => ProcessState::from_env()?,
         };
-        let logging_dir = self
-            .logging_dir
-            .unwrap_or_else(|| DEFAULT_LOGGING_DIR.into());
-        let trackers = Trackers::open(&self.report_to, &logging_dir, &state, self.tracker_errors)?;
         let bucket_cap_bytes = match self.bucket_cap_bytes {
             Some(b) => b,
             None => env::read(
@@ -219,6 +219,13 @@ impl AcceleratorBuilder {
             device.set_seed(seed)?;
         }
         let rng = RankRng::new(seed, state.rank);
+        // Last, so that a build failing on anything else leaves no stray tracker files.
+        let trackers = Trackers::open(
+            &self.report_to,
+            self.logging_dir.as_deref(),
+            &state,
+            self.tracker_errors,
+        )?;
         Ok(Accelerator {
             state,
             device,

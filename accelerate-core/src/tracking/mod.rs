@@ -18,6 +18,7 @@ mod curves;
 mod event_record;
 mod jsonl;
 mod kind;
+mod run_dir;
 mod tensorboard;
 
 use std::path::{Path, PathBuf};
@@ -38,7 +39,8 @@ pub const EVAL_LOSS: &str = "eval/loss";
 /// Hugging Face's tag of the evaluation accuracy (from `compute_metrics`' `accuracy`).
 pub const EVAL_ACCURACY: &str = "eval/accuracy";
 
-/// The logging directory when `report_to` is given without one (Hugging Face's `runs`).
+/// Where a run that names no logging directory logs: a directory of its own,
+/// `runs/<YYYYmmdd-HHMMSS>_<host>` (Hugging Face's Trainer: `<output_dir>/runs/<time>_<host>`).
 pub const DEFAULT_LOGGING_DIR: &str = "runs";
 
 /// File name of the loss and learning-rate curves drawn by `end_training`.
@@ -81,6 +83,8 @@ pub(crate) struct Trackers {
     warned: Vec<bool>,
     on_error: TrackerErrors,
     logging_dir: Option<PathBuf>,
+    /// Held from open to `end`: a second live writer of the directory is refused.
+    lock: Option<run_dir::DirLock>,
     curves: Curves,
     ended: bool,
 }
@@ -97,18 +101,30 @@ impl std::fmt::Debug for Trackers {
 impl Trackers {
     /// Opens the trackers of `kinds` in `logging_dir` (created if missing) on the main process
     /// (global rank 0, not each machine's local rank 0: Accelerate's `log` writes once per job);
-    /// on every other rank, nothing is opened and nothing will be written.
+    /// on every other rank, nothing is opened and nothing will be written. `logging_dir`
+    /// `None` makes a fresh `runs/<time>_<host>`; a directory named is continued (a resumed
+    /// run appends to its files), unless another live run holds it.
     pub(crate) fn open(
         kinds: &[TrackerKind],
-        logging_dir: &Path,
+        logging_dir: Option<&Path>,
         state: &ProcessState,
         on_error: TrackerErrors,
     ) -> Result<Self> {
         let mut trackers: Vec<Box<dyn Tracker>> = Vec::new();
         let active = state.is_main_process() && !kinds.is_empty();
+        let mut lock = None;
+        let mut opened_dir = None;
         if active {
-            std::fs::create_dir_all(logging_dir)
-                .map_err(|e| io_error(logging_dir, "creating the logging directory", e))?;
+            let logging_dir = match logging_dir {
+                Some(dir) => {
+                    std::fs::create_dir_all(dir)
+                        .map_err(|e| io_error(dir, "creating the logging directory", e))?;
+                    dir.to_path_buf()
+                }
+                None => run_dir::fresh_run_dir(Path::new(DEFAULT_LOGGING_DIR))?,
+            };
+            lock = Some(run_dir::DirLock::acquire(&logging_dir)?);
+            let logging_dir = opened_dir.insert(logging_dir).as_path();
             let mut seen = Vec::new();
             for kind in kinds {
                 if seen.contains(kind) {
@@ -128,7 +144,8 @@ impl Trackers {
             warned: vec![false; trackers.len()],
             trackers,
             on_error,
-            logging_dir: active.then(|| logging_dir.to_path_buf()),
+            logging_dir: opened_dir,
+            lock,
             curves: Curves::default(),
             ended: false,
         })
@@ -205,6 +222,8 @@ impl Trackers {
             return Ok(());
         }
         self.ended = true;
+        // The files are complete after this: another run may continue them.
+        let _unlock = self.lock.take();
         let results: Vec<Result<()>> = self
             .trackers
             .iter_mut()

@@ -11,6 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::append::AppendFile;
 use super::event_record::{event_record, Event, Summary, SummaryValue, FILE_VERSION};
+use super::run_dir::host_name;
 use super::Tracker;
 use crate::error::Result;
 
@@ -24,19 +25,6 @@ fn wall_time() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    let name = String::from_utf8_lossy(&buf[..end]).replace(['/', '\\'], "_");
-    if rc != 0 || name.is_empty() {
-        "localhost".to_string()
-    } else {
-        name
-    }
 }
 
 impl TensorBoardTracker {

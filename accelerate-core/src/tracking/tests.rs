@@ -88,15 +88,25 @@ fn every_tracker_has_each_log_call_and_end_training_draws_the_curves() {
 fn other_ranks_create_and_write_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("logs");
-    let mut trackers =
-        Trackers::open(&TrackerKind::ALL, &dir, &rank(1, 1), TrackerErrors::Warn).unwrap();
+    let mut trackers = Trackers::open(
+        &TrackerKind::ALL,
+        Some(&dir),
+        &rank(1, 1),
+        TrackerErrors::Warn,
+    )
+    .unwrap();
     assert_eq!(trackers.logging_dir(), None);
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     trackers.end().unwrap();
     assert!(!dir.exists(), "a non-main rank created {}", dir.display());
     // Names are still checked there, so a bad one fails on every rank alike.
-    let mut trackers =
-        Trackers::open(&TrackerKind::ALL, &dir, &rank(1, 1), TrackerErrors::Warn).unwrap();
+    let mut trackers = Trackers::open(
+        &TrackerKind::ALL,
+        Some(&dir),
+        &rank(1, 1),
+        TrackerErrors::Warn,
+    )
+    .unwrap();
     assert!(trackers.log(1, vec![("step".into(), 1.0)]).is_err());
 }
 
@@ -179,7 +189,7 @@ fn a_failing_tracker_leaves_the_others_and_the_curves_their_records() {
     let Some(failing) = full_disk() else { return };
     let mut trackers = Trackers::open(
         &[TrackerKind::Jsonl],
-        tmp.path(),
+        Some(tmp.path()),
         &ProcessState::single(),
         TrackerErrors::Warn,
     )
@@ -205,7 +215,7 @@ fn under_fail_the_error_names_the_failed_file_and_the_others_still_have_the_call
     let state = ProcessState::single();
     let mut trackers = Trackers::open(
         &[TrackerKind::Jsonl],
-        tmp.path(),
+        Some(tmp.path()),
         &state,
         TrackerErrors::Fail,
     )
@@ -238,7 +248,7 @@ fn the_main_process_is_global_rank_zero_not_each_machines_local_rank_zero() {
     let second_machine = tmp.path().join("second");
     let mut trackers = Trackers::open(
         &TrackerKind::ALL,
-        &second_machine,
+        Some(&second_machine),
         &rank(1, 0),
         TrackerErrors::Warn,
     )
@@ -249,11 +259,79 @@ fn the_main_process_is_global_rank_zero_not_each_machines_local_rank_zero() {
     let first_machine = tmp.path().join("first");
     let mut trackers = Trackers::open(
         &[TrackerKind::Jsonl],
-        &first_machine,
+        Some(&first_machine),
         &rank(0, 0),
         TrackerErrors::Warn,
     )
     .unwrap();
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     assert!(first_machine.join(jsonl::FILE).exists());
+}
+
+#[test]
+fn without_a_logging_dir_each_run_gets_a_directory_of_its_own() {
+    let build = || {
+        Accelerator::builder()
+            .process_state(ProcessState::single())
+            .report_to([TrackerKind::Csv, TrackerKind::Jsonl])
+            .build()
+            .unwrap()
+    };
+    let (first, second) = (build(), build());
+    let dirs = [first.logging_dir().unwrap(), second.logging_dir().unwrap()];
+    let cleanup = || {
+        for dir in &dirs {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        // The parent too when no one else has a run in it (remove_dir refuses a non-empty one).
+        let _ = std::fs::remove_dir(DEFAULT_LOGGING_DIR);
+    };
+    first.log([(TRAIN_LOSS, 1.0)], 1).unwrap();
+    second.log([(TRAIN_LOSS, 2.0)], 1).unwrap();
+    let jsonl: Vec<String> = dirs
+        .iter()
+        .map(|d| std::fs::read_to_string(d.join(jsonl::FILE)).unwrap_or_default())
+        .collect();
+    cleanup();
+    assert_ne!(dirs[0], dirs[1], "two runs share {}", dirs[0].display());
+    // runs/<YYYYmmdd-HHMMSS>_<host>, as Hugging Face's <output_dir>/runs/<time>_<host>.
+    for dir in &dirs {
+        assert_eq!(
+            dir.parent(),
+            Some(Path::new(DEFAULT_LOGGING_DIR)),
+            "{dir:?}"
+        );
+        let name = dir.file_name().unwrap().to_string_lossy();
+        let (time, host) = name.split_once('_').unwrap_or(("", ""));
+        let digits = |s: &str| s.chars().all(|c| c.is_ascii_digit());
+        assert!(
+            time.len() == 15 && time.as_bytes()[8] == b'-' && digits(&time[..8]),
+            "{name}"
+        );
+        assert!(digits(&time[9..]) && time.starts_with("20"), "{name}");
+        assert!(!host.is_empty(), "{name}");
+    }
+    assert_eq!(jsonl[0], "{\"step\":1,\"train/loss\":1.0}\n");
+    assert_eq!(jsonl[1], "{\"step\":1,\"train/loss\":2.0}\n");
+}
+
+#[test]
+fn a_second_live_writer_of_a_logging_dir_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("shared");
+    let state = ProcessState::single();
+    let kinds = [TrackerKind::Csv];
+    let mut first = Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn).unwrap();
+    let err = Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&dir.display().to_string()), "{err}");
+    assert!(
+        err.contains("another") && err.contains("logging_dir"),
+        "{err}"
+    );
+    // Once the first run has ended, the directory can be continued (a resumed run).
+    first.end().unwrap();
+    Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn).unwrap();
 }
