@@ -6,16 +6,16 @@
 //! a column per metric, empty cells read as NaN, and `df.plot(x="step", y="train/loss")` works
 //! as it is. A name that first appears mid-run widens the table: the file is rewritten
 //! atomically (temporary file, fsync, rename) with the new header and an empty cell added to
-//! every earlier row, so at any moment the file is a complete table. New names are rare (the
-//! first evaluation, say), so the rewrite costs little. A file from an earlier run (a resumed
-//! one) is continued with its columns.
+//! every earlier row, so at any moment the file is a complete table. Each widening costs a
+//! rewrite of the whole file, so a run whose names keep appearing (k new names over n rows)
+//! writes O(k·n) bytes; the usual handful (the first evaluation, say) costs little. A file from
+//! an earlier run (a resumed one) is continued with its columns.
 
 use std::path::Path;
 
 use super::append::AppendFile;
 use super::{io_error, Tracker};
 use crate::error::{Error, Result};
-use crate::files::write_atomic;
 
 /// File name of the CSV tracker in the logging directory.
 pub(super) const FILE: &str = "metrics.csv";
@@ -111,15 +111,8 @@ impl CsvTracker {
                 text.push(b'\n');
             }
         }
-        write_atomic(&path, &text).map_err(|e| Error::Tracking {
-            path: path.clone(),
-            problem: format!(
-                "rewriting the table with new columns failed ({e}); check that the logging \
-                 directory is writable and has free space, or choose another `logging_dir`"
-            ),
-        })?;
-        // The rename replaced the file: append to the new one.
-        self.file = AppendFile::open(&path, false)?;
+        // Once the rewrite is in place the columns are those on disk, whatever comes next.
+        self.file.rewrite(&text)?;
         self.columns = columns;
         Ok(())
     }
@@ -210,6 +203,27 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from(FILE)]);
+    }
+
+    #[test]
+    fn a_widening_whose_reopen_failed_is_not_redone_and_loses_no_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = CsvTracker::open(dir.path()).unwrap();
+        t.log(1, &metrics(&[("a", 1.0)])).unwrap();
+        // The rewrite's rename succeeds, the reopen after it fails once.
+        super::super::append::FAILING_OPENS.with(|n| n.set(1));
+        let _ = t.log(2, &metrics(&[("a", 2.0), ("b", 3.0)]));
+        t.log(3, &metrics(&[("a", 4.0), ("b", 5.0)])).unwrap();
+        let s = |v: &[&str]| v.iter().map(|c| c.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            rows(&dir.path().join(FILE)),
+            vec![
+                s(&["step", "a", "b"]),
+                s(&["1", "1", ""]),
+                s(&["2", "2", "3"]),
+                s(&["3", "4", "5"]),
+            ]
+        );
     }
 
     #[test]
