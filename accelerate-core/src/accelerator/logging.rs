@@ -52,6 +52,14 @@ impl Accelerator {
             .end()
     }
 
+    /// After `load_state`: the next logged step purges the later steps of the run resumed.
+    pub(super) fn resumed_logging(&self) {
+        self.trackers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .resumed();
+    }
+
     /// The directory this process's trackers write to: `Some` on the main process when
     /// [`report_to`](crate::AcceleratorBuilder::report_to) chose any, `None` elsewhere.
     pub fn logging_dir(&self) -> Option<std::path::PathBuf> {

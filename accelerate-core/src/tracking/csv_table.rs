@@ -9,12 +9,13 @@
 //! every earlier row, so at any moment the file is a complete table. Each widening costs a
 //! rewrite of the whole file, so a run whose names keep appearing (k new names over n rows)
 //! writes O(k·n) bytes; the usual handful (the first evaluation, say) costs little. A file from
-//! an earlier run (a resumed one) is continued with its columns.
+//! an earlier run (a resumed one) is continued with its columns, after the rows of the steps the
+//! resumed run logs again are dropped.
 
 use std::path::Path;
 
 use super::append::AppendFile;
-use super::{io_error, Tracker};
+use super::{io_error, Curves, Tracker};
 use crate::error::{Error, Result};
 
 /// File name of the CSV tracker in the logging directory.
@@ -141,6 +142,50 @@ impl Tracker for CsvTracker {
 
     fn finish(&mut self) -> Result<()> {
         self.file.sync()
+    }
+
+    fn purge_from(&mut self, step: u64) -> Result<()> {
+        let path = self.file.path().to_path_buf();
+        let old = std::fs::read(&path).map_err(|e| io_error(&path, "reading the table back", e))?;
+        // Rows are one line each (names are printable, numbers plain), the step first.
+        let mut lines = old.split_inclusive(|&b| b == b'\n');
+        let mut kept: Vec<u8> = lines.next().unwrap_or_default().to_vec();
+        for row in lines {
+            let first = row.split(|&b| b == b',').next().unwrap_or_default();
+            let row_step = std::str::from_utf8(first)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok());
+            if row_step.is_none_or(|s| s < step) {
+                kept.extend_from_slice(row);
+            }
+        }
+        if kept.len() == old.len() {
+            return Ok(());
+        }
+        self.file.rewrite(&kept)
+    }
+
+    fn read_curves(&self) -> Option<Result<Curves>> {
+        let path = self.file.path();
+        let mut reader = match csv::Reader::from_path(path) {
+            Ok(reader) => reader,
+            Err(e) => return Some(Err(Self::foreign(path, &e.to_string()))),
+        };
+        let mut curves = Curves::default();
+        for row in reader.records() {
+            let Ok(row) = row else { continue };
+            let Some(step) = row.get(0).and_then(|s| s.parse::<u64>().ok()) else {
+                continue;
+            };
+            curves.add(
+                step,
+                self.columns
+                    .iter()
+                    .zip(row.iter().skip(1))
+                    .filter_map(|(name, cell)| Some((name.as_str(), cell.parse::<f64>().ok()?))),
+            );
+        }
+        Some(Ok(curves))
     }
 }
 

@@ -21,7 +21,22 @@ pub(super) struct Event {
     /// The values logged at this step (oneof `what`).
     #[prost(message, optional, tag = "5")]
     pub summary: Option<Summary>,
+    /// A session's start (oneof `what`): readers drop the events of later steps logged before
+    /// it, the orphans of a run that was resumed from an earlier checkpoint.
+    #[prost(message, optional, tag = "6")]
+    pub session_log: Option<SessionLog>,
 }
+
+/// `tensorflow.SessionLog`, its `status` alone.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(super) struct SessionLog {
+    /// `SessionStatus`: 1 is `START` ([`SESSION_START`]).
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}
+
+/// `SessionLog.SessionStatus.START`.
+pub(super) const SESSION_START: i32 = 1;
 
 /// `tensorflow.Summary`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -132,6 +147,7 @@ mod tests {
             step: 5,
             file_version: Some("v".into()),
             summary: None,
+            session_log: None,
         };
         assert_eq!(
             prost::Message::encode_to_vec(&event),

@@ -66,14 +66,49 @@ trait Tracker: Send {
     fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()>;
     /// Makes everything written durable (fsync); called by `end_training`.
     fn finish(&mut self) -> Result<()>;
+    /// Starts the history over at `step`, the first step logged after a resume: what an earlier
+    /// run logged at `step` or later is dropped (the tables) or marked to be dropped by readers
+    /// (TensorBoard's `SessionLog` START).
+    fn purge_from(&mut self, step: u64) -> Result<()>;
+    /// The curves' series as the file holds them, a resumed run's earlier part included; `None`
+    /// for a file that cannot be read back (TensorBoard's, written as f32).
+    fn read_curves(&self) -> Option<Result<Curves>> {
+        None
+    }
 }
 
 /// The series the curves PNG draws, kept as they are logged.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 struct Curves {
     train_loss: Vec<(u64, f64)>,
     eval_loss: Vec<(u64, f64)>,
     learning_rate: Vec<(u64, f64)>,
+}
+
+impl Curves {
+    /// Adds the values of the curves' tags among one call's metrics.
+    fn add<'a>(&mut self, step: u64, metrics: impl IntoIterator<Item = (&'a str, f64)>) {
+        for (name, value) in metrics {
+            let series = match name {
+                TRAIN_LOSS => &mut self.train_loss,
+                EVAL_LOSS => &mut self.eval_loss,
+                TRAIN_LEARNING_RATE => &mut self.learning_rate,
+                _ => continue,
+            };
+            series.push((step, value));
+        }
+    }
+
+    /// Drops the points at `step` and later (a resumed run logs them again).
+    fn purge_from(&mut self, step: u64) {
+        for series in [
+            &mut self.train_loss,
+            &mut self.eval_loss,
+            &mut self.learning_rate,
+        ] {
+            series.retain(|&(s, _)| s < step);
+        }
+    }
 }
 
 /// The trackers of one process: those chosen with `report_to` on the main process, none elsewhere.
@@ -86,6 +121,8 @@ pub(crate) struct Trackers {
     /// Held from open to `end`: a second live writer of the directory is refused.
     lock: Option<run_dir::DirLock>,
     curves: Curves,
+    /// Set by `load_state`: the next logged step purges the resumed run's later steps.
+    purge_pending: bool,
     ended: bool,
 }
 
@@ -147,6 +184,7 @@ impl Trackers {
             logging_dir: opened_dir,
             lock,
             curves: Curves::default(),
+            purge_pending: false,
             ended: false,
         })
     }
@@ -165,20 +203,26 @@ impl Trackers {
         if self.trackers.is_empty() {
             return Ok(());
         }
+        let purge = std::mem::take(&mut self.purge_pending);
+        if purge {
+            self.curves.purge_from(step);
+        }
         let results: Vec<Result<()>> = self
             .trackers
             .iter_mut()
-            .map(|tracker| tracker.log(step, &metrics))
+            .map(|tracker| {
+                let purged = if purge {
+                    tracker.purge_from(step)
+                } else {
+                    Ok(())
+                };
+                // Logged even when the purge failed: the step itself is not lost.
+                let logged = tracker.log(step, &metrics);
+                purged.and(logged)
+            })
             .collect();
-        for (name, value) in &metrics {
-            let series = match name.as_str() {
-                TRAIN_LOSS => &mut self.curves.train_loss,
-                EVAL_LOSS => &mut self.curves.eval_loss,
-                TRAIN_LEARNING_RATE => &mut self.curves.learning_rate,
-                _ => continue,
-            };
-            series.push((step, *value));
-        }
+        self.curves
+            .add(step, metrics.iter().map(|(n, v)| (n.as_str(), *v)));
         self.report(results, &format!("logging step {step}"))
     }
 
@@ -235,12 +279,30 @@ impl Trackers {
         drawn.and(finished)
     }
 
+    /// A resumed run (`load_state`): the next logged step starts the history over from there,
+    /// as PyTorch's `SummaryWriter(purge_step=)`. The tables drop the earlier run's rows at and
+    /// after that step rather than keeping them, so that all three files hold one timeline, as
+    /// TensorBoard shows it, and `pd.read_csv` gets each step once.
+    pub(crate) fn resumed(&mut self) {
+        self.purge_pending = true;
+    }
+
+    /// The series the curves PNG draws: read back from `metrics.jsonl` or `metrics.csv` when
+    /// one is kept, so that a resumed run's curves start at its first step; otherwise (only
+    /// `tensorboard`) what this process logged.
+    fn final_curves(&self) -> Curves {
+        self.trackers
+            .iter()
+            .find_map(|tracker| tracker.read_curves().and_then(Result::ok))
+            .unwrap_or_else(|| self.curves.clone())
+    }
+
     /// Draws the curves PNG when something was logged to draw.
     fn draw_curves(&self) -> Result<()> {
         let Some(dir) = &self.logging_dir else {
             return Ok(());
         };
-        let c = &self.curves;
+        let c = &self.final_curves();
         if c.train_loss.is_empty() && c.eval_loss.is_empty() && c.learning_rate.is_empty() {
             return Ok(());
         }

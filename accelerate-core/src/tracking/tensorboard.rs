@@ -3,14 +3,18 @@
 //! a file of its own; TensorBoard merges a directory's files). Its first event carries the file
 //! version `brain.Event:2`; each log call is one event at its step holding a `simple_value`
 //! scalar per metric (f32, TensorBoard's precision), which TensorBoard's scalar dashboard and
-//! `EventAccumulator.Scalars(tag)` read.
+//! `EventAccumulator.Scalars(tag)` read. The first step logged after a resume is preceded by a
+//! `SessionLog` START event at that step, as PyTorch's `SummaryWriter(purge_step=)` writes: the
+//! readers then drop what earlier files hold at that step and later.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::append::AppendFile;
-use super::event_record::{event_record, Event, Summary, SummaryValue, FILE_VERSION};
+use super::event_record::{
+    event_record, Event, SessionLog, Summary, SummaryValue, FILE_VERSION, SESSION_START,
+};
 use super::run_dir::host_name;
 use super::Tracker;
 use crate::error::Result;
@@ -45,6 +49,7 @@ impl TensorBoardTracker {
             step: 0,
             file_version: Some(FILE_VERSION.to_string()),
             summary: None,
+            session_log: None,
         }))?;
         Ok(Self { file })
     }
@@ -71,12 +76,25 @@ impl Tracker for TensorBoardTracker {
                     })
                     .collect(),
             }),
+            session_log: None,
         };
         self.file.append(&event_record(&event))
     }
 
     fn finish(&mut self) -> Result<()> {
         self.file.sync()
+    }
+
+    fn purge_from(&mut self, step: u64) -> Result<()> {
+        self.file.append(&event_record(&Event {
+            wall_time: wall_time(),
+            step: i64::try_from(step).unwrap_or(i64::MAX),
+            file_version: None,
+            summary: None,
+            session_log: Some(SessionLog {
+                status: SESSION_START,
+            }),
+        }))
     }
 }
 

@@ -170,6 +170,9 @@ impl Tracker for FullDisk {
     fn finish(&mut self) -> crate::Result<()> {
         self.0.append(b"last\n")
     }
+    fn purge_from(&mut self, _step: u64) -> crate::Result<()> {
+        self.0.append(b"start\n")
+    }
 }
 
 fn full_disk() -> Option<Box<dyn Tracker>> {
@@ -334,4 +337,108 @@ fn a_second_live_writer_of_a_logging_dir_is_refused_naming_it() {
     // Once the first run has ended, the directory can be continued (a resumed run).
     first.end().unwrap();
     Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn).unwrap();
+}
+
+/// The steps and `train/loss` values of each line of `metrics.jsonl`.
+fn jsonl_losses(dir: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dir.join(jsonl::FILE))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v[TRAIN_LOSS].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// A run that logged steps 1..=4 (loss = step), then a run resumed from a checkpoint of step 2
+/// that logs steps 3..=5 (loss = 10 × step) into the same directory.
+fn resumed_run(dir: &Path) -> Trackers {
+    let state = ProcessState::single();
+    let mut first =
+        Trackers::open(&TrackerKind::ALL, Some(dir), &state, TrackerErrors::Fail).unwrap();
+    for step in 1..=4u64 {
+        first
+            .log(step, vec![(TRAIN_LOSS.into(), step as f64)])
+            .unwrap();
+    }
+    first.end().unwrap();
+    drop(first);
+    let mut second =
+        Trackers::open(&TrackerKind::ALL, Some(dir), &state, TrackerErrors::Fail).unwrap();
+    second.resumed();
+    for step in 3..=5u64 {
+        second
+            .log(step, vec![(TRAIN_LOSS.into(), 10.0 * step as f64)])
+            .unwrap();
+    }
+    second
+}
+
+const RESUMED: [(u64, f64); 5] = [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)];
+
+#[test]
+fn after_a_resume_the_tables_drop_the_orphaned_steps_and_tensorboard_gets_a_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut second = resumed_run(tmp.path());
+    second.end().unwrap();
+    assert_eq!(jsonl_losses(tmp.path()), RESUMED);
+    let csv = std::fs::read_to_string(tmp.path().join(csv_table::FILE)).unwrap();
+    assert_eq!(csv, "step,train/loss\n1,1\n2,2\n3,30\n4,40\n5,50\n");
+    // The resumed run's event file: the version, SessionLog START at step 3 (torch's
+    // SummaryWriter(purge_step=3)), then the scalars.
+    let mut event_files: Vec<_> = files(tmp.path())
+        .into_iter()
+        .filter(|n| n.starts_with("events.out.tfevents."))
+        .collect();
+    assert_eq!(event_files.len(), 2, "{event_files:?}");
+    event_files.sort_by_key(|n| n.rsplit('.').next().unwrap().parse::<u64>().unwrap());
+    let bytes = std::fs::read(tmp.path().join(&event_files[1])).unwrap();
+    let events: Vec<event_record::Event> = event_record::unframe(&bytes)
+        .unwrap()
+        .iter()
+        .map(|r| <event_record::Event as prost::Message>::decode(r.as_slice()).unwrap())
+        .collect();
+    assert_eq!(events.len(), 5);
+    assert_eq!(events[1].step, 3);
+    assert_eq!(
+        events[1].session_log,
+        Some(event_record::SessionLog {
+            status: event_record::SESSION_START
+        })
+    );
+    assert!(events[1].summary.is_none());
+    assert_eq!(events[2].step, 3);
+}
+
+#[test]
+fn after_a_resume_the_curves_show_the_whole_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let second = resumed_run(tmp.path());
+    assert_eq!(second.final_curves().train_loss, RESUMED);
+}
+
+#[test]
+fn load_state_makes_the_next_logged_step_start_the_history_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let logs = tmp.path().join("logs");
+    let checkpoint = tmp.path().join("checkpoint");
+    let first = accelerator(&logs, &[TrackerKind::Jsonl]);
+    for step in 1..=2u64 {
+        first.log([(TRAIN_LOSS, step as f64)], step).unwrap();
+    }
+    first.save_state(&checkpoint).unwrap();
+    for step in 3..=4u64 {
+        first.log([(TRAIN_LOSS, step as f64)], step).unwrap();
+    }
+    first.end_training().unwrap();
+    drop(first);
+    let second = accelerator(&logs, &[TrackerKind::Jsonl]);
+    second.load_state(&checkpoint).unwrap();
+    for step in 3..=5u64 {
+        second
+            .log([(TRAIN_LOSS, 10.0 * step as f64)], step)
+            .unwrap();
+    }
+    assert_eq!(jsonl_losses(&logs), RESUMED);
 }
