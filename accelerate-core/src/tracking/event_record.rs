@@ -140,6 +140,43 @@ mod tests {
     }
 
     #[test]
+    fn a_full_event_encodes_as_the_hand_encoded_bytes() {
+        // wall_time 1.5 (field 1, fixed64: 0x09, then 1.5f64 = 0x3FF8000000000000 little-endian),
+        // step 300 (field 2, varint: 0x10, 0xAC 0x02), summary (field 5, length-delimited: 0x2A)
+        // holding one value (field 1: 0x0A) of tag "a" (0x0A 1 'a') and simple_value 2.0f32
+        // (0x15, 0x40000000 little-endian).
+        let scalar = Event {
+            wall_time: 1.5,
+            step: 300,
+            file_version: None,
+            summary: Some(Summary {
+                value: vec![SummaryValue {
+                    tag: "a".into(),
+                    simple_value: Some(2.0),
+                }],
+            }),
+            session_log: None,
+        };
+        let mut want = vec![0x09, 0, 0, 0, 0, 0, 0, 0xf8, 0x3f, 0x10, 0xac, 0x02];
+        want.extend_from_slice(&[0x2a, 10, 0x0a, 8, 0x0a, 1, b'a', 0x15, 0, 0, 0, 0x40]);
+        assert_eq!(prost::Message::encode_to_vec(&scalar), want);
+        // step 3, session_log (field 6: 0x32) with status START (field 1, varint: 0x08 0x01).
+        let start = Event {
+            wall_time: 0.0,
+            step: 3,
+            file_version: None,
+            summary: None,
+            session_log: Some(SessionLog {
+                status: SESSION_START,
+            }),
+        };
+        assert_eq!(
+            prost::Message::encode_to_vec(&start),
+            vec![0x10, 3, 0x32, 2, 0x08, 1]
+        );
+    }
+
+    #[test]
     fn events_encode_as_protobuf_field_by_field() {
         // Hand-encoded: field 2 (step, varint) = 5; field 3 (string) = "v".
         let event = Event {
