@@ -46,6 +46,15 @@ where
         .expect("flushing into memory cannot fail")
 }
 
+/// A cell for `value`: the shortest form that reads back as the same f64, with an exponent
+/// where that is shorter (`5e-324`, `1e-7`), integers without `.0`; NaN, inf and -inf as
+/// pandas reads them.
+fn number(value: f64) -> String {
+    let mut buffer = ryu::Buffer::new();
+    let text = buffer.format(value);
+    text.strip_suffix(".0").unwrap_or(text).to_string()
+}
+
 fn header(columns: &[String]) -> Vec<u8> {
     record(std::iter::once("step").chain(columns.iter().map(String::as_str)))
 }
@@ -134,8 +143,7 @@ impl Tracker for CsvTracker {
             metrics
                 .iter()
                 .find(|(name, _)| name == column)
-                // Rust's shortest round-trip form; NaN, inf and -inf are what pandas reads.
-                .map_or_else(String::new, |(_, value)| value.to_string())
+                .map_or_else(String::new, |(_, value)| number(*value))
         }));
         self.file.append(&record(&cells))
     }
@@ -248,6 +256,26 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from(FILE)]);
+    }
+
+    #[test]
+    fn numbers_are_the_shortest_round_trip_with_an_exponent_when_shorter() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = CsvTracker::open(dir.path()).unwrap();
+        let values = [5e-324, 1e-7, 1.0, -2.5e20, 0.1, f64::INFINITY, f64::NAN];
+        let names: Vec<String> = (0..values.len()).map(|i| format!("m{i}")).collect();
+        let logged: Vec<(String, f64)> = names.iter().cloned().zip(values).collect();
+        t.log(1, &logged).unwrap();
+        let table = rows(&dir.path().join(FILE));
+        assert_eq!(
+            table[1],
+            ["1", "5e-324", "1e-7", "1", "-2.5e20", "0.1", "inf", "NaN"]
+        );
+        // Each cell reads back as the value logged (pandas and Rust parse these alike).
+        for (cell, value) in table[1][1..].iter().zip(values) {
+            let back: f64 = cell.parse().unwrap();
+            assert!(back == value || (back.is_nan() && value.is_nan()), "{cell}");
+        }
     }
 
     #[test]
