@@ -320,6 +320,24 @@ impl Trackers {
     }
 }
 
+impl Drop for Trackers {
+    /// Says so when the accelerator goes without `end_training`: the files hold every call, but
+    /// are not synced to disk and the curves are not drawn.
+    fn drop(&mut self) {
+        if self.ended || self.trackers.is_empty() || std::thread::panicking() {
+            return;
+        }
+        if let Some(dir) = &self.logging_dir {
+            eprintln!(
+                "warning: the trackers writing to {} were dropped without end_training: what was \
+                 logged is in the files, but not synced to disk, and {CURVES_PNG} is not drawn; \
+                 call `end_training()` after the loop",
+                dir.display()
+            );
+        }
+    }
+}
+
 /// Names must be distinct, not `step` (the column and key the step takes), and printable.
 fn validate_names(metrics: &[(String, f64)]) -> Result<()> {
     for (i, (name, _)) in metrics.iter().enumerate() {
