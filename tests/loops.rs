@@ -199,3 +199,58 @@ fn save_state_copies_the_optimizer_state_on_the_main_process_only() {
     });
     assert_eq!(calls, [1, 0]);
 }
+
+/// Passes its input through, with no backward pass: a loss made with it fails in `backward`.
+struct NoBackward;
+
+impl candle_core::CustomOp1 for NoBackward {
+    fn name(&self) -> &'static str {
+        "no-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        Ok((storage.clone(), layout.shape().clone()))
+    }
+}
+
+/// A loop without `accumulate()` (K = 2) leaves its first epoch after one micro-step, so that
+/// window is abandoned; in the next epoch the first backward fails, and the loop retries the
+/// micro-step with a good loss. The abandoned window's sum must still be discarded: the gradient
+/// at the next sync is the mean of the new window's two micro-steps, (x₀ + x₁) / 2 for
+/// `loss = w · (x + 100)`, i.e. 100.5, not (100 + 100 + 101) / 2.
+#[test]
+fn a_failed_backward_after_an_abandoned_window_still_discards_it() {
+    let mut acc = single(2);
+    let w = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+    acc.prepare(vec![("w".to_string(), w.clone())]).unwrap();
+    let mut train = acc.prepare(DataLoader::new(indices(4), 1)).unwrap();
+    let loss_of = |x: &Tensor| {
+        (w.as_tensor() * (x + 100.0).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+    };
+    if let Some(batch) = train.iter().next() {
+        acc.backward(&loss_of(&batch.unwrap().0)).unwrap();
+    }
+    let mut gradient = None;
+    for (i, batch) in train.iter().enumerate() {
+        let loss = loss_of(&batch.unwrap().0);
+        if i == 0 {
+            let failing = loss.apply_op1(NoBackward).unwrap();
+            assert!(acc.backward(&failing).is_err());
+        }
+        acc.backward(&loss).unwrap();
+        if i == 1 {
+            assert!(acc.sync_gradients());
+            gradient = acc.gradient("w").unwrap();
+            break;
+        }
+    }
+    let gradient = gradient.unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(gradient, [100.5]);
+}

@@ -368,7 +368,9 @@ impl TrainingState {
         let steps = &mut *guard;
         let loader = self.loaders.innermost();
         let step = steps.accumulation.current_for_backward(loader.as_ref())?;
-        let abandoned = steps.accumulation.take_abandoned_window();
+        // Before the backward pass, which may fail: the flag is consumed here, and a retried
+        // micro-step must not add into the abandoned window's sums.
+        steps.zero_if_abandoned();
         let loss_scale = steps.mixed.loss_scale();
         let grad_store = if loss_scale == 1.0 {
             loss.backward()?
@@ -385,10 +387,6 @@ impl TrainingState {
                     .into(),
             )
         })?;
-        if abandoned {
-            buffers.zero();
-            steps.unsynced_across_windows = false;
-        }
         let sources = steps.mixed.grad_sources(self.parameters());
         let scale = step.loss_scale / loss_scale;
         let guarded = steps.no_sync_guards > 0;

@@ -188,11 +188,12 @@ fn ctrl_c_while_a_failed_group_is_torn_down_ends_the_launcher_without_a_restart(
     let d = dir.path().display().to_string();
     // Attempt 0: rank 1 fails at once; rank 0 notes the SIGTERM of the teardown and carries on
     // (a slow shutdown), so the teardown lasts until the SIGINT below, which ends it. A restart
-    // would leave the file `restarted`.
+    // would leave the file `restarted`. Rank 1 fails only once rank 0's traps are set (the file
+    // `ready`): a SIGTERM before them would end rank 0 at once and let the restart happen.
     let script = format!(
         "if [ \"$ACCELERATE_RESTART_COUNT\" != 0 ]; then touch {d}/restarted; exit 0; fi; \
-         if [ \"$RANK\" = 1 ]; then exit 3; fi; \
-         trap 'touch {d}/term' TERM; trap 'touch {d}/int; exit 130' INT; \
+         if [ \"$RANK\" = 1 ]; then while [ ! -e {d}/ready ]; do sleep 0.02; done; exit 3; fi; \
+         trap 'touch {d}/term' TERM; trap 'touch {d}/int; exit 130' INT; touch {d}/ready; \
          while :; do sleep 0.05; done"
     );
     let mut child = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))

@@ -7,6 +7,7 @@ use std::time::Duration;
 use candle_core::Device;
 
 use super::dataset::Dataset;
+use super::epoch_cursor::EpochCursor;
 use super::epoch_iter::{EpochIter, EpochSpec};
 use super::plan::BatchPlan;
 use super::progress::LoaderProgress;
@@ -33,10 +34,8 @@ pub struct DataLoader<D: Dataset> {
     rank: usize,
     batch_timeout: Duration,
     progress: Arc<LoaderProgress>,
-    /// Epoch of the next [`DataLoader::iter`] call.
-    next_epoch: u64,
-    /// Batches the next [`DataLoader::iter`] call skips (set by [`DataLoader::resume_at`]).
-    resume_skip: usize,
+    /// Epoch and skip of the next [`DataLoader::iter`] call.
+    cursor: EpochCursor,
 }
 
 impl<D: Dataset> DataLoader<D> {
@@ -51,8 +50,7 @@ impl<D: Dataset> DataLoader<D> {
             rank: 0,
             batch_timeout: DEFAULT_BATCH_TIMEOUT,
             progress: Arc::new(LoaderProgress::default()),
-            next_epoch: 0,
-            resume_skip: 0,
+            cursor: EpochCursor::default(),
         };
         loader.refresh_progress();
         loader
@@ -237,38 +235,25 @@ impl<D: Dataset> DataLoader<D> {
     /// Iterates the next epoch: an internal counter that starts at 0 and advances with every call,
     /// like `for batch in loader` in PyTorch.
     pub fn iter(&mut self) -> EpochIter<D> {
-        if let Some((epoch, skip)) = self.progress.take_resume() {
-            // Restored by `Accelerator::load_state`.
-            self.next_epoch = epoch;
-            self.resume_skip = skip;
-        }
-        let epoch = self.next_epoch;
-        let skip = std::mem::take(&mut self.resume_skip);
-        self.next_epoch += 1;
+        let (epoch, skip) = self.cursor.advance(&self.progress);
         self.iter_epoch(epoch, skip)
     }
 
     /// Sets the epoch of the next [`DataLoader::iter`] call.
     pub fn set_epoch(&mut self, epoch: u64) {
-        self.progress.take_resume();
-        self.next_epoch = epoch;
-        self.resume_skip = 0;
+        self.cursor.resume_at(&self.progress, epoch, 0);
     }
 
     /// Makes the next [`DataLoader::iter`] (or [`DataLoader::windows`]) call iterate `epoch` from
     /// batch `skip` on, as saved by a checkpoint; the calls after it start their epochs at 0.
     pub fn resume_at(&mut self, epoch: u64, skip: usize) {
-        self.progress.take_resume();
-        self.next_epoch = epoch;
-        self.resume_skip = skip;
+        self.cursor.resume_at(&self.progress, epoch, skip);
     }
 
     /// Epoch of the next [`DataLoader::iter`] call (after `Accelerator::load_state`, the epoch the
     /// checkpoint resumes in).
     pub fn next_epoch(&self) -> u64 {
-        self.progress
-            .pending_resume()
-            .map_or(self.next_epoch, |(epoch, _)| epoch)
+        self.cursor.next_epoch(&self.progress)
     }
 
     /// Iterates the next epoch (as [`DataLoader::iter`]) in windows of up to `k` consecutive batches;
@@ -299,7 +284,7 @@ impl<D: Dataset> fmt::Debug for DataLoader<D> {
             .field("prefetch", &self.prefetch)
             .field("device", &self.device)
             .field("rank", &self.rank)
-            .field("next_epoch", &self.next_epoch)
+            .field("cursor", &self.cursor)
             .finish()
     }
 }

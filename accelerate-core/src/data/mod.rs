@@ -13,6 +13,7 @@
 
 mod batch;
 mod dataset;
+mod epoch_cursor;
 mod epoch_iter;
 mod fingerprint;
 mod iterable;

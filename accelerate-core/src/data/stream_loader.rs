@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 
+use super::epoch_cursor::EpochCursor;
 use super::iterable::IterableDataset;
 use super::loader::DEFAULT_BATCH_TIMEOUT;
 use super::plan::BatchPlan;
@@ -43,10 +44,8 @@ pub struct StreamingLoader<S: IterableDataset> {
     device: Device,
     batch_timeout: Duration,
     progress: Arc<LoaderProgress>,
-    /// Epoch of the next [`StreamingLoader::iter`] call.
-    next_epoch: u64,
-    /// Batches the next [`StreamingLoader::iter`] call skips.
-    resume_skip: usize,
+    /// Epoch and skip of the next [`StreamingLoader::iter`] call.
+    cursor: EpochCursor,
 }
 
 impl<S: IterableDataset> StreamingLoader<S> {
@@ -63,8 +62,7 @@ impl<S: IterableDataset> StreamingLoader<S> {
             device: Device::Cpu,
             batch_timeout: DEFAULT_BATCH_TIMEOUT,
             progress: Arc::new(LoaderProgress::for_stream()),
-            next_epoch: 0,
-            resume_skip: 0,
+            cursor: EpochCursor::default(),
         }
     }
 
@@ -205,36 +203,24 @@ impl<S: IterableDataset> StreamingLoader<S> {
     /// Iterates the next epoch: an internal counter that starts at 0 and advances with every
     /// call. After `Accelerator::load_state`, the saved epoch from the saved batch on.
     pub fn iter(&mut self) -> StreamIter<S> {
-        if let Some((epoch, skip)) = self.progress.take_resume() {
-            self.next_epoch = epoch;
-            self.resume_skip = skip;
-        }
-        let epoch = self.next_epoch;
-        let skip = std::mem::take(&mut self.resume_skip);
-        self.next_epoch += 1;
+        let (epoch, skip) = self.cursor.advance(&self.progress);
         self.iter_epoch(epoch, skip)
     }
 
     /// Sets the epoch of the next [`StreamingLoader::iter`] call.
     pub fn set_epoch(&mut self, epoch: u64) {
-        self.progress.take_resume();
-        self.next_epoch = epoch;
-        self.resume_skip = 0;
+        self.cursor.resume_at(&self.progress, epoch, 0);
     }
 
     /// Makes the next [`StreamingLoader::iter`] call iterate `epoch` from batch `skip` on.
     pub fn resume_at(&mut self, epoch: u64, skip: usize) {
-        self.progress.take_resume();
-        self.next_epoch = epoch;
-        self.resume_skip = skip;
+        self.cursor.resume_at(&self.progress, epoch, skip);
     }
 
     /// Epoch of the next [`StreamingLoader::iter`] call (after `Accelerator::load_state`, the
     /// epoch the checkpoint resumes in).
     pub fn next_epoch(&self) -> u64 {
-        self.progress
-            .pending_resume()
-            .map_or(self.next_epoch, |(epoch, _)| epoch)
+        self.cursor.next_epoch(&self.progress)
     }
 
     /// Iterates the next epoch in windows of up to `k` consecutive batches, as
@@ -266,7 +252,7 @@ impl<S: IterableDataset> fmt::Debug for StreamingLoader<S> {
             .field("rank", &self.rank)
             .field("num_workers", &self.num_workers)
             .field("lookahead", &self.lookahead)
-            .field("next_epoch", &self.next_epoch)
+            .field("cursor", &self.cursor)
             .finish()
     }
 }
