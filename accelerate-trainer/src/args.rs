@@ -80,6 +80,7 @@ pub struct TrainingArguments {
     pub lr_scheduler_type: SchedulerType,
     /// Optimizer steps of linear warm-up (overrides `warmup_ratio` when above 0).
     #[arg(long, alias = "warmup_steps", default_value_t = 0)]
+    #[serde(deserialize_with = "whole_warmup_steps")]
     pub warmup_steps: usize,
     /// The share of all optimizer steps spent warming up, rounded up to whole steps.
     #[arg(long, alias = "warmup_ratio", default_value_t = 0.0)]
@@ -579,6 +580,29 @@ fn minus_one_or_steps<'de, D: Deserializer<'de>>(
             "max_steps is {n}; give a number of optimizer steps >= 1, or -1 for unset"
         ))),
     }
+}
+
+/// Reads `warmup_steps` as a whole number of steps. transformers 5 reads a fraction below 1 as a
+/// ratio of all steps; here that is `warmup_ratio`, and a fraction is refused with that fix
+/// rather than silently rounded.
+fn whole_warmup_steps<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<usize, D::Error> {
+    let steps = f64::deserialize(deserializer)?;
+    if steps.fract() != 0.0 || steps < 0.0 || !steps.is_finite() {
+        let fix = if (0.0..1.0).contains(&steps) {
+            format!(
+                "transformers 5 reads a fraction as a share of all steps; write \
+                 warmup_ratio: {steps} instead"
+            )
+        } else {
+            "give a whole number of optimizer steps >= 0".to_string()
+        };
+        return Err(serde::de::Error::custom(format!(
+            "warmup_steps is {steps}: {fix}"
+        )));
+    }
+    Ok(steps as usize)
 }
 
 /// (De)serializes a value through its `FromStr` and `Display` (the mixed-precision mode).
