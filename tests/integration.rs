@@ -26,6 +26,8 @@ mod distributed;
 mod gpt;
 // The `llama` model and example against Hugging Face transformers.
 mod llama;
+// The README's three levels of one job (plain candle, Accelerator loop) give the same parameters.
+mod levels;
 // The `lora` example: adapters over a frozen base, PEFT's files, N ranks against one process.
 mod lora;
 // Loops that leave a loader early: windows, gathers and resume positions stay those of the loop.
