@@ -23,7 +23,11 @@ fn single_process_reference() -> (f64, f64) {
     let loss = losses.iter().map(|&l| l as f64).sum::<f64>() / SAMPLES as f64;
     let predicted: Vec<u32> = logits.argmax(1).unwrap().to_vec1().unwrap();
     let labels: Vec<u32> = y.to_vec1().unwrap();
-    let hits = predicted.iter().zip(&labels).filter(|(p, l)| p == l).count();
+    let hits = predicted
+        .iter()
+        .zip(&labels)
+        .filter(|(p, l)| p == l)
+        .count();
     (loss, hits as f64 / SAMPLES as f64)
 }
 
