@@ -10,6 +10,15 @@ pub enum Error {
     /// An error of the runtime (collectives, checkpoints, trackers, data).
     #[error(transparent)]
     Accelerate(#[from] accelerate_core::Error),
+    /// A file or directory of the run (a checkpoint, `output_dir`) that could not be read or
+    /// changed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
     /// An error of a tensor operation (the model's forward pass, the loss).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,0 +1,140 @@
+//! [`TrainerCallback`]: hooks into the training loop, and [`EarlyStoppingCallback`].
+
+use crate::args::{IntervalStrategy, TrainingArguments};
+use crate::control::TrainerControl;
+use crate::error::{Error, Result};
+use crate::model::Metrics;
+use crate::state::TrainerState;
+
+/// Hooks the [`Trainer`](crate::Trainer) calls on every rank during training, as Hugging Face's
+/// `TrainerCallback`. Each gets the arguments, the state, and the [`TrainerControl`] through
+/// which it can ask the loop to stop, log, evaluate or save. Every hook does nothing by default.
+pub trait TrainerCallback {
+    /// Before the first step: refuse arguments the callback cannot work with.
+    fn on_train_begin(&mut self, _args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each optimizer step (`state.global_step` is the step just taken).
+    fn on_step_end(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+    ) {
+    }
+
+    /// After training metrics were logged (`logs`: `loss`, `learning_rate`, `grad_norm`,
+    /// `epoch`).
+    fn on_log(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+        _logs: &Metrics,
+    ) {
+    }
+
+    /// After an evaluation (`metrics`: `eval_loss`, `eval_<name>` of `compute_metrics`); the
+    /// state's best metric is still the one before this evaluation.
+    fn on_evaluate(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+        _metrics: &Metrics,
+    ) {
+    }
+
+    /// After a checkpoint was saved.
+    fn on_save(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+    ) {
+    }
+}
+
+/// Stops training when `metric_for_best_model` (default `eval_loss`) has not improved by more
+/// than `threshold` over the best value so far for `patience` evaluations in a row (Hugging
+/// Face's `EarlyStoppingCallback`, with `early_stopping_patience` and
+/// `early_stopping_threshold`). Needs an `eval_strategy`.
+#[derive(Debug, Clone)]
+pub struct EarlyStoppingCallback {
+    /// Evaluations without improvement that stop training.
+    pub patience: usize,
+    /// How much better than the best so far a metric must be to count as an improvement.
+    pub threshold: f64,
+    /// Evaluations without improvement so far.
+    evaluations_without_improvement: usize,
+}
+
+impl EarlyStoppingCallback {
+    /// Stops after `patience` evaluations that do not improve on the best by more than
+    /// `threshold`.
+    pub fn new(patience: usize, threshold: f64) -> Self {
+        Self {
+            patience,
+            threshold,
+            evaluations_without_improvement: 0,
+        }
+    }
+}
+
+impl TrainerCallback for EarlyStoppingCallback {
+    fn on_train_begin(&mut self, args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+        if args.eval_strategy == IntervalStrategy::No {
+            return Err(Error::Args(
+                "EarlyStoppingCallback watches evaluations, but eval_strategy is no; set \
+                 eval_strategy = steps or epoch"
+                    .into(),
+            ));
+        }
+        if self.patience == 0 {
+            return Err(Error::Args(
+                "EarlyStoppingCallback patience is 0, which would stop at the first evaluation; \
+                 give at least 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_evaluate(
+        &mut self,
+        args: &TrainingArguments,
+        state: &TrainerState,
+        control: &mut TrainerControl,
+        metrics: &Metrics,
+    ) {
+        let name = args.metric_for_best();
+        let Some(&value) = metrics.get(&name) else {
+            eprintln!(
+                "EarlyStoppingCallback: the evaluation has no {name} (it has {:?}); early \
+                 stopping is off for this evaluation",
+                metrics.keys().collect::<Vec<_>>()
+            );
+            return;
+        };
+        let improved = match state.best_metric {
+            None => true,
+            Some(best) => {
+                let better = if args.metric_greater_is_better() {
+                    value > best
+                } else {
+                    value < best
+                };
+                better && (value - best).abs() > self.threshold
+            }
+        };
+        if improved {
+            self.evaluations_without_improvement = 0;
+        } else {
+            self.evaluations_without_improvement += 1;
+        }
+        if self.evaluations_without_improvement >= self.patience {
+            control.should_training_stop = true;
+        }
+    }
+}
