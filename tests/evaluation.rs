@@ -12,7 +12,7 @@ use accelerate_core::data::Dataset;
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
 use accelerate_examples::{mlp, run};
 use accelerate_tests::{load_flat, named_vars, Job, JobOutput};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 
 const LIMIT: Duration = Duration::from_secs(240);
 

@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 
 /// Mixed into the seed of the split's permutation, so that it is not the permutation of the
 /// training loader's first epoch (which a loader seeded with the same seed draws).
-const SPLIT_SALT: u64 = 0x0E7A_15B1_17;
+const SPLIT_SALT: u64 = 0x000E_7A15_B117;
 
 /// The items of a dataset at `indices`, in that order: one side of a [`hold_out`] split.
 #[derive(Debug)]
