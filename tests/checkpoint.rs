@@ -79,7 +79,7 @@ fn stop_and_resume(n: usize, stop_at: u64) {
 fn stop_and_resume_with(n: usize, stop_at: u64, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let whole = dir.path().join("whole.safetensors");
-    train(n, &whole, &dir.path().join("unused"), extra);
+    let uninterrupted = train(n, &whole, &dir.path().join("unused"), extra);
 
     let ckpt = dir.path().join("ckpt");
     let stopped = dir.path().join("stopped.safetensors");
@@ -103,6 +103,17 @@ fn stop_and_resume_with(n: usize, stop_at: u64, extra: &[&str]) {
         bits(&whole),
         "{n} rank(s), stopped after step {stop_at}: resumed parameters differ"
     );
+    if extra.contains(&"--eval-steps") {
+        // The evaluation loader's restored position is an epoch's start: the resumed run's
+        // final evaluation covers the whole split, as the uninterrupted run's does.
+        let eval_loss = |o: &std::process::Output| {
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            out.split_whitespace()
+                .find_map(|w| w.strip_prefix("eval_loss=").map(str::to_string))
+                .unwrap_or_else(|| panic!("no eval_loss=:\n{}", output_text(o)))
+        };
+        assert_eq!(eval_loss(&o), eval_loss(&uninterrupted));
+    }
 }
 
 #[test]
