@@ -318,6 +318,30 @@ mod tests {
     }
 
     #[test]
+    fn logging_and_evaluation_flags_take_hugging_face_names_and_defaults() {
+        assert_eq!(parse(&[]).logging_steps(), 1);
+        assert_eq!(parse(&["--logging-steps", "4"]).logging_steps(), 4);
+        assert_eq!(parse(&["--log-every", "3"]).logging_steps(), 3);
+        assert_eq!(parse(&[]).eval_fraction(), 0.0);
+        assert_eq!(parse(&["--eval-steps", "5"]).eval_fraction(), 0.1);
+        assert_eq!(
+            parse(&["--eval-steps", "5", "--eval-fraction", "0.25"]).eval_fraction(),
+            0.25
+        );
+        assert_eq!(parse(&["--eval-fraction", "0.2"]).eval_fraction(), 0.2);
+        let every = parse(&["--eval-steps", "5"]);
+        assert!(every.eval_due(10) && !every.eval_due(7));
+        assert!(!parse(&[]).eval_due(10));
+        assert!(parse(&[]).trackers().is_empty());
+        assert_eq!(
+            parse(&["--report-to", "csv,jsonl"]).trackers(),
+            [TrackerKind::Csv, TrackerKind::Jsonl]
+        );
+        assert_eq!(parse(&["--report-to", "all"]).trackers(), TrackerKind::ALL);
+        assert!(parse(&["--report-to", "none"]).trackers().is_empty());
+    }
+
+    #[test]
     fn max_steps_stops_at_the_limit_and_not_before() {
         let run = parse(&["--max-steps", "5"]);
         assert!(!run.reached_max_steps(4));
