@@ -22,6 +22,8 @@ mod checkpoint;
 mod conformance;
 // The launcher and its workers: N ranks against one process, collectives, failures.
 mod distributed;
+// The examples' held-out evaluation against a single-process one, their trackers and flags.
+mod evaluation;
 // The `gpt` example end to end.
 mod gpt;
 // The `llama` model and example against Hugging Face transformers.
