@@ -23,9 +23,9 @@ use clap::Parser;
 
 /// Train a small GPT on a text, one character per token (Shakespeare's sonnets unless --text).
 ///
-/// The evaluation split (--eval-fraction, --eval-steps) holds out windows of the text (windows
-/// overlap by half, so a held-out window shares text with its neighbours); its loss is the mean
-/// cross-entropy over all target tokens of the held-out windows.
+/// The evaluation split (--eval-fraction, --eval-steps) holds out windows of the text; windows
+/// overlap by half, so the training windows that share text with a held-out one are left out
+/// too. Its loss is the mean cross-entropy over all target tokens of the held-out windows.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -161,12 +161,28 @@ fn run(args: &Args) -> Result<()> {
         .encode(&text)
         .expect("the vocabulary holds every character");
     let entropy = gpt::unigram_entropy(&tokens);
-    let (dataset, eval_split) = run::hold_out(
+    let (mut dataset, eval_split) = run::hold_out(
         TextWindows::tiled(tokens, args.context, args.seed)?,
         args.run.eval_fraction(),
         args.seed,
         "windows",
     )?;
+    // Windows overlap by half: a training window that shares text with a held-out one would
+    // let the evaluation score text the model was trained on.
+    let mut left_out = 0;
+    if let Some(eval) = &eval_split {
+        let windows = dataset.dataset().clone();
+        let overlapping = windows.overlapping(dataset.indices(), eval.indices());
+        left_out = overlapping.len();
+        dataset.retain(|i| overlapping.binary_search(i).is_err());
+        if dataset.len() == 0 {
+            bail!(
+                "--eval-fraction {} holds out windows that overlap every other window, leaving \
+                 none to train on: lower --eval-fraction, or give a longer --text",
+                args.run.eval_fraction()
+            );
+        }
+    }
 
     let mut acc = args.run.accelerator(args.seed)?;
     let device = acc.device().clone();
@@ -190,7 +206,7 @@ fn run(args: &Args) -> Result<()> {
         args.context.div_ceil(2),
         args.context,
         eval_split.as_ref().map_or(String::new(), |e| format!(
-            " to train on, {} held out",
+            " to train on, {} held out, {left_out} left out for sharing text with held-out ones",
             e.len()
         ))
     ));

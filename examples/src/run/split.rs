@@ -27,6 +27,11 @@ impl<D> Subset<D> {
     pub fn dataset(&self) -> &Arc<D> {
         &self.dataset
     }
+
+    /// Keeps only the items whose index in the whole dataset passes `keep`.
+    pub fn retain(&mut self, keep: impl FnMut(&usize) -> bool) {
+        self.indices.retain(keep);
+    }
 }
 
 impl<D: Dataset> Dataset for Subset<D> {
