@@ -125,7 +125,7 @@ impl TextWindows {
             .filter(|&i| {
                 let (start, len) = self.windows[i];
                 let end = start + len + 1;
-                let first = held.partition_point(|h| h.0 + self.context + 1 <= start);
+                let first = held.partition_point(|h| h.0 + self.context < start);
                 held[first..]
                     .iter()
                     .take_while(|h| h.0 < end)
