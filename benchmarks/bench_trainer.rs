@@ -212,6 +212,12 @@ fn child(args: &Args, batch: usize) -> Result<()> {
         ..TrainingArguments::default()
     };
     let mut trainer = Trainer::new(training)?;
+    if !trainer.device().is_cpu() {
+        bail!(
+            "bench_trainer measures host memory (peak RSS), which says nothing of a GPU's; run \
+             the CPU build (without --features cuda)"
+        );
+    }
     let config = GptConfig {
         vocab: vocab.len(),
         context: args.context,

@@ -58,9 +58,23 @@ fn main() -> Result<()> {
         Some(path) => TrainingArguments::from_file(path)?,
         None => cli.training,
     };
+    if !(cli.eval_fraction > 0.0 && cli.eval_fraction < 1.0) {
+        anyhow::bail!(
+            "--eval-fraction {} must be in (0, 1): the share of the samples held out for \
+             evaluation",
+            cli.eval_fraction
+        );
+    }
     let (x, y) = mlp::synthetic_data(cli.samples, args.seed)?;
     let held_out = ((cli.samples as f64 * cli.eval_fraction).round() as usize).max(1);
-    let kept = cli.samples - held_out;
+    let kept = cli.samples.saturating_sub(held_out);
+    if kept == 0 {
+        anyhow::bail!(
+            "--samples {} with --eval-fraction {} leaves nothing to train on; give more samples",
+            cli.samples,
+            cli.eval_fraction
+        );
+    }
     let train = TensorDataset::new(x.narrow(0, 0, kept)?, y.narrow(0, 0, kept)?)?;
     let eval = TensorDataset::new(x.narrow(0, kept, held_out)?, y.narrow(0, kept, held_out)?)?;
 

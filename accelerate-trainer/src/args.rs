@@ -124,10 +124,11 @@ pub struct TrainingArguments {
     /// Seed of the initial weights, the shuffle and every rank's random numbers.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Forward and backward in `no`, `bf16` or `fp16` with f32 master weights.
-    #[arg(long, alias = "mixed_precision", default_value_t = MixedPrecision::No)]
-    #[serde(with = "from_str_and_display")]
-    pub mixed_precision: MixedPrecision,
+    /// Forward and backward in `no`, `bf16` or `fp16` with f32 master weights (default:
+    /// `$ACCELERATE_MIXED_PRECISION`, which `accelerate-launch --mixed-precision` sets, else no).
+    #[arg(long, alias = "mixed_precision", value_name = "MODE")]
+    #[serde(with = "optional_from_str_and_display")]
+    pub mixed_precision: Option<MixedPrecision>,
     /// Trackers to log to: comma-separated `tensorboard`, `csv`, `jsonl`, or `all` or `none`.
     #[arg(long, alias = "report_to", default_value_t = ReportTo::default())]
     pub report_to: ReportTo,
@@ -171,7 +172,7 @@ impl Default for TrainingArguments {
             metric_for_best_model: None,
             greater_is_better: None,
             seed: 42,
-            mixed_precision: MixedPrecision::No,
+            mixed_precision: None,
             report_to: ReportTo::default(),
             logging_dir: None,
             resume_from_checkpoint: None,
@@ -605,28 +606,32 @@ fn whole_warmup_steps<'de, D: Deserializer<'de>>(
     Ok(steps as usize)
 }
 
-/// (De)serializes a value through its `FromStr` and `Display` (the mixed-precision mode).
-mod from_str_and_display {
+/// (De)serializes an optional value through its `FromStr` and `Display` (the mixed-precision
+/// mode): a string, or null for unset.
+mod optional_from_str_and_display {
     use std::fmt::Display;
     use std::str::FromStr;
 
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<T: Display, S: Serializer>(
-        value: &T,
+        value: &Option<T>,
         serializer: S,
     ) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(value)
+        match value {
+            Some(value) => serializer.collect_str(value),
+            None => serializer.serialize_none(),
+        }
     }
 
-    pub fn deserialize<'de, T, D>(deserializer: D) -> Result<T, D::Error>
+    pub fn deserialize<'de, T, D>(deserializer: D) -> Result<Option<T>, D::Error>
     where
         T: FromStr,
         T::Err: Display,
         D: Deserializer<'de>,
     {
-        String::deserialize(deserializer)?
-            .parse()
-            .map_err(serde::de::Error::custom)
+        Option::<String>::deserialize(deserializer)?
+            .map(|s| s.parse().map_err(serde::de::Error::custom))
+            .transpose()
     }
 }

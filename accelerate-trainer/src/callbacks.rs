@@ -9,6 +9,11 @@ use crate::state::TrainerState;
 /// Hooks the [`Trainer`](crate::Trainer) calls on every rank during training, as Hugging Face's
 /// `TrainerCallback`. Each gets the arguments, the state, and the [`TrainerControl`] through
 /// which it can ask the loop to stop, log, evaluate or save. Every hook does nothing by default.
+///
+/// A request made on any rank holds on all of them (the Trainer agrees on the requests across
+/// ranks before acting), so a callback may decide from something only its own process sees;
+/// side effects (printing, writing a file) belong on the rank where
+/// [`TrainerState::is_world_process_zero`] is true.
 pub trait TrainerCallback {
     /// Before the first step: refuse arguments the callback cannot work with.
     fn on_train_begin(&mut self, _args: &TrainingArguments, _state: &TrainerState) -> Result<()> {

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::state::TRAINER_STATE_NAME;
 
 /// Prefix of a checkpoint directory, as Hugging Face's `PREFIX_CHECKPOINT_DIR`.
 pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
@@ -38,9 +39,15 @@ pub fn list(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
-/// The newest checkpoint in `output_dir`, if any.
+/// The newest complete checkpoint in `output_dir`, if any: one with its `trainer_state.json`,
+/// which is written after the accelerator's state, so a run stopped between the two resumes from
+/// the checkpoint before (the incomplete one is replaced when that step is saved again).
 pub fn latest(output_dir: &Path) -> Result<Option<PathBuf>> {
-    Ok(list(output_dir)?.pop().map(|(_, path)| path))
+    Ok(list(output_dir)?
+        .into_iter()
+        .rev()
+        .map(|(_, path)| path)
+        .find(|path| path.join(TRAINER_STATE_NAME).is_file()))
 }
 
 /// Deletes the oldest checkpoints until at most `limit` remain, never `best` (which then counts

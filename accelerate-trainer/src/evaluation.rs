@@ -4,7 +4,7 @@
 
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::Accelerator;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::model::{ComputeMetrics, EvalPrediction, Metrics, TrainerModel};
@@ -39,17 +39,29 @@ where
                 out.losses.dims()
             )));
         }
-        let losses = acc.gather_for_metrics(&out.losses.to_dtype(DType::F32)?)?;
+        // Detached: on one process a gather is a copy that would keep every batch's forward
+        // graph (its activations) alive until the end of the pass.
+        let losses = acc.gather_for_metrics(&out.losses.detach().to_dtype(DType::F32)?)?;
         loss_sum += sum_f64(&losses)?;
         items += match &out.items {
-            Some(counts) => sum_f64(&acc.gather_for_metrics(&counts.to_dtype(DType::F32)?)?)?,
+            Some(counts) => {
+                sum_f64(&acc.gather_for_metrics(&counts.detach().to_dtype(DType::F32)?)?)?
+            }
             None => losses.dim(0)? as f64,
         };
         if wants_predictions {
             match (&out.logits, &out.labels) {
                 (Some(p), Some(l)) => {
-                    predictions.push(acc.gather_for_metrics(p)?);
-                    labels.push(acc.gather_for_metrics(l)?);
+                    // Kept on the host until compute_metrics: the whole set's predictions need
+                    // not fit on the device beside the model.
+                    predictions.push(
+                        acc.gather_for_metrics(&p.detach())?
+                            .to_device(&Device::Cpu)?,
+                    );
+                    labels.push(
+                        acc.gather_for_metrics(&l.detach())?
+                            .to_device(&Device::Cpu)?,
+                    );
                 }
                 _ => {
                     return Err(Error::Args(
@@ -71,8 +83,8 @@ where
     metrics.insert("eval_loss".into(), loss_sum / items);
     if let Some(compute) = compute_metrics {
         let prediction = EvalPrediction {
-            predictions: Tensor::cat(&predictions, 0)?,
-            label_ids: Tensor::cat(&labels, 0)?,
+            predictions: cat_batches(&predictions, "logits")?,
+            label_ids: cat_batches(&labels, "labels")?,
         };
         for (name, value) in compute(&prediction)? {
             let name = if name.starts_with("eval_") {
@@ -84,6 +96,23 @@ where
         }
     }
     Ok(metrics)
+}
+
+/// The batches' gathered tensors as one, refusing batches whose shapes differ past the first
+/// dimension (sequences of several lengths) with the fix.
+fn cat_batches(batches: &[Tensor], what: &str) -> Result<Tensor> {
+    if let Some(first) = batches.first() {
+        if let Some(other) = batches.iter().find(|b| b.dims()[1..] != first.dims()[1..]) {
+            return Err(Error::Args(format!(
+                "compute_metrics: the model's {what} have shape {:?} in one evaluation batch and \
+                 {:?} in another; pad them to one length in the model's forward (e.g. the \
+                 dataset's longest sequence), so the evaluation set's {what} stack",
+                first.dims(),
+                other.dims()
+            )));
+        }
+    }
+    Ok(Tensor::cat(batches, 0)?)
 }
 
 fn sum_f64(t: &Tensor) -> Result<f64> {

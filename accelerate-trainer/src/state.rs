@@ -39,7 +39,8 @@ pub struct TrainerState {
     pub best_global_step: Option<u64>,
     /// The checkpoint saved at that step, if one was.
     pub best_model_checkpoint: Option<PathBuf>,
-    /// Always true: the file is written by the main process.
+    /// Whether this process is the main one (the one that writes the file, so true there):
+    /// callbacks gate side effects on it.
     pub is_world_process_zero: bool,
 }
 

@@ -9,7 +9,7 @@ use accelerate_core::{
     Accelerator, AcceleratorBuilder, PreparedOptimizer, PreparedScheduler, TRAIN_GRAD_NORM,
     TRAIN_LEARNING_RATE, TRAIN_LOSS,
 };
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::args::{IntervalStrategy, ResumeFrom, SaveStrategy, TrainingArguments};
@@ -81,9 +81,13 @@ impl Trainer {
             .unwrap_or_else(|| args.output_dir.join("runs").join(run_name()));
         let mut builder = builder
             .gradient_accumulation_steps(args.gradient_accumulation_steps)
-            .mixed_precision(args.mixed_precision)
             .seed(args.seed)
             .report_to(args.report_to.0.iter().copied());
+        // Unset, the builder's default applies: $ACCELERATE_MIXED_PRECISION, which
+        // `accelerate-launch --mixed-precision` sets.
+        if let Some(mode) = args.mixed_precision {
+            builder = builder.mixed_precision(mode);
+        }
         if !args.report_to.0.is_empty() {
             builder = builder.logging_dir(logging_dir);
         }
@@ -172,12 +176,14 @@ impl Trainer {
             eval_steps: args.eval_interval(),
             save_steps: args.save_steps,
             train_batch_size: args.per_device_train_batch_size,
-            is_world_process_zero: true,
+            is_world_process_zero: self.acc.is_main_process(),
             ..TrainerState::default()
         };
         if let Some(dir) = &resume {
-            self.acc.load_state(dir)?;
+            // Read first: a directory without the Trainer's state is refused before anything
+            // is loaded.
             let saved = TrainerState::read(dir)?;
+            self.acc.load_state(dir)?;
             self.state.global_step = saved.global_step;
             self.state.epoch = saved.epoch;
             self.state.log_history = saved.log_history;
@@ -198,7 +204,11 @@ impl Trainer {
         let (training_loss, mut metrics) = output?;
         if let Some(eval_loader) = run.eval.as_mut() {
             if self.last_evaluated_step() != Some(self.state.global_step) {
-                metrics = self.evaluate_now(model, eval_loader, &mut progress)?.0;
+                // No checkpoint is saved at this step, so it cannot become the best one: the
+                // best is chosen among saved checkpoints, as in Hugging Face's Trainer.
+                metrics = self
+                    .evaluate_now(model, eval_loader, &mut progress, false)?
+                    .0;
             }
         }
         if args.load_best_model_at_end {
@@ -234,7 +244,9 @@ impl Trainer {
             self.args.per_device_eval_batch_size,
         ))?;
         let mut progress = Progress::new(0, 0, false);
-        Ok(self.evaluate_now(model, &mut loader, &mut progress)?.0)
+        Ok(self
+            .evaluate_now(model, &mut loader, &mut progress, false)?
+            .0)
     }
 
     /// The checkpoint `resume_from_checkpoint` names, if any; refuses to start over in an
@@ -343,9 +355,11 @@ impl Trainer {
         let args = self.args.clone();
         let k = args.gradient_accumulation_steps;
         let mut metrics = Metrics::new();
-        // This rank's share of the loss of the current window, of the steps since the last log,
-        // and of every step of this call (each a mean over ranks once reduced).
-        let (mut window_loss, mut logged_loss, mut run_loss) = (0f64, 0f64, 0f64);
+        // This rank's share of the loss of the steps since the last log, summed on the device
+        // and read at a log only (a read waits for the device), and of every step of this call
+        // (each a mean over ranks once reduced).
+        let mut logged_loss: Option<Tensor> = None;
+        let mut run_loss = 0f64;
         let (mut logged_steps, mut run_steps) = (0u64, 0u64);
         let mut grad_norm = None;
         let mut stop = self.state.global_step >= total;
@@ -372,12 +386,18 @@ impl Trainer {
                             out.losses.dims()
                         )));
                     }
+                    // In f32 whatever the model's dtype (a bf16 mean would round the loss).
+                    let losses = out.losses.to_dtype(DType::F32)?;
                     let loss = match items {
-                        Some(_) => out.losses.sum_all()?,
-                        None => out.losses.mean_all()?,
+                        Some(_) => losses.sum_all()?,
+                        None => losses.mean_all()?,
                     };
                     self.acc.backward(&loss)?;
-                    window_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * step.loss_scale;
+                    let scaled = (loss.detach().to_dtype(DType::F64)? * step.loss_scale)?;
+                    logged_loss = Some(match logged_loss.take() {
+                        None => scaled,
+                        Some(sum) => (sum + scaled)?,
+                    });
                     if step.sync && args.max_grad_norm > 0.0 {
                         grad_norm = self.acc.clip_grad_norm(args.max_grad_norm)?;
                     }
@@ -389,22 +409,23 @@ impl Trainer {
                     }
                     self.state.global_step += 1;
                     self.state.epoch = self.state.global_step as f64 / steps_per_epoch as f64;
-                    logged_loss += window_loss;
-                    run_loss += window_loss;
                     logged_steps += 1;
                     run_steps += 1;
-                    window_loss = 0.0;
                     progress.step();
                     let step_now = self.state.global_step;
                     let mut control = TrainerControl::default();
                     for callback in &mut self.callbacks {
                         callback.on_step_end(&args, &self.state, &mut control);
                     }
+                    self.agree_control(&mut control)?;
                     if step_now % args.logging_steps == 0 || control.should_log {
-                        let loss = self.mean_over_ranks(logged_loss)? / logged_steps as f64;
+                        let local = read_sum(logged_loss.take())?;
+                        run_loss += local;
+                        let loss = self.mean_over_ranks(local)? / logged_steps as f64;
                         self.log_train(loss, run.sched.last_lr(), grad_norm, &mut control)?;
                         progress.train_loss(loss);
-                        (logged_loss, logged_steps) = (0.0, 0);
+                        logged_steps = 0;
+                        self.agree_control(&mut control)?;
                     }
                     evaluated_this_step = false;
                     let mut new_best = false;
@@ -412,10 +433,11 @@ impl Trainer {
                         && step_now % args.eval_interval() == 0)
                         || control.should_evaluate;
                     if let (true, Some(eval_loader)) = (evaluate_now, run.eval.as_mut()) {
-                        let (m, best, c) = self.evaluate_now(model, eval_loader, progress)?;
+                        let (m, best, c) = self.evaluate_now(model, eval_loader, progress, true)?;
                         (metrics, new_best, evaluated_this_step) = (m, best, true);
                         control.should_training_stop |= c.should_training_stop;
                         control.should_save |= c.should_save;
+                        self.agree_control(&mut control)?;
                     }
                     let save_now = match args.save_strategy {
                         SaveStrategy::Steps => step_now % args.save_steps == 0,
@@ -424,6 +446,7 @@ impl Trainer {
                     } || control.should_save;
                     if save_now {
                         self.save_checkpoint(&mut control)?;
+                        self.agree_control(&mut control)?;
                     }
                     if control.should_training_stop || step_now >= total {
                         stop = true;
@@ -440,9 +463,10 @@ impl Trainer {
                 let mut new_best = false;
                 if args.eval_strategy == IntervalStrategy::Epoch && !evaluated_this_step {
                     if let Some(eval_loader) = run.eval.as_mut() {
-                        let (m, best, c) = self.evaluate_now(model, eval_loader, progress)?;
+                        let (m, best, c) = self.evaluate_now(model, eval_loader, progress, true)?;
                         (metrics, new_best) = (m, best);
                         control = c;
+                        self.agree_control(&mut control)?;
                     }
                 }
                 let save_now = match args.save_strategy {
@@ -454,15 +478,40 @@ impl Trainer {
                     checkpoints::checkpoint_path(&args.output_dir, self.state.global_step).is_dir();
                 if save_now && !already_saved {
                     self.save_checkpoint(&mut control)?;
+                    self.agree_control(&mut control)?;
                 }
                 stop |= control.should_training_stop || self.state.global_step >= total;
             }
         }
+        run_loss += read_sum(logged_loss.take())?;
         let training_loss = match run_steps {
             0 => f64::NAN,
             n => self.mean_over_ranks(run_loss)? / n as f64,
         };
         Ok((training_loss, metrics))
+    }
+
+    /// Makes the callbacks' requests the same on every rank (a request of any rank holds for
+    /// all): a callback deciding by something of its own process (the wall clock, a file) would
+    /// otherwise send some ranks into an evaluation's gathers or a save that the others never
+    /// join. A collective, only when there are callbacks and several ranks.
+    fn agree_control(&self, control: &mut TrainerControl) -> Result<()> {
+        if self.callbacks.is_empty() || self.acc.num_processes() == 1 {
+            return Ok(());
+        }
+        let local = [
+            control.should_log,
+            control.should_evaluate,
+            control.should_save,
+            control.should_training_stop,
+        ];
+        for [log, evaluate, save, stop] in self.acc.gather_object(&local)? {
+            control.should_log |= log;
+            control.should_evaluate |= evaluate;
+            control.should_save |= save;
+            control.should_training_stop |= stop;
+        }
+        Ok(())
     }
 
     /// The mean of a per-rank value over all ranks.
@@ -505,13 +554,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Evaluates at the current step: logs the metrics, runs the callbacks, and updates the best
-    /// metric. Returns the metrics, whether they are a new best, and the callbacks' requests.
+    /// Evaluates at the current step: logs the metrics, runs the callbacks, and, with
+    /// `rank_best`, updates the best metric. Returns the metrics, whether they are a new best,
+    /// and the callbacks' requests.
     fn evaluate_now<D, M>(
         &mut self,
         model: &M,
         loader: &mut DataLoader<D>,
         progress: &mut Progress,
+        rank_best: bool,
     ) -> Result<(Metrics, bool, TrainerControl)>
     where
         D: Dataset,
@@ -536,7 +587,7 @@ impl Trainer {
         for callback in &mut self.callbacks {
             callback.on_evaluate(&self.args, &self.state, &mut control, &metrics);
         }
-        let new_best = self.track_best(&metrics)?;
+        let new_best = rank_best && self.track_best(&metrics)?;
         Ok((metrics, new_best, control))
     }
 
@@ -570,14 +621,15 @@ impl Trainer {
         Ok(better)
     }
 
-    /// Saves `output_dir/checkpoint-<step>`: the accelerator's state, `model.safetensors` and
-    /// `trainer_state.json`; then rotates under `save_total_limit`.
+    /// Saves `output_dir/checkpoint-<step>`: the accelerator's state (with `model.safetensors`)
+    /// and `trainer_state.json`; then rotates under `save_total_limit`.
     fn save_checkpoint(&mut self, control: &mut TrainerControl) -> Result<()> {
         let output_dir = self.args.output_dir.clone();
         let step = self.state.global_step;
         let dir = checkpoints::checkpoint_path(&output_dir, step);
+        // save_state writes model.safetensors (listed in its manifest; a second, sharded
+        // save_model of a large model would delete it and break the checkpoint).
         self.acc.save_state(&dir)?;
-        self.acc.save_model(&dir)?;
         if self.state.best_global_step == Some(step) {
             self.state.best_model_checkpoint = Some(dir.clone());
         }
@@ -585,12 +637,10 @@ impl Trainer {
             self.state
                 .write(&dir)
                 .and_then(|()| match self.args.save_total_limit {
-                    Some(limit) => checkpoints::rotate(
-                        &output_dir,
-                        limit,
-                        self.state.best_model_checkpoint.as_deref(),
-                    )
-                    .map(|_| ()),
+                    Some(limit) => {
+                        checkpoints::rotate(&output_dir, limit, self.best_checkpoint().as_deref())
+                            .map(|_| ())
+                    }
                     None => Ok(()),
                 })
         } else {
@@ -607,9 +657,20 @@ impl Trainer {
         Ok(())
     }
 
+    /// The best checkpoint's directory in this run's `output_dir`: found by its name, since a
+    /// resumed run may spell `output_dir` differently (relative, absolute, moved) from the run
+    /// that recorded it.
+    fn best_checkpoint(&self) -> Option<PathBuf> {
+        let recorded = self.state.best_model_checkpoint.as_ref()?;
+        Some(match recorded.file_name() {
+            Some(name) => self.args.output_dir.join(name),
+            None => recorded.clone(),
+        })
+    }
+
     /// Loads the weights of the best checkpoint into the parameters.
     fn load_best(&mut self, params: &[(String, Var)]) -> Result<()> {
-        let Some(dir) = self.state.best_model_checkpoint.clone() else {
+        let Some(dir) = self.best_checkpoint() else {
             self.acc.print(
                 "load_best_model_at_end: no checkpoint holds the best evaluation; keeping the \
                  last weights",
@@ -655,6 +716,14 @@ impl Trainer {
     }
 }
 
+/// The value of a sum kept on the device (0 for none).
+fn read_sum(sum: Option<Tensor>) -> Result<f64> {
+    Ok(match sum {
+        Some(sum) => sum.to_scalar::<f64>()?,
+        None => 0.0,
+    })
+}
+
 /// `<unix seconds>_<host>`: a fresh directory name per run under `output_dir/runs`, as Hugging
 /// Face's `<time>_<host>`.
 fn run_name() -> String {
@@ -662,6 +731,12 @@ fn run_name() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
+    // $HOSTNAME is a shell variable that bash does not export; the kernel's name is there.
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into());
     format!("{seconds}_{host}")
 }

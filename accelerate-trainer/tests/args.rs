@@ -242,7 +242,7 @@ fn flags_take_kebab_case_and_hugging_faces_underscores() {
     assert!(args.load_best_model_at_end);
     assert_eq!(args.greater_is_better, Some(true));
     assert_eq!(args.max_steps, Some(40));
-    assert_eq!(args.mixed_precision, MixedPrecision::Bf16);
+    assert_eq!(args.mixed_precision, Some(MixedPrecision::Bf16));
     assert_eq!(
         args.report_to,
         ReportTo(vec![TrackerKind::TensorBoard, TrackerKind::Csv])
@@ -312,7 +312,7 @@ fn yaml_files_read_like_json_files() {
         lr_scheduler_type: SchedulerType::Cosine,
         eval_strategy: IntervalStrategy::Epoch,
         report_to: ReportTo(TrackerKind::ALL.to_vec()),
-        mixed_precision: MixedPrecision::Fp16,
+        mixed_precision: Some(MixedPrecision::Fp16),
         resume_from_checkpoint: Some(ResumeFrom::Latest),
         ..Default::default()
     };
