@@ -16,7 +16,7 @@ fn mixed_precision_left_unset_follows_accelerate_launch() {
     };
     let unset = Trainer::new(args.clone()).unwrap().compute_dtype();
     let set = Trainer::new(TrainingArguments {
-        mixed_precision: MixedPrecision::No,
+        mixed_precision: Some(MixedPrecision::No),
         ..args
     })
     .unwrap()
