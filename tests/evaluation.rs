@@ -33,7 +33,12 @@ fn field(o: &JobOutput, prefix: &str, key: &str) -> f64 {
 /// Mean cross-entropy per sample and the number classified right, of the `mlp` with the weights
 /// at `weights` on the samples `indices` of its synthetic data: plain f64 arithmetic over every
 /// sample at once, no loader and no collective.
-fn mlp_reference(weights: &Path, samples: usize, seed: u64, indices: &[usize]) -> (f64, usize) {
+pub(crate) fn mlp_reference(
+    weights: &Path,
+    samples: usize,
+    seed: u64,
+    indices: &[usize],
+) -> (f64, usize) {
     let w = load_flat(weights);
     let (x, y) = mlp::synthetic_data(samples, seed).unwrap();
     let x = x.to_vec2::<f32>().unwrap();

@@ -42,6 +42,8 @@ mod overlap;
 mod several_models;
 // Streaming data (JSONL shards) against a single-process reading of the stream.
 mod streaming;
+// The `trainer` example under the launcher: its eval loss, checkpoints, YAML arguments, resume.
+mod trainer;
 // Trackers under the launcher: only the main process writes.
 mod tracking;
 // A user's own optimizer through `prepare()`, against hand-computed window means.

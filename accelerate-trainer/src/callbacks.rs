@@ -65,6 +65,10 @@ pub trait TrainerCallback {
 /// than `threshold` over the best value so far for `patience` evaluations in a row (Hugging
 /// Face's `EarlyStoppingCallback`, with `early_stopping_patience` and
 /// `early_stopping_threshold`). Needs an `eval_strategy`.
+///
+/// A resumed run recounts the evaluations without improvement from the log history it restores
+/// (Hugging Face keeps the count in `trainer_state.json`), so it stops at the step where the
+/// uninterrupted run stops.
 #[derive(Debug, Clone)]
 pub struct EarlyStoppingCallback {
     /// Evaluations without improvement that stop training.
@@ -73,6 +77,9 @@ pub struct EarlyStoppingCallback {
     pub threshold: f64,
     /// Evaluations without improvement so far.
     evaluations_without_improvement: usize,
+    /// The best metric so far (the Trainer's `best_metric` when it tracks one; kept here too so
+    /// that the callback works when it does not).
+    best: Option<f64>,
 }
 
 impl EarlyStoppingCallback {
@@ -83,12 +90,33 @@ impl EarlyStoppingCallback {
             patience,
             threshold,
             evaluations_without_improvement: 0,
+            best: None,
+        }
+    }
+
+    /// Counts one evaluation whose metric is `value`.
+    fn observe(&mut self, value: f64, greater_is_better: bool) {
+        let better = |best: f64| match greater_is_better {
+            true => value > best,
+            false => value < best,
+        };
+        let improved = match self.best {
+            None => true,
+            Some(best) => better(best) && (value - best).abs() > self.threshold,
+        };
+        if improved {
+            self.evaluations_without_improvement = 0;
+        } else {
+            self.evaluations_without_improvement += 1;
+        }
+        if self.best.is_none_or(better) {
+            self.best = Some(value);
         }
     }
 }
 
 impl TrainerCallback for EarlyStoppingCallback {
-    fn on_train_begin(&mut self, args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+    fn on_train_begin(&mut self, args: &TrainingArguments, state: &TrainerState) -> Result<()> {
         if args.eval_strategy == IntervalStrategy::No {
             return Err(Error::Args(
                 "EarlyStoppingCallback watches evaluations, but eval_strategy is no; set \
@@ -103,13 +131,21 @@ impl TrainerCallback for EarlyStoppingCallback {
                     .into(),
             ));
         }
+        // On resume, the evaluations before the checkpoint, in order, as they were counted.
+        let name = args.metric_for_best();
+        *self = Self::new(self.patience, self.threshold);
+        for record in &state.log_history {
+            if let Some(&value) = record.get(&name) {
+                self.observe(value, args.metric_greater_is_better());
+            }
+        }
         Ok(())
     }
 
     fn on_evaluate(
         &mut self,
         args: &TrainingArguments,
-        state: &TrainerState,
+        _state: &TrainerState,
         control: &mut TrainerControl,
         metrics: &Metrics,
     ) {
@@ -122,22 +158,7 @@ impl TrainerCallback for EarlyStoppingCallback {
             );
             return;
         };
-        let improved = match state.best_metric {
-            None => true,
-            Some(best) => {
-                let better = if args.metric_greater_is_better() {
-                    value > best
-                } else {
-                    value < best
-                };
-                better && (value - best).abs() > self.threshold
-            }
-        };
-        if improved {
-            self.evaluations_without_improvement = 0;
-        } else {
-            self.evaluations_without_improvement += 1;
-        }
+        self.observe(value, args.metric_greater_is_better());
         if self.evaluations_without_improvement >= self.patience {
             control.should_training_stop = true;
         }

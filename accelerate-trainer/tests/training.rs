@@ -5,6 +5,8 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
 use accelerate_core::optim::{split_decay, AdamW, AdamWConfig, LrScheduler, ParamGroup, Schedule};
@@ -419,4 +421,96 @@ fn bad_arguments_and_inputs_are_refused_naming_the_fix() {
         false,
     );
     assert!(e.contains("per_device_train_batch_size"), "{e}");
+}
+
+/// Publishes the step just taken, for a `compute_metrics` that scores by step.
+struct StepProbe(Arc<AtomicU64>);
+
+impl TrainerCallback for StepProbe {
+    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, _: &mut TrainerControl) {
+        self.0.store(s.global_step, Ordering::SeqCst);
+    }
+}
+
+/// A run with an evaluation and a checkpoint every step, a `score` (lower is better) scripted by
+/// step, early stopping with patience 3; `stop_at` stops it early as a kill would. Returns the
+/// step it ended at.
+fn early_stopped_run(args: &TrainingArguments, stop_at: Option<u64>) -> u64 {
+    // Step 2 is the best; 3, 4 and 5 do not improve on it: the third of them stops training.
+    let scores = [
+        f64::NAN,
+        1.0,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        0.95,
+        0.97,
+        0.98,
+        0.99,
+    ];
+    let step = Arc::new(AtomicU64::new(0));
+    let (varmap, model) = tiny(SEED);
+    let mut trainer = Trainer::new(args.clone()).unwrap();
+    let scored = step.clone();
+    trainer.compute_metrics(move |_| {
+        let score = scores[scored.load(Ordering::SeqCst) as usize];
+        Ok(Metrics::from([("score".to_string(), score)]))
+    });
+    trainer.add_callback(StepProbe(step));
+    trainer.add_callback(EarlyStoppingCallback::new(3, 0.0));
+    if let Some(step) = stop_at {
+        trainer.add_callback(StopAt(step));
+    }
+    trainer
+        .train(&model, &varmap, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap()
+        .global_step
+}
+
+#[test]
+fn early_stopping_counts_the_evaluations_before_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |name: &str| TrainingArguments {
+        max_steps: Some(10),
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1),
+        save_steps: 1,
+        metric_for_best_model: Some("score".into()),
+        greater_is_better: Some(false),
+        ..equivalence_args(&dir.path().join(name))
+    };
+    assert_eq!(early_stopped_run(&args("whole"), None), 5);
+    // Stopped after step 4: two evaluations without improvement so far, in the checkpoint's log
+    // history; the resumed run's first evaluation (step 5) is the third.
+    assert_eq!(early_stopped_run(&args("parts"), Some(4)), 4);
+    let resumed = TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Latest),
+        ..args("parts")
+    };
+    assert_eq!(early_stopped_run(&resumed, None), 5);
+}
+
+#[test]
+fn early_stopping_watches_eval_loss_without_metric_for_best_model() {
+    let dir = tempfile::tempdir().unwrap();
+    // A learning rate too small to move an f32 weight: every evaluation gives the same loss, so
+    // the first one is the best and the next two stop training.
+    let args = TrainingArguments {
+        max_steps: Some(10),
+        learning_rate: 1e-30,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1),
+        save_strategy: SaveStrategy::No,
+        ..equivalence_args(&dir.path().join("out"))
+    };
+    assert_eq!(args.metric_for_best_model, None);
+    let (varmap, model) = tiny(SEED);
+    let mut trainer = Trainer::new(args).unwrap();
+    trainer.add_callback(EarlyStoppingCallback::new(2, 0.0));
+    let out = trainer
+        .train(&model, &varmap, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    assert_eq!(out.global_step, 3);
 }
