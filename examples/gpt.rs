@@ -14,12 +14,18 @@ use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler};
-use accelerate_examples::gpt::{self, CharVocab, GptConfig, TextWindows};
-use accelerate_examples::run::{self, RunArgs, RunMonitor, StepCounts};
+use accelerate_examples::gpt::{self, CharVocab, Gpt, GptConfig, TextWindows, TokenBatch};
+use accelerate_examples::run::{
+    self, per_row_cross_entropy, sample_rows, Evaluator, RunArgs, RunMonitor, StepCounts,
+};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 
 /// Train a small GPT on a text, one character per token (Shakespeare's sonnets unless --text).
+///
+/// The evaluation split (--eval-fraction, --eval-steps) holds out windows of the text; windows
+/// overlap by half, so the training windows that share text with a held-out one are left out
+/// too. Its loss is the mean cross-entropy over all target tokens of the held-out windows.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -155,7 +161,28 @@ fn run(args: &Args) -> Result<()> {
         .encode(&text)
         .expect("the vocabulary holds every character");
     let entropy = gpt::unigram_entropy(&tokens);
-    let dataset = TextWindows::tiled(tokens, args.context, args.seed)?;
+    let (mut dataset, eval_split) = run::hold_out(
+        TextWindows::tiled(tokens, args.context, args.seed)?,
+        args.run.eval_fraction(),
+        args.seed,
+        "windows",
+    )?;
+    // Windows overlap by half: a training window that shares text with a held-out one would
+    // let the evaluation score text the model was trained on.
+    let mut left_out = 0;
+    if let Some(eval) = &eval_split {
+        let windows = dataset.dataset().clone();
+        let overlapping = windows.overlapping(dataset.indices(), eval.indices());
+        left_out = overlapping.len();
+        dataset.retain(|i| overlapping.binary_search(i).is_err());
+        if dataset.len() == 0 {
+            bail!(
+                "--eval-fraction {} holds out windows that overlap every other window, leaving \
+                 none to train on: lower --eval-fraction, or give a longer --text",
+                args.run.eval_fraction()
+            );
+        }
+    }
 
     let mut acc = args.run.accelerator(args.seed)?;
     let device = acc.device().clone();
@@ -173,11 +200,15 @@ fn run(args: &Args) -> Result<()> {
     let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     acc.print(format!(
         "data: {source}, {chars} characters, vocabulary {}, unigram entropy {entropy:.4} nats per \
-         character (the loss of a model that ignores context); {} windows of {}..={} characters",
+         character (the loss of a model that ignores context); {} windows of {}..={} characters{}",
         vocab.len(),
         dataset.len(),
         args.context.div_ceil(2),
-        args.context
+        args.context,
+        eval_split.as_ref().map_or(String::new(), |e| format!(
+            " to train on, {} held out, {left_out} left out for sharing text with held-out ones",
+            e.len()
+        ))
     ));
     acc.print(format!(
         "model: {} layers, width {}, {} heads, context {}, {parameter_count} parameters",
@@ -188,6 +219,13 @@ fn run(args: &Args) -> Result<()> {
         .shuffle(!args.no_shuffle)
         .seed(args.seed);
     let mut loader = acc.prepare(loader)?;
+    let mut evaluator = Evaluator::prepare(
+        &mut acc,
+        eval_split,
+        args.batch_size,
+        "windows",
+        Some("tokens"),
+    )?;
 
     let total_steps = args.run.total_steps(&acc, loader.len(), args.epochs);
     let schedule = args.run.schedule(total_steps);
@@ -206,7 +244,7 @@ fn run(args: &Args) -> Result<()> {
         &acc,
         args.metrics.as_deref(),
         total_steps,
-        args.run.log_every,
+        args.run.logging_steps(),
     )?;
     run::announce_training(&acc, "", args.batch_size, total_steps);
 
@@ -232,7 +270,7 @@ fn run(args: &Args) -> Result<()> {
                 acc.backward(&loss)?;
                 monitor.micro_step(&loss)?;
                 window_samples += batch.inputs.dims()[0];
-                args.run.clip_if_syncing(&acc)?;
+                monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
                 let lr = run::step_optimizer(&mut opt, &mut sched)?;
                 if !step.sync {
                     continue;
@@ -245,6 +283,9 @@ fn run(args: &Args) -> Result<()> {
                     tokens: window_tokens as f64,
                 };
                 monitor.end_step(&acc, n, lr, counts)?;
+                if args.run.eval_due(n) {
+                    evaluator.evaluate(&acc, n, |batch| eval_rows(&model, batch))?;
+                }
                 if args.run.end_of_step(&acc, n)? {
                     break 'epochs;
                 }
@@ -252,12 +293,16 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     let run_totals = monitor.finish(&acc)?;
+    evaluator.at_end(&acc, acc.optimizer_steps(), |batch| {
+        eval_rows(&model, batch)
+    })?;
+    acc.end_training()?;
     let wall = run_totals.wall;
     run::save_model(&acc, args.save_model.as_deref())?;
     let sync = acc.gradient_sync_stats();
     acc.print(format!(
         "samples/s={:.1} tokens/s={:.0} final_loss={:.6} unigram_entropy={entropy:.6} wall={:.2}s \
-         steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}",
+         steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}{}",
         run_totals.samples / wall,
         run_totals.tokens / wall,
         run_totals.last_loss,
@@ -266,7 +311,20 @@ fn run(args: &Args) -> Result<()> {
         run_totals.micro_steps,
         sync.all_reduces,
         acc.mixed_precision(),
-        run_totals.skipped_steps
+        run_totals.skipped_steps,
+        evaluator.summary_fields()
     ));
     Ok(())
+}
+
+/// One evaluation row per window of `batch`: the summed cross-entropy of its real target tokens
+/// (no dropout) and their number.
+fn eval_rows(model: &Gpt, batch: TokenBatch) -> Result<candle_core::Tensor> {
+    let logits = model.forward_with(&batch.inputs, None)?;
+    let (b, t, v) = logits.dims3()?;
+    let per_token =
+        per_row_cross_entropy(&logits.reshape((b * t, v))?, &batch.targets.flatten_all()?)?
+            .reshape((b, t))?;
+    let summed = (per_token * &batch.mask)?.sum(1)?;
+    sample_rows(&[&summed, &batch.mask.sum(1)?])
 }

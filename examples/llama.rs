@@ -20,6 +20,9 @@ use clap::Parser;
 
 /// Train a Llama-architecture language model (built-in sonnets, one character per token, unless
 /// --data).
+///
+/// The evaluation split (--eval-fraction, --eval-steps) holds out rows of the data; its loss is
+/// the mean cross-entropy over all predicted tokens of the held-out rows.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {

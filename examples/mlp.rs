@@ -6,18 +6,25 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use accelerate_core::data::{DataLoader, TensorDataset};
+use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
 use accelerate_core::optim::{
     AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
 };
 use accelerate_core::Accelerator;
 use accelerate_examples::mlp;
-use accelerate_examples::run::{self, OptimizerKind, RunArgs, RunMonitor, StepCounts};
+use accelerate_examples::run::{
+    self, correct_predictions, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind,
+    RunArgs, RunMonitor, StepCounts, Subset,
+};
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use clap::Parser;
 
 /// Train an MLP on a seeded synthetic classification task (or a safetensors dataset).
+///
+/// The evaluation split (--eval-fraction, --eval-steps) holds out samples of the dataset; its
+/// loss is the mean cross-entropy per sample and its accuracy the share of samples classified
+/// right.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -129,8 +136,13 @@ fn run(args: &Args) -> Result<()> {
     let mut acc = args.run.accelerator(args.seed)?;
     let device = acc.device().clone();
 
-    let dataset = load_dataset(args)?;
-    let samples = dataset.x().dims()[0];
+    let (dataset, eval_split) = run::hold_out(
+        load_dataset(args)?,
+        args.run.eval_fraction(),
+        args.seed,
+        "samples",
+    )?;
+    let samples = dataset.len();
 
     // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
     let (varmap, model) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
@@ -150,6 +162,7 @@ fn run(args: &Args) -> Result<()> {
         .shuffle(!args.no_shuffle)
         .seed(args.seed);
     let loader = acc.prepare(loader)?;
+    let evaluator = Evaluator::prepare(&mut acc, eval_split, args.batch_size, "samples", None)?;
     let total_steps = args.run.total_steps(&acc, loader.len(), args.epochs);
     let schedule = args.run.schedule(total_steps);
     let training = Training {
@@ -157,6 +170,7 @@ fn run(args: &Args) -> Result<()> {
         acc,
         model,
         loader,
+        evaluator,
         schedule,
         total_steps,
         samples,
@@ -188,7 +202,8 @@ struct Training<'a> {
     args: &'a Args,
     acc: Accelerator,
     model: mlp::Mlp,
-    loader: DataLoader<TensorDataset>,
+    loader: DataLoader<Subset<TensorDataset>>,
+    evaluator: Evaluator<TensorDataset>,
     schedule: Schedule,
     total_steps: u64,
     samples: usize,
@@ -202,6 +217,7 @@ impl Training<'_> {
             mut acc,
             model,
             mut loader,
+            mut evaluator,
             schedule,
             total_steps,
             samples,
@@ -213,7 +229,7 @@ impl Training<'_> {
             &acc,
             args.metrics.as_deref(),
             total_steps,
-            args.run.log_every,
+            args.run.logging_steps(),
         )?;
         run::announce_training(
             &acc,
@@ -235,7 +251,7 @@ impl Training<'_> {
                 acc.backward(&loss)?;
                 monitor.micro_step(&(loss.to_dtype(DType::F64)? * step.loss_scale)?)?;
                 window_samples += x.dims()[0];
-                args.run.clip_if_syncing(&acc)?;
+                monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
                 let lr = run::step_optimizer(&mut opt, &mut sched)?;
                 if !step.sync {
                     continue;
@@ -250,17 +266,24 @@ impl Training<'_> {
                 };
                 monitor.end_step(&acc, n, lr, counts)?;
                 window_samples = 0;
+                if args.run.eval_due(n) {
+                    evaluator.evaluate(&acc, n, |batch| eval_rows(&model, batch))?;
+                }
                 if args.run.end_of_step(&acc, n)? {
                     break 'epochs;
                 }
             }
         }
         let totals = monitor.finish(&acc)?;
+        evaluator.at_end(&acc, acc.optimizer_steps(), |batch| {
+            eval_rows(&model, batch)
+        })?;
+        acc.end_training()?;
         run::save_model(&acc, args.save_model.as_deref())?;
         let sync = acc.gradient_sync_stats();
         acc.print(format!(
             "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
-             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={}",
+             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={}{}",
             totals.samples / totals.wall,
             totals.last_loss,
             totals.wall,
@@ -271,8 +294,21 @@ impl Training<'_> {
             sync.bytes,
             acc.mixed_precision(),
             totals.skipped_steps,
-            u8::from(acc.overlaps_gradient_reduction())
+            u8::from(acc.overlaps_gradient_reduction()),
+            evaluator.summary_fields()
         ));
         Ok(())
     }
+}
+
+/// One evaluation row per sample of `batch`: its cross-entropy, 1 item, and whether it was
+/// classified right.
+fn eval_rows(model: &mlp::Mlp, (x, y): (Tensor, Tensor)) -> Result<Tensor> {
+    let logits = model.forward(&x)?;
+    let ones = Tensor::ones(x.dim(0)?, DType::F32, x.device())?;
+    sample_rows(&[
+        &per_row_cross_entropy(&logits, &y)?,
+        &ones,
+        &correct_predictions(&logits, &y)?,
+    ])
 }

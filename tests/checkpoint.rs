@@ -72,23 +72,24 @@ fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
 }
 
 fn stop_and_resume(n: usize, stop_at: u64) {
+    stop_and_resume_with(n, stop_at, &[]);
+}
+
+/// [`stop_and_resume`] with `extra` flags in all three runs.
+fn stop_and_resume_with(n: usize, stop_at: u64, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let whole = dir.path().join("whole.safetensors");
-    train(n, &whole, &dir.path().join("unused"), &[]);
+    let uninterrupted = train(n, &whole, &dir.path().join("unused"), extra);
 
     let ckpt = dir.path().join("ckpt");
     let stopped = dir.path().join("stopped.safetensors");
     let s = stop_at.to_string();
-    train(
-        n,
-        &stopped,
-        &ckpt,
-        &["--max-steps", &s, "--checkpoint-every", &s],
-    );
+    let stop = ["--max-steps", &s, "--checkpoint-every", &s];
+    train(n, &stopped, &ckpt, &[&stop[..], extra].concat());
     assert!(ckpt.join(format!("checkpoint_{stop_at}")).is_dir());
 
     let resumed = dir.path().join("resumed.safetensors");
-    let o = train(n, &resumed, &ckpt, &["--resume"]);
+    let o = train(n, &resumed, &ckpt, &[&["--resume"][..], extra].concat());
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains(&format!("at optimizer step {stop_at}")) && out.contains("steps=6"),
@@ -102,6 +103,17 @@ fn stop_and_resume(n: usize, stop_at: u64) {
         bits(&whole),
         "{n} rank(s), stopped after step {stop_at}: resumed parameters differ"
     );
+    if extra.contains(&"--eval-steps") {
+        // The evaluation loader's restored position is an epoch's start: the resumed run's
+        // final evaluation covers the whole split, as the uninterrupted run's does.
+        let eval_loss = |o: &std::process::Output| {
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            out.split_whitespace()
+                .find_map(|w| w.strip_prefix("eval_loss=").map(str::to_string))
+                .unwrap_or_else(|| panic!("no eval_loss=:\n{}", output_text(o)))
+        };
+        assert_eq!(eval_loss(&o), eval_loss(&uninterrupted));
+    }
 }
 
 #[test]
@@ -123,6 +135,13 @@ fn two_ranks_stopped_mid_epoch_resume_bitwise() {
 #[test]
 fn two_ranks_stopped_at_an_epoch_boundary_resume_bitwise() {
     stop_and_resume(2, 3);
+}
+
+#[test]
+fn two_ranks_evaluating_every_two_steps_resume_bitwise() {
+    // The stopped run evaluates at step 2 right before its checkpoint, and the resumed one at
+    // steps 4 and 6: neither evaluation may move the training loader, its RNG or its gradients.
+    stop_and_resume_with(2, 2, &["--eval-steps", "2"]);
 }
 
 #[test]

@@ -22,10 +22,14 @@ mod checkpoint;
 mod conformance;
 // The launcher and its workers: N ranks against one process, collectives, failures.
 mod distributed;
+// The examples' held-out evaluation against a single-process one, their trackers and flags.
+mod evaluation;
 // The `gpt` example end to end.
 mod gpt;
 // The `llama` model and example against Hugging Face transformers.
 mod llama;
+// The README's three levels of one job (plain candle, Accelerator loop) give the same parameters.
+mod levels;
 // The `lora` example: adapters over a frozen base, PEFT's files, N ranks against one process.
 mod lora;
 // Loops that leave a loader early: windows, gathers and resume positions stay those of the loop.
@@ -38,6 +42,10 @@ mod overlap;
 mod several_models;
 // Streaming data (JSONL shards) against a single-process reading of the stream.
 mod streaming;
+// The `trainer` example under the launcher: its eval loss, checkpoints, YAML arguments, resume.
+mod trainer;
+// Trackers under the launcher: only the main process writes.
+mod tracking;
 // A user's own optimizer through `prepare()`, against hand-computed window means.
 mod user_optimizer;
 // no_sync, sync_each_batch, clip_grad_value, object collectives, split_between_processes,

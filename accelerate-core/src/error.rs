@@ -96,6 +96,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+
+    /// A tracker (`report_to`) could not write its file.
+    #[error("tracker file {path}: {problem}")]
+    Tracking {
+        /// The file or directory involved.
+        path: PathBuf,
+        /// What failed and what to do about it.
+        problem: String,
+    },
 }
 
 fn peer_suffix(peer: Option<usize>) -> String {

@@ -114,6 +114,7 @@ mod prepared;
 mod rng;
 mod state;
 mod sync;
+mod tracking;
 mod training;
 
 pub use accelerator::{
@@ -145,3 +146,7 @@ pub use prepared::{PreparedOptimizer, PreparedScheduler};
 pub use rng::{RankRng, RngState};
 pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
 pub use sync::GradientSyncStats;
+pub use tracking::{
+    parse_report_to, TrackerErrors, TrackerKind, CURVES_PNG, DEFAULT_LOGGING_DIR, EVAL_ACCURACY,
+    EVAL_LOSS, TRAIN_GRAD_NORM, TRAIN_LEARNING_RATE, TRAIN_LOSS,
+};

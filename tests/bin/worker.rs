@@ -28,10 +28,11 @@ fn main() {
         Some("loader-mismatch") => loader_mismatch(&args[1..]),
         Some("gather-after-loop") => gather_after_loop(),
         Some("conformance") => conformance(),
+        Some("log") => log(&args[1..]),
         other => Err(anyhow!(
             "unknown scenario {other:?}; use gather, mismatch, collectives, allreduce, nosync, \
              flaky, mixed, stall, busy-first, dead-peer, tiny_train, device_stall, \
-             loader-mismatch, gather-after-loop or conformance"
+             loader-mismatch, gather-after-loop, conformance or log"
         )),
     };
     if let Err(e) = result {
@@ -648,5 +649,31 @@ fn conformance() -> Result<()> {
     if state.rank == 0 {
         println!("result: ok");
     }
+    Ok(())
+}
+
+/// Every rank logs to every tracker in one shared directory (`args[0]`), each its own rank as a
+/// metric: only the main process may write, so the files hold rank 0's values alone.
+fn log(args: &[String]) -> Result<()> {
+    let dir = args
+        .first()
+        .ok_or_else(|| anyhow!("log needs a logging directory"))?;
+    let acc = Accelerator::builder()
+        .report_to(accelerate_core::TrackerKind::ALL)
+        .logging_dir(dir)
+        .build()?;
+    let rank = acc.process_index() as f64;
+    for step in 1..=3u64 {
+        acc.log(
+            [
+                (accelerate_core::TRAIN_LOSS, 1.0 / step as f64),
+                ("rank", rank),
+            ],
+            step,
+        )?;
+    }
+    acc.end_training()?;
+    acc.wait_for_everyone()?;
+    acc.print("result: logged");
     Ok(())
 }

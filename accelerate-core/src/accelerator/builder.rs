@@ -15,6 +15,7 @@ use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionSta
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
+use crate::tracking::{TrackerErrors, TrackerKind, Trackers};
 use crate::training::TrainingState;
 
 /// Configures an [`Accelerator`].
@@ -30,6 +31,9 @@ pub struct AcceleratorBuilder {
     gradient_reduce_dtype: Option<DType>,
     overlap_gradient_reduction: Option<bool>,
     sync_each_batch: bool,
+    report_to: Vec<TrackerKind>,
+    logging_dir: Option<std::path::PathBuf>,
+    tracker_errors: TrackerErrors,
 }
 
 impl AcceleratorBuilder {
@@ -121,6 +125,33 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// The trackers [`Accelerator::log`] writes to on the main process (Hugging Face's
+    /// `report_to`; default none). [`parse_report_to`](crate::parse_report_to) reads a
+    /// `--report-to tensorboard,csv,jsonl` flag.
+    pub fn report_to(mut self, kinds: impl IntoIterator<Item = TrackerKind>) -> Self {
+        self.report_to = kinds.into_iter().collect();
+        self
+    }
+
+    /// The directory the trackers write to, created if missing. A directory that holds a
+    /// previous run's files is continued (what a resumed run wants); one that another live run
+    /// is writing to is refused. Default: a directory of this run's own,
+    /// `runs/<YYYYmmdd-HHMMSS>_<host>` under [`DEFAULT_LOGGING_DIR`](crate::DEFAULT_LOGGING_DIR)
+    /// (Hugging Face's Trainer uses `<output_dir>/runs/<time>_<host>`), so separate runs never
+    /// mix their files.
+    pub fn logging_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.logging_dir = Some(dir.into());
+        self
+    }
+
+    /// What `log` and `end_training` do when a tracker cannot write its file (default
+    /// [`TrackerErrors::Warn`]: print once per file and go on). The other trackers get every
+    /// call either way.
+    pub fn tracker_errors(mut self, policy: TrackerErrors) -> Self {
+        self.tracker_errors = policy;
+        self
+    }
+
     /// Reads the environment and builds the accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let steps = match self.gradient_accumulation_steps {
@@ -188,6 +219,13 @@ impl AcceleratorBuilder {
             device.set_seed(seed)?;
         }
         let rng = RankRng::new(seed, state.rank);
+        // Last, so that a build failing on anything else leaves no stray tracker files.
+        let trackers = Trackers::open(
+            &self.report_to,
+            self.logging_dir.as_deref(),
+            &state,
+            self.tracker_errors,
+        )?;
         Ok(Accelerator {
             state,
             device,
@@ -207,6 +245,7 @@ impl AcceleratorBuilder {
             frozen: Vec::new(),
             loss_scaler: self.loss_scaler,
             custom: Vec::new(),
+            trackers: std::sync::Mutex::new(trackers),
         })
     }
 }

@@ -122,9 +122,12 @@ impl Accelerator {
     /// that a crash interrupted between its renames is finished or rolled back first (saying so on
     /// stderr). Every file is verified before anything changes: on an error on any rank nothing is
     /// loaded on any. Loaders continue from their saved position at their next `iter()`. Returns
-    /// the directory loaded.
+    /// the directory loaded. The first step [`log`](Self::log)ged after it starts the trackers'
+    /// history over from that step (steps at or after it that an earlier run logged are dropped).
     pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<PathBuf> {
-        checkpoint::load_state(&self.training_view(), dir.as_ref())
+        let loaded = checkpoint::load_state(&self.training_view(), dir.as_ref())?;
+        self.resumed_logging();
+        Ok(loaded)
     }
 
     /// Writes the first model alone into `dir`, its trained and frozen parameters, as safetensors

@@ -6,6 +6,7 @@
 mod builder;
 mod checkpointing;
 mod collectives;
+mod logging;
 mod prepare;
 
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use crate::model::PreparedModel;
 use crate::rng::RankRng;
 use crate::state::ProcessState;
 use crate::sync::{GradientSync, GradientSyncStats};
+use crate::tracking::Trackers;
 use crate::training::TrainingState;
 
 pub use crate::sync::DEFAULT_OVERLAP_GRADIENT_REDUCTION;
@@ -57,6 +59,8 @@ pub struct Accelerator {
     loss_scaler: LossScalerConfig,
     /// The user's objects registered for checkpointing, in order of registration.
     custom: Vec<SharedCustomState>,
+    /// The trackers `log` writes to (none off the main process).
+    trackers: std::sync::Mutex<Trackers>,
 }
 
 impl std::fmt::Debug for Accelerator {

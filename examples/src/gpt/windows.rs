@@ -104,6 +104,36 @@ impl TextWindows {
         self.windows[index]
     }
 
+    /// Which of `windows` (indices) share a token, as input or target, with any of `others`:
+    /// the windows to leave out of training when `others` are held out for evaluation, so that
+    /// the evaluation never scores text the model was trained on.
+    pub fn overlapping(&self, windows: &[usize], others: &[usize]) -> Vec<usize> {
+        // Token ranges [start, start + len + 1) of `others`, sorted by start; a window is at
+        // most `context` + 1 tokens long, so only those starting less than that before a
+        // window's end can reach it.
+        let mut held: Vec<(usize, usize)> = others
+            .iter()
+            .map(|&i| {
+                let (start, len) = self.windows[i];
+                (start, start + len + 1)
+            })
+            .collect();
+        held.sort_unstable();
+        windows
+            .iter()
+            .copied()
+            .filter(|&i| {
+                let (start, len) = self.windows[i];
+                let end = start + len + 1;
+                let first = held.partition_point(|h| h.0 + self.context < start);
+                held[first..]
+                    .iter()
+                    .take_while(|h| h.0 < end)
+                    .any(|h| h.1 > start)
+            })
+            .collect()
+    }
+
     /// Real target tokens over all windows.
     pub fn total_tokens(&self) -> usize {
         self.windows.iter().map(|w| w.1).sum()
@@ -212,5 +242,36 @@ mod tests {
         assert!(e.to_string().contains("needs 11"), "{e}");
         assert!(TextWindows::tiled((0..11).collect(), 10, 0).is_ok());
         assert!(TextWindows::new((0..50).collect(), 10, 11, 5, 0).is_err());
+    }
+
+    #[test]
+    fn overlapping_windows_are_those_sharing_a_token_with_a_held_out_one() {
+        let a = TextWindows::tiled((0..101).collect(), 10, 3).unwrap();
+        let all: Vec<usize> = (0..a.len()).collect();
+        let held = [4usize, 11];
+        // By brute force over token ranges [start, start + len + 1): inputs and targets.
+        let range = |i: usize| {
+            let (s, l) = a.window(i);
+            s..s + l + 1
+        };
+        let expected: Vec<usize> = all
+            .iter()
+            .copied()
+            .filter(|&i| {
+                held.iter()
+                    .any(|&h| range(i).start < range(h).end && range(h).start < range(i).end)
+            })
+            .collect();
+        let found = a.overlapping(&all, &held);
+        assert_eq!(found, expected);
+        // Every window overlaps itself and, at stride 5 with lengths of at least 5, the
+        // neighbours on each side; far windows do not.
+        for h in held {
+            for i in [h - 1, h, h + 1] {
+                assert!(found.contains(&i), "{i} in {found:?}");
+            }
+        }
+        assert!(!found.contains(&0) && !found.contains(&18), "{found:?}");
+        assert!(a.overlapping(&all, &[]).is_empty());
     }
 }

@@ -7,6 +7,9 @@
 //! this rank's part of the window predicts, and passes `backward` the *sum* of token
 //! cross-entropies; the gradient is then that of one batch holding the whole window on all ranks,
 //! averaged per predicted token.
+//!
+//! The evaluation split (`--eval-fraction`) holds out rows; its loss is the mean over all
+//! predicted tokens of the held-out rows.
 
 use std::sync::Arc;
 
@@ -21,9 +24,12 @@ use candle_nn::VarMap;
 
 use super::cli::{check_flags, data_and_config, LlamaArgs};
 use super::config::LlamaConfig;
-use super::data::TokenRows;
+use super::data::{RowBatch, TokenRows};
 use super::model::Llama;
-use crate::run::{self, OptimizerKind, RunMonitor, StepCounts};
+use crate::run::{
+    self, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind, RunMonitor, StepCounts,
+    Subset,
+};
 
 /// A run of the llama workload between its flags and its training: flags checked, data read,
 /// model size known, accelerator built. Build and prepare the model with [`Self::acc`], then
@@ -119,10 +125,19 @@ impl<'a> LlamaRun<'a> {
             ..
         } = self;
         let row_len = dataset.row_len();
+        let (dataset, eval_split) =
+            run::hold_out(dataset, args.run.eval_fraction(), args.seed, "rows")?;
         let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
             .shuffle(!args.no_shuffle)
             .seed(args.seed);
         let loader = acc.prepare(loader)?;
+        let evaluator = Evaluator::prepare(
+            &mut acc,
+            eval_split,
+            args.batch_size,
+            "rows",
+            Some("tokens"),
+        )?;
         // --max-steps alone runs its steps whatever the size of the data (a benchmark's way to
         // call it), rather than stopping at the end of one epoch.
         let epochs = args.epochs.unwrap_or_else(|| {
@@ -138,6 +153,7 @@ impl<'a> LlamaRun<'a> {
             acc,
             model,
             loader,
+            evaluator,
             schedule,
             total_steps,
             epochs,
@@ -171,7 +187,8 @@ struct Training<'a> {
     args: &'a LlamaArgs,
     acc: Accelerator,
     model: &'a Llama,
-    loader: DataLoader<TokenRows>,
+    loader: DataLoader<Subset<TokenRows>>,
+    evaluator: Evaluator<TokenRows>,
     schedule: Schedule,
     total_steps: u64,
     epochs: usize,
@@ -187,6 +204,7 @@ impl Training<'_> {
             mut acc,
             model,
             mut loader,
+            mut evaluator,
             schedule,
             total_steps,
             epochs,
@@ -203,7 +221,7 @@ impl Training<'_> {
             &acc,
             args.metrics.as_deref(),
             total_steps,
-            args.run.log_every,
+            args.run.logging_steps(),
         )?;
         run::announce_training(&acc, "", args.batch_size, total_steps);
 
@@ -224,7 +242,7 @@ impl Training<'_> {
                     acc.backward(&loss)?;
                     monitor.micro_step(&loss)?;
                     window_samples += batch.input_ids.dims()[0];
-                    args.run.clip_if_syncing(&acc)?;
+                    monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
                     let lr = run::step_optimizer(&mut opt, &mut sched)?;
                     if !step.sync {
                         continue;
@@ -239,6 +257,9 @@ impl Training<'_> {
                         tokens: (window_samples * row_len) as f64,
                     };
                     monitor.end_step(&acc, n, lr, counts)?;
+                    if args.run.eval_due(n) {
+                        evaluator.evaluate(&acc, n, |batch| eval_rows(model, batch))?;
+                    }
                     if args.run.end_of_step(&acc, n)? {
                         break 'epochs;
                     }
@@ -246,11 +267,13 @@ impl Training<'_> {
             }
         }
         let totals = monitor.finish(&acc)?;
+        evaluator.at_end(&acc, acc.optimizer_steps(), |batch| eval_rows(model, batch))?;
+        acc.end_training()?;
         let wall = totals.wall;
         let sync = acc.gradient_sync_stats();
         acc.print(format!(
             "samples/s={:.1} tokens/s={:.0} final_loss={:.6} wall={:.2}s steps={} \
-             micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}",
+             micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}{}",
             totals.samples / wall,
             totals.tokens / wall,
             totals.last_loss,
@@ -259,8 +282,23 @@ impl Training<'_> {
             totals.micro_steps,
             sync.all_reduces,
             acc.mixed_precision(),
-            totals.skipped_steps
+            totals.skipped_steps,
+            evaluator.summary_fields()
         ));
         Ok(acc)
     }
+}
+
+/// One evaluation row per row of `batch`: the summed causal-LM loss of its predicted tokens and
+/// their number (`T - 1`).
+fn eval_rows(model: &Llama, batch: RowBatch) -> anyhow::Result<candle_core::Tensor> {
+    let logits = model.forward(&batch.input_ids)?;
+    let (b, t, v) = logits.dims3()?;
+    let predicting = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+    let targets = batch.input_ids.narrow(1, 1, t - 1)?.flatten_all()?;
+    let summed = per_row_cross_entropy(&predicting, &targets)?
+        .reshape((b, t - 1))?
+        .sum(1)?;
+    let predicted = candle_core::Tensor::full((t - 1) as f32, b, logits.device())?;
+    sample_rows(&[&summed, &predicted])
 }

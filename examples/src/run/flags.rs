@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use accelerate_core::optim::Schedule;
-use accelerate_core::{Accelerator, MixedPrecision};
+use accelerate_core::{parse_report_to, Accelerator, MixedPrecision, TrackerKind};
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 
@@ -56,11 +56,51 @@ pub struct RunArgs {
     /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
     #[arg(long, value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
-    /// Log the global loss every N optimizer steps (mean over those steps). Reading the loss is
-    /// the only host synchronization of a step on a GPU, so N > 1 keeps the device busy.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// Report the global loss every N optimizer steps (mean over those steps) and at the end, to
+    /// --metrics, --report-to and the progress bar (default 1). Reading the loss is the only host
+    /// synchronization of a step on a GPU, so N > 1 keeps the device busy. --log-every is an
+    /// alias.
+    #[arg(long, value_name = "N")]
+    pub logging_steps: Option<u64>,
+    /// The former name of --logging-steps, kept for existing scripts.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        hide = true,
+        conflicts_with = "logging_steps"
+    )]
     pub log_every: u64,
+    /// Log train/loss, train/learning_rate, train/grad_norm (with --max-grad-norm) and eval/loss
+    /// to these trackers, from the main process: a comma-separated list of tensorboard, csv and
+    /// jsonl, or all, or none (default none).
+    #[arg(long, value_name = "LIST", value_parser = parse_report_to_flag)]
+    pub report_to: Option<ReportTo>,
+    /// Where --report-to's files go (default: runs/<date-time>_<host>, one directory per run; a
+    /// resumed run continues a directory's files).
+    #[arg(long, value_name = "DIR")]
+    pub logging_dir: Option<PathBuf>,
+    /// Evaluate on the held-out split every N optimizer steps, as well as at the end.
+    #[arg(long, value_name = "N")]
+    pub eval_steps: Option<u64>,
+    /// Share of the data held out for evaluation, picked by a permutation seeded with --seed (the
+    /// same split on every rank) and never trained on; evaluated at the end of the run, and every
+    /// --eval-steps (default 0.1 with --eval-steps, else 0: no split).
+    #[arg(long, value_name = "F")]
+    pub eval_fraction: Option<f64>,
 }
+
+/// The trackers of `--report-to` (a newtype: clap takes a `Vec` field as a repeated flag).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportTo(pub Vec<TrackerKind>);
+
+/// `--report-to`'s parser: [`parse_report_to`], whose error names the valid trackers.
+fn parse_report_to_flag(value: &str) -> accelerate_core::Result<ReportTo> {
+    parse_report_to(value).map(ReportTo)
+}
+
+/// The share of the data `--eval-fraction` holds out when `--eval-steps` is given without it.
+pub const DEFAULT_EVAL_FRACTION: f64 = 0.1;
 
 impl RunArgs {
     /// Refuses checkpoint flags that cannot work, before anything is built or written.
@@ -74,7 +114,62 @@ impl RunArgs {
         if self.log_every == 0 {
             bail!("--log-every must be at least 1 (optimizer steps between loss reports)");
         }
+        if self.logging_steps == Some(0) {
+            bail!("--logging-steps must be at least 1 (optimizer steps between loss reports)");
+        }
+        if self.eval_steps == Some(0) {
+            bail!("--eval-steps must be at least 1 (optimizer steps between evaluations)");
+        }
+        if let Some(f) = self.eval_fraction {
+            if !(0.0..1.0).contains(&f) {
+                bail!(
+                    "--eval-fraction must be in [0, 1) (the share of the data held out for \
+                     evaluation; 0 holds out none), got {f}"
+                );
+            }
+            if f == 0.0 && self.eval_steps.is_some() {
+                bail!(
+                    "--eval-steps needs an evaluation split, and --eval-fraction 0 holds out \
+                     none: give --eval-fraction above 0 (default {DEFAULT_EVAL_FRACTION}) or \
+                     drop --eval-steps"
+                );
+            }
+        }
+        if self.logging_dir.is_some() && self.trackers().is_empty() {
+            bail!(
+                "--logging-dir is where --report-to's files go, and no tracker is chosen: add \
+                 --report-to tensorboard,csv,jsonl (or all), or drop --logging-dir"
+            );
+        }
         Ok(())
+    }
+
+    /// Optimizer steps between loss reports: --logging-steps, else --log-every (default 1).
+    pub fn logging_steps(&self) -> u64 {
+        self.logging_steps.unwrap_or(self.log_every)
+    }
+
+    /// The trackers --report-to chose (none by default).
+    pub fn trackers(&self) -> Vec<TrackerKind> {
+        self.report_to
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.0.clone())
+    }
+
+    /// The share of the data held out for evaluation: --eval-fraction, else
+    /// [`DEFAULT_EVAL_FRACTION`] with --eval-steps, else 0.
+    pub fn eval_fraction(&self) -> f64 {
+        self.eval_fraction.unwrap_or(if self.eval_steps.is_some() {
+            DEFAULT_EVAL_FRACTION
+        } else {
+            0.0
+        })
+    }
+
+    /// Whether the evaluation is due after optimizer step `step` (a multiple of --eval-steps).
+    pub fn eval_due(&self, step: u64) -> bool {
+        self.eval_steps
+            .is_some_and(|every| step.is_multiple_of(every))
     }
 
     /// The accelerator these flags ask for, seeded with `seed`.
@@ -85,6 +180,10 @@ impl RunArgs {
         }
         if let Some(mode) = self.mixed_precision {
             builder = builder.mixed_precision(mode);
+        }
+        builder = builder.report_to(self.trackers());
+        if let Some(dir) = &self.logging_dir {
+            builder = builder.logging_dir(dir);
         }
         Ok(builder.build()?)
     }
@@ -114,14 +213,14 @@ impl RunArgs {
     }
 
     /// Clips the gradient to --max-grad-norm on the micro-step that syncs (the only one where the
-    /// gradient is whole).
-    pub fn clip_if_syncing(&self, acc: &Accelerator) -> Result<()> {
+    /// gradient is whole); returns its global norm before clipping when it computed one.
+    pub fn clip_if_syncing(&self, acc: &Accelerator) -> Result<Option<f64>> {
         if acc.sync_gradients() {
             if let Some(max) = self.max_grad_norm {
-                acc.clip_grad_norm(max)?;
+                return Ok(acc.clip_grad_norm(max)?);
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Whether the run has taken all the optimizer steps --max-steps allows.
@@ -216,6 +315,30 @@ mod tests {
                 .check()
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn logging_and_evaluation_flags_take_hugging_face_names_and_defaults() {
+        assert_eq!(parse(&[]).logging_steps(), 1);
+        assert_eq!(parse(&["--logging-steps", "4"]).logging_steps(), 4);
+        assert_eq!(parse(&["--log-every", "3"]).logging_steps(), 3);
+        assert_eq!(parse(&[]).eval_fraction(), 0.0);
+        assert_eq!(parse(&["--eval-steps", "5"]).eval_fraction(), 0.1);
+        assert_eq!(
+            parse(&["--eval-steps", "5", "--eval-fraction", "0.25"]).eval_fraction(),
+            0.25
+        );
+        assert_eq!(parse(&["--eval-fraction", "0.2"]).eval_fraction(), 0.2);
+        let every = parse(&["--eval-steps", "5"]);
+        assert!(every.eval_due(10) && !every.eval_due(7));
+        assert!(!parse(&[]).eval_due(10));
+        assert!(parse(&[]).trackers().is_empty());
+        assert_eq!(
+            parse(&["--report-to", "csv,jsonl"]).trackers(),
+            [TrackerKind::Csv, TrackerKind::Jsonl]
+        );
+        assert_eq!(parse(&["--report-to", "all"]).trackers(), TrackerKind::ALL);
+        assert!(parse(&["--report-to", "none"]).trackers().is_empty());
     }
 
     #[test]

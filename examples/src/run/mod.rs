@@ -1,21 +1,28 @@
 //! The training-run scaffolding the example programs share: the flags every run takes
-//! ([`RunArgs`]), resuming from the latest checkpoint, the per-step metrics log and progress bar
-//! ([`RunMonitor`]), periodic checkpoints, and writing the trained weights.
+//! ([`RunArgs`]), resuming from the latest checkpoint, the per-step metrics log, trackers and
+//! progress bar ([`RunMonitor`]), the held-out evaluation split ([`hold_out`]) and its evaluation
+//! ([`Evaluator`]), periodic checkpoints, and writing the trained weights.
 //!
 //! Each example keeps what is its own (its model, data, loss and summary line); what is here is
 //! the part that must behave the same in all of them, so that tests and users can rely on one set
 //! of flags and messages.
 
+mod evaluate;
 mod flags;
 mod model_file;
 mod monitor;
 mod optimizer;
 mod resume;
+mod split;
 
-pub use flags::{RunArgs, ScheduleKind};
+pub use evaluate::{
+    correct_predictions, gathered_sums, per_row_cross_entropy, sample_rows, EvalResult, Evaluator,
+};
+pub use flags::{ReportTo, RunArgs, ScheduleKind, DEFAULT_EVAL_FRACTION};
 pub use model_file::save_model;
 pub use monitor::{RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
+pub use split::{hold_out, split_indices, Subset};
 
 use accelerate_core::optim::Optimizer;
 use accelerate_core::{Accelerator, PreparedOptimizer, PreparedScheduler};

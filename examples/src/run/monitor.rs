@@ -1,20 +1,22 @@
-//! What a run reports as it goes: the metrics log, the progress bar, and the counts behind the
-//! summary line, read from the device only every `--log-every` steps.
+//! What a run reports as it goes: the metrics log, the trackers of `--report-to`, the progress
+//! bar, and the counts behind the summary line, read from the device only every
+//! `--logging-steps` steps.
 
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::Path;
 use std::time::Instant;
 
-use accelerate_core::{Accelerator, ReduceOp};
+use accelerate_core::{Accelerator, ReduceOp, TRAIN_GRAD_NORM, TRAIN_LEARNING_RATE, TRAIN_LOSS};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Tracks a training run: the wall clock, the losses and counts since the last report, the
-/// micro-steps and skipped steps taken; every `--log-every` optimizer steps it reduces the loss
-/// over all ranks, writes a `--metrics` JSON line and updates the progress bar (main process, and
-/// the bar only on a terminal).
+/// micro-steps and skipped steps taken; every `--logging-steps` optimizer steps it reduces the
+/// loss over all ranks, writes a `--metrics` JSON line, logs `train/loss`, `train/learning_rate`
+/// and `train/grad_norm` (when clipping computed it) with `Accelerator::log`, and updates the
+/// progress bar (main process, and the bar only on a terminal).
 ///
 /// The loss stays on the model's device between reports: adding it there is asynchronous, so a
 /// step on a GPU never waits for the host, and only a report reads a number back.
@@ -29,6 +31,8 @@ pub struct RunMonitor {
     interval_loss: Option<Tensor>,
     interval_counts: StepCounts,
     last_lr: f64,
+    /// The gradient norm of the latest step that computed one since the last report.
+    last_grad_norm: Option<f64>,
     micro_steps: u64,
     skipped_steps: u64,
     last_loss: f64,
@@ -91,6 +95,7 @@ impl RunMonitor {
             interval_loss: None,
             interval_counts: StepCounts::default(),
             last_lr: f64::NAN,
+            last_grad_norm: None,
             micro_steps: 0,
             skipped_steps: 0,
             last_loss: f64::NAN,
@@ -111,9 +116,18 @@ impl RunMonitor {
         Ok(())
     }
 
+    /// Records the gradient norm before clipping that `clip_if_syncing` returned, if any: the
+    /// next report logs the latest as `train/grad_norm` (Hugging Face's Trainer logs the norm of
+    /// the step it reports at).
+    pub fn grad_norm(&mut self, norm: Option<f64>) {
+        if norm.is_some() {
+            self.last_grad_norm = norm;
+        }
+    }
+
     /// Closes optimizer step `step` (call it on syncing micro-steps only), which used learning
     /// rate `lr` and covered `counts` on this rank. Counts it as skipped if fp16 overflow made it
-    /// so, and reports when `step` is a multiple of `--log-every`. Collective when it reports:
+    /// so, and reports when `step` is a multiple of `--logging-steps`. Collective when it reports:
     /// every rank calls it for every step.
     pub fn end_step(
         &mut self,
@@ -163,6 +177,11 @@ impl RunMonitor {
         if let Some(m) = self.metrics.as_mut() {
             writeln!(m, "{line}")?;
         }
+        let mut logged = vec![(TRAIN_LOSS, loss), (TRAIN_LEARNING_RATE, self.last_lr)];
+        if let Some(norm) = self.last_grad_norm.take() {
+            logged.push((TRAIN_GRAD_NORM, norm));
+        }
+        acc.log(logged, step)?;
         if let Some(bar) = &self.progress {
             bar.set_position(step);
             bar.set_message(status);

@@ -1,0 +1,80 @@
+//! The Trainer's checkpoints in `output_dir`: Hugging Face's `checkpoint-<step>` names, the
+//! newest, and rotation under `save_total_limit` that keeps the best.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::state::TRAINER_STATE_NAME;
+
+/// Prefix of a checkpoint directory, as Hugging Face's `PREFIX_CHECKPOINT_DIR`.
+pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
+
+/// `<output_dir>/checkpoint-<step>`.
+pub fn checkpoint_path(output_dir: &Path, step: u64) -> PathBuf {
+    output_dir.join(format!("{CHECKPOINT_PREFIX}{step}"))
+}
+
+/// The `checkpoint-<step>` directories in `output_dir`, oldest (smallest step) first; none when
+/// it does not exist.
+pub fn list(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = match std::fs::read_dir(output_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(output_dir, e)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| io(output_dir, e))?;
+        let step = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix(CHECKPOINT_PREFIX))
+            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|d| d.parse::<u64>().ok());
+        if let (Some(step), true) = (step, entry.path().is_dir()) {
+            found.push((step, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// The newest complete checkpoint in `output_dir`, if any: one with its `trainer_state.json`,
+/// which is written after the accelerator's state, so a run stopped between the two resumes from
+/// the checkpoint before (the incomplete one is replaced when that step is saved again).
+pub fn latest(output_dir: &Path) -> Result<Option<PathBuf>> {
+    Ok(list(output_dir)?
+        .into_iter()
+        .rev()
+        .map(|(_, path)| path)
+        .find(|path| path.join(TRAINER_STATE_NAME).is_file()))
+}
+
+/// Deletes the oldest checkpoints until at most `limit` remain, never `best` (which then counts
+/// as one of them) and never the newest; returns what it deleted.
+pub fn rotate(output_dir: &Path, limit: usize, best: Option<&Path>) -> Result<Vec<PathBuf>> {
+    let all = list(output_dir)?;
+    let newest = all.last().map(|(_, p)| p.clone());
+    let protected = |p: &Path| Some(p) == best || Some(p) == newest.as_deref();
+    let kept_apart = all.iter().filter(|(_, p)| protected(p)).count();
+    let room = limit.saturating_sub(kept_apart);
+    let others: Vec<PathBuf> = all
+        .into_iter()
+        .map(|(_, p)| p)
+        .filter(|p| !protected(p))
+        .collect();
+    let excess = others.len().saturating_sub(room);
+    let mut deleted = Vec::new();
+    for path in others.into_iter().take(excess) {
+        std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+        deleted.push(path);
+    }
+    Ok(deleted)
+}
+
+fn io(path: &Path, e: std::io::Error) -> Error {
+    Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    }
+}

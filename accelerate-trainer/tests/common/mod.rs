@@ -1,0 +1,145 @@
+//! Shared pieces of the Trainer's tests: a tiny seeded classifier, seeded data, and ranks that
+//! are threads of the test process.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use accelerate_core::data::TensorDataset;
+use accelerate_core::{AcceleratorBuilder, Launcher, ProcessState};
+use accelerate_trainer::{ModelOutput, TrainerModel};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Linear, Module, VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Inputs and classes of the tiny classifier.
+pub const INPUTS: usize = 6;
+pub const CLASSES: usize = 3;
+
+/// 6 → 8 (tanh) → 3, PyTorch names `l1.weight`, `l1.bias`, `l2.weight`, `l2.bias`.
+pub struct Tiny {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Tiny {
+    pub fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.tanh()?)
+    }
+}
+
+/// Per-sample cross-entropy, written out: `-log_softmax(logits)[label]`.
+pub fn per_sample_loss(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    let log_probs = candle_nn::ops::log_softmax(logits, 1)?;
+    log_probs.gather(&y.unsqueeze(1)?, 1)?.squeeze(1)?.neg()
+}
+
+impl TrainerModel<(Tensor, Tensor)> for Tiny {
+    fn forward(&self, (x, y): &(Tensor, Tensor)) -> candle_core::Result<ModelOutput> {
+        let logits = self.logits(x)?;
+        Ok(ModelOutput::losses(per_sample_loss(&logits, y)?).with_predictions(logits, y.clone()))
+    }
+}
+
+/// The tiny model with seeded weights in U(-0.5, 0.5).
+pub fn tiny(seed: u64) -> (VarMap, Tiny) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = Tiny {
+        l1: candle_nn::linear(INPUTS, 8, vb.pp("l1")).unwrap(),
+        l2: candle_nn::linear(8, CLASSES, vb.pp("l2")).unwrap(),
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for (_, var) in named(&varmap) {
+        let v: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    (varmap, model)
+}
+
+/// The variables of a `VarMap`, sorted by name.
+pub fn named(varmap: &VarMap) -> Vec<(String, candle_core::Var)> {
+    let mut v: Vec<_> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Every parameter's values, sorted by name.
+pub fn values(varmap: &VarMap) -> Vec<(String, Vec<f32>)> {
+    named(varmap)
+        .into_iter()
+        .map(|(n, v)| (n, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// Seeded data: x `[n, 6]` in [-1, 1), labels the argmax of a fixed linear map (learnable).
+pub fn data(n: usize, seed: u64) -> (Tensor, Tensor) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<f32> = (0..n * INPUTS)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let y: Vec<u32> = x
+        .chunks(INPUTS)
+        .map(|r| {
+            let s = [r[0] - r[3], r[1] + r[4], r[2] - r[5]];
+            (0..3).max_by(|&a, &b| s[a].total_cmp(&s[b])).unwrap() as u32
+        })
+        .collect();
+    (
+        Tensor::from_vec(x, (n, INPUTS), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, n, &Device::Cpu).unwrap(),
+    )
+}
+
+/// A dataset of `n` seeded samples.
+pub fn dataset(n: usize, seed: u64) -> Arc<TensorDataset> {
+    let (x, y) = data(n, seed);
+    Arc::new(TensorDataset::new(x, y).unwrap())
+}
+
+/// Runs `f` on `n` ranks that are threads of this process (joined as under torchrun, rank 0
+/// hosting the store on loopback) and returns each rank's result in rank order.
+pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R + Sync) -> Vec<R> {
+    let port = loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let f = &f;
+                scope.spawn(move || {
+                    let state = ProcessState {
+                        rank,
+                        world_size: n,
+                        local_rank: rank,
+                        local_world_size: n,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        job_token: format!("trainer-test-{port}"),
+                        restart_count: 0,
+                        launcher: Launcher::Torchrun,
+                    };
+                    f(accelerate_core::Accelerator::builder().process_state(state))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

@@ -1,0 +1,276 @@
+//! The Trainer where real runs go wrong: the best checkpoint after an extra final evaluation and
+//! after a resume that spells `output_dir` otherwise, a checkpoint cut short before its
+//! `trainer_state.json`, callbacks that decide on one rank only, evaluation outputs of several
+//! shapes, and a resume on two ranks.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use accelerate_trainer::{
+    EvalPrediction, IntervalStrategy, Metrics, ModelOutput, ResumeFrom, SaveStrategy, Trainer,
+    TrainerCallback, TrainerControl, TrainerModel, TrainerState, TrainingArguments,
+};
+use candle_core::Tensor;
+use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, Tiny};
+
+fn base(out: &Path) -> TrainingArguments {
+    TrainingArguments {
+        output_dir: out.to_path_buf(),
+        per_device_train_batch_size: 4,
+        learning_rate: 0.05,
+        seed: 11,
+        disable_tqdm: true,
+        ..Default::default()
+    }
+}
+
+/// A `compute_metrics` returning `score` from a script, one value per evaluation (the last one
+/// repeated).
+fn scripted(scores: &[f64]) -> impl FnMut(&EvalPrediction) -> candle_core::Result<Metrics> {
+    let scores = scores.to_vec();
+    let mut next = 0;
+    move |_| {
+        let s = scores[next.min(scores.len() - 1)];
+        next += 1;
+        Ok(Metrics::from([("score".to_string(), s)]))
+    }
+}
+
+fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
+    let t = candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let mut v: Vec<_> = t
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Stops the run at a step.
+struct StopAt(u64);
+
+impl TrainerCallback for StopAt {
+    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, c: &mut TrainerControl) {
+        c.should_training_stop |= s.global_step == self.0;
+    }
+}
+
+#[test]
+fn the_extra_final_evaluation_never_becomes_a_best_without_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // Evaluations at steps 2 and 4 (saved) and a final one at 5 (not saved) that scores best.
+    let args = TrainingArguments {
+        max_steps: Some(5),
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(2),
+        save_steps: 2,
+        load_best_model_at_end: true,
+        metric_for_best_model: Some("score".into()),
+        greater_is_better: Some(true),
+        ..base(&out)
+    };
+    let (varmap, model) = tiny(11);
+    let mut trainer = Trainer::new(args).unwrap();
+    trainer.compute_metrics(scripted(&[0.1, 0.2, 0.9]));
+    trainer
+        .train(&model, &varmap, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    let s = trainer.state();
+    assert_eq!((s.best_global_step, s.best_metric), (Some(4), Some(0.2)));
+    assert_eq!(
+        s.best_model_checkpoint.as_deref().and_then(Path::file_name),
+        Some("checkpoint-4".as_ref())
+    );
+    assert_eq!(
+        values(&varmap),
+        load(&out.join("checkpoint-4/model.safetensors"))
+    );
+}
+
+#[test]
+fn the_best_checkpoint_survives_a_resume_that_spells_output_dir_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("a")).unwrap();
+    let args = |out: PathBuf| TrainingArguments {
+        max_steps: Some(6),
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1),
+        save_steps: 1,
+        save_total_limit: Some(2),
+        load_best_model_at_end: true,
+        metric_for_best_model: Some("score".into()),
+        greater_is_better: Some(true),
+        ..base(&out)
+    };
+    let (v, m) = tiny(11);
+    let mut first = Trainer::new(args(dir.path().join("a/../out"))).unwrap();
+    // Step 1 is the best of the whole run.
+    first.compute_metrics(scripted(&[0.9, 0.1]));
+    first.add_callback(StopAt(2));
+    first
+        .train(&m, &v, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    let (v, m) = tiny(11);
+    let out = dir.path().join("out");
+    let mut second = Trainer::new(TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Latest),
+        ..args(out.clone())
+    })
+    .unwrap();
+    second.compute_metrics(scripted(&[0.1]));
+    second
+        .train(&m, &v, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    assert!(
+        out.join("checkpoint-1").is_dir(),
+        "the best was rotated away"
+    );
+    assert_eq!(
+        values(&v),
+        load(&out.join("checkpoint-1/model.safetensors"))
+    );
+}
+
+#[test]
+fn a_checkpoint_cut_short_before_its_trainer_state_is_passed_over_on_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |out: &Path| TrainingArguments {
+        max_steps: Some(6),
+        save_steps: 2,
+        ..base(out)
+    };
+    let (whole_vars, m) = tiny(11);
+    Trainer::new(args(&dir.path().join("whole")))
+        .unwrap()
+        .train(&m, &whole_vars, dataset(50, 1), None)
+        .unwrap();
+    let parts = dir.path().join("parts");
+    let (v, m) = tiny(11);
+    let mut first = Trainer::new(args(&parts)).unwrap();
+    first.add_callback(StopAt(4));
+    first.train(&m, &v, dataset(50, 1), None).unwrap();
+    // As if the process died after the accelerator's state and before trainer_state.json.
+    std::fs::remove_file(parts.join("checkpoint-4/trainer_state.json")).unwrap();
+    let (v, m) = tiny(11);
+    let out = Trainer::new(TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Latest),
+        ..args(&parts)
+    })
+    .unwrap()
+    .train(&m, &v, dataset(50, 1), None)
+    .unwrap();
+    assert_eq!(out.global_step, 6);
+    assert_eq!(values(&v), values(&whole_vars));
+}
+
+/// Asks for a save at step 2, on rank 0 only (as a callback reading the wall clock might).
+struct SaveOnRankZero;
+
+impl TrainerCallback for SaveOnRankZero {
+    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, c: &mut TrainerControl) {
+        c.should_save |= s.is_world_process_zero && s.global_step == 2;
+    }
+}
+
+#[test]
+fn a_request_of_one_rank_is_carried_out_by_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let args = TrainingArguments {
+        max_steps: Some(3),
+        save_strategy: SaveStrategy::No,
+        ..base(&out)
+    };
+    let mains = ranks_as_threads(2, |builder| {
+        let (v, m) = tiny(11);
+        let mut t = Trainer::with_accelerator(args.clone(), builder).unwrap();
+        t.add_callback(SaveOnRankZero);
+        t.train(&m, &v, dataset(50, 1), None).unwrap();
+        t.state().is_world_process_zero
+    });
+    assert_eq!(mains, [true, false]);
+    assert!(out.join("checkpoint-2/trainer_state.json").is_file());
+}
+
+/// Logits whose second dimension is the batch size: the last, shorter batch has fewer.
+struct Ragged(Tiny);
+
+impl TrainerModel<(Tensor, Tensor)> for Ragged {
+    fn forward(&self, (x, y): &(Tensor, Tensor)) -> candle_core::Result<ModelOutput> {
+        let logits = self.0.logits(x)?;
+        let n = x.dim(0)?;
+        let seq = logits.unsqueeze(1)?.repeat((1, n, 1))?;
+        Ok(ModelOutput::losses(per_sample_loss(&logits, y)?).with_predictions(seq, y.clone()))
+    }
+}
+
+#[test]
+fn predictions_of_several_shapes_are_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments {
+        max_steps: Some(1),
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1),
+        save_strategy: SaveStrategy::No,
+        per_device_eval_batch_size: 4,
+        ..base(&dir.path().join("o"))
+    };
+    let (v, m) = tiny(11);
+    let mut t = Trainer::new(args).unwrap();
+    t.compute_metrics(|_| Ok(Metrics::new()));
+    let err = t
+        .train(&Ragged(m), &v, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("[4, 4, 3]") && err.contains("[2, 2, 3]"),
+        "{err}"
+    );
+    assert!(err.contains("pad them to one length"), "{err}");
+}
+
+#[test]
+fn two_ranks_stopped_at_a_checkpoint_and_resumed_end_as_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |out: PathBuf| TrainingArguments {
+        num_train_epochs: 2.0,
+        gradient_accumulation_steps: 2,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(2),
+        save_steps: 2,
+        save_total_limit: Some(1),
+        logging_steps: 1,
+        ..base(&out)
+    };
+    let whole = ranks_as_threads(2, |b| {
+        let (v, m) = tiny(11);
+        let mut t = Trainer::with_accelerator(args(dir.path().join("whole")), b).unwrap();
+        let o = t
+            .train(&m, &v, dataset(50, 1), Some(dataset(11, 2)))
+            .unwrap();
+        (values(&v), o.metrics["eval_loss"], o.global_step)
+    });
+    let parts = dir.path().join("parts");
+    ranks_as_threads(2, |b| {
+        let (v, m) = tiny(11);
+        let mut t = Trainer::with_accelerator(args(parts.clone()), b).unwrap();
+        t.add_callback(StopAt(4));
+        t.train(&m, &v, dataset(50, 1), Some(dataset(11, 2)))
+            .unwrap();
+    });
+    let resumed = ranks_as_threads(2, |b| {
+        let (v, m) = tiny(11);
+        let resume = TrainingArguments {
+            resume_from_checkpoint: Some(ResumeFrom::Latest),
+            ..args(parts.clone())
+        };
+        let mut t = Trainer::with_accelerator(resume, b).unwrap();
+        let o = t
+            .train(&m, &v, dataset(50, 1), Some(dataset(11, 2)))
+            .unwrap();
+        (values(&v), o.metrics["eval_loss"], o.global_step)
+    });
+    assert_eq!(whole, resumed);
+}
