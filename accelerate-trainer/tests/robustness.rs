@@ -12,7 +12,7 @@ use accelerate_trainer::{
     TrainerCallback, TrainerControl, TrainerModel, TrainerState, TrainingArguments,
 };
 use candle_core::Tensor;
-use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, Tiny};
+use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, StopAt, Tiny};
 
 fn base(out: &Path) -> TrainingArguments {
     TrainingArguments {
@@ -45,15 +45,6 @@ fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
-}
-
-/// Stops the run at a step.
-struct StopAt(u64);
-
-impl TrainerCallback for StopAt {
-    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, c: &mut TrainerControl) {
-        c.should_training_stop |= s.global_step == self.0;
-    }
 }
 
 #[test]
