@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_benchmarks::{median, report_value, run_within, Overhead};
+use accelerate_benchmarks::{median, peak_resident_kib, report_value, run_within, Overhead};
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig, Optimizer};
 use accelerate_core::GradientBuffers;
@@ -241,16 +241,6 @@ fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
         setup_kib: value("setup_hwm_kib")?,
         peak_kib: value("peak_hwm_kib")?,
     })
-}
-
-/// `VmHWM` (peak resident set) of this process in KiB.
-fn peak_resident_kib() -> Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM line in /proc/self/status (Linux only)")
 }
 
 /// A child: the Accelerator loop with K micro-batches of B/K; prints its report on stdout.

@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_benchmarks::{median, report_value, run_within};
+use accelerate_benchmarks::{median, peak_resident_kib, report_value, run_within};
 use accelerate_core::data::Dataset;
 use accelerate_examples::gpt::{self, CharVocab, Gpt, GptConfig, TextWindows, TokenBatch};
 use accelerate_trainer::{
@@ -247,14 +247,4 @@ fn tempfile_dir() -> Result<std::path::PathBuf> {
     let dir = std::env::temp_dir().join(format!("bench_trainer_{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-/// `VmHWM` (peak resident set) of this process in KiB.
-fn peak_resident_kib() -> Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM line in /proc/self/status (Linux only)")
 }

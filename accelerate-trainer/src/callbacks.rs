@@ -11,9 +11,12 @@ use crate::state::TrainerState;
 /// which it can ask the loop to stop, log, evaluate or save. Every hook does nothing by default.
 ///
 /// A request made on any rank holds on all of them (the Trainer agrees on the requests across
-/// ranks before acting), so a callback may decide from something only its own process sees;
-/// side effects (printing, writing a file) belong on the rank where
-/// [`TrainerState::is_world_process_zero`] is true.
+/// ranks before acting), so a callback may decide from something only its own process sees, and
+/// a program may add callbacks on the main process only; side effects (printing, writing a
+/// file) belong on the rank where [`TrainerState::is_world_process_zero`] is true. A request
+/// acts at the next point of the step that reads it: `should_log` from `on_step_end`;
+/// `should_evaluate` from `on_step_end` or `on_log`; `should_save` from those or `on_evaluate`;
+/// `should_training_stop` from any hook.
 pub trait TrainerCallback {
     /// Before the first step: refuse arguments the callback cannot work with.
     fn on_train_begin(&mut self, _args: &TrainingArguments, _state: &TrainerState) -> Result<()> {

@@ -50,12 +50,17 @@ pub fn latest(output_dir: &Path) -> Result<Option<PathBuf>> {
         .find(|path| path.join(TRAINER_STATE_NAME).is_file()))
 }
 
-/// Deletes the oldest checkpoints until at most `limit` remain, never `best` (which then counts
-/// as one of them) and never the newest; returns what it deleted.
-pub fn rotate(output_dir: &Path, limit: usize, best: Option<&Path>) -> Result<Vec<PathBuf>> {
+/// Deletes the oldest checkpoints until at most `limit` remain, never `written` (the checkpoint
+/// just saved; a newer one may be an incomplete leftover of a crashed run) and never `best`
+/// (both then count as kept); returns what it deleted.
+pub fn rotate(
+    output_dir: &Path,
+    limit: usize,
+    written: &Path,
+    best: Option<&Path>,
+) -> Result<Vec<PathBuf>> {
     let all = list(output_dir)?;
-    let newest = all.last().map(|(_, p)| p.clone());
-    let protected = |p: &Path| Some(p) == best || Some(p) == newest.as_deref();
+    let protected = |p: &Path| Some(p) == best || p == written;
     let kept_apart = all.iter().filter(|(_, p)| protected(p)).count();
     let room = limit.saturating_sub(kept_apart);
     let others: Vec<PathBuf> = all

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::evaluation::evaluate_loader;
 use crate::model::{ComputeMetrics, EvalPrediction, Metrics, TrainerModel};
 use crate::progress::Progress;
-use crate::state::TrainerState;
+use crate::state::{TrainerState, TRAINER_STATE_NAME};
 
 /// Tag of the epoch in the trackers, as Hugging Face's `train/epoch`.
 pub const TRAIN_EPOCH: &str = "train/epoch";
@@ -254,7 +254,21 @@ impl Trainer {
     fn checkpoint_to_resume(&self) -> Result<Option<PathBuf>> {
         let output_dir = &self.args.output_dir;
         match &self.args.resume_from_checkpoint {
-            Some(ResumeFrom::Latest) => checkpoints::latest(output_dir),
+            Some(ResumeFrom::Latest) => {
+                let latest = checkpoints::latest(output_dir)?;
+                let newest = checkpoints::list(output_dir)?.pop().map(|(_, dir)| dir);
+                if let Some(newest) = newest.filter(|n| Some(n) != latest.as_ref()) {
+                    self.acc.print(format!(
+                        "resume_from_checkpoint: {} has no {TRAINER_STATE_NAME} (a save cut \
+                         short); resuming from {}",
+                        newest.display(),
+                        latest
+                            .as_deref()
+                            .map_or("the start".into(), |d| d.display().to_string())
+                    ));
+                }
+                Ok(latest)
+            }
             Some(ResumeFrom::Checkpoint(dir)) => {
                 if !dir.is_dir() {
                     return Err(Error::Args(format!(
@@ -474,8 +488,11 @@ impl Trainer {
                     SaveStrategy::Best => new_best,
                     _ => false,
                 } || control.should_save;
+                // Complete only with its trainer_state.json: one cut short is saved again.
                 let already_saved =
-                    checkpoints::checkpoint_path(&args.output_dir, self.state.global_step).is_dir();
+                    checkpoints::checkpoint_path(&args.output_dir, self.state.global_step)
+                        .join(TRAINER_STATE_NAME)
+                        .is_file();
                 if save_now && !already_saved {
                     self.save_checkpoint(&mut control)?;
                     self.agree_control(&mut control)?;
@@ -494,9 +511,10 @@ impl Trainer {
     /// Makes the callbacks' requests the same on every rank (a request of any rank holds for
     /// all): a callback deciding by something of its own process (the wall clock, a file) would
     /// otherwise send some ranks into an evaluation's gathers or a save that the others never
-    /// join. A collective, only when there are callbacks and several ranks.
+    /// join. A collective on several ranks, whether this rank has callbacks or not: a program
+    /// may add a callback on the main process only.
     fn agree_control(&self, control: &mut TrainerControl) -> Result<()> {
-        if self.callbacks.is_empty() || self.acc.num_processes() == 1 {
+        if self.acc.num_processes() == 1 {
             return Ok(());
         }
         let local = [
@@ -637,10 +655,13 @@ impl Trainer {
             self.state
                 .write(&dir)
                 .and_then(|()| match self.args.save_total_limit {
-                    Some(limit) => {
-                        checkpoints::rotate(&output_dir, limit, self.best_checkpoint().as_deref())
-                            .map(|_| ())
-                    }
+                    Some(limit) => checkpoints::rotate(
+                        &output_dir,
+                        limit,
+                        &dir,
+                        self.best_checkpoint().as_deref(),
+                    )
+                    .map(|_| ()),
                     None => Ok(()),
                 })
         } else {
@@ -657,20 +678,33 @@ impl Trainer {
         Ok(())
     }
 
-    /// The best checkpoint's directory in this run's `output_dir`: found by its name, since a
-    /// resumed run may spell `output_dir` differently (relative, absolute, moved) from the run
-    /// that recorded it.
+    /// The best checkpoint's directory: by its name in this run's `output_dir` (a resumed run
+    /// may spell `output_dir` otherwise, or the directory may have moved), else where it was
+    /// recorded (a run resumed into another `output_dir` from a checkpoint elsewhere).
     fn best_checkpoint(&self) -> Option<PathBuf> {
         let recorded = self.state.best_model_checkpoint.as_ref()?;
-        Some(match recorded.file_name() {
-            Some(name) => self.args.output_dir.join(name),
-            None => recorded.clone(),
-        })
+        let here = recorded
+            .file_name()
+            .map(|name| self.args.output_dir.join(name));
+        match here {
+            Some(here) if here.is_dir() || !recorded.is_dir() => Some(here),
+            _ => Some(recorded.clone()),
+        }
     }
 
     /// Loads the weights of the best checkpoint into the parameters.
     fn load_best(&mut self, params: &[(String, Var)]) -> Result<()> {
-        let Some(dir) = self.best_checkpoint() else {
+        let Some(dir) = self.best_checkpoint().filter(|dir| {
+            let found = dir.join(accelerate_core::MODEL_SAFETENSORS).is_file();
+            if !found {
+                self.acc.print(format!(
+                    "load_best_model_at_end: the best checkpoint {} is gone; keeping the last \
+                     weights",
+                    dir.display()
+                ));
+            }
+            found
+        }) else {
             self.acc.print(
                 "load_best_model_at_end: no checkpoint holds the best evaluation; keeping the \
                  last weights",

@@ -6,10 +6,10 @@ mod common;
 use std::path::Path;
 
 use accelerate_core::data::DataLoader;
-use accelerate_core::optim::{split_decay, AdamW, AdamWConfig, LrScheduler, ParamGroup, Schedule};
+use accelerate_core::optim::{split_decay, LrScheduler, Schedule};
 use accelerate_core::AcceleratorBuilder;
 use accelerate_trainer::{Trainer, TrainingArguments};
-use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values};
+use common::{dataset, per_sample_loss, ranks_as_threads, reference_adamw, tiny, values};
 
 const SEED: u64 = 23;
 const RANKS: usize = 2;
@@ -50,21 +50,12 @@ fn accelerator_loop(
     assert_eq!(acc.num_processes(), RANKS);
     let (varmap, model) = tiny(SEED);
     let params = acc.prepare(&varmap).unwrap();
-    let split = split_decay(params);
-    assert_eq!(split.no_decay.len(), 2, "the biases take no weight decay");
-    let config = |weight_decay| AdamWConfig {
-        lr: args.learning_rate,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay,
-    };
-    let opt = AdamW::with_groups(vec![
-        ParamGroup::new(split.decay, config(args.weight_decay)),
-        ParamGroup::new(split.no_decay, config(0.0)),
-    ])
-    .unwrap();
-    let mut opt = acc.prepare(opt).unwrap();
+    assert_eq!(
+        split_decay(params.clone()).no_decay.len(),
+        2,
+        "the biases take no weight decay"
+    );
+    let mut opt = reference_adamw(&mut acc, params, args);
     let loader = DataLoader::new(dataset(SAMPLES, 1), args.per_device_train_batch_size)
         .shuffle(true)
         .seed(args.seed);

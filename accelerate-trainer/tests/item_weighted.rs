@@ -11,11 +11,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, TensorDataset};
-use accelerate_core::optim::{split_decay, AdamW, AdamWConfig, LrScheduler, ParamGroup, Schedule};
+use accelerate_core::optim::{LrScheduler, Schedule};
 use accelerate_core::AcceleratorBuilder;
 use accelerate_trainer::{ModelOutput, SchedulerType, Trainer, TrainerModel, TrainingArguments};
 use candle_core::{DType, Device, Tensor};
-use common::{named, ranks_as_threads, tiny, values, Tiny, CLASSES, INPUTS};
+use common::{named, ranks_as_threads, reference_adamw, tiny, values, Tiny, CLASSES, INPUTS};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -120,20 +120,7 @@ fn accelerator_loop(
     let (varmap, tiny) = tiny(SEED);
     let model = Tagger(tiny);
     let params = acc.prepare(&varmap).unwrap();
-    let split = split_decay(params);
-    let config = |weight_decay| AdamWConfig {
-        lr: args.learning_rate,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay,
-    };
-    let opt = AdamW::with_groups(vec![
-        ParamGroup::new(split.decay, config(args.weight_decay)),
-        ParamGroup::new(split.no_decay, config(0.0)),
-    ])
-    .unwrap();
-    let mut opt = acc.prepare(opt).unwrap();
+    let mut opt = reference_adamw(&mut acc, params, args);
     let loader = DataLoader::new(token_dataset(SAMPLES), args.per_device_train_batch_size)
         .shuffle(true)
         .seed(args.seed);

@@ -12,7 +12,7 @@ use accelerate_trainer::{
     TrainerCallback, TrainerControl, TrainerModel, TrainerState, TrainingArguments,
 };
 use candle_core::Tensor;
-use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, Tiny};
+use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, StopAt, Tiny};
 
 fn base(out: &Path) -> TrainingArguments {
     TrainingArguments {
@@ -45,15 +45,6 @@ fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
-}
-
-/// Stops the run at a step.
-struct StopAt(u64);
-
-impl TrainerCallback for StopAt {
-    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, c: &mut TrainerControl) {
-        c.should_training_stop |= s.global_step == self.0;
-    }
 }
 
 #[test]
@@ -273,4 +264,98 @@ fn two_ranks_stopped_at_a_checkpoint_and_resumed_end_as_the_uninterrupted_run() 
         (values(&v), o.metrics["eval_loss"], o.global_step)
     });
     assert_eq!(whole, resumed);
+}
+
+/// Does nothing: a callback a program adds on its main process only.
+struct Quiet;
+
+impl TrainerCallback for Quiet {}
+
+#[test]
+fn a_callback_added_on_the_main_process_only_trains_on_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments {
+        max_steps: Some(4),
+        logging_steps: 1,
+        save_steps: 2,
+        ..base(&dir.path().join("out"))
+    };
+    let steps = ranks_as_threads(2, |builder| {
+        let (v, m) = tiny(11);
+        let mut t = Trainer::with_accelerator(args.clone(), builder).unwrap();
+        if t.accelerator().is_main_process() {
+            t.add_callback(Quiet);
+        }
+        t.train(&m, &v, dataset(50, 1), None).unwrap().global_step
+    });
+    assert_eq!(steps, [4, 4]);
+}
+
+#[test]
+fn a_run_resumed_into_another_output_dir_loads_the_best_from_where_it_was_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |out: PathBuf| TrainingArguments {
+        max_steps: Some(4),
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1),
+        save_steps: 1,
+        load_best_model_at_end: true,
+        metric_for_best_model: Some("score".into()),
+        greater_is_better: Some(true),
+        ..base(&out)
+    };
+    let first_dir = dir.path().join("a");
+    let (v, m) = tiny(11);
+    let mut first = Trainer::new(args(first_dir.clone())).unwrap();
+    first.compute_metrics(scripted(&[0.9, 0.1]));
+    first.add_callback(StopAt(2));
+    first
+        .train(&m, &v, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    let second_dir = dir.path().join("b");
+    let (v, m) = tiny(11);
+    let mut second = Trainer::new(TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Checkpoint(first_dir.join("checkpoint-2"))),
+        ..args(second_dir.clone())
+    })
+    .unwrap();
+    second.compute_metrics(scripted(&[0.1]));
+    second
+        .train(&m, &v, dataset(50, 1), Some(dataset(10, 2)))
+        .unwrap();
+    let best = load(&first_dir.join("checkpoint-1/model.safetensors"));
+    assert_eq!(values(&v), best);
+    assert_eq!(load(&second_dir.join("model.safetensors")), best);
+}
+
+#[test]
+fn under_the_epoch_strategy_a_checkpoint_cut_short_is_saved_again() {
+    let dir = tempfile::tempdir().unwrap();
+    // 50 samples in batches of 4: 13 steps an epoch, checkpoints 13, 26, 39.
+    let args = |out: &Path| TrainingArguments {
+        num_train_epochs: 3.0,
+        save_strategy: SaveStrategy::Epoch,
+        ..base(out)
+    };
+    let (whole, m) = tiny(11);
+    Trainer::new(args(&dir.path().join("whole")))
+        .unwrap()
+        .train(&m, &whole, dataset(50, 1), None)
+        .unwrap();
+    let parts = dir.path().join("parts");
+    let (v, m) = tiny(11);
+    let mut first = Trainer::new(args(&parts)).unwrap();
+    first.add_callback(StopAt(26));
+    first.train(&m, &v, dataset(50, 1), None).unwrap();
+    std::fs::remove_file(parts.join("checkpoint-26/trainer_state.json")).unwrap();
+    let (v, m) = tiny(11);
+    Trainer::new(TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Latest),
+        ..args(&parts)
+    })
+    .unwrap()
+    .train(&m, &v, dataset(50, 1), None)
+    .unwrap();
+    assert!(parts.join("checkpoint-26/trainer_state.json").is_file());
+    assert_eq!(values(&v), values(&whole));
 }

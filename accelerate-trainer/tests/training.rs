@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
-use accelerate_core::optim::{split_decay, AdamW, AdamWConfig, LrScheduler, ParamGroup, Schedule};
+use accelerate_core::optim::{split_decay, LrScheduler, Schedule};
 use accelerate_core::{Accelerator, TrackerKind};
 use accelerate_trainer::{
     EarlyStoppingCallback, IntervalStrategy, Metrics, ReportTo, ResumeFrom, SaveStrategy, Trainer,
     TrainerCallback, TrainerControl, TrainerState, TrainingArguments,
 };
-use common::{dataset, per_sample_loss, tiny, values};
+use common::{dataset, per_sample_loss, reference_adamw, tiny, values, StopAt};
 
 const SEED: u64 = 11;
 
@@ -46,21 +46,12 @@ fn accelerator_loop(args: &TrainingArguments) -> Vec<(String, Vec<f32>)> {
         .unwrap();
     let (varmap, model) = tiny(SEED);
     let params = acc.prepare(&varmap).unwrap();
-    let split = split_decay(params);
-    assert_eq!(split.no_decay.len(), 2, "the biases take no weight decay");
-    let config = |weight_decay| AdamWConfig {
-        lr: args.learning_rate,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay,
-    };
-    let opt = AdamW::with_groups(vec![
-        ParamGroup::new(split.decay, config(args.weight_decay)),
-        ParamGroup::new(split.no_decay, config(0.0)),
-    ])
-    .unwrap();
-    let mut opt = acc.prepare(opt).unwrap();
+    assert_eq!(
+        split_decay(params.clone()).no_decay.len(),
+        2,
+        "the biases take no weight decay"
+    );
+    let mut opt = reference_adamw(&mut acc, params, args);
     let loader = DataLoader::new(dataset(50, 1), args.per_device_train_batch_size)
         .shuffle(true)
         .seed(args.seed);
@@ -122,15 +113,6 @@ fn the_trainer_gives_the_parameters_of_the_equivalent_accelerator_loop_bitwise()
     for (name, v) in &expected {
         let t = saved[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(&t, v, "{name}");
-    }
-}
-
-/// Stops the loop after `step`, as a kill after that checkpoint would.
-struct StopAt(u64);
-
-impl TrainerCallback for StopAt {
-    fn on_step_end(&mut self, _: &TrainingArguments, s: &TrainerState, c: &mut TrainerControl) {
-        c.should_training_stop |= s.global_step == self.0;
     }
 }
 

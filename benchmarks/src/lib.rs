@@ -111,6 +111,16 @@ pub fn report_value(report: &str, key: &str, what: &str) -> Result<f64> {
         .with_context(|| format!("no {key}= in {what}'s report:\n{report}"))
 }
 
+/// `VmHWM` (peak resident set) of this process in KiB.
+pub fn peak_resident_kib() -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM line in /proc/self/status (Linux only)")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -143,3 +143,42 @@ pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R +
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// The reference loops' optimizer, written out apart from the Trainer: AdamW with PyTorch's
+/// betas and epsilon, weight decay on the weights and none on the biases (Hugging Face's split),
+/// prepared on `acc`.
+pub fn reference_adamw(
+    acc: &mut accelerate_core::Accelerator,
+    params: Vec<(String, candle_core::Var)>,
+    args: &accelerate_trainer::TrainingArguments,
+) -> accelerate_core::PreparedOptimizer<accelerate_core::optim::AdamW> {
+    use accelerate_core::optim::{split_decay, AdamW, AdamWConfig, ParamGroup};
+    let split = split_decay(params);
+    let config = |weight_decay| AdamWConfig {
+        lr: args.learning_rate,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay,
+    };
+    let opt = AdamW::with_groups(vec![
+        ParamGroup::new(split.decay, config(args.weight_decay)),
+        ParamGroup::new(split.no_decay, config(0.0)),
+    ])
+    .unwrap();
+    acc.prepare(opt).unwrap()
+}
+
+/// Stops the loop after `step`, as a kill after that checkpoint would.
+pub struct StopAt(pub u64);
+
+impl accelerate_trainer::TrainerCallback for StopAt {
+    fn on_step_end(
+        &mut self,
+        _: &accelerate_trainer::TrainingArguments,
+        s: &accelerate_trainer::TrainerState,
+        c: &mut accelerate_trainer::TrainerControl,
+    ) {
+        c.should_training_stop |= s.global_step == self.0;
+    }
+}
