@@ -15,7 +15,9 @@ use accelerate_core::optim::{LrScheduler, Schedule};
 use accelerate_core::AcceleratorBuilder;
 use accelerate_trainer::{ModelOutput, SchedulerType, Trainer, TrainerModel, TrainingArguments};
 use candle_core::{DType, Device, Tensor};
-use common::{named, ranks_as_threads, reference_adamw, tiny, values, Tiny, CLASSES, INPUTS};
+use common::{
+    equivalence_args, named, ranks_as_threads, reference_adamw, tiny, values, Tiny, CLASSES, INPUTS,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -86,23 +88,7 @@ fn token_dataset(n: usize) -> Arc<TensorDataset> {
 }
 
 /// 50 samples in batches of 4, windows of 3 (1 rank: 13 batches, 5 steps per epoch; 2 ranks: 7
-/// batches each, 3 steps per epoch); decay, warm-up, clipping.
-fn args(output_dir: &Path) -> TrainingArguments {
-    TrainingArguments {
-        output_dir: output_dir.to_path_buf(),
-        per_device_train_batch_size: 4,
-        gradient_accumulation_steps: 3,
-        learning_rate: 0.05,
-        weight_decay: 0.1,
-        max_grad_norm: 0.3,
-        num_train_epochs: 2.0,
-        warmup_steps: 2,
-        seed: SEED,
-        disable_tqdm: true,
-        ..Default::default()
-    }
-}
-
+/// batches each, 3 steps per epoch): the settings of [`equivalence_args`].
 const SAMPLES: usize = 50;
 
 /// One rank of the item-weighted Accelerator loop of `args`: windows of K batches, the window's
@@ -182,8 +168,10 @@ fn item_weighted_training_gives_the_accelerator_loop_bitwise_on_1_and_2_ranks() 
     let mut per_world = Vec::new();
     for ranks in [1, 2] {
         let out = dir.path().join(format!("out-{ranks}"));
-        let expected = ranks_as_threads(ranks, |b| accelerator_loop(b, &args(&out)));
-        let trained = ranks_as_threads(ranks, |b| trainer_run(b, args(&out)));
+        let expected = ranks_as_threads(ranks, |b| {
+            accelerator_loop(b, &equivalence_args(&out, SEED))
+        });
+        let trained = ranks_as_threads(ranks, |b| trainer_run(b, equivalence_args(&out, SEED)));
         for rank in 0..ranks {
             assert_eq!(trained[rank], expected[0], "{ranks} ranks, rank {rank}");
             assert_eq!(expected[rank], expected[0], "{ranks} ranks, rank {rank}");

@@ -8,92 +8,25 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use accelerate_core::data::DataLoader;
-use accelerate_core::optim::{split_decay, LrScheduler, Schedule};
 use accelerate_core::{Accelerator, TrackerKind};
 use accelerate_trainer::{
     EarlyStoppingCallback, IntervalStrategy, Metrics, ReportTo, ResumeFrom, SaveStrategy, Trainer,
     TrainerCallback, TrainerControl, TrainerState, TrainingArguments,
 };
-use common::{dataset, per_sample_loss, reference_adamw, tiny, values, StopAt};
+use common::{dataset, equivalence_args, reference_loop, tiny, values, StopAt};
 
 const SEED: u64 = 11;
-
-/// 50 samples in batches of 4: 13 batches per epoch, in windows of 3 (the last window holds one
-/// batch), 5 optimizer steps per epoch; decay, warm-up, clipping that bites.
-fn equivalence_args(output_dir: &Path) -> TrainingArguments {
-    TrainingArguments {
-        output_dir: output_dir.to_path_buf(),
-        per_device_train_batch_size: 4,
-        gradient_accumulation_steps: 3,
-        learning_rate: 0.05,
-        weight_decay: 0.1,
-        max_grad_norm: 0.3,
-        num_train_epochs: 2.0,
-        warmup_steps: 2,
-        seed: SEED,
-        disable_tqdm: true,
-        ..Default::default()
-    }
-}
-
-/// The same run as an Accelerator loop: what the Trainer must reproduce bit for bit.
-fn accelerator_loop(args: &TrainingArguments) -> Vec<(String, Vec<f32>)> {
-    let mut acc = Accelerator::builder()
-        .gradient_accumulation_steps(args.gradient_accumulation_steps)
-        .seed(args.seed)
-        .build()
-        .unwrap();
-    let (varmap, model) = tiny(SEED);
-    let params = acc.prepare(&varmap).unwrap();
-    assert_eq!(
-        split_decay(params.clone()).no_decay.len(),
-        2,
-        "the biases take no weight decay"
-    );
-    let mut opt = reference_adamw(&mut acc, params, args);
-    let loader = DataLoader::new(dataset(50, 1), args.per_device_train_batch_size)
-        .shuffle(true)
-        .seed(args.seed);
-    let mut loader = acc.prepare(loader).unwrap();
-    let total = acc.num_update_steps(loader.len()) * 2;
-    assert_eq!(total, 10);
-    let schedule = Schedule::LinearWarmupDecay {
-        warmup_steps: 2,
-        total_steps: total,
-    };
-    let mut sched = acc
-        .prepare(LrScheduler::new(opt.learning_rate_handle(), schedule).unwrap())
-        .unwrap();
-    let mut clipped = 0;
-    for _epoch in 0..2 {
-        for batch in loader.iter() {
-            let (x, y) = batch.unwrap();
-            let _step = acc.accumulate();
-            let loss = per_sample_loss(&model.logits(&x).unwrap(), &y)
-                .unwrap()
-                .mean_all()
-                .unwrap();
-            acc.backward(&loss).unwrap();
-            if acc.sync_gradients() {
-                let norm = acc.clip_grad_norm(args.max_grad_norm).unwrap().unwrap();
-                clipped += usize::from(norm > args.max_grad_norm);
-            }
-            opt.step().unwrap();
-            sched.step();
-            opt.zero_grad();
-        }
-    }
-    assert!(clipped > 0, "the settings must make clipping act");
-    assert_eq!(acc.optimizer_steps(), 10);
-    values(&varmap)
-}
 
 #[test]
 fn the_trainer_gives_the_parameters_of_the_equivalent_accelerator_loop_bitwise() {
     let dir = tempfile::tempdir().unwrap();
-    let args = equivalence_args(&dir.path().join("out"));
-    let expected = accelerator_loop(&args);
+    let args = equivalence_args(&dir.path().join("out"), SEED);
+    // 50 samples in batches of 4: 13 batches per epoch, in windows of 3 (the last window holds
+    // one batch), 5 optimizer steps per epoch.
+    let reference = reference_loop(Accelerator::builder(), &args, SEED, 50);
+    assert!(reference.clipped > 0, "the settings must make clipping act");
+    assert_eq!((reference.batches, reference.steps), (13, 10));
+    let expected = reference.params;
 
     let mut trainer = Trainer::new(args.clone()).unwrap();
     let (varmap, model) = tiny(SEED);
@@ -122,7 +55,7 @@ fn a_run_stopped_at_a_checkpoint_and_resumed_gives_the_uninterrupted_parameters_
     let args = TrainingArguments {
         save_steps: 2,
         logging_steps: 2,
-        ..equivalence_args(&dir.path().join("whole"))
+        ..equivalence_args(&dir.path().join("whole"), SEED)
     };
     let (whole, model) = tiny(SEED);
     Trainer::new(args.clone())
@@ -219,7 +152,7 @@ fn rotation_keeps_the_newest_and_the_best_and_the_best_is_loaded_at_the_end() {
         load_best_model_at_end: true,
         metric_for_best_model: Some("score".into()),
         greater_is_better: Some(true),
-        ..equivalence_args(&dir.path().join("out"))
+        ..equivalence_args(&dir.path().join("out"), SEED)
     };
     let (varmap, model) = tiny(SEED);
     let mut trainer = Trainer::new(args.clone()).unwrap();
@@ -273,7 +206,7 @@ fn without_a_best_to_keep_rotation_keeps_the_newest() {
         max_steps: Some(5),
         save_steps: 1,
         save_total_limit: Some(2),
-        ..equivalence_args(&dir.path().join("out"))
+        ..equivalence_args(&dir.path().join("out"), SEED)
     };
     let (varmap, model) = tiny(SEED);
     Trainer::new(args.clone())
@@ -295,7 +228,7 @@ fn early_stopping_stops_after_patience_evaluations_without_an_improvement_beyond
         eval_steps: Some(1),
         save_strategy: SaveStrategy::No,
         metric_for_best_model: Some("score".into()),
-        ..equivalence_args(&dir.path().join("out"))
+        ..equivalence_args(&dir.path().join("out"), SEED)
     };
     // Lower is better ("score" is not a loss, so say so).
     let args = TrainingArguments {
@@ -326,7 +259,7 @@ fn train_and_eval_losses_land_in_the_trackers_at_the_logging_and_eval_steps() {
         save_strategy: SaveStrategy::No,
         report_to: ReportTo(vec![TrackerKind::Jsonl]),
         logging_dir: Some(logs.clone()),
-        ..equivalence_args(&dir.path().join("out"))
+        ..equivalence_args(&dir.path().join("out"), SEED)
     };
     let (varmap, model) = tiny(SEED);
     let out = Trainer::new(args)
@@ -376,13 +309,13 @@ fn bad_arguments_and_inputs_are_refused_naming_the_fix() {
     let e = err(
         TrainingArguments {
             eval_strategy: IntervalStrategy::Steps,
-            ..equivalence_args(&out)
+            ..equivalence_args(&out, SEED)
         },
         false,
     );
     assert!(e.contains("no eval dataset"), "{e}");
     std::fs::create_dir_all(out.join("checkpoint-7")).unwrap();
-    let e = err(equivalence_args(&out), false);
+    let e = err(equivalence_args(&out, SEED), false);
     assert!(
         e.contains("checkpoint-7") && e.contains("resume_from_checkpoint"),
         "{e}"
@@ -390,7 +323,7 @@ fn bad_arguments_and_inputs_are_refused_naming_the_fix() {
     let e = err(
         TrainingArguments {
             resume_from_checkpoint: Some(ResumeFrom::Checkpoint(out.join("checkpoint-99"))),
-            ..equivalence_args(&out)
+            ..equivalence_args(&out, SEED)
         },
         false,
     );
@@ -398,7 +331,7 @@ fn bad_arguments_and_inputs_are_refused_naming_the_fix() {
     let e = err(
         TrainingArguments {
             per_device_train_batch_size: 0,
-            ..equivalence_args(&dir.path().join("other"))
+            ..equivalence_args(&dir.path().join("other"), SEED)
         },
         false,
     );
@@ -461,7 +394,7 @@ fn early_stopping_counts_the_evaluations_before_a_resume() {
         save_steps: 1,
         metric_for_best_model: Some("score".into()),
         greater_is_better: Some(false),
-        ..equivalence_args(&dir.path().join(name))
+        ..equivalence_args(&dir.path().join(name), SEED)
     };
     assert_eq!(early_stopped_run(&args("whole"), None), 5);
     // Stopped after step 4: two evaluations without improvement so far, in the checkpoint's log
@@ -485,7 +418,7 @@ fn early_stopping_watches_eval_loss_without_metric_for_best_model() {
         eval_strategy: IntervalStrategy::Steps,
         eval_steps: Some(1),
         save_strategy: SaveStrategy::No,
-        ..equivalence_args(&dir.path().join("out"))
+        ..equivalence_args(&dir.path().join("out"), SEED)
     };
     assert_eq!(args.metric_for_best_model, None);
     let (varmap, model) = tiny(SEED);

@@ -182,3 +182,103 @@ impl accelerate_trainer::TrainerCallback for StopAt {
         c.should_training_stop |= s.global_step == self.0;
     }
 }
+
+/// The settings of the equivalence tests, for both the Trainer and the reference loops:
+/// batches of 4 accumulated over 3, weight decay on the weights only, 2 warm-up steps of a
+/// linear schedule, clipping that bites, 2 epochs.
+pub fn equivalence_args(
+    output_dir: &std::path::Path,
+    seed: u64,
+) -> accelerate_trainer::TrainingArguments {
+    accelerate_trainer::TrainingArguments {
+        output_dir: output_dir.to_path_buf(),
+        per_device_train_batch_size: 4,
+        gradient_accumulation_steps: 3,
+        learning_rate: 0.05,
+        weight_decay: 0.1,
+        max_grad_norm: 0.3,
+        num_train_epochs: 2.0,
+        warmup_steps: 2,
+        seed,
+        disable_tqdm: true,
+        ..Default::default()
+    }
+}
+
+/// What one rank of [`reference_loop`] ended with.
+pub struct ReferenceRun {
+    /// The parameters, by name.
+    pub params: Vec<(String, Vec<f32>)>,
+    /// Optimizer steps whose gradient clipping scaled down.
+    pub clipped: usize,
+    /// Batches of one epoch on this rank.
+    pub batches: usize,
+    /// Optimizer steps taken (also the length of the schedule).
+    pub steps: u64,
+}
+
+/// One rank of the Accelerator loop of `args`, written out apart from the Trainer: the tiny
+/// classifier seeded `seed` on `dataset(samples, 1)`, the mean per-sample cross-entropy,
+/// [`reference_adamw`], a linear warm-up schedule over every step of the run, clipping on sync
+/// micro-steps.
+pub fn reference_loop(
+    builder: AcceleratorBuilder,
+    args: &accelerate_trainer::TrainingArguments,
+    seed: u64,
+    samples: usize,
+) -> ReferenceRun {
+    use accelerate_core::data::DataLoader;
+    use accelerate_core::optim::{split_decay, LrScheduler, Schedule};
+    let mut acc = builder
+        .gradient_accumulation_steps(args.gradient_accumulation_steps)
+        .seed(args.seed)
+        .build()
+        .unwrap();
+    let (varmap, model) = tiny(seed);
+    let params = acc.prepare(&varmap).unwrap();
+    assert_eq!(
+        split_decay(params.clone()).no_decay.len(),
+        2,
+        "the biases take no weight decay"
+    );
+    let mut opt = reference_adamw(&mut acc, params, args);
+    let loader = DataLoader::new(dataset(samples, 1), args.per_device_train_batch_size)
+        .shuffle(true)
+        .seed(args.seed);
+    let mut loader = acc.prepare(loader).unwrap();
+    let epochs = args.num_train_epochs as usize;
+    let total = acc.num_update_steps(loader.len()) * epochs;
+    let schedule = Schedule::LinearWarmupDecay {
+        warmup_steps: args.warmup_steps,
+        total_steps: total,
+    };
+    let mut sched = acc
+        .prepare(LrScheduler::new(opt.learning_rate_handle(), schedule).unwrap())
+        .unwrap();
+    let mut clipped = 0;
+    for _epoch in 0..epochs {
+        for batch in loader.iter() {
+            let (x, y) = batch.unwrap();
+            let _step = acc.accumulate();
+            let loss = per_sample_loss(&model.logits(&x).unwrap(), &y)
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            acc.backward(&loss).unwrap();
+            if acc.sync_gradients() {
+                let norm = acc.clip_grad_norm(args.max_grad_norm).unwrap().unwrap();
+                clipped += usize::from(norm > args.max_grad_norm);
+            }
+            opt.step().unwrap();
+            sched.step();
+            opt.zero_grad();
+        }
+    }
+    assert_eq!(acc.optimizer_steps(), total as u64);
+    ReferenceRun {
+        params: values(&varmap),
+        clipped,
+        batches: loader.len(),
+        steps: total as u64,
+    }
+}
