@@ -110,16 +110,7 @@ pub fn dataset(n: usize, seed: u64) -> Arc<TensorDataset> {
 /// Runs `f` on `n` ranks that are threads of this process (joined as under torchrun, rank 0
 /// hosting the store on loopback) and returns each rank's result in rank order.
 pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R + Sync) -> Vec<R> {
-    let port = loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            break p;
-        }
-    };
+    let port = free_port_pair();
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
@@ -142,6 +133,31 @@ pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R +
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// A loopback port p, with p + 1 (the store's), that were free a moment ago and that no other
+/// test of this process has been given: tests run in parallel threads, and two that found the
+/// same free port (or one whose store takes the other's p + 1) would join each other's jobs.
+/// (The integration tests' `free_ports` in tests/support.rs does the same for that crate.)
+fn free_port_pair() -> u16 {
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let free = p < u16::MAX
+            && !given.contains(&p)
+            && !given.contains(&(p + 1))
+            && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok();
+        if free {
+            given.extend([p, p + 1]);
+            return p;
+        }
+    }
 }
 
 /// The reference loops' optimizer, written out apart from the Trainer: AdamW with PyTorch's
