@@ -39,15 +39,19 @@ pub fn list(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
-/// The newest complete checkpoint in `output_dir`, if any: one with its `trainer_state.json`,
-/// which is written after the accelerator's state, so a run stopped between the two resumes from
-/// the checkpoint before (the incomplete one is replaced when that step is saved again).
-pub fn latest(output_dir: &Path) -> Result<Option<PathBuf>> {
-    Ok(list(output_dir)?
-        .into_iter()
-        .rev()
-        .map(|(_, path)| path)
-        .find(|path| path.join(TRAINER_STATE_NAME).is_file()))
+/// The newest complete checkpoint in `output_dir`, if any, and the newer incomplete ones passed
+/// over (newest first). Complete means with its `trainer_state.json`, which is written after the
+/// accelerator's state, so a run stopped between the two resumes from the checkpoint before (the
+/// incomplete one is replaced when that step is saved again).
+pub fn latest(output_dir: &Path) -> Result<(Option<PathBuf>, Vec<PathBuf>)> {
+    let mut incomplete = Vec::new();
+    for (_, path) in list(output_dir)?.into_iter().rev() {
+        if path.join(TRAINER_STATE_NAME).is_file() {
+            return Ok((Some(path), incomplete));
+        }
+        incomplete.push(path);
+    }
+    Ok((None, incomplete))
 }
 
 /// Deletes the oldest checkpoints until at most `limit` remain, never `written` (the checkpoint

@@ -255,13 +255,12 @@ impl Trainer {
         let output_dir = &self.args.output_dir;
         match &self.args.resume_from_checkpoint {
             Some(ResumeFrom::Latest) => {
-                let latest = checkpoints::latest(output_dir)?;
-                let newest = checkpoints::list(output_dir)?.pop().map(|(_, dir)| dir);
-                if let Some(newest) = newest.filter(|n| Some(n) != latest.as_ref()) {
+                let (latest, incomplete) = checkpoints::latest(output_dir)?;
+                for skipped in &incomplete {
                     self.acc.print(format!(
                         "resume_from_checkpoint: {} has no {TRAINER_STATE_NAME} (a save cut \
                          short); resuming from {}",
-                        newest.display(),
+                        skipped.display(),
                         latest
                             .as_deref()
                             .map_or("the start".into(), |d| d.display().to_string())
