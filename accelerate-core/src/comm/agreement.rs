@@ -338,4 +338,38 @@ mod tests {
         );
         assert!(err.contains("pad_across_processes"), "{err}");
     }
+
+    #[test]
+    fn outputs_are_part_of_the_signature_and_named() {
+        let t = |n: usize, dtype: DType| Tensor::zeros(n, dtype, &Device::Cpu).unwrap();
+        let rs = Collective::ReduceScatter(ReduceOp::Sum);
+        let input = t(8, DType::F32);
+        let pair = |output: &Tensor| Signature::of_pair(rs, &input, output).words();
+        let same = [pair(&t(4, DType::F32)), pair(&t(4, DType::F32))].concat();
+        check(rs, &same).unwrap();
+
+        let strided = t(8, DType::F32)
+            .reshape((4, 2))
+            .unwrap()
+            .narrow(1, 0, 1)
+            .unwrap();
+        let shared = input.narrow(0, 0, 4).unwrap();
+        for (output, needle) in [
+            (
+                t(5, DType::F32),
+                "rank 1: reduce_scatter (Sum) of 8 f32 elements into 5 f32",
+            ),
+            (t(4, DType::F64), "into 4 f64 elements"),
+            (strided, "into 4 f32 elements, not contiguous"),
+            (shared, "into 4 f32 elements, sharing the input's storage"),
+        ] {
+            let words = [pair(&t(4, DType::F32)), pair(&output)].concat();
+            let err = check(rs, &words).unwrap_err().to_string();
+            assert!(
+                err.contains("rank 0: reduce_scatter (Sum) of 8 f32 elements into 4 f32 elements;")
+                    && err.contains(needle),
+                "{err}"
+            );
+        }
+    }
 }
