@@ -5,7 +5,8 @@
 //! Every rank calls [`check_communicator`] with its communicator and the backend's device. The
 //! same checks run on tensors on the host and on that device (once when it is the host): every
 //! dtype of the contract, a whole tensor and a view with an offset into a larger buffer, every
-//! operation (all-reduce Sum/Mean/Max, broadcast from the last rank, all-gather, barrier), layouts
+//! operation (all-reduce Sum/Mean/Max, broadcast from the last rank, all-gather, reduce-scatter
+//! and all-gather into preallocated outputs, with and without the agreement, barrier), layouts
 //! the contract refuses or accepts, and ranks passing tensors of different sizes, dtypes or
 //! shapes. Expected values come from formulas of the rank and the index, computed here directly.
 
@@ -124,10 +125,11 @@ fn check_buffer(
     tolerance: impl Fn(usize) -> f64,
 ) -> Result<(), String> {
     let got = values(buffer)?;
+    let len = want.len();
     let (view, around): (Vec<f64>, Vec<f64>) = if offset {
-        let view = got[BEFORE..BEFORE + LEN].to_vec();
+        let view = got[BEFORE..(BEFORE + len).min(got.len())].to_vec();
         let mut around = got[..BEFORE].to_vec();
-        around.extend(&got[BEFORE + LEN..]);
+        around.extend(&got[(BEFORE + len).min(got.len())..]);
         (view, around)
     } else {
         (got.clone(), Vec::new())
@@ -163,7 +165,9 @@ pub fn check_communicator(comm: &dyn Communicator, device: &Device) -> Result<()
             }
         }
         check_layouts(comm, placement)?;
+        check_output_refusals(comm, placement)?;
         check_disagreements(comm, placement)?;
+        check_output_disagreements(comm, placement)?;
     }
     comm.barrier()
         .map_err(|e| fail(comm.rank(), format!("final barrier: {e}")))?;
@@ -267,6 +271,135 @@ fn check_dtype_and_layout(
     // The input is untouched by the gather.
     if values(&view)? != (0..LEN).map(|i| value(r, i, dtype)).collect::<Vec<_>>() {
         return Err(fail(r, format!("all_gather of {case} changed its input")));
+    }
+
+    for agreed in [false, true] {
+        check_reduce_scatter(comm, placement, dtype, offset, agreed, &case)?;
+        check_all_gather_into(comm, placement, dtype, offset, agreed, &case)?;
+    }
+    Ok(())
+}
+
+/// A buffer on `device` of `len` elements (plus the sentinels around when `offset`), all
+/// [`SENTINEL`]s, and the view of it that a collective writes.
+fn sentinel_output(
+    len: usize,
+    dtype: DType,
+    device: &Device,
+    offset: bool,
+) -> Result<(Tensor, Tensor), String> {
+    let total = if offset { BEFORE + len + AFTER } else { len };
+    let buffer = tensor(&vec![SENTINEL; total], dtype, device)?;
+    let view = if offset {
+        buffer.narrow(0, BEFORE, len).map_err(|e| e.to_string())?
+    } else {
+        buffer.clone()
+    };
+    Ok((buffer, view))
+}
+
+/// Reduce-scatter (every op) of `world_size` blocks of [`LEN`] elements of this rank's
+/// [`value`]s into a sentinel-filled output (a view with an offset when `offset`, which the
+/// input is too): block `r` of the reduction lands in rank `r`'s output, nothing around it
+/// changes, the input is left as it was.
+fn check_reduce_scatter(
+    comm: &dyn Communicator,
+    placement: &Device,
+    dtype: DType,
+    offset: bool,
+    agreed: bool,
+    case: &str,
+) -> Result<(), String> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let name = if agreed {
+        "reduce_scatter_agreed"
+    } else {
+        "reduce_scatter"
+    };
+    let mine: Vec<f64> = (0..w * LEN).map(|i| value(r, i, dtype)).collect();
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+        let input = if offset {
+            let mut all = vec![SENTINEL; BEFORE];
+            all.extend(&mine);
+            tensor(&all, dtype, placement)?
+                .narrow(0, BEFORE, w * LEN)
+                .map_err(|e| e.to_string())?
+        } else {
+            tensor(&mine, dtype, placement)?
+        };
+        let (buffer, output) = sentinel_output(LEN, dtype, placement, offset)?;
+        let result = if agreed {
+            comm.reduce_scatter_agreed(&input, &output, op)
+        } else {
+            comm.reduce_scatter(&input, &output, op)
+        };
+        result.map_err(|e| fail(r, format!("{name} {op:?} of {case}: {e}")))?;
+        let want: Vec<f64> = (0..LEN)
+            .map(|j| reduced(w, r * LEN + j, dtype, op))
+            .collect();
+        let exact = op != ReduceOp::Mean || !dtype.is_float();
+        check_buffer(
+            r,
+            &format!("{name} {op:?} of {case}"),
+            &buffer,
+            offset,
+            &want,
+            |j| {
+                if exact {
+                    0.0
+                } else {
+                    mean_tolerance(w, r * LEN + j, dtype)
+                }
+            },
+        )?;
+        if values(&input)? != mine {
+            return Err(fail(
+                r,
+                format!("{name} {op:?} of {case} changed its input"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// All-gather of this rank's [`LEN`] [`value`]s into a sentinel-filled output of
+/// `world_size` blocks (views with an offset when `offset`): every rank's block in rank order,
+/// nothing around it changed, the input left as it was.
+fn check_all_gather_into(
+    comm: &dyn Communicator,
+    placement: &Device,
+    dtype: DType,
+    offset: bool,
+    agreed: bool,
+    case: &str,
+) -> Result<(), String> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let name = if agreed {
+        "all_gather_into_agreed"
+    } else {
+        "all_gather_into"
+    };
+    let (_, input) = buffer_and_view(r, dtype, placement, offset)?;
+    let (buffer, output) = sentinel_output(w * LEN, dtype, placement, offset)?;
+    let result = if agreed {
+        comm.all_gather_into_agreed(&input, &output)
+    } else {
+        comm.all_gather_into(&input, &output)
+    };
+    result.map_err(|e| fail(r, format!("{name} of {case}: {e}")))?;
+    let want: Vec<f64> = (0..w)
+        .flat_map(|k| (0..LEN).map(move |i| value(k, i, dtype)))
+        .collect();
+    check_buffer(
+        r,
+        &format!("{name} of {case}"),
+        &buffer,
+        offset,
+        &want,
+        |_| 0.0,
+    )?;
+    if values(&input)? != (0..LEN).map(|i| value(r, i, dtype)).collect::<Vec<_>>() {
+        return Err(fail(r, format!("{name} of {case} changed its input")));
     }
     Ok(())
 }
@@ -457,5 +590,181 @@ fn check_disagreements(comm: &dyn Communicator, placement: &Device) -> Result<()
         "all_gather with different shapes",
         comm.all_gather(&t).map(|_| ()),
         &["in 3 rows".into(), "pad_across_processes".into()],
+    )
+}
+
+/// Outputs the contract refuses for `reduce_scatter` and `all_gather_into`, passed alike by
+/// every rank: each refuses with an error naming the problem (and both counts and the world size
+/// for a size), and the ranks stay in step.
+fn check_output_refusals(comm: &dyn Communicator, placement: &Device) -> Result<(), String> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let s = |e: candle_core::Error| fail(r, e.to_string());
+    let on = format!("on {:?}", placement.location());
+    let zeros = |n: usize, dtype: DType| Tensor::zeros(n, dtype, placement).map_err(s);
+    let expect = |what: &str, result: accelerate_core::Result<()>, needles: &[String]| {
+        let err = match result {
+            Ok(()) => return Err(fail(r, format!("{what} {on} was accepted"))),
+            Err(e) => e.to_string(),
+        };
+        if let Some(missing) = needles.iter().find(|n| !err.contains(n.as_str())) {
+            return Err(fail(
+                r,
+                format!("{what} {on}: the error does not say {missing:?}: {err}"),
+            ));
+        }
+        check_still_in_step(comm, placement, what)
+    };
+    let sum = ReduceOp::Sum;
+
+    let input = zeros(w * LEN, DType::F32)?;
+    expect(
+        "reduce_scatter into an output of the wrong size",
+        comm.reduce_scatter(&input, &zeros(LEN + 1, DType::F32)?, sum),
+        &[
+            "reduce_scatter".into(),
+            format!("input of {} elements, output of {}", w * LEN, LEN + 1),
+            format!("on {w} ranks"),
+        ],
+    )?;
+    expect(
+        "reduce_scatter of an input that is not world_size blocks",
+        comm.reduce_scatter(
+            &zeros(w * LEN + 1, DType::F32)?,
+            &zeros(LEN, DType::F32)?,
+            sum,
+        ),
+        &[
+            format!("input of {} elements, output of {LEN}", w * LEN + 1),
+            "pad the input".into(),
+        ],
+    )?;
+    expect(
+        "reduce_scatter into a view of its own input",
+        comm.reduce_scatter(&input, &input.narrow(0, 0, LEN).map_err(s)?, sum),
+        &["shares its storage with the input".into()],
+    )?;
+    // Every other element of a buffer twice as long: LEN elements, not contiguous.
+    let strided = zeros(2 * LEN, DType::F32)?
+        .reshape((LEN, 2))
+        .and_then(|t| t.narrow(1, 0, 1))
+        .map_err(s)?;
+    expect(
+        "reduce_scatter into a non-contiguous output",
+        comm.reduce_scatter(&input, &strided, sum),
+        &["not contiguous".into()],
+    )?;
+    expect(
+        "reduce_scatter into an output of another dtype",
+        comm.reduce_scatter(&input, &zeros(LEN, DType::F64)?, sum),
+        &["the output is F64 but the input is F32".into()],
+    )?;
+    expect(
+        "reduce_scatter of a dtype that does not travel",
+        comm.reduce_scatter(&zeros(w * LEN, DType::I32)?, &zeros(LEN, DType::I32)?, sum),
+        &["I32".into()],
+    )?;
+    expect(
+        "all_gather_into an output of the wrong size",
+        comm.all_gather_into(&zeros(LEN, DType::F32)?, &zeros(w * LEN - 1, DType::F32)?),
+        &[
+            "all_gather_into".into(),
+            format!("input of {LEN} elements, output of {}", w * LEN - 1),
+            format!("on {w} ranks"),
+        ],
+    )?;
+    let buffer = zeros((w + 1) * LEN, DType::F32)?;
+    expect(
+        "all_gather_into an output sharing the input's storage",
+        comm.all_gather_into(
+            &buffer.narrow(0, 0, LEN).map_err(s)?,
+            &buffer.narrow(0, LEN, w * LEN).map_err(s)?,
+        ),
+        &["shares its storage with the input".into()],
+    )
+}
+
+/// The last rank passes other tensors to `reduce_scatter` and `all_gather_into` (another block
+/// size, a size that does not fit, a non-contiguous output): every rank refuses, naming what each
+/// passed, instead of waiting for the others; the ranks stay in step.
+fn check_output_disagreements(comm: &dyn Communicator, placement: &Device) -> Result<(), String> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    if w == 1 {
+        return Ok(());
+    }
+    let odd = r == w - 1;
+    let s = |e: candle_core::Error| fail(r, e.to_string());
+    let on = format!("on {:?}", placement.location());
+    let zeros = |n: usize| Tensor::zeros(n, DType::F32, placement).map_err(s);
+    let expect = |what: &str, result: accelerate_core::Result<()>, needles: &[String]| {
+        let err = match result {
+            Ok(()) => {
+                return Err(fail(
+                    r,
+                    format!("{what} {on} was accepted although rank {} differs", w - 1),
+                ))
+            }
+            Err(e) => e.to_string(),
+        };
+        if let Some(missing) = needles.iter().find(|n| !err.contains(n.as_str())) {
+            return Err(fail(
+                r,
+                format!("{what} {on}: the error does not say {missing:?}: {err}"),
+            ));
+        }
+        check_still_in_step(comm, placement, what)
+    };
+    let last = format!("rank {}:", w - 1);
+
+    // Another block size, valid on each rank by itself.
+    let block = if odd { LEN + 1 } else { LEN };
+    expect(
+        "reduce_scatter with different block sizes",
+        comm.reduce_scatter(&zeros(w * block)?, &zeros(block)?, ReduceOp::Mean),
+        &[
+            format!(
+                "reduce_scatter (Mean) of {} f32 elements into {LEN} f32 elements",
+                w * LEN
+            ),
+            format!(
+                "{last} reduce_scatter (Mean) of {} f32 elements into {} f32 elements",
+                w * (LEN + 1),
+                LEN + 1
+            ),
+        ],
+    )?;
+    // A size that does not fit on the last rank only: refused by all, not by it alone.
+    let output = if odd { zeros(LEN + 1)? } else { zeros(LEN)? };
+    expect(
+        "reduce_scatter with a wrong output size on one rank",
+        comm.reduce_scatter(&zeros(w * LEN)?, &output, ReduceOp::Sum),
+        &[format!(
+            "{last} reduce_scatter (Sum) of {} f32 elements into {} f32 elements",
+            w * LEN,
+            LEN + 1
+        )],
+    )?;
+    // A non-contiguous output on the last rank only.
+    let output = if odd {
+        zeros(2 * LEN)?
+            .reshape((LEN, 2))
+            .and_then(|t| t.narrow(1, 0, 1))
+            .map_err(s)?
+    } else {
+        zeros(LEN)?
+    };
+    expect(
+        "reduce_scatter with a non-contiguous output on one rank",
+        comm.reduce_scatter(&zeros(w * LEN)?, &output, ReduceOp::Sum),
+        &[format!("{last} reduce_scatter (Sum) of {} f32 elements into {LEN} f32 elements, not contiguous", w * LEN)],
+    )?;
+    // All-gather of other block sizes.
+    expect(
+        "all_gather_into with different block sizes",
+        comm.all_gather_into(&zeros(block)?, &zeros(w * block)?),
+        &[format!(
+            "{last} all_gather_into of {} f32 elements into {} f32 elements",
+            LEN + 1,
+            w * (LEN + 1)
+        )],
     )
 }

@@ -26,9 +26,12 @@ pub(crate) struct Signature {
     op: i64,
     /// Elements of the tensor.
     count: i64,
-    /// The dtype, as [`dtype_code`].
+    /// The dtype, as [`dtype_code`]; for the collectives into a preallocated output, above it
+    /// (from bit 8) the output's dtype code and layout (`output_form`), so that every check made
+    /// before the data moves sees the same tensors on every rank.
     dtype: i64,
-    /// The root of a broadcast; for an all-gather, the length of dimension 0; 0 otherwise.
+    /// The root of a broadcast; for an all-gather, the length of dimension 0; for the
+    /// collectives into a preallocated output, the output's element count; 0 otherwise.
     extra: i64,
 }
 
@@ -41,6 +44,10 @@ pub(crate) enum Collective {
     Broadcast(usize),
     /// `all_gather`.
     AllGather,
+    /// `reduce_scatter` with this reduction.
+    ReduceScatter(ReduceOp),
+    /// `all_gather_into`.
+    AllGatherInto,
 }
 
 impl Collective {
@@ -50,6 +57,8 @@ impl Collective {
             Collective::AllReduce(_) => "all_reduce",
             Collective::Broadcast(_) => "broadcast",
             Collective::AllGather => "all_gather",
+            Collective::ReduceScatter(_) => "reduce_scatter",
+            Collective::AllGatherInto => "all_gather_into",
         }
     }
 }
@@ -64,12 +73,26 @@ impl Signature {
             Collective::Broadcast(root) => (4, root as i64),
             // Rows must agree too: the result's shape is built from this rank's dimensions.
             Collective::AllGather => (5, tensor.dims().first().copied().unwrap_or(1) as i64),
+            // Described by `of_pair`; with one tensor, only the operation is known.
+            Collective::ReduceScatter(op) => (reduce_scatter_code(op), 0),
+            Collective::AllGatherInto => (9, 0),
         };
         Self {
             op,
             count: tensor.elem_count() as i64,
             dtype: dtype_code(tensor.dtype()),
             extra,
+        }
+    }
+
+    /// The signature of a collective into a preallocated `output` (`reduce_scatter`,
+    /// `all_gather_into`) reading `input`: both sizes, both dtypes and the output's layout.
+    pub(crate) fn of_pair(collective: Collective, input: &Tensor, output: &Tensor) -> Self {
+        let one = Self::of(collective, input);
+        Self {
+            extra: output.elem_count() as i64,
+            dtype: one.dtype | output_form(input, output) << FORM_SHIFT,
+            ..one
         }
     }
 
@@ -94,17 +117,36 @@ impl Signature {
             3 => "all_reduce (Max)".to_string(),
             4 => format!("broadcast from rank {}", self.extra),
             5 => "all_gather".to_string(),
+            6 => "reduce_scatter (Sum)".to_string(),
+            7 => "reduce_scatter (Mean)".to_string(),
+            8 => "reduce_scatter (Max)".to_string(),
+            9 => "all_gather_into".to_string(),
             other => format!("an unknown collective ({other})"),
         };
-        let rows = if self.op == 5 {
-            format!(" in {} rows", self.extra)
-        } else {
-            String::new()
+        let form = self.dtype >> FORM_SHIFT;
+        let rows = match self.op {
+            5 => format!(" in {} rows", self.extra),
+            6..=9 => format!(
+                " into {} {} elements{}{}",
+                self.extra,
+                describe_dtype_code(form & 0xff),
+                if form & NON_CONTIGUOUS != 0 {
+                    ", not contiguous"
+                } else {
+                    ""
+                },
+                if form & SHARED != 0 {
+                    ", sharing the input's storage"
+                } else {
+                    ""
+                }
+            ),
+            _ => String::new(),
         };
         format!(
             "{op} of {} {} elements{rows}",
             self.count,
-            describe_dtype_code(self.dtype)
+            describe_dtype_code(self.dtype & 0xff)
         )
     }
 }
@@ -152,6 +194,8 @@ pub(crate) fn check(collective: Collective, gathered: &[i64]) -> Result<()> {
     let hint = if signatures.iter().all(|s| s.op == first.op) && first.op == 5 {
         "; to gather tensors of different lengths, pad them first with \
          Accelerator::pad_across_processes"
+    } else if signatures.iter().any(|s| (6..=9).contains(&s.op)) {
+        " (and an output of the same size, dtype and layout)"
     } else {
         ""
     };
@@ -165,6 +209,34 @@ pub(crate) fn check(collective: Collective, gathered: &[i64]) -> Result<()> {
             described.join("; ")
         ),
     })
+}
+
+/// Where the output's form starts in the dtype word of a signature.
+const FORM_SHIFT: u32 = 8;
+/// Bit of [`output_form`]: the output is not contiguous.
+const NON_CONTIGUOUS: i64 = 1 << 8;
+/// Bit of [`output_form`]: the output shares the input's storage.
+const SHARED: i64 = 1 << 9;
+
+/// The op code of `reduce_scatter` with `op`.
+fn reduce_scatter_code(op: ReduceOp) -> i64 {
+    match op {
+        ReduceOp::Sum => 6,
+        ReduceOp::Mean => 7,
+        ReduceOp::Max => 8,
+    }
+}
+
+/// The output's dtype code and the layout facts the contract checks, in one word.
+fn output_form(input: &Tensor, output: &Tensor) -> i64 {
+    let mut form = dtype_code(output.dtype());
+    if !output.is_contiguous() {
+        form |= NON_CONTIGUOUS;
+    }
+    if super::contract::share_storage(input, output) {
+        form |= SHARED;
+    }
+    form
 }
 
 /// A stable number for each dtype, the same on every machine.
@@ -265,5 +337,39 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("pad_across_processes"), "{err}");
+    }
+
+    #[test]
+    fn outputs_are_part_of_the_signature_and_named() {
+        let t = |n: usize, dtype: DType| Tensor::zeros(n, dtype, &Device::Cpu).unwrap();
+        let rs = Collective::ReduceScatter(ReduceOp::Sum);
+        let input = t(8, DType::F32);
+        let pair = |output: &Tensor| Signature::of_pair(rs, &input, output).words();
+        let same = [pair(&t(4, DType::F32)), pair(&t(4, DType::F32))].concat();
+        check(rs, &same).unwrap();
+
+        let strided = t(8, DType::F32)
+            .reshape((4, 2))
+            .unwrap()
+            .narrow(1, 0, 1)
+            .unwrap();
+        let shared = input.narrow(0, 0, 4).unwrap();
+        for (output, needle) in [
+            (
+                t(5, DType::F32),
+                "rank 1: reduce_scatter (Sum) of 8 f32 elements into 5 f32",
+            ),
+            (t(4, DType::F64), "into 4 f64 elements"),
+            (strided, "into 4 f32 elements, not contiguous"),
+            (shared, "into 4 f32 elements, sharing the input's storage"),
+        ] {
+            let words = [pair(&t(4, DType::F32)), pair(&output)].concat();
+            let err = check(rs, &words).unwrap_err().to_string();
+            assert!(
+                err.contains("rank 0: reduce_scatter (Sum) of 8 f32 elements into 4 f32 elements;")
+                    && err.contains(needle),
+                "{err}"
+            );
+        }
     }
 }

@@ -4,7 +4,8 @@ use std::cell::Cell;
 
 use candle_core::Tensor;
 
-use super::contract::{check_dtype, check_in_place, gathered_dims};
+use super::contract::{check_dtype, check_in_place, check_into_output, gathered_dims, IntoOutput};
+use super::staging;
 use super::{CommStats, Communicator, ReduceOp};
 use crate::error::Result;
 
@@ -73,6 +74,29 @@ impl Communicator for LocalCommunicator {
             tensor.contiguous()?
         };
         Ok(copy.reshape(gathered_dims(tensor.dims(), 1))?)
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_agreed(input, output, op)
+    }
+
+    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, _op: ReduceOp) -> Result<()> {
+        check_into_output(IntoOutput::ReduceScatter, input, output, 1)?;
+        // Over one rank the reduction is the identity and the only block is the whole input.
+        staging::write_back(output, input)?;
+        self.count(|s| s.reduce_scatters += 1);
+        Ok(())
+    }
+
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.all_gather_into_agreed(input, output)
+    }
+
+    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        check_into_output(IntoOutput::AllGatherInto, input, output, 1)?;
+        staging::write_back(output, input)?;
+        self.count(|s| s.all_gathers += 1);
+        Ok(())
     }
 
     fn barrier(&self) -> Result<()> {

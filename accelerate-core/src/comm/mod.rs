@@ -54,12 +54,15 @@ pub struct CommStats {
     pub all_reduces: u64,
     /// Number of `broadcast` calls issued.
     pub broadcasts: u64,
-    /// Number of `all_gather` calls issued.
+    /// Number of `all_gather` and `all_gather_into` calls issued.
     pub all_gathers: u64,
+    /// Number of `reduce_scatter` calls issued.
+    pub reduce_scatters: u64,
     /// Number of `barrier` calls issued.
     pub barriers: u64,
-    /// Number of pre-flight agreements run (one per `all_reduce`, `broadcast` and `all_gather`
-    /// of a world of several ranks; see [`Communicator`]). Their bytes count in `bytes_sent`.
+    /// Number of pre-flight agreements run (one per `all_reduce`, `broadcast`, `all_gather`,
+    /// `reduce_scatter` and `all_gather_into` of a world of several ranks; see
+    /// [`Communicator`]). Their bytes count in `bytes_sent`.
     pub agreements: u64,
     /// Payload bytes this rank has sent to its peers.
     pub bytes_sent: u64,
@@ -101,6 +104,17 @@ pub struct CommStats {
 /// tensor, the inputs concatenated along dimension 0 in rank order (a 0-dimensional input gathers
 /// into a vector of `world_size` elements).
 ///
+/// **Into preallocated buffers.** [`reduce_scatter`](Self::reduce_scatter) and
+/// [`all_gather_into`](Self::all_gather_into) read an `input` and write an `output` the caller
+/// allocated (ZeRO's gradient and parameter shards). The blocks are flat, in rank order: a
+/// reduce-scatter's input holds `world_size` blocks of `output.elem_count()` elements, an
+/// all-gather's output `world_size` blocks of `input.elem_count()`. The input is only read (any
+/// layout); the output is written in place, so it must be contiguous (a view with an offset is
+/// fine, its neighbours untouched), of the input's dtype, and must not share storage with the
+/// input. Other sizes, dtypes or layouts are refused before any data moves, with an error naming
+/// both counts and the world size; the agreement compares both tensors' sizes, dtypes and layouts,
+/// so ranks that pass different ones all refuse instead of waiting for each other.
+///
 /// **Agreement.** Every rank must issue the same collectives in the same order. Before moving
 /// any data, `all_reduce`, `broadcast` and `all_gather` exchange each rank's signature (the
 /// operation, element count, dtype, broadcast root, gathered rows) in one tiny all-gather; when
@@ -134,6 +148,27 @@ pub trait Communicator {
     /// Concatenates `tensor` of every rank along dimension 0, in rank order. All ranks must pass
     /// the same shape; see `Accelerator::pad_across_processes` for ragged tensors.
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor>;
+
+    /// Reduces `input` over the ranks with `op` and writes this rank's block of the result into
+    /// `output`: `output[j] = op over ranks of input[rank * output.elem_count() + j]`. `input`
+    /// holds `world_size` blocks of `output.elem_count()` elements (flattened, rank order) and is
+    /// left unchanged. A ring reduce-scatter sends `(world_size - 1) / world_size` of `input` per
+    /// rank, half of an all-reduce of it. Runs the pre-flight agreement first.
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// [`reduce_scatter`](Self::reduce_scatter) without the pre-flight agreement, for sizes every
+    /// rank agreed on beforehand (see [`all_reduce_agreed`](Self::all_reduce_agreed) for what a
+    /// rank passing another size does).
+    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Writes rank `k`'s `input` into block `k` of `output`, on every rank: `output` holds
+    /// `world_size` blocks of `input.elem_count()` elements (flattened, rank order). The
+    /// preallocated form of [`all_gather`](Self::all_gather). Runs the pre-flight agreement first.
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()>;
+
+    /// [`all_gather_into`](Self::all_gather_into) without the pre-flight agreement, for sizes
+    /// every rank agreed on beforehand.
+    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()>;
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;

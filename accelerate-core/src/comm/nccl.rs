@@ -35,7 +35,7 @@ use candle_core::cuda_backend::cudarc::nccl::{result::NcclError, Comm, Id, NcclT
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
 
 use super::agreement::{self, Collective, Signature};
-use super::contract::{check_dtype, check_in_place};
+use super::contract::{check_dtype, check_in_place, check_into_output, IntoOutput};
 use super::liveness::{Liveness, Patience, Verdict};
 use super::staging;
 use super::store::Store;
@@ -332,10 +332,15 @@ impl NcclCommunicator {
     /// The pre-flight agreement (see [`agreement`]): every rank's signature of `collective` on
     /// `tensor`, gathered on the GPU and compared on the host.
     fn agree(&self, collective: Collective, tensor: &Tensor) -> Result<()> {
+        self.agree_on(collective, Signature::of(collective, tensor))
+    }
+
+    /// [`agree`](Self::agree) on a signature built by the caller.
+    fn agree_on(&self, collective: Collective, signature: Signature) -> Result<()> {
         if self.world_size == 1 {
             return Ok(());
         }
-        let words = Signature::of(collective, tensor).words();
+        let words = signature.words();
         let mine = Tensor::new(&words, &self.device)?;
         // Named as the collective it prepares: a peer that never comes is missing from that one.
         let all = self.all_gather_on_gpu(&mine, collective.name())?;
@@ -397,6 +402,21 @@ impl NcclCommunicator {
         // along dimension 0 of contiguous tensors.
         let dims = super::contract::gathered_dims(input.dims(), self.world_size);
         let out = Tensor::zeros(dims, input.dtype(), input.device())?;
+        self.pair_on_gpu(input, &out, op, PairKind::Gather)?;
+        Ok(out)
+    }
+
+    /// Runs `kind` from the contiguous `input` into the contiguous `output`, both on this GPU,
+    /// of one dtype, in separate storages (checked by the callers), with sizes NCCL's call
+    /// expects (`output` = W x `input` for a gather, `input` = W x `output` for a
+    /// reduce-scatter). The input's storage is read-locked while the output's is written.
+    fn pair_on_gpu(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: &'static str,
+        kind: PairKind,
+    ) -> Result<()> {
         let (storage, layout) = input.storage_and_layout();
         let Storage::Cuda(src) = &*storage else {
             return Err(Error::Collective {
@@ -413,35 +433,105 @@ impl NcclCommunicator {
                 problem: "internal: non-contiguous input".into(),
             })?;
         let comm = &self.comm;
-        self.with_slice_mut(&out, op, |dst| {
+        self.with_slice_mut(output, op, |dst| {
             use candle_core::cuda_backend::CudaStorageSlice as S;
-            fn gather<T: NcclType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+            fn pair<T: NcclType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
                 comm: &Comm,
+                kind: &PairKind,
                 src: &CudaSlice<T>,
                 (a, b): (usize, usize),
                 dst: &mut CudaSlice<T>,
                 (c, d): (usize, usize),
             ) -> std::result::Result<(), NcclError> {
-                comm.all_gather(&src.slice(a..b), &mut dst.slice_mut(c..d))
-                    .map(|_| ())
+                let (send, mut receive) = (src.slice(a..b), dst.slice_mut(c..d));
+                match kind {
+                    PairKind::Gather => comm.all_gather(&send, &mut receive).map(|_| ()),
+                    PairKind::ReduceScatter(nop) => {
+                        comm.reduce_scatter(&send, &mut receive, nop).map(|_| ())
+                    }
+                }
             }
+            let k = &kind;
             match (&src.slice, dst) {
-                (S::F32(s), DeviceSliceMut::F32(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::F16(s), DeviceSliceMut::F16(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::BF16(s), DeviceSliceMut::Bf16(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::F64(s), DeviceSliceMut::F64(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::I64(s), DeviceSliceMut::I64(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::U32(s), DeviceSliceMut::U32(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
-                (S::U8(s), DeviceSliceMut::U8(d, c, e)) => gather(comm, s, (a, b), d, (*c, *e)),
+                (S::F32(s), DeviceSliceMut::F32(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
+                (S::F16(s), DeviceSliceMut::F16(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
+                (S::BF16(s), DeviceSliceMut::Bf16(d, c, e)) => {
+                    pair(comm, k, s, (a, b), d, (*c, *e))
+                }
+                (S::F64(s), DeviceSliceMut::F64(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
+                (S::I64(s), DeviceSliceMut::I64(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
+                (S::U32(s), DeviceSliceMut::U32(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
+                (S::U8(s), DeviceSliceMut::U8(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
                 _ => Err(NcclError(
                     candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t::ncclInvalidArgument,
                 )),
             }
         })?;
         drop(storage);
-        self.watch(op)?;
-        Ok(out)
+        self.watch(op)
     }
+
+    /// Reduce-scatter from the contiguous `input` into the contiguous `output`, both on this GPU.
+    fn reduce_scatter_on_gpu(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let nop = nccl_op(op, input.dtype());
+        self.pair_on_gpu(
+            input,
+            output,
+            "reduce_scatter",
+            PairKind::ReduceScatter(nop),
+        )?;
+        if op == ReduceOp::Mean && !input.dtype().is_float() {
+            divide_integers(output, self.world_size)?;
+        }
+        // A ring reduce-scatter sends W - 1 blocks of the output's size.
+        let bytes = (output.elem_count() * output.dtype().size_in_bytes()) as u64;
+        let n = self.world_size as u64;
+        self.count(|s| {
+            s.reduce_scatters += 1;
+            s.bytes_sent += bytes * (n - 1);
+        });
+        Ok(())
+    }
+
+    /// Runs `kind` (checked against the contract, on any devices): a host input is copied to
+    /// this GPU, a host output staged through it and written back.
+    fn run_with_output(
+        &self,
+        kind: IntoOutput,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_into_output(kind, input, output, self.world_size)?;
+        let staged = self.check_device(input, kind.name())?;
+        self.check_device(output, kind.name())?;
+        let input = if staged {
+            staging::compact_copy(input, &self.device)?
+        } else {
+            input.contiguous()?
+        };
+        staging::in_place_on(output, &self.device, |out| match kind {
+            IntoOutput::ReduceScatter => self.reduce_scatter_on_gpu(&input, out, op),
+            IntoOutput::AllGatherInto => {
+                self.pair_on_gpu(&input, out, "all_gather_into", PairKind::Gather)?;
+                let bytes = (input.elem_count() * input.dtype().size_in_bytes()) as u64;
+                let n = self.world_size as u64;
+                self.count(|s| {
+                    s.all_gathers += 1;
+                    s.bytes_sent += bytes * (n - 1);
+                });
+                Ok(())
+            }
+        })
+    }
+}
+
+/// What [`NcclCommunicator::pair_on_gpu`] runs.
+enum PairKind {
+    /// `ncclAllGather`.
+    Gather,
+    /// `ncclReduceScatter` with this reduction.
+    ReduceScatter(NcclOp),
 }
 
 /// NCCL's reduction for `op` on `dtype`. Integer `Mean` is summed here and divided afterwards
@@ -556,6 +646,31 @@ impl Communicator for NcclCommunicator {
         } else {
             out
         })
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.check_device(input, "reduce_scatter")?;
+        self.check_device(output, "reduce_scatter")?;
+        let collective = Collective::ReduceScatter(op);
+        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
+        self.reduce_scatter_agreed(input, output, op)
+    }
+
+    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.run_with_output(IntoOutput::ReduceScatter, input, output, op)
+    }
+
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.check_device(input, "all_gather_into")?;
+        self.check_device(output, "all_gather_into")?;
+        let collective = Collective::AllGatherInto;
+        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
+        self.all_gather_into_agreed(input, output)
+    }
+
+    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        // The reduction is unused by a gather.
+        self.run_with_output(IntoOutput::AllGatherInto, input, output, ReduceOp::Sum)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -240,6 +240,29 @@ pub(crate) fn with_elements_mut<T: Element, R>(
         })
 }
 
+/// Runs `f` on the elements of a contiguous CPU tensor of element type `T`, read in place (the
+/// tensor's storage stays read-locked meanwhile).
+pub(crate) fn with_elements<T: Element, R>(
+    tensor: &Tensor,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = tensor.storage_and_layout();
+    let elements = match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(cpu), Some((start, end))) => T::of_storage(cpu).map(|data| &data[start..end]),
+        _ => None,
+    };
+    match elements {
+        Some(data) => f(data),
+        None => Err(Error::Config(format!(
+            "internal: tensor of dtype {:?} and shape {:?} was not readable as contiguous {:?} \
+             CPU elements",
+            tensor.dtype(),
+            tensor.dims(),
+            <T as candle_core::WithDType>::DTYPE
+        ))),
+    }
+}
+
 /// Copies the elements of a contiguous CPU tensor of element type `T`.
 pub(crate) fn read_elements<T: Element>(tensor: &Tensor, into: &mut [T]) -> Result<()> {
     let (storage, layout) = tensor.storage_and_layout();

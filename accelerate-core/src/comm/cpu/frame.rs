@@ -64,6 +64,10 @@ pub(crate) enum OpCode {
     AllGather,
     /// `barrier`.
     Barrier,
+    /// `reduce_scatter` with the given operation.
+    ReduceScatter(ReduceOp),
+    /// `all_gather_into`.
+    AllGatherInto,
 }
 
 impl OpCode {
@@ -75,6 +79,10 @@ impl OpCode {
             OpCode::Broadcast => 4,
             OpCode::AllGather => 5,
             OpCode::Barrier => 6,
+            OpCode::ReduceScatter(ReduceOp::Sum) => 7,
+            OpCode::ReduceScatter(ReduceOp::Mean) => 8,
+            OpCode::ReduceScatter(ReduceOp::Max) => 9,
+            OpCode::AllGatherInto => 10,
         }
     }
 
@@ -85,6 +93,8 @@ impl OpCode {
             OpCode::Broadcast => "broadcast",
             OpCode::AllGather => "all_gather",
             OpCode::Barrier => "barrier",
+            OpCode::ReduceScatter(_) => "reduce_scatter",
+            OpCode::AllGatherInto => "all_gather_into",
         }
     }
 
@@ -97,6 +107,10 @@ impl OpCode {
             4 => "broadcast".into(),
             5 => "all_gather".into(),
             6 => "barrier".into(),
+            7 => "reduce_scatter(Sum)".into(),
+            8 => "reduce_scatter(Mean)".into(),
+            9 => "reduce_scatter(Max)".into(),
+            10 => "all_gather_into".into(),
             other => format!("unknown collective {other}"),
         }
     }

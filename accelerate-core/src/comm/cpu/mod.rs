@@ -40,7 +40,9 @@ use self::frame::OpCode;
 use self::shm::{ShmLinks, ShmSession};
 use self::transport::{run_collective, FramePool, RingLinks, RingPosition, Session, Tag};
 use super::agreement::{self, Collective, Signature};
-use super::contract::{check_dtype, check_in_place, gathered_dims, unsupported_dtype};
+use super::contract::{
+    check_dtype, check_in_place, check_into_output, gathered_dims, unsupported_dtype, IntoOutput,
+};
 use super::staging;
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
@@ -65,7 +67,8 @@ use crate::error::{Error, Result};
 /// [`CommStats::bytes_sent`] counts, over TCP, the payload bytes written to the ring connection;
 /// over shared memory, the payload bytes this rank copies into its staging slot for the others
 /// to read (per all-reduce the whole tensor, per broadcast the tensor on the root only, per
-/// all-gather its own block, nothing for a barrier).
+/// all-gather its own block, per reduce-scatter the blocks of the others, nothing for a
+/// barrier). A reduce-scatter sends `(W - 1) / W` of its input on either transport.
 #[derive(Debug)]
 pub struct CpuCommunicator {
     rank: usize,
@@ -303,13 +306,117 @@ impl CpuCommunicator {
         Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
     }
 
+    /// Reduce-scatter of a contiguous host `input` into a contiguous host `output`, both of
+    /// element type `T`, read and written in place.
+    fn reduce_scatter_as<T: Element>(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let chunk = self.chunk_elems::<T>();
+        self.collective(
+            OpCode::ReduceScatter(op),
+            T::CODE,
+            chunk,
+            |s| s.reduce_scatters += 1,
+            |channel| {
+                element::with_elements::<T, _>(input, |input| {
+                    element::with_elements_mut::<T, _>(output, |out| match channel {
+                        Channel::Tcp(s) => ring::reduce_scatter(s, input, out, op),
+                        Channel::Shm(s) => shm::reduce_scatter(s, input, out, op),
+                    })
+                })
+            },
+        )?;
+        Ok(())
+    }
+
+    /// All-gather of a contiguous host `input` into a contiguous host `output`, both of element
+    /// type `T`: this rank's block is copied in, then the others gathered around it.
+    fn all_gather_into_as<T: Element>(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let chunk = self.chunk_elems::<T>();
+        let r = self.rank;
+        self.collective(
+            OpCode::AllGatherInto,
+            T::CODE,
+            chunk,
+            |s| s.all_gathers += 1,
+            |channel| {
+                element::with_elements::<T, _>(input, |input| {
+                    element::with_elements_mut::<T, _>(output, |out| {
+                        let n = input.len();
+                        out[r * n..(r + 1) * n].copy_from_slice(input);
+                        match channel {
+                            Channel::Tcp(s) => ring::all_gather(s, out),
+                            Channel::Shm(s) => shm::all_gather(s, out),
+                        }
+                    })
+                })
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Runs `kind` on `input` and `output` (checked against the contract) through the host: a
+    /// GPU input is copied over, a GPU output staged and written back.
+    fn run_with_output(
+        &self,
+        kind: IntoOutput,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_into_output(kind, input, output, self.world_size)?;
+        if self.world_size == 1 {
+            // Over one rank both are a copy; counted as every backend counts them.
+            staging::write_back(output, input)?;
+            let mut state = self.lock();
+            match kind {
+                IntoOutput::ReduceScatter => state.stats.reduce_scatters += 1,
+                IntoOutput::AllGatherInto => state.stats.all_gathers += 1,
+            }
+            return Ok(());
+        }
+        let input = if input.device().is_cpu() {
+            input.contiguous()?
+        } else {
+            staging::compact_copy(input, &Device::Cpu)?
+        };
+        staging::in_place_on(output, &Device::Cpu, |out| {
+            macro_rules! by_dtype {
+                ($t:ty) => {
+                    match kind {
+                        IntoOutput::ReduceScatter => self.reduce_scatter_as::<$t>(&input, out, op),
+                        IntoOutput::AllGatherInto => self.all_gather_into_as::<$t>(&input, out),
+                    }
+                };
+            }
+            match input.dtype() {
+                DType::F32 => by_dtype!(f32),
+                DType::F64 => by_dtype!(f64),
+                DType::I64 => by_dtype!(i64),
+                DType::BF16 => by_dtype!(half::bf16),
+                DType::F16 => by_dtype!(half::f16),
+                DType::U32 => by_dtype!(u32),
+                DType::U8 => by_dtype!(u8),
+                other => Err(unsupported_dtype(kind.name(), other)),
+            }
+        })
+    }
+
     /// The pre-flight agreement (see [`agreement`]): every rank's signature of `collective` on
     /// `tensor`, gathered and compared. Nothing to agree on in a world of one rank.
     fn agree(&self, collective: Collective, tensor: &Tensor) -> Result<()> {
+        self.agree_on(collective, Signature::of(collective, tensor))
+    }
+
+    /// [`agree`](Self::agree) on a signature built by the caller.
+    fn agree_on(&self, collective: Collective, signature: Signature) -> Result<()> {
         if self.world_size == 1 {
             return Ok(());
         }
-        let words = Signature::of(collective, tensor).words();
+        let words = signature.words();
         let mine = Tensor::new(&words, &Device::Cpu)?;
         // Tagged as the collective it prepares, so that a peer that never comes is reported as
         // missing from that collective (the one the user called).
@@ -317,6 +424,8 @@ impl CpuCommunicator {
             Collective::AllReduce(op) => OpCode::AllReduce(op),
             Collective::Broadcast(_) => OpCode::Broadcast,
             Collective::AllGather => OpCode::AllGather,
+            Collective::ReduceScatter(op) => OpCode::ReduceScatter(op),
+            Collective::AllGatherInto => OpCode::AllGatherInto,
         };
         let all = self.all_gather_as::<i64>(&mine, op, |s| s.agreements += 1)?;
         agreement::check(collective, &all.to_vec1::<i64>()?)
@@ -421,6 +530,27 @@ impl Communicator for CpuCommunicator {
         };
         let gathered = self.all_gather_host(&host)?;
         Ok(gathered.to_device(tensor.device())?)
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let collective = Collective::ReduceScatter(op);
+        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
+        self.reduce_scatter_agreed(input, output, op)
+    }
+
+    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.run_with_output(IntoOutput::ReduceScatter, input, output, op)
+    }
+
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let collective = Collective::AllGatherInto;
+        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
+        self.all_gather_into_agreed(input, output)
+    }
+
+    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        // The reduction is unused by a gather.
+        self.run_with_output(IntoOutput::AllGatherInto, input, output, ReduceOp::Sum)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -71,6 +71,52 @@ pub(crate) fn all_reduce<T: Element>(
     Ok(())
 }
 
+/// Ring reduce-scatter: `input` holds `world_size` blocks of `out.len()` elements (the same
+/// lengths on every rank); `out` receives this rank's block of the reduction. The first half of
+/// [`all_reduce`], with the chain shifted by one rank so that rank `r` ends owning block `r`: in
+/// step `t` rank `r` sends block `(r - t - 1) mod W` and receives block `(r - t - 2) mod W`,
+/// combining it with its own input into a chunk-sized scratch buffer that it forwards (the input
+/// is only read). Each rank sends `(W - 1)` blocks: `(W - 1) / W` of the input, half of what an
+/// all-reduce of it sends.
+pub(crate) fn reduce_scatter<T: Element>(
+    session: &mut Session<'_>,
+    input: &[T],
+    out: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let pos = session.pos();
+    let (w, r) = (pos.world_size, pos.rank);
+    let b = out.len();
+    debug_assert_eq!(input.len(), w * b);
+    let block = |k: usize, c: &Range<usize>| k * b + c.start..k * b + c.end;
+    for c in chunks(0..b, pos.chunk_elems) {
+        session.send(&input[block((r + w - 1) % w, &c)]);
+    }
+    let mut scratch: Vec<T> = Vec::with_capacity(pos.chunk_elems.min(b));
+    for t in 0..w - 1 {
+        let received = (r + 2 * w - t - 2) % w;
+        for c in chunks(0..b, pos.chunk_elems) {
+            let own = &input[block(received, &c)];
+            let bytes = session.recv(c.len() * T::SIZE)?;
+            if t == w - 2 {
+                // The last contribution: block `r`, complete here.
+                let dst = &mut out[c];
+                dst.copy_from_slice(own);
+                element::reduce_into(dst, bytes, op);
+                if op == ReduceOp::Mean {
+                    element::divide(dst, w);
+                }
+            } else {
+                scratch.clear();
+                scratch.extend_from_slice(own);
+                element::reduce_into(&mut scratch, bytes, op);
+                session.send(&scratch);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// In-place broadcast of `data` from `root` along the ring (a pipelined chain).
 pub(crate) fn broadcast<T: Element>(
     session: &mut Session<'_>,

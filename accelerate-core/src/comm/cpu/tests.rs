@@ -763,3 +763,148 @@ fn a_stranger_connecting_to_a_ring_port_is_dropped_and_the_ring_still_forms() {
     });
     assert_eq!(sums, [vec![3.0], vec![3.0]]);
 }
+
+/// Bytes sent per rank by an agreed all-reduce, reduce-scatter and all-gather-into on `world`
+/// ranks over `transport`, each of a `len`-element f32 tensor (the all-gather's output), and the
+/// counters after them.
+fn traffic_of_each_collective(
+    transport: TransportChoice,
+    world: usize,
+    len: usize,
+) -> Vec<(u64, u64, u64, CommStats)> {
+    on_ring(
+        world,
+        options(transport, Duration::from_secs(10), 64),
+        |rank, comm| {
+            let sent = |comm: &CpuCommunicator| comm.stats().bytes_sent;
+            let start = sent(&comm);
+            comm.all_reduce_agreed(&input(rank, len, DType::F32), ReduceOp::Sum)
+                .unwrap();
+            let after_all_reduce = sent(&comm);
+            let out = Tensor::zeros(len / world, DType::F32, &Device::Cpu).unwrap();
+            comm.reduce_scatter_agreed(&input(rank, len, DType::F32), &out, ReduceOp::Sum)
+                .unwrap();
+            let after_reduce_scatter = sent(&comm);
+            let out = Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap();
+            comm.all_gather_into_agreed(&input(rank, len / world, DType::F32), &out)
+                .unwrap();
+            (
+                after_all_reduce - start,
+                after_reduce_scatter - after_all_reduce,
+                sent(&comm) - after_reduce_scatter,
+                comm.stats(),
+            )
+        },
+    )
+}
+
+#[test]
+fn a_ring_reduce_scatter_sends_half_of_an_all_reduce() {
+    for world in [2, 3, 4] {
+        let len = 24 * world;
+        let bytes = (len * 4) as u64;
+        let w = world as u64;
+        for (rank, (all_reduce, reduce_scatter, all_gather, stats)) in
+            traffic_of_each_collective(TransportChoice::Tcp, world, len)
+                .into_iter()
+                .enumerate()
+        {
+            let at = format!("rank {rank} of {world}");
+            // Ring reduce-scatter: W - 1 blocks of len / W elements, (W - 1) / W of the input;
+            // the all-reduce sends as much again in its all-gather half.
+            assert_eq!(reduce_scatter, bytes * (w - 1) / w, "{at}");
+            assert_eq!(all_reduce, 2 * reduce_scatter, "{at}");
+            // Ring all-gather: W - 1 blocks of the input's len / W elements.
+            assert_eq!(all_gather, bytes * (w - 1) / w, "{at}");
+            assert_eq!(
+                (stats.all_reduces, stats.reduce_scatters, stats.all_gathers),
+                (1, 1, 1),
+                "{at}"
+            );
+            assert_eq!(stats.agreements, 0, "{at}");
+        }
+    }
+}
+
+#[test]
+fn a_shared_memory_reduce_scatter_stages_the_blocks_of_the_others_only() {
+    for world in [2, 3] {
+        let len = 24 * world;
+        let bytes = (len * 4) as u64;
+        let w = world as u64;
+        for (rank, (all_reduce, reduce_scatter, all_gather, stats)) in
+            traffic_of_each_collective(TransportChoice::Shm, world, len)
+                .into_iter()
+                .enumerate()
+        {
+            let at = format!("rank {rank} of {world}");
+            // The W - 1 blocks this rank does not own; the all-reduce also stages its reduced
+            // block for the others (the whole tensor); the all-gather stages its own block.
+            assert_eq!(reduce_scatter, bytes * (w - 1) / w, "{at}");
+            assert_eq!(all_reduce, bytes, "{at}");
+            assert_eq!(all_gather, bytes / w, "{at}");
+            assert_eq!(stats.reduce_scatters, 1, "{at}");
+        }
+    }
+}
+
+/// Reduce-scatter and all-reduce of the same inexact f32 data on `world` ranks: this rank's
+/// block of each, as bits.
+fn reduce_scatter_and_all_reduce_blocks(
+    transport: TransportChoice,
+    world: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let block = 301;
+    let len = block * world;
+    let data = |rank: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((rank * len + i) as f32 * 0.37).sin() * 1e3)
+            .collect()
+    };
+    on_ring(
+        world,
+        options(transport, Duration::from_secs(20), 256),
+        |rank, comm| {
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let input = Tensor::from_vec(data(rank), len, &Device::Cpu).unwrap();
+            let out = Tensor::zeros(block, DType::F32, &Device::Cpu).unwrap();
+            comm.reduce_scatter(&input, &out, ReduceOp::Sum).unwrap();
+            comm.all_reduce(&input, ReduceOp::Sum).unwrap();
+            let whole = input.narrow(0, rank * block, block).unwrap();
+            (bits(&out), bits(&whole))
+        },
+    )
+}
+
+#[test]
+fn a_shared_memory_reduce_scatter_has_the_bits_of_the_all_reduce() {
+    // Same owner, same pieces, same rank order: the same additions.
+    for world in [2, 3] {
+        for (rank, (scattered, reduced)) in
+            reduce_scatter_and_all_reduce_blocks(TransportChoice::Shm, world)
+                .into_iter()
+                .enumerate()
+        {
+            assert!(scattered == reduced, "rank {rank} of {world}");
+        }
+    }
+}
+
+#[test]
+fn a_two_rank_ring_reduce_scatter_has_the_bits_of_the_all_reduce() {
+    // With two ranks each sum has two terms, and float addition is commutative. (With more, the
+    // chain starts at another rank than the all-reduce's, so only the tolerance holds.)
+    for (rank, (scattered, reduced)) in
+        reduce_scatter_and_all_reduce_blocks(TransportChoice::Tcp, 2)
+            .into_iter()
+            .enumerate()
+    {
+        assert!(scattered == reduced, "rank {rank}");
+    }
+}

@@ -70,6 +70,57 @@ pub(crate) fn all_reduce<T: Element>(
     Ok(())
 }
 
+/// Reduce-scatter: `input` holds `world_size` blocks of `out.len()` elements; `out` receives
+/// this rank's block of the reduction. The first half of [`all_reduce`] over the same pieces, in
+/// the same rank order (so block `r` has the bits of the all-reduce's segment `r` whenever the
+/// length is a multiple of the world size): each round every rank stages its pieces of the
+/// blocks it does not own, and each owner reduces its own input piece and the staged copies
+/// into `out`. Nothing is staged back and nothing fetched.
+pub(crate) fn reduce_scatter<T: Element>(
+    s: &mut ShmSession<'_>,
+    input: &[T],
+    out: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let r = s.rank();
+    let b = out.len();
+    let piece = s.piece_elems::<T>();
+    let rounds = b.div_ceil(piece);
+    if rounds == 0 {
+        return Ok(());
+    }
+    let first = s.begin(b, 0, rounds);
+    // Piece `k` within a block.
+    let part = |k: usize| (k * piece).min(b)..((k + 1) * piece).min(b);
+    let of_block = |q: usize, k: usize| {
+        let p = part(k);
+        q * b + p.start..q * b + p.end
+    };
+    let stage_round = |s: &mut ShmSession<'_>, k: usize| -> Result<()> {
+        let round = first + k as u64;
+        s.reserve_half(round)?;
+        for q in s.peers() {
+            s.stage(round, q * piece, &input[of_block(q, k)]);
+        }
+        s.mark(Counter::Published, round);
+        Ok(())
+    };
+    stage_round(s, 0)?;
+    for k in 0..rounds {
+        let round = first + k as u64;
+        for q in s.peers() {
+            s.await_peer(q, Counter::Published, round)?;
+        }
+        s.reduce_into(round, &input[of_block(r, k)], &mut out[part(k)], op);
+        s.mark(Counter::Reduced, round);
+        if k + 1 < rounds {
+            stage_round(s, k + 1)?;
+        }
+        s.mark(Counter::Consumed, round);
+    }
+    Ok(())
+}
+
 /// In-place broadcast of `data` from `root`.
 pub(crate) fn broadcast<T: Element>(
     s: &mut ShmSession<'_>,

@@ -24,7 +24,7 @@ pub(crate) mod setup;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use collectives::{all_gather, all_reduce, barrier, broadcast};
+pub(crate) use collectives::{all_gather, all_reduce, barrier, broadcast, reduce_scatter};
 pub(crate) use session::{ShmLinks, ShmSession};
 #[cfg(test)]
 pub(crate) use setup::Plan;

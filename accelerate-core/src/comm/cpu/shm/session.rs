@@ -406,6 +406,40 @@ impl ShmSession<'_> {
         self.bytes_sent += (len * T::SIZE) as u64;
     }
 
+    /// Reduces this rank's piece of `round` for a reduce-scatter: `own` (its input piece)
+    /// combined in rank order with the copies the peers staged at this rank's piece, divided by
+    /// the world size for `Mean`, written to `out`. `own` is left as it is and the result is not
+    /// for the peers: they read nothing back.
+    pub(crate) fn reduce_into<T: Element>(
+        &mut self,
+        round: u64,
+        own: &[T],
+        out: &mut [T],
+        op: ReduceOp,
+    ) {
+        let (w, r) = (self.world_size, self.rank);
+        let offset = r * self.piece_elems::<T>();
+        let len = own.len();
+        let sources: Vec<&[T]> = (0..w)
+            .map(|q| {
+                if q == r {
+                    &[][..]
+                } else {
+                    self.peer_slice::<T>(q, round, offset, len)
+                }
+            })
+            .collect();
+        let (base, bytes) = self.region.data(r, half(round));
+        assert!((offset + len) * T::SIZE <= bytes, "staging overflow");
+        // SAFETY: in bounds and aligned; this rank's own piece of its own half, which only it
+        // writes and which no peer reads in a reduce-scatter (each reads nothing back). The
+        // reduction writes its second copy there, where it costs no allocation; it is not sent,
+        // so not counted in `bytes_sent`.
+        let unused = unsafe { std::slice::from_raw_parts_mut(base.cast::<T>().add(offset), len) };
+        out.copy_from_slice(own);
+        reduce_in_rank_order(r, out, &sources, unused, op);
+    }
+
     fn check_tag(&mut self, peer: usize, round: u64) -> Result<()> {
         let words = self
             .region
