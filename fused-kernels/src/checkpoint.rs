@@ -25,6 +25,22 @@
 //! The block must compute the same function when it runs again. Randomness it draws (dropout)
 //! must come from a generator that [`checkpoint_with_random_state`] rewinds to where the forward
 //! pass started.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use fused_kernels::checkpoint::checkpoint;
+//!
+//! let w = Var::ones((4, 4), DType::F32, &Device::Cpu)?;
+//! let x = Var::ones((2, 4), DType::F32, &Device::Cpu)?;
+//! let block = {
+//!     let w = w.as_tensor().clone();
+//!     move |x: &Tensor| x + fused_kernels::gelu(&x.matmul(&w)?)?
+//! };
+//! let y = checkpoint(x.as_tensor(), block)?;
+//! let grads = y.sum_all()?.backward()?;
+//! assert!(grads.get(w.as_tensor()).is_some() && grads.get(x.as_tensor()).is_some());
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
