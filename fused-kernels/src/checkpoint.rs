@@ -5,10 +5,11 @@
 //! `loss.backward()` reaches the block's input and every variable the block reads. The graph
 //! keeps only the block's input (and the variables themselves, which the model holds anyway):
 //!
-//! - Forward: the block runs on a detached copy of its input; its variables are found in the
-//!   graph it built (`Tensor::sorted_nodes`), so the caller lists nothing. That graph is then
-//!   dropped with every intermediate tensor, and the output becomes the result of one custom op
-//!   over the input and a chain of scalar "link" ops, one per variable.
+//! - Forward: the block runs on its input detached (the same storage, outside the graph); its
+//!   variables are found in the graph it built (`Tensor::sorted_nodes`), so the caller lists
+//!   nothing. That graph is then dropped with every intermediate tensor, and the output becomes
+//!   the result of one custom op over the input and a chain of scalar "link" ops, one per
+//!   variable.
 //! - Backward: candle reaches the custom op before the links (they are its ancestors). The op
 //!   runs the block again on its input made a fresh variable, seeds the recomputed output with
 //!   the incoming gradient, and runs a nested `backward()` on that small graph. The input's
@@ -130,7 +131,9 @@ fn run(x: &Tensor, block: Block, random_state: Option<Arc<dyn RandomState>>) -> 
     )
 }
 
-/// A contiguous copy of `t`'s elements in storage of its own (the bits unchanged).
+/// A contiguous copy of `t`'s elements in storage of its own (the bits unchanged). The custom op
+/// must return an owned storage, and a tensor's storage cannot be moved out of it: this copy of
+/// the block's output is the one extra allocation the forward pass makes.
 fn contiguous_copy(t: &Tensor) -> Result<Storage> {
     fn copy<S: BackendStorage<Device = D>, D: BackendDevice<Storage = S>>(
         s: &S,
