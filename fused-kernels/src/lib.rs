@@ -15,6 +15,9 @@
 //! | [`rotary`] | rotary position embeddings (Hugging Face's `rotate_half` convention) |
 //! | [`add_bias`], [`linear`] | a bias add whose gradient is a contiguous row sum |
 //!
+//! [`checkpoint`] is activation checkpointing for any candle block: its intermediate tensors are
+//! recomputed during the backward pass instead of kept.
+//!
 //! Every op takes f32 and f64, and bf16/f16 computed in f32. Inputs may have any layout (the
 //! functions make them contiguous). Large tensors are split over rayon's threads by rows.
 //! The kernels run on the CPU, and with the `cuda` feature on CUDA devices too (every forward and
@@ -26,6 +29,7 @@
 
 mod add_bias;
 mod causal_softmax;
+pub mod checkpoint;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cuda;
