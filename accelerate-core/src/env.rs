@@ -27,6 +27,9 @@ pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_
 /// The default mixed-precision mode, `no`, `bf16` or `fp16`
 /// (`accelerate-launch --mixed-precision MODE`).
 pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+/// The ZeRO stage, `0` (plain data parallel), `1` (optimizer state sharded) or `2` (optimizer
+/// state and gradients sharded) (`accelerate-launch --zero-stage N`).
+pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
 /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_BUCKET_CAP_MB";
 /// Whether the sync micro-step overlaps the reduction of one gradient bucket with the

@@ -174,6 +174,44 @@ impl GradientBuffers {
         slot.written.then_some(&slot.view)
     }
 
+    /// Whether parameter `name` has a gradient in the current window (false for an unknown name).
+    pub fn has_gradient(&self, name: &str) -> bool {
+        self.index.get(name).is_some_and(|&i| self.slots[i].written)
+    }
+
+    /// Elements `piece` of the flattened gradient of `name` (a view, 1-D): what a ZeRO-sharded
+    /// optimizer updates its piece of the parameter from. An error if `name` has no gradient.
+    pub fn piece(&self, name: &str, piece: std::ops::Range<usize>) -> Result<Tensor> {
+        let Some(full) = self.get(name) else {
+            return Err(Error::Optimizer(format!(
+                "no gradient of {name:?} to read elements {piece:?} of"
+            )));
+        };
+        if piece.end > full.elem_count() {
+            return Err(Error::Optimizer(format!(
+                "elements {piece:?} of the gradient of {name:?}, which has {}",
+                full.elem_count()
+            )));
+        }
+        Ok(full.flatten_all()?.narrow(0, piece.start, piece.len())?)
+    }
+
+    /// Each bucket's parameters (indices into [`names`](Self::names)) and their element counts:
+    /// what the ZeRO partition is cut from.
+    pub(crate) fn layout(&self) -> Vec<(std::ops::Range<usize>, Vec<usize>)> {
+        self.buckets
+            .iter()
+            .map(|b| {
+                let r = b.params();
+                let lens = self.slots[r.clone()]
+                    .iter()
+                    .map(|s| s.view.elem_count())
+                    .collect();
+                (r, lens)
+            })
+            .collect()
+    }
+
     /// Adds `scale * grad(p)` into the buffer of every parameter `p` that has a gradient in `grads`.
     /// `params` must be the same (sorted) list the buffers were built from.
     pub fn accumulate(

@@ -116,6 +116,7 @@ mod state;
 mod sync;
 mod tracking;
 mod training;
+mod zero;
 
 pub use accelerator::{
     Accelerator, AcceleratorBuilder, Prepare, DEFAULT_OVERLAP_GRADIENT_REDUCTION,

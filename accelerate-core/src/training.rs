@@ -34,6 +34,7 @@ use crate::mixed_precision::{
 };
 use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
 use crate::sync::GradientSync;
+use crate::zero::{ShardPlan, ZeroConfig, ZeroState};
 
 /// A prepared optimizer as the training state keeps it, to save and restore its state.
 pub(crate) type SharedOptimizer = Arc<Mutex<dyn Optimizer + Send>>;
@@ -72,6 +73,8 @@ pub(crate) struct TrainingState {
     frozen: OnceLock<Vec<(String, Var)>>,
     /// The accelerator's prepared loaders, shared by every prepared model.
     loaders: Arc<PreparedLoaders>,
+    /// The configured ZeRO stage.
+    zero_config: ZeroConfig,
     steps: Mutex<Steps>,
 }
 
@@ -80,6 +83,8 @@ struct Steps {
     accumulation: Accumulation,
     /// Present once the parameters were prepared.
     grads: Option<GradientBuffers>,
+    /// Under ZeRO stage 1 or 2, once the parameters were prepared.
+    zero: Option<ZeroState>,
     mixed: MixedPrecisionState,
     /// Every prepared optimizer, in order of preparation (what checkpoints save as `optimizer_<i>`).
     optimizers: Vec<SharedOptimizer>,
@@ -133,15 +138,18 @@ impl TrainingState {
         accumulation: Accumulation,
         mixed: MixedPrecisionState,
         loaders: Arc<PreparedLoaders>,
+        zero_config: ZeroConfig,
     ) -> Self {
         loaders.require_window_lookahead(accumulation.steps() - 1);
         Self {
             params: OnceLock::new(),
             frozen: OnceLock::new(),
             loaders,
+            zero_config,
             steps: Mutex::new(Steps {
                 accumulation,
                 grads: None,
+                zero: None,
                 mixed,
                 optimizers: Vec::new(),
                 schedulers: Vec::new(),
@@ -267,9 +275,10 @@ impl TrainingState {
         &self,
         vars: Vec<(String, Var)>,
         bucket_cap_bytes: usize,
-        several_ranks: bool,
+        (rank, world_size): (usize, usize),
         mut broadcast: impl FnMut(&Var) -> Result<()>,
     ) -> Result<Vec<(String, Var)>> {
+        let several_ranks = world_size > 1;
         let mut steps = self.steps();
         let (params, weights) = match steps.mixed.mode {
             MixedPrecision::No => (vars, None),
@@ -286,11 +295,21 @@ impl TrainingState {
             w.refresh_compute()?;
         }
         steps.mixed.weights = weights;
-        steps.grads = Some(if several_ranks {
+        let grads = if several_ranks {
             GradientBuffers::new_for_ranks(&params, bucket_cap_bytes)?
         } else {
             GradientBuffers::new(&params, bucket_cap_bytes)?
-        });
+        };
+        if self.zero_config.stage > 0 {
+            let plan = ShardPlan::new(&grads.layout(), world_size);
+            steps.zero = Some(ZeroState::new(
+                self.zero_config.stage,
+                rank,
+                plan,
+                self.zero_config.link.clone(),
+            ));
+        }
+        steps.grads = Some(grads);
         self.params
             .set(params.clone())
             .map_err(|_| Error::Parameters("parameters were already prepared".into()))?;
@@ -323,6 +342,31 @@ impl TrainingState {
     /// Registers a prepared optimizer (saved and restored with the state).
     pub fn register_optimizer(&self, optimizer: SharedOptimizer) {
         self.steps().optimizers.push(optimizer);
+    }
+
+    /// Under ZeRO, cuts `optimizer` to this rank's pieces of the parameters (before it is
+    /// registered); nothing otherwise.
+    pub fn shard_optimizer(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
+        let steps = self.steps();
+        let Some(zero) = &steps.zero else {
+            return Ok(());
+        };
+        let plan = zero.plan();
+        let pieces = self
+            .parameters()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (name, _))| Some((name.clone(), plan.piece(i, zero.rank())?)))
+            .collect();
+        optimizer.shard(&pieces).map_err(|e| match e {
+            Error::Config(m) => Error::Config(format!("zero_stage({}): {m}", zero.stage())),
+            e => e,
+        })
+    }
+
+    /// The ZeRO stage (0 without sharding).
+    pub fn zero_stage(&self) -> u8 {
+        self.zero_config.stage
     }
 
     /// Registers a prepared scheduler (saved and restored with the state).
@@ -473,6 +517,9 @@ impl TrainingState {
             return Ok(());
         }
         lock(optimizer).step(grads)?;
+        if let Some(zero) = &steps.zero {
+            zero.gather_parameters(self.parameters())?;
+        }
         steps.mixed.refresh_compute()?;
         steps.accumulation.record_optimizer_step();
         Ok(())
@@ -653,10 +700,13 @@ mod tests {
     fn state(k: usize) -> (TrainingState, Arc<PreparedLoaders>) {
         let mixed = MixedPrecisionState::new(MixedPrecision::No, LossScalerConfig::default());
         let loaders = Arc::new(PreparedLoaders::default());
+        let comm: Arc<dyn crate::comm::Communicator> =
+            Arc::new(crate::comm::LocalCommunicator::new());
         let state = TrainingState::new(
             Accumulation::new(k).unwrap(),
             mixed.unwrap(),
             loaders.clone(),
+            ZeroConfig::new(0, &comm),
         );
         (state, loaders)
     }

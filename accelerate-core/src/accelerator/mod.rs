@@ -41,7 +41,9 @@ pub struct Accelerator {
     /// This rank's generator, saved in checkpoints.
     rng: RankRng,
     bucket_cap_bytes: usize,
-    comm: Box<dyn Communicator>,
+    comm: Arc<dyn Communicator>,
+    /// The ZeRO stage and the link the training states reach the communicator through.
+    zero: crate::zero::ZeroConfig,
     store: Option<Arc<dyn Store>>,
     /// The store this process hosts (rank 0 under torchrun or SLURM); serves until dropped.
     _hosted_store: Option<StoreServer>,
@@ -208,6 +210,12 @@ impl Accelerator {
     /// of a prepared loader): size LR schedules with this, since schedulers count optimizer steps.
     pub fn num_update_steps(&self, batches_per_rank: usize) -> usize {
         batches_per_rank.div_ceil(self.gradient_accumulation_steps())
+    }
+
+    /// The ZeRO stage: 0 (plain data parallel), 1 or 2 (see
+    /// [`AcceleratorBuilder::zero_stage`]).
+    pub fn zero_stage(&self) -> u8 {
+        self.zero.stage
     }
 
     /// Number of gradient buckets (each is one all-reduce per optimizer step).

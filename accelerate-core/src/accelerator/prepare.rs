@@ -102,6 +102,7 @@ impl Accelerator {
                 Accumulation::new(k)?,
                 mixed,
                 self.loaders.clone(),
+                self.zero.clone(),
             ))
         };
         if let Some(k) = accumulation_steps {
@@ -114,7 +115,8 @@ impl Accelerator {
                 comm.broadcast(var.as_tensor(), 0)?;
             }
         }
-        training.prepare_parameters(trained, self.bucket_cap_bytes, several_ranks, |var| {
+        let process = (self.state.rank, self.state.world_size);
+        training.prepare_parameters(trained, self.bucket_cap_bytes, process, |var| {
             if several_ranks {
                 comm.broadcast(var.as_tensor(), 0)?;
             }
@@ -142,11 +144,13 @@ impl Accelerator {
         // The gradient buckets are reduced without a per-call size check (their layout is
         // agreed here), so everything that shapes them or their wire dtype is compared too.
         let layout = format!(
-            "gradient buckets: cap {} bytes, reduced in {:?}, mixed precision {}, overlap {}\n",
+            "gradient buckets: cap {} bytes, reduced in {:?}, mixed precision {}, overlap {}, \
+             ZeRO stage {}\n",
             self.bucket_cap_bytes,
             self.sync.reduce_dtype(),
             self.training().mixed_precision(),
-            self.sync.overlap_configured()
+            self.sync.overlap_configured(),
+            self.zero.stage
         );
         let signature: String = std::iter::once(layout)
             .chain(
@@ -178,8 +182,8 @@ impl Accelerator {
                     return Err(Error::Config(format!(
                         "rank {r} is configured differently from rank 0: rank 0 has {:?}, rank \
                          {r} has {:?}; give every rank the same ACCELERATE_BUCKET_CAP_MB, \
-                         ACCELERATE_MIXED_PRECISION, ACCELERATE_OVERLAP_GRADIENT_REDUCTION and \
-                         builder options",
+                         ACCELERATE_MIXED_PRECISION, ACCELERATE_OVERLAP_GRADIENT_REDUCTION, \
+                         ACCELERATE_ZERO_STAGE and builder options",
                         ours_lines.first().unwrap_or(&"nothing"),
                         their_lines.first().unwrap_or(&"nothing")
                     )));
@@ -250,6 +254,8 @@ impl Accelerator {
                 )));
             }
         }
+        let mut optimizer = optimizer;
+        training.shard_optimizer(&mut optimizer)?;
         Ok(PreparedOptimizer::new(optimizer, training))
     }
 

@@ -6,6 +6,9 @@
 //! GPU (the rule's CUDA kernel, one launch); everything else (other dtypes, a gradient on another
 //! device) takes the rule's tensor ops.
 
+use std::collections::BTreeMap;
+use std::ops::Range;
+
 use candle_core::{Tensor, Var};
 
 use super::group::ParamGroup;
@@ -49,6 +52,9 @@ pub struct ElementwiseOptimizer<R: UpdateRule> {
     pub(crate) force_fallback: bool,
     /// How many parameter updates took the tensor-op path (tests prove the fused path ran).
     pub(crate) fallback_updates: u64,
+    /// Under ZeRO: the piece (a range of its flattened elements) of each parameter that this
+    /// optimizer keeps state for and updates; `None` inside for a parameter it has no piece of.
+    pieces: Option<Vec<Option<Range<usize>>>>,
 }
 
 impl<R: UpdateRule> ElementwiseOptimizer<R> {
@@ -119,6 +125,7 @@ impl<R: UpdateRule> ElementwiseOptimizer<R> {
             parallel_min_elems: kernels::PARALLEL_MIN_ELEMS,
             force_fallback: false,
             fallback_updates: 0,
+            pieces: None,
         })
     }
 
@@ -167,46 +174,115 @@ fn membership_key(name: &str) -> String {
 impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
     fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
         let lrs = current_lrs(&self.lr)?;
-        for (((name, var), slot), &g) in self
+        for (i, (((name, var), slot), &g)) in self
             .params
             .iter()
             .zip(self.states.iter_mut())
             .zip(&self.group_of)
+            .enumerate()
         {
-            let Some(grad) = grads.get(name) else {
-                continue;
+            let piece = match &self.pieces {
+                None => None,
+                Some(pieces) => {
+                    if !grads.has_gradient(name) {
+                        continue;
+                    }
+                    match &pieces[i] {
+                        Some(piece) => Some(piece.clone()),
+                        None => {
+                            // No piece here: only the step count advances, so that every rank
+                            // counts every parameter's steps (a checkpoint's step counts are
+                            // complete on any rank).
+                            slot.get_or_insert_with(|| ParamState {
+                                tensors: Vec::new(),
+                                step: 0,
+                            })
+                            .step += 1;
+                            continue;
+                        }
+                    }
+                }
             };
-            check_grad(name, var, grad)?;
+            let (param, grad) = match &piece {
+                None => {
+                    let Some(grad) = grads.get(name) else {
+                        continue;
+                    };
+                    check_grad(name, var, grad)?;
+                    (var.as_tensor().clone(), grad.clone())
+                }
+                Some(piece) => {
+                    let grad = grads.piece(name, piece.clone())?;
+                    let flat = var.as_tensor().flatten_all()?;
+                    (flat.narrow(0, piece.start, piece.len())?, grad)
+                }
+            };
             let (rule, lr) = (&self.rules[g], lrs[g]);
-            let first = slot.is_none();
+            let n_state = rule.state_names().len();
+            let first = slot.as_ref().is_none_or(|s| s.tensors.len() != n_state);
             let state = match slot {
-                Some(state) => state,
-                None => slot.insert(ParamState {
-                    tensors: zeros_like(var, rule.state_names().len())?,
-                    step: 0,
+                Some(state) if !first => state,
+                _ => slot.insert(ParamState {
+                    tensors: zeros_like(&param, n_state)?,
+                    step: slot.as_ref().map_or(0, |s| s.step),
                 }),
             };
             let step = state.step + 1;
             let fused = !self.force_fallback
                 && update_fused(
                     rule,
-                    var,
-                    grad,
+                    &param,
+                    &grad,
                     &state.tensors,
                     (lr, step, first),
                     self.parallel_min_elems,
                 )?;
             if !fused {
                 let dtype = state_dtype(var.dtype());
-                let param = var.as_tensor().detach().to_dtype(dtype)?;
+                let p = param.detach().to_dtype(dtype)?;
                 let grad = grad.detach().to_device(var.device())?.to_dtype(dtype)?;
-                let value =
-                    rule.update_tensors(&param, &grad, &mut state.tensors, lr, step, first)?;
-                var.set(&value.to_dtype(var.dtype())?)?;
+                let value = rule.update_tensors(&p, &grad, &mut state.tensors, lr, step, first)?;
+                let value = value.to_dtype(var.dtype())?;
+                match &piece {
+                    None => var.set(&value)?,
+                    Some(piece) => {
+                        var.as_tensor()
+                            .flatten_all()?
+                            .slice_set(&value, 0, piece.start)?;
+                    }
+                }
                 self.fallback_updates += 1;
             }
             state.step = step;
         }
+        Ok(())
+    }
+
+    fn shard(&mut self, pieces: &BTreeMap<String, Range<usize>>) -> Result<()> {
+        let ours: Vec<Option<Range<usize>>> = self
+            .params
+            .iter()
+            .map(|(name, _)| pieces.get(name).cloned())
+            .collect();
+        // State the optimizer already has (loaded before `prepare`) is cut to the pieces.
+        for ((slot, piece), (_, var)) in self.states.iter_mut().zip(&ours).zip(&self.params) {
+            if let Some(state) = slot {
+                state.tensors = match piece {
+                    Some(piece) => state
+                        .tensors
+                        .iter()
+                        .map(|t| {
+                            Ok(t.flatten_all()?
+                                .narrow(0, piece.start, piece.len())?
+                                .force_contiguous()?)
+                        })
+                        .collect::<Result<_>>()?,
+                    None => Vec::new(),
+                };
+                debug_assert!(piece.as_ref().is_none_or(|p| p.end <= var.elem_count()));
+            }
+        }
+        self.pieces = Some(ours);
         Ok(())
     }
 
@@ -257,12 +333,19 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
         let mut reader = StateReader::new(saved, R::KIND)?;
         let rules = self.read_groups(&mut reader)?;
         let mut states = Vec::with_capacity(self.params.len());
-        for ((param, var), &g) in self.params.iter().zip(&self.group_of) {
+        for (i, ((param, var), &g)) in self.params.iter().zip(&self.group_of).enumerate() {
             let names = rules[g].state_names();
             let dtype = state_dtype(var.dtype());
+            let piece = self.pieces.as_ref().map(|p| p[i].clone());
+            // Under ZeRO a parameter without a piece here keeps only its step count.
+            let names = if matches!(piece, Some(None)) {
+                &[][..]
+            } else {
+                names
+            };
             let mut found = Vec::with_capacity(names.len());
             for what in names {
-                found.push(reader.tensor(what, param, var, dtype)?);
+                found.push(reader.tensor(what, param, var, piece.clone().flatten(), dtype)?);
             }
             let step = if R::COUNTS_STEPS {
                 Some(reader.step(param)?)
@@ -376,8 +459,8 @@ fn presence(what: &str, name: &str, present: bool) -> String {
     }
 }
 
-/// `n` zero tensors of the parameter's shape, in its state dtype, on its device.
-fn zeros_like(var: &Var, n: usize) -> Result<Vec<Tensor>> {
+/// `n` zero tensors of the parameter's (or its piece's) shape, in its state dtype, on its device.
+fn zeros_like(var: &Tensor, n: usize) -> Result<Vec<Tensor>> {
     let dtype = state_dtype(var.dtype());
     (0..n)
         .map(|_| Ok(Tensor::zeros(var.shape(), dtype, var.device())?))
@@ -428,7 +511,7 @@ fn nested<T>(r: Result<Option<Result<Option<T>>>>) -> Result<Option<T>> {
 /// f32 tensor on the CPU (or, with CUDA, on the parameter's GPU).
 fn update_fused<R: UpdateRule>(
     rule: &R,
-    var: &Var,
+    var: &Tensor,
     grad: &Tensor,
     state: &[Tensor],
     (lr, step, first): (f64, u64, bool),
@@ -437,7 +520,7 @@ fn update_fused<R: UpdateRule>(
     let ran = if var.device().is_cpu() {
         let kernel = rule.f32_kernel(lr, step, first);
         nested(with_f32(grad, |g| {
-            nested(with_f32_mut(var.as_tensor(), |p| {
+            nested(with_f32_mut(var, |p| {
                 with_all_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {
                     kernels::apply_split(p, g, s, parallel_min, &kernel)
                 })
@@ -477,7 +560,7 @@ fn with_all_f32_mut<T>(
 #[cfg(feature = "cuda")]
 fn update_fused_cuda<R: UpdateRule>(
     rule: &R,
-    var: &Var,
+    var: &Tensor,
     grad: &Tensor,
     state: &[Tensor],
     (lr, step, first): (f64, u64, bool),
@@ -489,7 +572,7 @@ fn update_fused_cuda<R: UpdateRule>(
         return Ok(false);
     }
     let ran = nested(with_cuda_f32(grad, |g| {
-        nested(with_cuda_f32_mut(var.as_tensor(), |device, mut p| {
+        nested(with_cuda_f32_mut(var, |device, mut p| {
             with_all_cuda_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {
                 rule.launch_cuda(device, &mut p, &g, s, lr, step, first)
             })

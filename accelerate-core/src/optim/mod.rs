@@ -43,6 +43,9 @@ pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;
 
+use std::collections::BTreeMap;
+use std::ops::Range;
+
 use candle_core::Var;
 
 use crate::error::{Error, Result};
@@ -66,6 +69,22 @@ pub trait Optimizer {
     /// `load_state_dict` does). Kind, parameter names and shapes are checked first: on a mismatch it
     /// returns an error and the optimizer is unchanged.
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// ZeRO: from now on keep state for, and update, only `pieces[name]` (a range of the
+    /// flattened elements) of each parameter, reading its gradient with
+    /// [`GradientBuffers::piece`]; a parameter absent from `pieces` is not updated here (another
+    /// rank owns it) but, when it has a gradient, its step count advances. [`state`](Self::state)
+    /// then holds 1-D pieces and [`load_state`](Self::load_state) expects them. `prepare` calls
+    /// this under `zero_stage(1)` or `(2)`. The default refuses: an optimizer whose state cannot
+    /// be cut into pieces cannot be sharded.
+    fn shard(&mut self, pieces: &BTreeMap<String, Range<usize>>) -> Result<()> {
+        let _ = pieces;
+        Err(Error::Config(
+            "this optimizer cannot be sharded by ZeRO (its state cannot be cut into pieces); use \
+             accelerate_core::optim::AdamW, Sgd or Lion, or zero_stage(0)"
+                .into(),
+        ))
+    }
 }
 
 /// Fails with a PyTorch-style message unless `ok`.

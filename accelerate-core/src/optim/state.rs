@@ -107,26 +107,40 @@ impl<'a> StateReader<'a> {
         Ok(Some(v as u64))
     }
 
-    /// The tensor `"<what>.<name>"` of parameter `var`, if present, checked for shape and copied
-    /// into fresh storage of `dtype` on the parameter's device.
+    /// The tensor `"<what>.<name>"` of parameter `var` (or, under ZeRO, of its `piece`: a 1-D
+    /// tensor of the piece's length), if present, checked for shape and copied into fresh storage
+    /// of `dtype` on the parameter's device.
     pub fn tensor(
         &mut self,
         what: &str,
         name: &str,
         var: &Var,
+        piece: Option<std::ops::Range<usize>>,
         dtype: DType,
     ) -> Result<Option<Tensor>> {
         let k = key(what, name);
         let Some((k, t)) = self.state.tensors.get_key_value(&k) else {
             return Ok(None);
         };
-        if t.shape() != var.shape() {
-            return Err(Error::Optimizer(format!(
-                "state tensor {k:?} has shape {:?} but parameter {name:?} has shape {:?}; the \
-                 state was saved from a model with different layer sizes",
-                t.dims(),
-                var.dims()
-            )));
+        match &piece {
+            None if t.shape() != var.shape() => {
+                return Err(Error::Optimizer(format!(
+                    "state tensor {k:?} has shape {:?} but parameter {name:?} has shape {:?}; \
+                     the state was saved from a model with different layer sizes",
+                    t.dims(),
+                    var.dims()
+                )));
+            }
+            Some(piece) if t.dims() != [piece.len()] => {
+                return Err(Error::Optimizer(format!(
+                    "state tensor {k:?} has shape {:?} but this rank's ZeRO piece of parameter \
+                     {name:?} is elements {piece:?} (shape [{}]); a sharded optimizer loads the \
+                     pieces of its own partition (checkpoints re-cut them)",
+                    t.dims(),
+                    piece.len()
+                )));
+            }
+            _ => {}
         }
         self.used_tensors.insert(k.as_str());
         // `force_contiguous` always copies: the loaded state must not alias the caller's tensors,
