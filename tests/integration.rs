@@ -51,3 +51,5 @@ mod user_optimizer;
 // no_sync, sync_each_batch, clip_grad_value, object collectives, split_between_processes,
 // on_main_process, set_seed, register_for_checkpointing: against hand-computed values.
 mod utilities;
+// ZeRO stages 1 and 2 against stage 0 and one process on the global batch.
+mod zero;

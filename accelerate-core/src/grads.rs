@@ -14,6 +14,7 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::cpu_slices::{with_f32, with_f32_mut, with_f32_transposed};
 use crate::error::{Error, Result};
+use crate::zero::{GradientShard, ShardPlan};
 
 /// Default bucket cap, as in PyTorch DDP.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
@@ -23,6 +24,13 @@ pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
 pub struct GradientBucket {
     flat: Tensor,
     params: std::ops::Range<usize>,
+    /// Elements of `flat` when it is allocated (parameters, then the missing flag or the ZeRO
+    /// padding).
+    len: usize,
+    /// Whether `flat` holds the bucket's storage. Under ZeRO stage 2 a bucket is allocated when a
+    /// window first adds into it and released once it has been reduce-scattered; otherwise it is
+    /// allocated once, at construction.
+    allocated: bool,
 }
 
 impl GradientBucket {
@@ -38,7 +46,7 @@ impl GradientBucket {
 
     /// Size of the bucket's data in bytes.
     pub fn size_in_bytes(&self) -> usize {
-        self.flat.elem_count() * self.flat.dtype().size_in_bytes()
+        self.len * self.flat.dtype().size_in_bytes()
     }
 }
 
@@ -46,6 +54,8 @@ impl GradientBucket {
 struct Slot {
     name: String,
     view: Tensor,
+    /// The parameter's shape (the view's, while its bucket is allocated).
+    shape: candle_core::Shape,
     /// Whether the view holds data of the current accumulation window; lazily zeroed otherwise.
     written: bool,
 }
@@ -64,6 +74,8 @@ pub struct GradientBuffers {
     /// Which parameters had a gradient on this rank in the window being synced, recorded before
     /// the missing ones were filled with zeros (set by a sync step with `fill_missing`).
     local_presence: Vec<bool>,
+    /// Under ZeRO stage 2: this rank's block of the averaged gradients, after the sync.
+    shard: Option<GradientShard>,
 }
 
 impl GradientBuffers {
@@ -79,6 +91,37 @@ impl GradientBuffers {
     /// a parameter's gradient ([`missing_on_some_rank`](Self::missing_on_some_rank)).
     pub fn new_for_ranks(params: &[(String, Var)], bucket_cap_bytes: usize) -> Result<Self> {
         Self::build(params, bucket_cap_bytes, true)
+    }
+
+    /// For ZeRO stage 2: the buckets of [`new`](Self::new), each padded to `plan`'s length (a
+    /// multiple of the world size) and allocated only while a window adds into it, plus this
+    /// rank's block of each, which the sync micro-step's reduce-scatter fills. `plan` must have
+    /// been cut from [`layout`](Self::layout) of these buckets.
+    pub(crate) fn new_sharded(
+        params: &[(String, Var)],
+        bucket_cap_bytes: usize,
+        plan: std::sync::Arc<ShardPlan>,
+        rank: usize,
+    ) -> Result<Self> {
+        let mut buffers = Self::build(params, bucket_cap_bytes, false)?;
+        if buffers.layout() != plan.layout() {
+            return Err(Error::Parameters(
+                "the ZeRO partition was cut from other gradient buckets".into(),
+            ));
+        }
+        let kinds: Vec<_> = buffers
+            .buckets
+            .iter()
+            .map(|b| (b.flat.dtype(), b.flat.device().clone()))
+            .collect();
+        for (b, bucket) in buffers.buckets.iter_mut().enumerate() {
+            bucket.len = plan.padded_len(b);
+        }
+        for b in 0..buffers.buckets.len() {
+            buffers.release(b)?;
+        }
+        buffers.shard = Some(GradientShard::new(plan, rank, &kinds)?);
+        Ok(buffers)
     }
 
     fn build(
@@ -127,12 +170,15 @@ impl GradientBuffers {
                 slots.push(Slot {
                     name: name.clone(),
                     view,
+                    shape: var.shape().clone(),
                     written: false,
                 });
             }
             buckets.push(GradientBucket {
+                len: flat.elem_count(),
                 flat,
                 params: start..end,
+                allocated: true,
             });
             start = end;
         }
@@ -147,7 +193,49 @@ impl GradientBuffers {
             buckets,
             missing_flag,
             local_presence: Vec::new(),
+            shard: None,
         })
+    }
+
+    /// Gives bucket `b` zeroed storage (if it has none) and its parameters views into it; they
+    /// hold no gradient yet.
+    fn allocate(&mut self, b: usize) -> Result<()> {
+        let bucket = &mut self.buckets[b];
+        if bucket.allocated {
+            return Ok(());
+        }
+        let flat = Tensor::zeros(bucket.len, bucket.flat.dtype(), bucket.flat.device())?;
+        let mut offset = 0;
+        for slot in &mut self.slots[bucket.params.clone()] {
+            let n = slot.shape.elem_count();
+            slot.view = flat.narrow(0, offset, n)?.reshape(&slot.shape)?;
+            slot.written = false;
+            offset += n;
+        }
+        bucket.flat = flat;
+        bucket.allocated = true;
+        Ok(())
+    }
+
+    /// Drops bucket `b`'s storage (its parameters' gradients are forgotten).
+    fn release(&mut self, b: usize) -> Result<()> {
+        let bucket = &mut self.buckets[b];
+        let empty = Tensor::zeros(0, bucket.flat.dtype(), bucket.flat.device())?;
+        for slot in &mut self.slots[bucket.params.clone()] {
+            slot.view = empty.clone();
+            slot.written = false;
+        }
+        bucket.flat = empty;
+        bucket.allocated = false;
+        Ok(())
+    }
+
+    /// Allocates every bucket that has no storage (stage 2, before a window adds into them).
+    fn allocate_all(&mut self) -> Result<()> {
+        for b in 0..self.buckets.len() {
+            self.allocate(b)?;
+        }
+        Ok(())
     }
 
     /// Buffers filled once from a candle `GradStore` (for a plain loop without an `Accelerator`).
@@ -176,12 +264,19 @@ impl GradientBuffers {
 
     /// Whether parameter `name` has a gradient in the current window (false for an unknown name).
     pub fn has_gradient(&self, name: &str) -> bool {
-        self.index.get(name).is_some_and(|&i| self.slots[i].written)
+        self.index.get(name).is_some_and(|&i| {
+            self.slots[i].written || self.shard.as_ref().is_some_and(|s| s.is_present(i))
+        })
     }
 
     /// Elements `piece` of the flattened gradient of `name` (a view, 1-D): what a ZeRO-sharded
     /// optimizer updates its piece of the parameter from. An error if `name` has no gradient.
     pub fn piece(&self, name: &str, piece: std::ops::Range<usize>) -> Result<Tensor> {
+        if let (Some(&i), Some(shard)) = (self.index.get(name), &self.shard) {
+            if shard.is_present(i) {
+                return shard.piece(i, piece);
+            }
+        }
         let Some(full) = self.get(name) else {
             return Err(Error::Optimizer(format!(
                 "no gradient of {name:?} to read elements {piece:?} of"
@@ -205,7 +300,7 @@ impl GradientBuffers {
                 let r = b.params();
                 let lens = self.slots[r.clone()]
                     .iter()
-                    .map(|s| s.view.elem_count())
+                    .map(|s| s.shape.elem_count())
                     .collect();
                 (r, lens)
             })
@@ -221,6 +316,7 @@ impl GradientBuffers {
         scale: f64,
     ) -> Result<()> {
         self.check_param_count(params)?;
+        self.allocate_all()?;
         accumulate_slots(&mut self.slots, params, grads, scale)
     }
 
@@ -246,6 +342,7 @@ impl GradientBuffers {
                 ))
             })?
             .params();
+        self.allocate(bucket)?;
         accumulate_slots(&mut self.slots[range.clone()], &params[range], grads, scale)
     }
 
@@ -273,6 +370,7 @@ impl GradientBuffers {
         mut reduce: impl FnMut(&GradientBucket) -> Result<()>,
     ) -> Result<()> {
         self.check_param_count(params)?;
+        self.allocate_all()?;
         let fill_missing = options.fill_missing;
         if fill_missing {
             self.record_local_presence(params, grads)?;
@@ -354,6 +452,12 @@ impl GradientBuffers {
         let i = *self.index.get(name).ok_or_else(|| {
             Error::Parameters(format!("no gradient buffer for parameter {name:?}"))
         })?;
+        let b = self
+            .buckets
+            .iter()
+            .position(|b| b.params.contains(&i))
+            .expect("every parameter is in a bucket");
+        self.allocate(b)?;
         add_scaled(&mut self.slots[i], grad, scale)
     }
 
@@ -418,6 +522,9 @@ impl GradientBuffers {
                 self.slots.len()
             )));
         }
+        if let Some(shard) = &mut self.shard {
+            shard.keep_only(&present.iter().map(|&p| p != 0.0).collect::<Vec<_>>());
+        }
         for (slot, p) in self.slots.iter_mut().zip(present) {
             if p == 0.0 {
                 slot.written = false;
@@ -444,10 +551,81 @@ impl GradientBuffers {
         for slot in &mut self.slots {
             slot.written = false;
         }
+        if let Some(shard) = &mut self.shard {
+            shard.clear();
+        }
+    }
+
+    /// Under ZeRO stage 2, after the sync: this rank's block of the averaged gradients, when it
+    /// holds them (the full buckets are released then).
+    pub(crate) fn synced_shard(&self) -> Option<&GradientShard> {
+        self.shard.as_ref().filter(|s| s.any_present())
+    }
+
+    /// [`synced_shard`](Self::synced_shard), to scale or clamp.
+    pub(crate) fn synced_shard_mut(&mut self) -> Option<&mut GradientShard> {
+        self.shard.as_mut().filter(|s| s.any_present())
+    }
+
+    /// ZeRO stage 2's sync micro-step: adds `scale * grad(p)` for every parameter, fills the
+    /// missing ones with zeros and hands each bucket, in order, to `reduce_scatter` with this
+    /// rank's block as the output; each bucket is allocated only for that and released right
+    /// after, so that at most one full bucket exists at a time beyond those a longer window
+    /// already filled. Afterwards every parameter counts as having a gradient (see
+    /// [`keep_only_present`](Self::keep_only_present)). Returns whether this rank missed some
+    /// parameter's gradient in the window.
+    pub(crate) fn accumulate_and_reduce_scatter(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &GradStore,
+        scale: f64,
+        mut reduce_scatter: impl FnMut(&Tensor, &Tensor) -> Result<()>,
+    ) -> Result<bool> {
+        self.check_param_count(params)?;
+        if self.shard.is_none() {
+            return Err(Error::Parameters(
+                "a reduce-scatter sync on gradient buffers built without a ZeRO partition".into(),
+            ));
+        }
+        self.record_local_presence(params, grads)?;
+        let missing_here = self.local_presence.iter().any(|present| !present);
+        for b in 0..self.buckets.len() {
+            self.allocate(b)?;
+            let range = self.buckets[b].params();
+            prepare_bucket(
+                &mut self.slots[range.clone()],
+                &params[range],
+                grads,
+                scale,
+                true,
+            )?;
+            let shard = self.shard.as_ref().expect("checked above");
+            reduce_scatter(&self.buckets[b].flat, shard.block(b))?;
+            self.release(b)?;
+        }
+        let present = vec![true; self.slots.len()];
+        let shard = self.shard.as_mut().expect("checked above");
+        shard.set_synced(present, false);
+        Ok(missing_here)
+    }
+
+    /// Records the agreed verdict of a stage-2 sync: whether some rank's block held an inf or NaN.
+    pub(crate) fn set_shard_verdict(&mut self, nonfinite_somewhere: bool) {
+        if let Some(shard) = &mut self.shard {
+            let present = (0..self.slots.len()).map(|i| shard.is_present(i)).collect();
+            shard.set_synced(present, nonfinite_somewhere);
+        }
     }
 
     /// L2 norm of all accumulated gradients together.
     pub fn global_norm(&self) -> Result<f64> {
+        if self.synced_shard().is_some() {
+            return Err(Error::Parameters(
+                "under ZeRO stage 2 each rank holds 1/N of the gradients: their norm is a \
+                 collective (TrainingState::clip_grad_norm)"
+                    .into(),
+            ));
+        }
         let mut sum_sq = 0f64;
         for slot in self.slots.iter().filter(|s| s.written) {
             let fast = with_f32(&slot.view, |xs| {
@@ -468,6 +646,9 @@ impl GradientBuffers {
 
     /// Multiplies every accumulated gradient by `factor`, in place.
     pub fn scale(&mut self, factor: f64) -> Result<()> {
+        if let Some(shard) = self.synced_shard_mut() {
+            return shard.scale(factor);
+        }
         for slot in self.slots.iter().filter(|s| s.written) {
             scale_in_place(&slot.view, factor)?;
         }
@@ -477,6 +658,9 @@ impl GradientBuffers {
     /// Clamps every element of every accumulated gradient to `[-limit, limit]`, in place
     /// (PyTorch's `clip_grad_value_`). A NaN stays NaN, as `torch.clamp` leaves it.
     pub fn clamp(&mut self, limit: f64) -> Result<()> {
+        if let Some(shard) = self.synced_shard_mut() {
+            return shard.clamp(limit);
+        }
         for slot in self.slots.iter().filter(|s| s.written) {
             clamp_in_place(&slot.view, limit)?;
         }
@@ -485,6 +669,10 @@ impl GradientBuffers {
 
     /// Whether every accumulated gradient is finite (no inf or NaN): the fp16 overflow check.
     pub fn all_finite(&self) -> Result<bool> {
+        if let Some(shard) = self.synced_shard() {
+            // Agreed across ranks by the sync.
+            return Ok(shard.finite_everywhere());
+        }
         for slot in self.slots.iter().filter(|s| s.written) {
             let fast = with_f32(&slot.view, |xs| xs.iter().all(|x| x.is_finite()))?;
             let finite = match fast {

@@ -14,11 +14,12 @@
 use std::cell::Cell;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::grads::{GradientBucket, GradientBuffers, SyncOptions};
+use crate::zero::ZeroState;
 
 /// Whether gradient reduction overlaps bucket preparation when neither the builder nor
 /// [`crate::env::OVERLAP_GRADIENT_REDUCTION`] says. Off: with 2 ranks on 2 cores no core is idle
@@ -29,9 +30,12 @@ pub const DEFAULT_OVERLAP_GRADIENT_REDUCTION: bool = false;
 /// item counts and user collectives).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GradientSyncStats {
-    /// Bucket all-reduces issued.
+    /// Bucket all-reduces issued (and, under ZeRO stage 2, the one small all-reduce per
+    /// optimizer step that agrees on missing gradients and overflows).
     pub all_reduces: u64,
-    /// Bytes of gradient buckets reduced.
+    /// Bucket reduce-scatters issued (ZeRO stage 2).
+    pub reduce_scatters: u64,
+    /// Bytes of gradient buckets reduced (whole buckets, for all-reduces and reduce-scatters).
     pub bytes: u64,
 }
 
@@ -128,6 +132,73 @@ impl GradientSync {
         })?;
         self.agree_on_missing_gradients(comm, buffers, &mut stats)?;
         self.stats.set(stats);
+        Ok(())
+    }
+
+    /// ZeRO stage 2's sync micro-step: adds the backward pass's gradients into `buffers` and
+    /// reduce-scatters each bucket (mean), so this rank keeps only its block of the window's
+    /// average. Then one all-reduce of two flags agrees on what every rank must decide alike:
+    /// whether a parameter missed its gradient on some rank (then the presence mask is reduced as
+    /// at stage 0) and, when `check_finite` (fp16), whether some rank's block overflowed.
+    pub fn accumulate_and_reduce_scatter(
+        &self,
+        comm: &dyn Communicator,
+        buffers: &mut GradientBuffers,
+        sources: &[(String, Var)],
+        grads: &GradStore,
+        scale: f64,
+        check_finite: bool,
+    ) -> Result<()> {
+        let mut stats = self.stats.get();
+        let missing_here =
+            buffers.accumulate_and_reduce_scatter(sources, grads, scale, |flat, out| {
+                self.reduce_scatter_bucket(comm, flat, out, &mut stats)
+            })?;
+        let nonfinite_here = match (check_finite, buffers.synced_shard()) {
+            (true, Some(shard)) => !shard.local_finite()?,
+            _ => false,
+        };
+        let (missing, nonfinite) = if self.world_size == 1 {
+            (missing_here, nonfinite_here)
+        } else {
+            stats.all_reduces += 1;
+            stats.bytes += 8;
+            ZeroState::agree_on_verdict(comm, missing_here, nonfinite_here, &Device::Cpu)?
+        };
+        buffers.set_shard_verdict(nonfinite);
+        if missing {
+            let present = buffers.local_presence_mask()?;
+            if self.world_size > 1 {
+                comm.all_reduce(&present, ReduceOp::Max)?;
+                stats.all_reduces += 1;
+                stats.bytes += (present.elem_count() * present.dtype().size_in_bytes()) as u64;
+            }
+            buffers.keep_only_present(&present)?;
+        }
+        self.stats.set(stats);
+        Ok(())
+    }
+
+    /// Reduce-scatters one padded gradient bucket (mean) into this rank's block, in the
+    /// configured reduce dtype, and counts it.
+    fn reduce_scatter_bucket(
+        &self,
+        comm: &dyn Communicator,
+        flat: &Tensor,
+        block: &Tensor,
+        stats: &mut GradientSyncStats,
+    ) -> Result<()> {
+        if flat.dtype() == self.reduce_dtype || self.world_size == 1 {
+            comm.reduce_scatter_agreed(flat, block, ReduceOp::Mean)?;
+            stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
+        } else {
+            let wire = flat.to_dtype(self.reduce_dtype)?;
+            let out = Tensor::zeros(block.elem_count(), self.reduce_dtype, block.device())?;
+            comm.reduce_scatter_agreed(&wire, &out, ReduceOp::Mean)?;
+            block.slice_set(&out.to_dtype(block.dtype())?, 0, 0)?;
+            stats.bytes += (wire.elem_count() * wire.dtype().size_in_bytes()) as u64;
+        }
+        stats.reduce_scatters += 1;
         Ok(())
     }
 

@@ -254,8 +254,17 @@ impl TrainingState {
 
     /// A copy of the window's gradient of parameter `name`, if it has one.
     pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
-        match self.steps().grads.as_ref().and_then(|g| g.get(name)) {
+        let steps = self.steps();
+        let Some(grads) = steps.grads.as_ref() else {
+            return Ok(None);
+        };
+        match grads.get(name) {
             Some(t) => Ok(Some(t.copy()?)),
+            None if grads.has_gradient(name) => Err(Error::Config(format!(
+                "under ZeRO stage 2 each rank keeps only its 1/N of the averaged gradient, so the \
+                 gradient of {name:?} exists whole on no rank after the sync micro-step; use \
+                 zero_stage(1) to read whole gradients"
+            ))),
             None => Ok(None),
         }
     }
@@ -295,19 +304,30 @@ impl TrainingState {
             w.refresh_compute()?;
         }
         steps.mixed.weights = weights;
-        let grads = if several_ranks {
+        let mut grads = if several_ranks {
             GradientBuffers::new_for_ranks(&params, bucket_cap_bytes)?
         } else {
             GradientBuffers::new(&params, bucket_cap_bytes)?
         };
         if self.zero_config.stage > 0 {
             let plan = ShardPlan::new(&grads.layout(), world_size);
-            steps.zero = Some(ZeroState::new(
+            let zero = ZeroState::new(
                 self.zero_config.stage,
                 rank,
                 plan,
                 self.zero_config.link.clone(),
-            ));
+            );
+            if zero.stage() == 2 {
+                // Replaced before any use: the stage-2 buffers hold only one bucket at a time.
+                drop(grads);
+                grads = GradientBuffers::new_sharded(
+                    &params,
+                    bucket_cap_bytes,
+                    zero.plan().clone(),
+                    rank,
+                )?;
+            }
+            steps.zero = Some(zero);
         }
         steps.grads = Some(grads);
         self.params
@@ -435,9 +455,22 @@ impl TrainingState {
         let scale = step.loss_scale / loss_scale;
         let guarded = steps.no_sync_guards > 0;
         if !guarded && (step.sync || sync.syncs_each_batch()) {
-            // With sync_each_batch the window's sum so far is already equal on every rank, so
-            // averaging it again with this micro-step's gradient adds this micro-step's average.
-            sync.accumulate_and_average(comm, buffers, sources, &grad_store, scale)?;
+            if steps.zero.as_ref().is_some_and(|z| z.stage() == 2) {
+                let fp16 = steps.mixed.scaler.is_some();
+                sync.accumulate_and_reduce_scatter(
+                    comm,
+                    buffers,
+                    sources,
+                    &grad_store,
+                    scale,
+                    fp16,
+                )?;
+            } else {
+                // With sync_each_batch the window's sum so far is already equal on every rank,
+                // so averaging it again with this micro-step's gradient adds this micro-step's
+                // average.
+                sync.accumulate_and_average(comm, buffers, sources, &grad_store, scale)?;
+            }
             steps.unsynced_across_windows = false;
             if step.sync {
                 // After the reduction, so that every rank sees the same gradients and decides
@@ -463,10 +496,22 @@ impl TrainingState {
         if !steps.sync_now() {
             return Ok(None);
         }
+        let steps = &mut *steps;
         let Some(buffers) = steps.grads.as_mut() else {
             return Ok(None);
         };
-        let norm = buffers.global_norm()?;
+        let norm = match (buffers.synced_shard(), &steps.zero) {
+            (Some(shard), Some(zero)) => {
+                // Each rank holds 1/N of the gradient: the squares are summed across ranks.
+                let local = shard.sum_of_squares()?;
+                zero.with_comm("clip_grad_norm", |comm| {
+                    let total = Tensor::new(&[local], &candle_core::Device::Cpu)?;
+                    comm.all_reduce_agreed(&total, crate::comm::ReduceOp::Sum)?;
+                    Ok(total.to_vec1::<f64>()?[0].sqrt())
+                })?
+            }
+            _ => buffers.global_norm()?,
+        };
         // PyTorch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6), applied when below 1.
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {

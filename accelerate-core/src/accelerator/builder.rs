@@ -225,6 +225,14 @@ impl AcceleratorBuilder {
             }
             (e, _) => e,
         })?;
+        if zero_stage == 2 && self.sync_each_batch {
+            return Err(crate::Error::Config(
+                "sync_each_batch(true) with ZeRO stage 2 is not supported: stage 2 keeps only this \
+                 rank's 1/N of the gradients after each reduce-scatter, so a window's running sum \
+                 cannot be averaged again; use zero_stage(1) or sync_each_batch(false)"
+                    .into(),
+            ));
+        }
         let overlap_gradient_reduction = match self.overlap_gradient_reduction {
             Some(overlap) => overlap,
             None => env::read(

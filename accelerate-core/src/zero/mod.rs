@@ -9,6 +9,7 @@
 //!   rank keeps only its block of the averaged gradient (see `grads` and `sync`); the gradient
 //!   norm and the fp16 overflow check then combine every rank's shard.
 
+mod grad_shard;
 mod link;
 mod plan;
 
@@ -16,6 +17,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, Var};
 
+pub(crate) use grad_shard::GradientShard;
 pub(crate) use link::CommLink;
 pub(crate) use plan::ShardPlan;
 
@@ -155,7 +157,10 @@ impl ZeroState {
         device: &candle_core::Device,
     ) -> Result<(bool, bool)> {
         let flags = Tensor::new(
-            &[f32::from(u8::from(missing_here)), f32::from(u8::from(nonfinite_here))],
+            &[
+                f32::from(u8::from(missing_here)),
+                f32::from(u8::from(nonfinite_here)),
+            ],
             device,
         )?;
         comm.all_reduce_agreed(&flags, ReduceOp::Max)?;

@@ -74,6 +74,14 @@ impl ShardPlan {
         }
     }
 
+    /// Each bucket's parameters and their element counts (what the plan was cut from).
+    pub fn layout(&self) -> Vec<(Range<usize>, Vec<usize>)> {
+        self.buckets
+            .iter()
+            .map(|b| (b.params.clone(), b.lens.clone()))
+            .collect()
+    }
+
     /// The number of ranks.
     pub fn world(&self) -> usize {
         self.world
@@ -224,7 +232,11 @@ mod tests {
         for _ in 0..200 {
             let world = rng.random_range(1..=5);
             let buckets: Vec<Vec<usize>> = (0..rng.random_range(1..4))
-                .map(|_| (0..rng.random_range(1..5)).map(|_| rng.random_range(1..30)).collect())
+                .map(|_| {
+                    (0..rng.random_range(1..5))
+                        .map(|_| rng.random_range(1..30))
+                        .collect()
+                })
                 .collect();
             let refs: Vec<&[usize]> = buckets.iter().map(Vec::as_slice).collect();
             check_tiling(&refs, world);
