@@ -300,9 +300,11 @@ fn run(args: &Args) -> Result<()> {
     let wall = run_totals.wall;
     run::save_model(&acc, args.save_model.as_deref())?;
     let sync = acc.gradient_sync_stats();
+    let peak_rss_mib = run::peak_resident_mib(&acc)?;
     acc.print(format!(
         "samples/s={:.1} tokens/s={:.0} final_loss={:.6} unigram_entropy={entropy:.6} wall={:.2}s \
-         steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}{}",
+         steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={} \
+         zero_stage={} peak_rss_mib={peak_rss_mib:.0}{}",
         run_totals.samples / wall,
         run_totals.tokens / wall,
         run_totals.last_loss,
@@ -312,6 +314,7 @@ fn run(args: &Args) -> Result<()> {
         sync.all_reduces,
         acc.mixed_precision(),
         run_totals.skipped_steps,
+        acc.zero_stage(),
         evaluator.summary_fields()
     ));
     Ok(())

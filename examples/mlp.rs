@@ -281,9 +281,11 @@ impl Training<'_> {
         acc.end_training()?;
         run::save_model(&acc, args.save_model.as_deref())?;
         let sync = acc.gradient_sync_stats();
+        let peak_rss_mib = run::peak_resident_mib(&acc)?;
         acc.print(format!(
             "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
-             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={}{}",
+             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={} \
+             zero_stage={} peak_rss_mib={peak_rss_mib:.0}{}",
             totals.samples / totals.wall,
             totals.last_loss,
             totals.wall,
@@ -295,6 +297,7 @@ impl Training<'_> {
             acc.mixed_precision(),
             totals.skipped_steps,
             u8::from(acc.overlaps_gradient_reduction()),
+            acc.zero_stage(),
             evaluator.summary_fields()
         ));
         Ok(())

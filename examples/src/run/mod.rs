@@ -20,7 +20,7 @@ pub use evaluate::{
 };
 pub use flags::{ReportTo, RunArgs, ScheduleKind, DEFAULT_EVAL_FRACTION};
 pub use model_file::save_model;
-pub use monitor::{RunMonitor, RunTotals, StepCounts};
+pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
 pub use split::{hold_out, split_indices, Subset};
 

@@ -222,3 +222,19 @@ fn progress_bar(total_steps: u64) -> ProgressBar {
     );
     bar
 }
+
+/// The largest peak resident set (`VmHWM` of `/proc/self/status`) of any rank so far, in MiB
+/// (0 where the kernel does not report it). A collective: every rank calls it.
+pub fn peak_resident_mib(acc: &Accelerator) -> Result<f64> {
+    let kib = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .unwrap_or(0.0);
+    let peak = acc.reduce(&Tensor::new(&[kib], acc.device())?, ReduceOp::Max)?;
+    Ok(peak.to_dtype(DType::F64)?.to_vec1::<f64>()?[0] / 1024.0)
+}
