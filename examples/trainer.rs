@@ -90,8 +90,12 @@ fn main() -> Result<()> {
         Some(Arc::new(eval)),
     )?;
     trainer.accelerator().print(format!(
-        "steps={} train_loss={:.6} eval_loss={:.6} eval_accuracy={:.4}",
-        out.global_step, out.training_loss, out.metrics["eval_loss"], out.metrics["eval_accuracy"]
+        "steps={} train_loss={:.6} eval_loss={:.6} eval_accuracy={:.4} zero_stage={}",
+        out.global_step,
+        out.training_loss,
+        out.metrics["eval_loss"],
+        out.metrics["eval_accuracy"],
+        trainer.accelerator().zero_stage()
     ));
     Ok(())
 }

@@ -157,6 +157,37 @@ fn a_bad_port_is_refused_before_anything_starts() {
 }
 
 #[test]
+fn a_zero_stage_that_does_not_exist_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = dir.path().join("started");
+    for (flag, stage, reason) in [
+        (
+            "--zero-stage",
+            "3",
+            "ZeRO stage 3 (sharding the parameters themselves) is not implemented",
+        ),
+        ("--zero_stage", "x", "not a ZeRO stage"),
+    ] {
+        let o = Job::new("sh")
+            .launcher_flags(["--cpu", "--num-processes", "2", flag, stage])
+            .args(["-c", &format!("touch {}", path_str(&started))])
+            .limit(LIMIT)
+            .run();
+        assert_eq!(o.status.code(), Some(2), "{}", o.text());
+        assert_refused(
+            &o,
+            &[
+                &format!("'{stage}'"),
+                "--zero-stage",
+                reason,
+                "give 0 (plain data parallel), 1 (optimizer state sharded) or 2",
+            ],
+        );
+        assert_absent(dir.path(), &["started"], &o);
+    }
+}
+
+#[test]
 fn a_missing_data_file_is_named_on_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("nope.safetensors");

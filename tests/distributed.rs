@@ -24,12 +24,40 @@ fn mlp_args(samples: usize, batch: usize, optimizer: &str, out: &Path) -> Vec<St
     small_mlp_args(samples, batch, optimizer, 11, out)
 }
 
-/// Runs the mlp with `args` on `n` CPU ranks under the launcher.
-fn launch(n: usize, args: &[String]) -> JobOutput {
-    Job::example("mlp").ranks(n).args(args).limit(LIMIT).run()
+/// Runs the mlp with `args` on `n` CPU ranks under the launcher, which gets `launcher_flags`.
+fn launch(n: usize, launcher_flags: &[&str], args: &[String]) -> JobOutput {
+    Job::example("mlp")
+        .ranks(n)
+        .launcher_flags(launcher_flags)
+        .args(args)
+        .limit(LIMIT)
+        .run()
 }
 
-fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
+/// How a distributed run is given its ZeRO stage.
+#[derive(Debug, Clone, Copy)]
+enum Zero {
+    /// Not at all: plain data parallel, stage 0.
+    Unset,
+    /// `accelerate-launch <flag> <stage>`, exported to the workers as `ACCELERATE_ZERO_STAGE`.
+    Launcher(&'static str, u8),
+    /// The example's own `--zero-stage <stage>`.
+    Program(u8),
+}
+
+/// `n` ranks under the launcher with micro-batches of 4 and K = 1, 2, 4 end with the weights of
+/// one process (stage 0, no launcher) with batches of 4·n·K, whatever ZeRO stage the ranks run.
+fn equivalence(n: usize, optimizer: &str, tolerance: f32, zero: Zero) {
+    let (launcher_flags, program_flags, stage) = match zero {
+        Zero::Unset => (vec![], vec![], 0),
+        Zero::Launcher(flag, stage) => (vec![flag.to_string(), stage.to_string()], vec![], stage),
+        Zero::Program(stage) => (
+            vec![],
+            vec!["--zero-stage".into(), stage.to_string()],
+            stage,
+        ),
+    };
+    let launcher_flags: Vec<&str> = launcher_flags.iter().map(String::as_str).collect();
     let dir = tempfile::tempdir().unwrap();
     for k in [1usize, 2, 4] {
         let b = 4;
@@ -38,9 +66,13 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
         let dist_out = dir.path().join(format!("dist_{n}_{k}.safetensors"));
         let mut args = mlp_args(samples, b, optimizer, &dist_out);
         args.extend(["--grad-accum".to_string(), k.to_string()]);
-        let o = launch(n, &args);
+        args.extend(program_flags.iter().cloned());
+        let o = launch(n, &launcher_flags, &args);
         assert!(o.status.success(), "{}", output_text(&o));
         assert_eq!(o.summary::<u64>("steps"), 10, "{}", output_text(&o));
+        // The stage the ranks trained under, as the Accelerator reports it: the switch reached
+        // them.
+        assert_eq!(o.summary::<u8>("zero_stage"), stage, "{}", output_text(&o));
 
         let single_out = dir.path().join(format!("single_{n}_{k}.safetensors"));
         let s = Job::mlp(1)
@@ -49,11 +81,12 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
             .run();
         assert!(s.status.success(), "{}", output_text(&s));
         assert_eq!(s.summary::<u64>("steps"), 10);
+        assert_eq!(s.summary::<u8>("zero_stage"), 0);
 
         let d = max_abs_diff_flat(&load_flat(&dist_out), &load_flat(&single_out));
         assert!(
             d < tolerance,
-            "{n} ranks, K={k}, {optimizer}: max |Δθ| = {d}"
+            "{n} ranks, K={k}, {optimizer}, {zero:?}: max |Δθ| = {d}"
         );
         // The runs did move the weights: the comparison could have failed.
         let init_out = dir.path().join("init.safetensors");
@@ -68,22 +101,67 @@ fn equivalence(n: usize, optimizer: &str, tolerance: f32) {
 
 #[test]
 fn two_ranks_equal_one_process_with_sgd_momentum() {
-    equivalence(2, "sgd", 2e-5);
+    equivalence(2, "sgd", 2e-5, Zero::Unset);
 }
 
 #[test]
 fn three_ranks_equal_one_process_with_sgd_momentum() {
-    equivalence(3, "sgd", 2e-5);
+    equivalence(3, "sgd", 2e-5, Zero::Unset);
 }
 
 #[test]
 fn two_ranks_equal_one_process_with_adamw() {
-    equivalence(2, "adamw", 1e-4);
+    equivalence(2, "adamw", 1e-4, Zero::Unset);
 }
 
 #[test]
 fn three_ranks_equal_one_process_with_adamw() {
-    equivalence(3, "adamw", 1e-4);
+    equivalence(3, "adamw", 1e-4, Zero::Unset);
+}
+
+#[test]
+fn two_ranks_under_zero_1_equal_one_process_with_sgd_momentum() {
+    equivalence(2, "sgd", 2e-5, Zero::Launcher("--zero-stage", 1));
+}
+
+#[test]
+fn three_ranks_under_zero_1_equal_one_process_with_sgd_momentum() {
+    equivalence(3, "sgd", 2e-5, Zero::Launcher("--zero-stage", 1));
+}
+
+#[test]
+fn two_ranks_under_zero_1_equal_one_process_with_adamw() {
+    equivalence(2, "adamw", 1e-4, Zero::Launcher("--zero-stage", 1));
+}
+
+#[test]
+fn three_ranks_under_zero_1_equal_one_process_with_adamw() {
+    equivalence(3, "adamw", 1e-4, Zero::Launcher("--zero-stage", 1));
+}
+
+#[test]
+fn two_ranks_under_zero_2_equal_one_process_with_sgd_momentum() {
+    equivalence(2, "sgd", 2e-5, Zero::Launcher("--zero_stage", 2));
+}
+
+#[test]
+fn three_ranks_under_zero_2_equal_one_process_with_sgd_momentum() {
+    equivalence(3, "sgd", 2e-5, Zero::Launcher("--zero_stage", 2));
+}
+
+#[test]
+fn two_ranks_under_zero_2_equal_one_process_with_adamw() {
+    equivalence(2, "adamw", 1e-4, Zero::Launcher("--zero_stage", 2));
+}
+
+#[test]
+fn three_ranks_under_zero_2_equal_one_process_with_adamw() {
+    equivalence(3, "adamw", 1e-4, Zero::Launcher("--zero_stage", 2));
+}
+
+#[test]
+fn the_examples_own_zero_stage_flag_sets_the_stage_as_the_launchers_does() {
+    equivalence(2, "adamw", 1e-4, Zero::Program(1));
 }
 
 #[test]
@@ -132,7 +210,7 @@ fn a_partial_last_window_on_two_ranks_equals_the_short_last_batch() {
     let dist_out = dir.path().join("dist.safetensors");
     let mut args = mlp_args(80, 4, "sgd", &dist_out);
     args.extend(["--grad-accum".to_string(), "4".to_string()]);
-    let o = launch(2, &args);
+    let o = launch(2, &[], &args);
     assert!(o.status.success(), "{}", output_text(&o));
     assert_eq!(o.summary::<u64>("steps"), 6, "{}", output_text(&o));
     let single_out = dir.path().join("single.safetensors");

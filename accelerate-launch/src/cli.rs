@@ -65,6 +65,11 @@ pub struct Args {
     #[arg(long, alias = "mixed_precision", value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
 
+    /// ZeRO stage: 0 (plain data parallel, the default), 1 (optimizer state sharded) or 2
+    /// (optimizer state and gradients sharded); exported as ACCELERATE_ZERO_STAGE.
+    #[arg(long, alias = "zero_stage", value_name = "N", value_parser = parse_zero_stage)]
+    pub zero_stage: Option<u8>,
+
     /// Restart the whole group up to N times when a rank fails (workers see
     /// ACCELERATE_RESTART_COUNT and resume from their latest checkpoint).
     #[arg(long, alias = "max_restarts", default_value_t = 0, value_name = "N")]
@@ -96,6 +101,24 @@ fn parse_port(value: &str) -> Result<u16, String> {
     value.trim().parse::<u16>().map_err(|_| {
         "not a port number: give a TCP port from 1 to 65535, or 0 to pick a free one".to_string()
     })
+}
+
+/// The highest ZeRO stage the runtime implements (stage 3, sharding the parameters themselves,
+/// is not).
+pub const MAX_ZERO_STAGE: u8 = 2;
+
+/// Parses `--zero-stage`, refusing stages the runtime lacks before any worker starts (the
+/// workers' builder would refuse them too, but only after the whole group had started).
+fn parse_zero_stage(value: &str) -> Result<u8, String> {
+    const VALID: &str = "give 0 (plain data parallel), 1 (optimizer state sharded) or 2 \
+                         (optimizer state and gradients sharded)";
+    match value.trim().parse::<u8>() {
+        Ok(stage) if stage <= MAX_ZERO_STAGE => Ok(stage),
+        Ok(3) => Err(format!(
+            "ZeRO stage 3 (sharding the parameters themselves) is not implemented; {VALID}"
+        )),
+        _ => Err(format!("not a ZeRO stage; {VALID}")),
+    }
 }
 
 impl Args {
@@ -177,6 +200,39 @@ mod tests {
         assert_eq!(a.program_args, ["--grad-accum", "4"]);
         assert!(a.validate().is_ok());
         assert_eq!(a.mixed_precision, None);
+        assert_eq!(a.zero_stage, None);
+    }
+
+    #[test]
+    fn zero_stage_takes_both_spellings_and_refuses_stages_that_do_not_exist() {
+        for (flag, stage) in [
+            ("--zero-stage", "0"),
+            ("--zero_stage", "2"),
+            ("--zero-stage", "1"),
+        ] {
+            let a = Args::try_parse_from(["l", flag, stage, "p"]).unwrap();
+            assert_eq!(a.zero_stage, Some(stage.parse().unwrap()), "{flag} {stage}");
+        }
+        for bad in ["3", "4", "x", "1.5", ""] {
+            let e = Args::try_parse_from(["l", "--zero-stage", bad, "p"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--zero-stage") && e.contains(&format!("'{bad}'")),
+                "{e}"
+            );
+            assert!(
+                e.contains("give 0 (plain data parallel), 1 (optimizer"),
+                "{e}"
+            );
+        }
+        let e = Args::try_parse_from(["l", "--zero-stage", "3", "p"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("stage 3") && e.contains("not implemented"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -128,6 +128,7 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         restart_count: 0,
         gradient_accumulation_steps: args.gradient_accumulation_steps,
         mixed_precision: args.mixed_precision,
+        zero_stage: args.zero_stage,
         cpu,
         threads_per_worker: (cores / local_world_size).max(1),
         ranks_per_gpu: args.ranks_per_gpu,

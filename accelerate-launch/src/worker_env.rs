@@ -26,6 +26,8 @@ pub struct JobLayout {
     pub gradient_accumulation_steps: Option<usize>,
     /// Mixed-precision mode to export (`no`, `bf16`, `fp16`), if given.
     pub mixed_precision: Option<accelerate_core::MixedPrecision>,
+    /// ZeRO stage to export (0, 1 or 2), if given.
+    pub zero_stage: Option<u8>,
     /// Whether to train on the CPU.
     pub cpu: bool,
     /// Threads each worker may use for compute (cores shared among local workers).
@@ -80,6 +82,9 @@ impl JobLayout {
         if let Some(mode) = self.mixed_precision {
             set(env::MIXED_PRECISION, mode.as_str().into());
         }
+        if let Some(stage) = self.zero_stage {
+            set(env::ZERO_STAGE, stage.to_string());
+        }
         if self.cpu {
             set(env::USE_CPU, "1".into());
         } else {
@@ -124,6 +129,7 @@ mod tests {
             restart_count: 2,
             gradient_accumulation_steps: Some(4),
             mixed_precision: Some(accelerate_core::MixedPrecision::Bf16),
+            zero_stage: Some(2),
             cpu: true,
             threads_per_worker: 3,
             ranks_per_gpu: 1,
@@ -194,6 +200,7 @@ mod tests {
         assert_eq!(get("ACCELERATE_RESTART_COUNT"), Some("2"));
         assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
         assert_eq!(get("ACCELERATE_MIXED_PRECISION"), Some("bf16"));
+        assert_eq!(get("ACCELERATE_ZERO_STAGE"), Some("2"));
         assert_eq!(get("RAYON_NUM_THREADS"), Some("3"));
     }
 
@@ -207,6 +214,30 @@ mod tests {
         assert!(!none
             .worker_env(0, &|_| false)
             .contains_key("ACCELERATE_MIXED_PRECISION"));
+    }
+
+    #[test]
+    fn zero_stage_is_exported_to_every_worker_only_when_given() {
+        for local in 0..2 {
+            let env = layout().worker_env(local, &|_| false);
+            assert_eq!(env["ACCELERATE_ZERO_STAGE"], "2", "local rank {local}");
+        }
+        let stage_0 = JobLayout {
+            zero_stage: Some(0),
+            ..layout()
+        };
+        assert_eq!(
+            stage_0.worker_env(1, &|_| false)["ACCELERATE_ZERO_STAGE"],
+            "0"
+        );
+        let none = JobLayout {
+            zero_stage: None,
+            ..layout()
+        };
+        // The worker's own ACCELERATE_ZERO_STAGE (or the default, 0) then applies.
+        assert!(!none
+            .worker_env(0, &|_| false)
+            .contains_key("ACCELERATE_ZERO_STAGE"));
     }
 
     #[test]

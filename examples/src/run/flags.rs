@@ -56,6 +56,11 @@ pub struct RunArgs {
     /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
     #[arg(long, value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
+    /// ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded across the ranks) or 2
+    /// (optimizer state and gradients sharded) (default: $ACCELERATE_ZERO_STAGE, which
+    /// `accelerate-launch --zero-stage` sets, else 0).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero_stage: Option<u8>,
     /// Report the global loss every N optimizer steps (mean over those steps) and at the end, to
     /// --metrics, --report-to and the progress bar (default 1). Reading the loss is the only host
     /// synchronization of a step on a GPU, so N > 1 keeps the device busy. --log-every is an
@@ -181,6 +186,9 @@ impl RunArgs {
         if let Some(mode) = self.mixed_precision {
             builder = builder.mixed_precision(mode);
         }
+        if let Some(stage) = self.zero_stage {
+            builder = builder.zero_stage(stage);
+        }
         builder = builder.report_to(self.trackers());
         if let Some(dir) = &self.logging_dir {
             builder = builder.logging_dir(dir);
@@ -269,6 +277,7 @@ mod tests {
         assert_eq!(run.checkpoint_dir, PathBuf::from("checkpoints"));
         assert!(!run.resume);
         assert_eq!(run.log_every, 1);
+        assert_eq!(run.zero_stage, None);
         assert_eq!(run.schedule(10), Schedule::Constant);
     }
 
@@ -339,6 +348,23 @@ mod tests {
         );
         assert_eq!(parse(&["--report-to", "all"]).trackers(), TrackerKind::ALL);
         assert!(parse(&["--report-to", "none"]).trackers().is_empty());
+    }
+
+    #[test]
+    fn zero_stage_takes_the_implemented_stages_and_refuses_others_by_name() {
+        for stage in 0..=2u8 {
+            let run = parse(&["--zero-stage", &stage.to_string()]);
+            assert_eq!(run.zero_stage, Some(stage));
+        }
+        for bad in ["3", "x"] {
+            let e = Only::try_parse_from(["prog", "--zero-stage", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--zero-stage") && e.contains(&format!("'{bad}'")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -54,13 +54,15 @@ pub fn step_optimizer<O: Optimizer>(
 }
 
 /// Prints the line that opens training on the main process: `data` (empty, or e.g.
-/// `"16384 samples, "`) is printed right after `training: `.
+/// `"16384 samples, "`) is printed right after `training: `. It ends with `zero_stage=N`, the
+/// stage in force whether it came from `--zero-stage` or the launcher's environment.
 pub fn announce_training(acc: &Accelerator, data: &str, batch_size: usize, total_steps: u64) {
     acc.print(format!(
         "training: {data}{} process(es), batch {batch_size} x {} micro-steps per rank, \
-         {total_steps} optimizer steps, on {:?}",
+         {total_steps} optimizer steps, on {:?}, zero_stage={}",
         acc.num_processes(),
         acc.gradient_accumulation_steps(),
-        acc.device().location()
+        acc.device().location(),
+        acc.zero_stage()
     ));
 }
