@@ -221,6 +221,7 @@ fn run_row(args: &Args, dir: &Path, row: &Row) -> Result<Report> {
         }
         Workload::Mlp => {
             cmd.args(["--hidden", &args.hidden.to_string()])
+                .args(["--optimizer", "adamw"])
                 .args(["--epochs", "1000"]);
         }
     }

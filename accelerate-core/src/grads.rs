@@ -571,13 +571,13 @@ impl GradientBuffers {
     /// missing ones with zeros and hands each bucket, in order, to `reduce_scatter` with this
     /// rank's block as the output; each bucket is allocated only for that and released right
     /// after, so that at most one full bucket exists at a time beyond those a longer window
-    /// already filled. Afterwards every parameter counts as having a gradient (see
+    /// already filled, and the gradients it took are removed from `grads`. Afterwards every parameter counts as having a gradient (see
     /// [`keep_only_present`](Self::keep_only_present)). Returns whether this rank missed some
     /// parameter's gradient in the window.
     pub(crate) fn accumulate_and_reduce_scatter(
         &mut self,
         params: &[(String, Var)],
-        grads: &GradStore,
+        grads: &mut GradStore,
         scale: f64,
         mut reduce_scatter: impl FnMut(&Tensor, &Tensor) -> Result<()>,
     ) -> Result<bool> {
@@ -594,11 +594,17 @@ impl GradientBuffers {
             let range = self.buckets[b].params();
             prepare_bucket(
                 &mut self.slots[range.clone()],
-                &params[range],
+                &params[range.clone()],
                 grads,
                 scale,
                 true,
             )?;
+            // Each backward gradient is dropped once it is in its bucket, so that the next
+            // bucket's storage takes the place of gradients already consumed rather than adding
+            // to the whole backward pass's.
+            for (_, var) in &params[range] {
+                grads.remove(var.as_tensor());
+            }
             let shard = self.shard.as_ref().expect("checked above");
             reduce_scatter(&self.buckets[b].flat, shard.block(b))?;
             self.release(b)?;

@@ -135,8 +135,8 @@ impl GradientSync {
         Ok(())
     }
 
-    /// ZeRO stage 2's sync micro-step: adds the backward pass's gradients into `buffers` and
-    /// reduce-scatters each bucket (mean), so this rank keeps only its block of the window's
+    /// ZeRO stage 2's sync micro-step: adds the backward pass's gradients into `buffers` (taking
+    /// them out of `grads` as it goes) and reduce-scatters each bucket (mean), so this rank keeps only its block of the window's
     /// average. Then one all-reduce of two flags agrees on what every rank must decide alike:
     /// whether a parameter missed its gradient on some rank (then the presence mask is reduced as
     /// at stage 0) and, when `check_finite` (fp16), whether some rank's block overflowed.
@@ -145,7 +145,7 @@ impl GradientSync {
         comm: &dyn Communicator,
         buffers: &mut GradientBuffers,
         sources: &[(String, Var)],
-        grads: &GradStore,
+        grads: &mut GradStore,
         scale: f64,
         check_finite: bool,
     ) -> Result<()> {

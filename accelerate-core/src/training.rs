@@ -436,7 +436,7 @@ impl TrainingState {
         // micro-step must not add into the abandoned window's sums.
         steps.zero_if_abandoned();
         let loss_scale = steps.mixed.loss_scale();
-        let grad_store = if loss_scale == 1.0 {
+        let mut grad_store = if loss_scale == 1.0 {
             loss.backward()?
         } else {
             // fp16: scaled so that small gradients survive in half precision; the scale is
@@ -461,7 +461,7 @@ impl TrainingState {
                     comm,
                     buffers,
                     sources,
-                    &grad_store,
+                    &mut grad_store,
                     scale,
                     fp16,
                 )?;
