@@ -908,3 +908,97 @@ fn a_two_rank_ring_reduce_scatter_has_the_bits_of_the_all_reduce() {
         assert!(scattered == reduced, "rank {rank}");
     }
 }
+
+/// The address of `t`'s storage. candle keeps each storage alone in its own heap-allocated
+/// `RwLock`, so these addresses order the locks as candle's `inplace_op2` orders them.
+fn storage_address(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const candle_core::Storage as usize
+}
+
+/// Another thread holds the output's storage and then waits to write the input's, as candle's
+/// own in-place ops do when the output's storage comes first in their lock order, while
+/// `reduce_scatter` and `all_gather_into` run on the two: the collective must wait for the
+/// output without holding the input, so that the thread goes on and both finish. (Taking the
+/// input's lock first, because it is the input, deadlocks here; the wait for the thread is
+/// bounded so that the test reports it instead of hanging.)
+#[test]
+fn a_collective_does_not_hold_its_input_while_it_waits_for_its_output() {
+    const BLOCK: usize = 8;
+    const WORLD: usize = 2;
+    let opts = options(TransportChoice::Shm, Duration::from_secs(30), 64);
+    on_ring(WORLD, opts, |rank, comm| {
+        let comm = std::sync::Arc::new(comm);
+        for gather in [false, true] {
+            let what = if gather {
+                "all_gather_into"
+            } else {
+                "reduce_scatter"
+            };
+            let (in_len, out_len) = if gather {
+                (BLOCK, WORLD * BLOCK)
+            } else {
+                (WORLD * BLOCK, BLOCK)
+            };
+            let run = move |comm: &CpuCommunicator, input: &Tensor, output: &Tensor| {
+                if gather {
+                    comm.all_gather_into_agreed(input, output)
+                } else {
+                    comm.reduce_scatter_agreed(input, output, ReduceOp::Sum)
+                }
+            };
+            let values = input(rank, in_len, DType::F32);
+            if rank != 0 {
+                let output = Tensor::zeros(out_len, DType::F32, &Device::Cpu).unwrap();
+                run(&comm, &values, &output).unwrap();
+                continue;
+            }
+            // Rank 0: the output in the storage of lower address, so that it comes first in
+            // candle's lock order; the input in the other.
+            let buffers = [0, 1].map(|_| Tensor::zeros(WORLD * BLOCK, DType::F32, &Device::Cpu));
+            let [a, b] = buffers.map(|t| t.unwrap());
+            let (low, high) = if storage_address(&a) < storage_address(&b) {
+                (a, b)
+            } else {
+                (b, a)
+            };
+            let output = low.narrow(0, 0, out_len).unwrap();
+            let source = high.narrow(0, 0, in_len).unwrap();
+            source.slice_set(&values, 0, 0).unwrap();
+            let held = output.storage_and_layout();
+            let collective = {
+                let (comm, source, output) = (comm.clone(), source.clone(), output.clone());
+                std::thread::spawn(move || run(&comm, &source, &output))
+            };
+            // Gives the collective time to take whatever lock it takes before the output's (the
+            // test passes without it; it makes the deadlock it looks for likely).
+            std::thread::sleep(Duration::from_millis(300));
+            let (wrote, written) = mpsc::channel();
+            let writer = {
+                let source = source.clone();
+                std::thread::spawn(move || {
+                    element::with_elements_mut::<f32, _>(&source, |_| Ok(())).unwrap();
+                    let _ = wrote.send(());
+                })
+            };
+            let writer_went_on = written.recv_timeout(Duration::from_secs(20)).is_ok();
+            // Either way the collective and the writer can finish now.
+            drop(held);
+            collective.join().unwrap().unwrap();
+            writer.join().unwrap();
+            assert!(
+                writer_went_on,
+                "{what}: deadlock: the collective held its input's storage while it waited for \
+                 its output's, which another thread held while waiting to write the input"
+            );
+            let want: Vec<f64> = if gather {
+                (0..WORLD)
+                    .flat_map(|r| as_f64(&input(r, BLOCK, DType::F32)))
+                    .collect()
+            } else {
+                expected_floats(WORLD, WORLD * BLOCK, ReduceOp::Sum, true)[..BLOCK].to_vec()
+            };
+            assert_eq!(as_f64(&output), want, "{what} on rank 0");
+        }
+    });
+}
