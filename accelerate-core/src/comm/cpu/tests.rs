@@ -54,6 +54,7 @@ over_both_transports!(
     a_rank_that_stops_answering_is_named_on_every_other_rank,
     ranks_disagreeing_on_the_shape_are_refused_by_the_agreement,
     ranks_disagreeing_on_an_agreed_size_still_get_a_protocol_error,
+    a_rank_in_another_collective_is_a_protocol_error_naming_it,
     unusable_tensors_are_refused_before_any_traffic,
     communicators_created_one_after_another_on_one_store_do_not_mix,
     a_world_size_disagreement_is_a_configuration_error,
@@ -621,6 +622,49 @@ fn ranks_disagreeing_on_an_agreed_size_still_get_a_protocol_error(transport: Tra
     assert!(errors[0].contains("same shape and dtype"), "{}", errors[0]);
     // Rank 1 learns it from rank 0's abort.
     assert!(errors[1].contains("protocol mismatch"), "{}", errors[1]);
+}
+
+fn a_rank_in_another_collective_is_a_protocol_error_naming_it(transport: TransportChoice) {
+    // The `_agreed` forms skip the pre-flight agreement, so the frames (TCP) and round tags
+    // (shared memory) are what tell the collectives apart. Rank 0 reduce-scatters 16 elements
+    // into 8; rank 1 runs another collective on tensors of the same sizes.
+    const BLOCK: usize = 8;
+    let others = [
+        ("all_gather_into", "reduce_scatter(Sum)"),
+        ("reduce_scatter(Max)", "reduce_scatter(Sum)"),
+        ("all_reduce(Sum)", "reduce_scatter(Sum)"),
+    ];
+    for (theirs, ours) in others {
+        let errors = on_ring(
+            2,
+            options(transport, Duration::from_secs(5), 64),
+            |rank, comm| {
+                let scattered = Tensor::zeros(BLOCK, DType::F32, &Device::Cpu).unwrap();
+                let whole = input(rank, 2 * BLOCK, DType::F32);
+                let result = match (rank, theirs) {
+                    (0, _) => comm.reduce_scatter_agreed(&whole, &scattered, ReduceOp::Sum),
+                    (_, "all_gather_into") => {
+                        comm.all_gather_into_agreed(&input(rank, BLOCK, DType::F32), &whole)
+                    }
+                    (_, "reduce_scatter(Max)") => {
+                        comm.reduce_scatter_agreed(&whole, &scattered, ReduceOp::Max)
+                    }
+                    _ => comm.all_reduce_agreed(&whole, ReduceOp::Sum),
+                };
+                result.unwrap_err().to_string()
+            },
+        );
+        for (rank, err) in errors.iter().enumerate() {
+            assert!(err.contains("protocol mismatch"), "rank {rank}: {err}");
+        }
+        // Whoever detects it names both collectives, with their reductions; the other learns it
+        // from its abort.
+        let named = |err: &str| err.contains(theirs) && err.contains(ours);
+        assert!(
+            errors.iter().all(|e| named(e)),
+            "{ours} against {theirs}: {errors:#?}"
+        );
+    }
 }
 
 fn unusable_tensors_are_refused_before_any_traffic(transport: TransportChoice) {
