@@ -41,18 +41,21 @@ def ours(world, min_kib, max_kib, iters):
     {bytes: (seconds, memcpy GB/s, stream copy GB/s)}."""
     cmd = [
         str(RELEASE / "accelerate-launch"), "--cpu", "--num-processes", str(world), "--quiet",
-        str(RELEASE / "bench_allreduce"),
+        str(RELEASE / "bench_allreduce"), "--op", "all-reduce",
         "--min-kib", str(min_kib), "--max-kib", str(max_kib), "--iters", str(iters),
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
     results = {}
     for line in out.splitlines():
         m = re.search(
-            r"(\d+) (KiB|MiB)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", line
+            r"(\d+) (KiB|MiB)\s+all-reduce\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
+            r"\s+([\d.]+)\s+([\d.]+)",
+            line,
         )
         if m:
+            # size, op, time ms, algbw, busbw, sent MiB, memcpy GB/s, stream GB/s
             size = int(m.group(1)) * (1024 if m.group(2) == "KiB" else 1024 * 1024)
-            results[size] = (float(m.group(3)) / 1e3, float(m.group(6)), float(m.group(7)))
+            results[size] = (float(m.group(3)) / 1e3, float(m.group(7)), float(m.group(8)))
     if not results:
         sys.exit(f"no figures in the output of {' '.join(cmd)}:\n{out}")
     return results

@@ -32,7 +32,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use candle_core::cuda_backend::cudarc::nccl::ReduceOp as NcclOp;
 use candle_core::cuda_backend::cudarc::nccl::{result::NcclError, Comm, Id, NcclType};
-use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
 
 use super::agreement::{self, Collective, Signature};
 use super::contract::{check_dtype, check_in_place, check_into_output, IntoOutput};
@@ -409,7 +409,8 @@ impl NcclCommunicator {
     /// Runs `kind` from the contiguous `input` into the contiguous `output`, both on this GPU,
     /// of one dtype, in separate storages (checked by the callers), with sizes NCCL's call
     /// expects (`output` = W x `input` for a gather, `input` = W x `output` for a
-    /// reduce-scatter). The input's storage is read-locked while the output's is written.
+    /// reduce-scatter). The input's storage is read-locked while the output's is written, the
+    /// two locks taken in candle's fixed order (see [`PairOp`]).
     fn pair_on_gpu(
         &self,
         input: &Tensor,
@@ -417,57 +418,26 @@ impl NcclCommunicator {
         op: &'static str,
         kind: PairKind,
     ) -> Result<()> {
-        let (storage, layout) = input.storage_and_layout();
-        let Storage::Cuda(src) = &*storage else {
-            return Err(Error::Collective {
-                op,
-                peer: None,
-                problem: "internal: the tensor is not on this rank's GPU".into(),
-            });
+        let pair = PairOp {
+            comm: &self.comm,
+            kind,
+            result: std::sync::Mutex::new(None),
         };
-        let (a, b) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| Error::Collective {
-                op,
-                peer: None,
-                problem: "internal: non-contiguous input".into(),
-            })?;
-        let comm = &self.comm;
-        self.with_slice_mut(output, op, |dst| {
-            use candle_core::cuda_backend::CudaStorageSlice as S;
-            fn pair<T: NcclType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
-                comm: &Comm,
-                kind: &PairKind,
-                src: &CudaSlice<T>,
-                (a, b): (usize, usize),
-                dst: &mut CudaSlice<T>,
-                (c, d): (usize, usize),
-            ) -> std::result::Result<(), NcclError> {
-                let (send, mut receive) = (src.slice(a..b), dst.slice_mut(c..d));
-                match kind {
-                    PairKind::Gather => comm.all_gather(&send, &mut receive).map(|_| ()),
-                    PairKind::ReduceScatter(nop) => {
-                        comm.reduce_scatter(&send, &mut receive, nop).map(|_| ())
-                    }
-                }
+        output.inplace_op2(input, &pair)?;
+        match pair.result.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => return Err(nccl_error(op, self.rank)(e)),
+            // Callers stage host tensors and refuse other devices first.
+            None => {
+                return Err(Error::Collective {
+                    op,
+                    peer: None,
+                    problem: "internal: the input and output are not contiguous on this rank's \
+                              GPU"
+                    .into(),
+                })
             }
-            let k = &kind;
-            match (&src.slice, dst) {
-                (S::F32(s), DeviceSliceMut::F32(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                (S::F16(s), DeviceSliceMut::F16(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                (S::BF16(s), DeviceSliceMut::Bf16(d, c, e)) => {
-                    pair(comm, k, s, (a, b), d, (*c, *e))
-                }
-                (S::F64(s), DeviceSliceMut::F64(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                (S::I64(s), DeviceSliceMut::I64(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                (S::U32(s), DeviceSliceMut::U32(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                (S::U8(s), DeviceSliceMut::U8(d, c, e)) => pair(comm, k, s, (a, b), d, (*c, *e)),
-                _ => Err(NcclError(
-                    candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t::ncclInvalidArgument,
-                )),
-            }
-        })?;
-        drop(storage);
+        }
         self.watch(op)
     }
 
@@ -532,6 +502,83 @@ enum PairKind {
     Gather,
     /// `ncclReduceScatter` with this reduction.
     ReduceScatter(NcclOp),
+}
+
+/// The in-place op behind [`NcclCommunicator::pair_on_gpu`]: candle's `inplace_op2` passes the
+/// output as the destination and the input as the source. It takes the two storages' locks in
+/// one order fixed by their addresses, as candle's own in-place ops do, so a thread holding the
+/// output's storage while it waits for the input's cannot deadlock with the collective (which
+/// holds both until NCCL has queued its call), and it refuses an output sharing the input's
+/// storage.
+struct PairOp<'a> {
+    comm: &'a Comm,
+    kind: PairKind,
+    result: std::sync::Mutex<Option<std::result::Result<(), NcclError>>>,
+}
+
+impl InplaceOp2 for PairOp<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-collective"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _output: &mut CpuStorage,
+        _output_layout: &Layout,
+        _input: &CpuStorage,
+        _input_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        // Leaves `result` empty: the caller reports that the tensors are not on the GPU.
+        Ok(())
+    }
+
+    fn cuda_fwd(
+        &self,
+        output: &mut CudaStorage,
+        output_layout: &Layout,
+        input: &CudaStorage,
+        input_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (Some(to), Some(from)) = (
+            output_layout.contiguous_offsets(),
+            input_layout.contiguous_offsets(),
+        ) else {
+            // Leaves `result` empty; the caller reports it.
+            return Ok(());
+        };
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        fn pair<T: NcclType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+            comm: &Comm,
+            kind: &PairKind,
+            src: &CudaSlice<T>,
+            (a, b): (usize, usize),
+            dst: &mut CudaSlice<T>,
+            (c, d): (usize, usize),
+        ) -> std::result::Result<(), NcclError> {
+            let (send, mut receive) = (src.slice(a..b), dst.slice_mut(c..d));
+            match kind {
+                PairKind::Gather => comm.all_gather(&send, &mut receive).map(|_| ()),
+                PairKind::ReduceScatter(nop) => {
+                    comm.reduce_scatter(&send, &mut receive, nop).map(|_| ())
+                }
+            }
+        }
+        let (comm, k) = (self.comm, &self.kind);
+        let result = match (&input.slice, &mut output.slice) {
+            (S::F32(s), S::F32(d)) => pair(comm, k, s, from, d, to),
+            (S::F16(s), S::F16(d)) => pair(comm, k, s, from, d, to),
+            (S::BF16(s), S::BF16(d)) => pair(comm, k, s, from, d, to),
+            (S::F64(s), S::F64(d)) => pair(comm, k, s, from, d, to),
+            (S::I64(s), S::I64(d)) => pair(comm, k, s, from, d, to),
+            (S::U32(s), S::U32(d)) => pair(comm, k, s, from, d, to),
+            (S::U8(s), S::U8(d)) => pair(comm, k, s, from, d, to),
+            _ => Err(NcclError(
+                candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t::ncclInvalidArgument,
+            )),
+        };
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        Ok(())
+    }
 }
 
 /// NCCL's reduction for `op` on `dtype`. Integer `Mean` is summed here and divided afterwards

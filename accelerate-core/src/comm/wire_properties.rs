@@ -13,7 +13,7 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::Index;
 
-use crate::comm::cpu::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_ABORT_BYTES};
+use crate::comm::cpu::frame::{self, FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES};
 use crate::comm::cpu::rendezvous::{self, Hello, PeerCard, HELLO_BYTES};
 use crate::comm::cpu::shm::process::HostIdentity;
 use crate::comm::cpu::shm::region::{self, Layout, MAX_REASON_BYTES, PIECE_ALIGN};
@@ -23,6 +23,7 @@ use crate::comm::cpu::{CpuCommOptions, TransportChoice};
 use crate::comm::store::wire::{self, FrameError, Request, Response};
 use crate::comm::store::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
 use crate::comm::store::StoreServer;
+use crate::comm::ReduceOp;
 use crate::error::Error;
 use crate::fuzzing;
 
@@ -82,6 +83,44 @@ fn header() -> impl Strategy<Value = Header> {
             seq,
             len,
         })
+}
+
+/// Every collective the CPU transports tag their frames and rounds with, and how an error names
+/// it (written out here, not derived from the code under test).
+const EVERY_COLLECTIVE: [(OpCode, &str); 10] = [
+    (OpCode::AllReduce(ReduceOp::Sum), "all_reduce(Sum)"),
+    (OpCode::AllReduce(ReduceOp::Mean), "all_reduce(Mean)"),
+    (OpCode::AllReduce(ReduceOp::Max), "all_reduce(Max)"),
+    (OpCode::Broadcast, "broadcast"),
+    (OpCode::AllGather, "all_gather"),
+    (OpCode::Barrier, "barrier"),
+    (OpCode::ReduceScatter(ReduceOp::Sum), "reduce_scatter(Sum)"),
+    (
+        OpCode::ReduceScatter(ReduceOp::Mean),
+        "reduce_scatter(Mean)",
+    ),
+    (OpCode::ReduceScatter(ReduceOp::Max), "reduce_scatter(Max)"),
+    (OpCode::AllGatherInto, "all_gather_into"),
+];
+
+fn collective() -> impl Strategy<Value = (OpCode, &'static str)> {
+    proptest::sample::select(EVERY_COLLECTIVE.to_vec())
+}
+
+#[test]
+fn every_collective_has_its_own_code_and_other_codes_are_unknown() {
+    let codes: Vec<u8> = EVERY_COLLECTIVE.iter().map(|(op, _)| op.code()).collect();
+    let mut distinct = codes.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), codes.len(), "codes {codes:?}");
+    for code in 0..=u8::MAX {
+        let shown = OpCode::describe(code);
+        match EVERY_COLLECTIVE.iter().find(|(op, _)| op.code() == code) {
+            Some((_, name)) => assert_eq!(shown, *name),
+            None => assert_eq!(shown, format!("unknown collective {code}")),
+        }
+    }
 }
 
 fn hello() -> impl Strategy<Value = Hello> {
@@ -223,6 +262,16 @@ proptest! {
     }
 
     #[test]
+    fn ring_headers_of_every_collective_round_trip_and_name_it((op, name) in collective(), h in header()) {
+        let h = Header { op: op.code(), ..h };
+        let mut raw = [0u8; HEADER_BYTES];
+        h.write(&mut raw);
+        let parsed = Header::parse(&raw).unwrap();
+        prop_assert_eq!(parsed, h);
+        prop_assert_eq!(OpCode::describe(parsed.op), name);
+    }
+
+    #[test]
     fn a_ring_header_parses_exactly_when_its_kind_and_reserved_byte_are_valid(raw in any::<[u8; HEADER_BYTES]>()) {
         let valid = (1..=3).contains(&raw[0]) && raw[3] == 0;
         prop_assert_eq!(Header::parse(&raw).is_ok(), valid);
@@ -301,6 +350,20 @@ proptest! {
         let shown = tag.describe();
         let seq = format!("#{}", words[0]);
         prop_assert!(shown.contains(&seq), "{}", shown);
+    }
+
+    #[test]
+    fn round_tags_of_every_collective_round_trip_and_name_it((op, name) in collective(), words in any::<[u64; 7]>()) {
+        let mut all = [0u64; 8];
+        all[..7].copy_from_slice(&words);
+        all[4] = u64::from(op.code());
+        let tag = RoundTag::from_words(all);
+        prop_assert_eq!(tag.words(), all);
+        let shown = tag.describe();
+        let start = format!("{name} #{}", words[0]);
+        let starts_so = op == OpCode::Broadcast || shown.starts_with(&start);
+        prop_assert!(starts_so, "{}", shown);
+        prop_assert!(shown.starts_with(name), "{}", shown);
     }
 
     #[test]

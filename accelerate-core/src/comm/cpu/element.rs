@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
@@ -240,27 +240,38 @@ pub(crate) fn with_elements_mut<T: Element, R>(
         })
 }
 
-/// Runs `f` on the elements of a contiguous CPU tensor of element type `T`, read in place (the
-/// tensor's storage stays read-locked meanwhile).
-pub(crate) fn with_elements<T: Element, R>(
-    tensor: &Tensor,
-    f: impl FnOnce(&[T]) -> Result<R>,
+/// Runs `f` on the elements of the contiguous CPU tensor `input`, read, and those of the
+/// contiguous CPU tensor `output`, written in place, both of element type `T`.
+///
+/// Both storages stay locked while `f` runs, which for a collective means while it waits for
+/// its peers. candle's `inplace_op2` takes the two locks in one order fixed by the storages'
+/// addresses, whatever their roles, as candle's own in-place ops do; taking the input's first
+/// because it is the input would deadlock against a thread that holds the output's storage and
+/// waits to write the input's. It refuses an output sharing the input's storage (a read lock
+/// and a write lock on one storage would wait on each other forever).
+pub(crate) fn with_input_and_output<T: Element, R>(
+    input: &Tensor,
+    output: &Tensor,
+    f: impl FnOnce(&[T], &mut [T]) -> Result<R>,
 ) -> Result<R> {
-    let (storage, layout) = tensor.storage_and_layout();
-    let elements = match (&*storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(cpu), Some((start, end))) => T::of_storage(cpu).map(|data| &data[start..end]),
-        _ => None,
+    let op = PairOp::<T, _, R> {
+        f: Mutex::new(Some(f)),
+        result: Mutex::new(None),
+        _element: std::marker::PhantomData,
     };
-    match elements {
-        Some(data) => f(data),
-        None => Err(Error::Config(format!(
-            "internal: tensor of dtype {:?} and shape {:?} was not readable as contiguous {:?} \
-             CPU elements",
-            tensor.dtype(),
-            tensor.dims(),
-            <T as candle_core::WithDType>::DTYPE
-        ))),
-    }
+    output.inplace_op2(input, &op)?;
+    op.result
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or_else(|| {
+            Err(Error::Config(format!(
+                "internal: tensors of dtypes {:?} and {:?} were not reachable as contiguous \
+                 {:?} CPU storages",
+                input.dtype(),
+                output.dtype(),
+                <T as candle_core::WithDType>::DTYPE
+            )))
+        })
 }
 
 /// Copies the elements of a contiguous CPU tensor of element type `T`.
@@ -307,6 +318,44 @@ impl<T: Element, F: FnOnce(&mut [T]) -> Result<R>, R> InplaceOp1 for ElementsOp<
             return Ok(());
         };
         let r = f(&mut data[start..end]);
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        Ok(())
+    }
+}
+
+/// The in-place op behind [`with_input_and_output`]: candle passes the output as the
+/// destination and the input as the source.
+struct PairOp<T, F, R> {
+    f: Mutex<Option<F>>,
+    result: Mutex<Option<Result<R>>>,
+    _element: std::marker::PhantomData<fn(T)>,
+}
+
+impl<T: Element, F: FnOnce(&[T], &mut [T]) -> Result<R>, R> InplaceOp2 for PairOp<T, F, R> {
+    fn name(&self) -> &'static str {
+        "accelerate-cpu-collective"
+    }
+
+    fn cpu_fwd(
+        &self,
+        output: &mut CpuStorage,
+        output_layout: &Layout,
+        input: &CpuStorage,
+        input_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (Some((o_start, o_end)), Some((i_start, i_end)), Some(out), Some(inp)) = (
+            output_layout.contiguous_offsets(),
+            input_layout.contiguous_offsets(),
+            T::of_storage_mut(output),
+            T::of_storage(input),
+        ) else {
+            // Leaves `result` empty; the caller reports it.
+            return Ok(());
+        };
+        let Some(f) = self.f.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Ok(());
+        };
+        let r = f(&inp[i_start..i_end], &mut out[o_start..o_end]);
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         Ok(())
     }
@@ -362,5 +411,29 @@ mod tests {
         assert_eq!(copy, [20, 30, 40]);
         // Asking for the wrong element type is an error, not a silent no-op.
         assert!(with_elements_mut::<f64, _>(&view, |_| Ok(())).is_err());
+    }
+
+    #[test]
+    fn an_input_and_output_pair_is_read_and_written_unless_they_share_a_storage() {
+        let input = Tensor::new(&[1.0f32, 2.0, 3.0, 4.0], &Device::Cpu).unwrap();
+        let buffer = Tensor::zeros(6, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let output = buffer.narrow(0, 1, 4).unwrap();
+        with_input_and_output::<f32, _>(&input, &output, |from, to| {
+            to.iter_mut().zip(from).for_each(|(t, f)| *t = 2.0 * f);
+            Ok(())
+        })
+        .unwrap();
+        let got = buffer.to_vec1::<f32>().unwrap();
+        assert_eq!(got, [0.0, 2.0, 4.0, 6.0, 8.0, 0.0]);
+        // Two views of one buffer: refused, not read-locked and then write-locked (a hang).
+        let err = with_input_and_output::<f32, _>(
+            &buffer.narrow(0, 0, 2).unwrap(),
+            &buffer.narrow(0, 2, 2).unwrap(),
+            |_, _| Ok(()),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("shares storage with dst"), "{err}");
+        // The wrong element type is an error, not a silent no-op.
+        assert!(with_input_and_output::<f64, _>(&input, &output, |_, _| Ok(())).is_err());
     }
 }

@@ -321,11 +321,9 @@ impl CpuCommunicator {
             chunk,
             |s| s.reduce_scatters += 1,
             |channel| {
-                element::with_elements::<T, _>(input, |input| {
-                    element::with_elements_mut::<T, _>(output, |out| match channel {
-                        Channel::Tcp(s) => ring::reduce_scatter(s, input, out, op),
-                        Channel::Shm(s) => shm::reduce_scatter(s, input, out, op),
-                    })
+                element::with_input_and_output::<T, _>(input, output, |input, out| match channel {
+                    Channel::Tcp(s) => ring::reduce_scatter(s, input, out, op),
+                    Channel::Shm(s) => shm::reduce_scatter(s, input, out, op),
                 })
             },
         )?;
@@ -343,15 +341,13 @@ impl CpuCommunicator {
             chunk,
             |s| s.all_gathers += 1,
             |channel| {
-                element::with_elements::<T, _>(input, |input| {
-                    element::with_elements_mut::<T, _>(output, |out| {
-                        let n = input.len();
-                        out[r * n..(r + 1) * n].copy_from_slice(input);
-                        match channel {
-                            Channel::Tcp(s) => ring::all_gather(s, out),
-                            Channel::Shm(s) => shm::all_gather(s, out),
-                        }
-                    })
+                element::with_input_and_output::<T, _>(input, output, |input, out| {
+                    let n = input.len();
+                    out[r * n..(r + 1) * n].copy_from_slice(input);
+                    match channel {
+                        Channel::Tcp(s) => ring::all_gather(s, out),
+                        Channel::Shm(s) => shm::all_gather(s, out),
+                    }
                 })
             },
         )?;

@@ -54,6 +54,7 @@ over_both_transports!(
     a_rank_that_stops_answering_is_named_on_every_other_rank,
     ranks_disagreeing_on_the_shape_are_refused_by_the_agreement,
     ranks_disagreeing_on_an_agreed_size_still_get_a_protocol_error,
+    a_rank_in_another_collective_is_a_protocol_error_naming_it,
     unusable_tensors_are_refused_before_any_traffic,
     communicators_created_one_after_another_on_one_store_do_not_mix,
     a_world_size_disagreement_is_a_configuration_error,
@@ -623,6 +624,49 @@ fn ranks_disagreeing_on_an_agreed_size_still_get_a_protocol_error(transport: Tra
     assert!(errors[1].contains("protocol mismatch"), "{}", errors[1]);
 }
 
+fn a_rank_in_another_collective_is_a_protocol_error_naming_it(transport: TransportChoice) {
+    // The `_agreed` forms skip the pre-flight agreement, so the frames (TCP) and round tags
+    // (shared memory) are what tell the collectives apart. Rank 0 reduce-scatters 16 elements
+    // into 8; rank 1 runs another collective on tensors of the same sizes.
+    const BLOCK: usize = 8;
+    let others = [
+        ("all_gather_into", "reduce_scatter(Sum)"),
+        ("reduce_scatter(Max)", "reduce_scatter(Sum)"),
+        ("all_reduce(Sum)", "reduce_scatter(Sum)"),
+    ];
+    for (theirs, ours) in others {
+        let errors = on_ring(
+            2,
+            options(transport, Duration::from_secs(5), 64),
+            |rank, comm| {
+                let scattered = Tensor::zeros(BLOCK, DType::F32, &Device::Cpu).unwrap();
+                let whole = input(rank, 2 * BLOCK, DType::F32);
+                let result = match (rank, theirs) {
+                    (0, _) => comm.reduce_scatter_agreed(&whole, &scattered, ReduceOp::Sum),
+                    (_, "all_gather_into") => {
+                        comm.all_gather_into_agreed(&input(rank, BLOCK, DType::F32), &whole)
+                    }
+                    (_, "reduce_scatter(Max)") => {
+                        comm.reduce_scatter_agreed(&whole, &scattered, ReduceOp::Max)
+                    }
+                    _ => comm.all_reduce_agreed(&whole, ReduceOp::Sum),
+                };
+                result.unwrap_err().to_string()
+            },
+        );
+        for (rank, err) in errors.iter().enumerate() {
+            assert!(err.contains("protocol mismatch"), "rank {rank}: {err}");
+        }
+        // Whoever detects it names both collectives, with their reductions; the other learns it
+        // from its abort.
+        let named = |err: &str| err.contains(theirs) && err.contains(ours);
+        assert!(
+            errors.iter().all(|e| named(e)),
+            "{ours} against {theirs}: {errors:#?}"
+        );
+    }
+}
+
 fn unusable_tensors_are_refused_before_any_traffic(transport: TransportChoice) {
     on_ring(
         2,
@@ -907,4 +951,98 @@ fn a_two_rank_ring_reduce_scatter_has_the_bits_of_the_all_reduce() {
     {
         assert!(scattered == reduced, "rank {rank}");
     }
+}
+
+/// The address of `t`'s storage. candle keeps each storage alone in its own heap-allocated
+/// `RwLock`, so these addresses order the locks as candle's `inplace_op2` orders them.
+fn storage_address(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const candle_core::Storage as usize
+}
+
+/// Another thread holds the output's storage and then waits to write the input's, as candle's
+/// own in-place ops do when the output's storage comes first in their lock order, while
+/// `reduce_scatter` and `all_gather_into` run on the two: the collective must wait for the
+/// output without holding the input, so that the thread goes on and both finish. (Taking the
+/// input's lock first, because it is the input, deadlocks here; the wait for the thread is
+/// bounded so that the test reports it instead of hanging.)
+#[test]
+fn a_collective_does_not_hold_its_input_while_it_waits_for_its_output() {
+    const BLOCK: usize = 8;
+    const WORLD: usize = 2;
+    let opts = options(TransportChoice::Shm, Duration::from_secs(30), 64);
+    on_ring(WORLD, opts, |rank, comm| {
+        let comm = std::sync::Arc::new(comm);
+        for gather in [false, true] {
+            let what = if gather {
+                "all_gather_into"
+            } else {
+                "reduce_scatter"
+            };
+            let (in_len, out_len) = if gather {
+                (BLOCK, WORLD * BLOCK)
+            } else {
+                (WORLD * BLOCK, BLOCK)
+            };
+            let run = move |comm: &CpuCommunicator, input: &Tensor, output: &Tensor| {
+                if gather {
+                    comm.all_gather_into_agreed(input, output)
+                } else {
+                    comm.reduce_scatter_agreed(input, output, ReduceOp::Sum)
+                }
+            };
+            let values = input(rank, in_len, DType::F32);
+            if rank != 0 {
+                let output = Tensor::zeros(out_len, DType::F32, &Device::Cpu).unwrap();
+                run(&comm, &values, &output).unwrap();
+                continue;
+            }
+            // Rank 0: the output in the storage of lower address, so that it comes first in
+            // candle's lock order; the input in the other.
+            let buffers = [0, 1].map(|_| Tensor::zeros(WORLD * BLOCK, DType::F32, &Device::Cpu));
+            let [a, b] = buffers.map(|t| t.unwrap());
+            let (low, high) = if storage_address(&a) < storage_address(&b) {
+                (a, b)
+            } else {
+                (b, a)
+            };
+            let output = low.narrow(0, 0, out_len).unwrap();
+            let source = high.narrow(0, 0, in_len).unwrap();
+            source.slice_set(&values, 0, 0).unwrap();
+            let held = output.storage_and_layout();
+            let collective = {
+                let (comm, source, output) = (comm.clone(), source.clone(), output.clone());
+                std::thread::spawn(move || run(&comm, &source, &output))
+            };
+            // Gives the collective time to take whatever lock it takes before the output's (the
+            // test passes without it; it makes the deadlock it looks for likely).
+            std::thread::sleep(Duration::from_millis(300));
+            let (wrote, written) = mpsc::channel();
+            let writer = {
+                let source = source.clone();
+                std::thread::spawn(move || {
+                    element::with_elements_mut::<f32, _>(&source, |_| Ok(())).unwrap();
+                    let _ = wrote.send(());
+                })
+            };
+            let writer_went_on = written.recv_timeout(Duration::from_secs(20)).is_ok();
+            // Either way the collective and the writer can finish now.
+            drop(held);
+            collective.join().unwrap().unwrap();
+            writer.join().unwrap();
+            assert!(
+                writer_went_on,
+                "{what}: deadlock: the collective held its input's storage while it waited for \
+                 its output's, which another thread held while waiting to write the input"
+            );
+            let want: Vec<f64> = if gather {
+                (0..WORLD)
+                    .flat_map(|r| as_f64(&input(r, BLOCK, DType::F32)))
+                    .collect()
+            } else {
+                expected_floats(WORLD, WORLD * BLOCK, ReduceOp::Sum, true)[..BLOCK].to_vec()
+            };
+            assert_eq!(as_f64(&output), want, "{what} on rank 0");
+        }
+    });
 }

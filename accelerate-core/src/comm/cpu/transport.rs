@@ -213,7 +213,7 @@ impl Session<'_> {
                             element::describe_code(header.dtype),
                             header.len,
                             self.received,
-                            self.tag.op.name(),
+                            OpCode::describe(self.tag.op.code()),
                             self.tag.seq,
                             element::describe_code(self.tag.dtype),
                             self.explain(prev),
