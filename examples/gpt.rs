@@ -66,6 +66,11 @@ struct Args {
     /// Keep the windows in text order (no per-epoch shuffle).
     #[arg(long)]
     no_shuffle: bool,
+    /// Activation checkpointing: keep only each block's input during the forward pass and run
+    /// the block again in the backward pass (less memory, one more forward pass per step; the
+    /// same gradients).
+    #[arg(long)]
+    gradient_checkpointing: bool,
     /// Write the trained weights here (safetensors, GPT-2 names, nn.Linear layouts).
     #[arg(long)]
     save_model: Option<PathBuf>,
@@ -195,7 +200,8 @@ fn run(args: &Args) -> Result<()> {
         layers: args.layers,
     };
     // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
-    let (varmap, model) = gpt::build_in(config, args.seed, &device, acc.compute_dtype())?;
+    let (varmap, mut model) = gpt::build_in(config, args.seed, &device, acc.compute_dtype())?;
+    model.set_gradient_checkpointing(args.gradient_checkpointing);
     let params = acc.prepare(&varmap)?;
     let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     acc.print(format!(
@@ -211,8 +217,17 @@ fn run(args: &Args) -> Result<()> {
         ))
     ));
     acc.print(format!(
-        "model: {} layers, width {}, {} heads, context {}, {parameter_count} parameters",
-        args.layers, args.width, args.heads, args.context
+        "model: {} layers, width {}, {} heads, context {}, {parameter_count} parameters, \
+         gradient checkpointing {}",
+        args.layers,
+        args.width,
+        args.heads,
+        args.context,
+        if args.gradient_checkpointing {
+            "on"
+        } else {
+            "off"
+        }
     ));
 
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
@@ -262,10 +277,10 @@ fn run(args: &Args) -> Result<()> {
             for batch in window {
                 let step = acc.accumulate();
                 let dropout = gpt::Dropout {
-                    rng: acc.rng(),
+                    rng: acc.rng().clone(),
                     p: args.dropout,
                 };
-                let logits = model.forward_with(&batch.inputs, Some(dropout))?;
+                let logits = model.forward_with(&batch.inputs, Some(&dropout))?;
                 let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
                 acc.backward(&loss)?;
                 monitor.micro_step(&loss)?;

@@ -26,6 +26,8 @@ mod distributed;
 mod evaluation;
 // The `gpt` example end to end.
 mod gpt;
+// Activation checkpointing in `gpt` and `llama` against the same models without it.
+mod gradient_checkpointing;
 // The `llama` model and example against Hugging Face transformers.
 mod llama;
 // The README's three levels of one job (plain candle, Accelerator loop) give the same parameters.

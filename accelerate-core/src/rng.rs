@@ -1,6 +1,6 @@
 //! Each rank's own random generator (see [`RankRng`]).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{Device, Tensor};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -52,10 +52,13 @@ pub(crate) fn user_chacha(seed: u64, rank: usize, stream: u64) -> ChaCha8Rng {
 /// accelerator's seed and the rank, so ranks draw different masks and every run with the same seed
 /// draws the same ones. Draws happen on the host; [`RankRng::dropout`] moves its mask to the
 /// tensor's device.
-#[derive(Debug)]
+///
+/// A clone is another handle on the same generator (it draws from, and moves, the one stream), so
+/// a model can keep one without borrowing the accelerator.
+#[derive(Debug, Clone)]
 pub struct RankRng {
     rank: usize,
-    inner: Mutex<ChaCha8Rng>,
+    inner: Arc<Mutex<ChaCha8Rng>>,
 }
 
 /// A generator's exact position: its key, stream and word position (what `rng_<rank>.json` holds).
@@ -80,7 +83,7 @@ impl RankRng {
     pub fn new(seed: u64, rank: usize) -> Self {
         Self {
             rank,
-            inner: Mutex::new(ChaCha8Rng::from_seed(key(seed, rank))),
+            inner: Arc::new(Mutex::new(ChaCha8Rng::from_seed(key(seed, rank)))),
         }
     }
 
@@ -187,8 +190,15 @@ impl RankRng {
         Ok(rng)
     }
 
-    /// Moves the generator to `rng` (checked by [`parse_state`](Self::parse_state)).
-    pub(crate) fn restore(&self, rng: ChaCha8Rng) {
+    /// A copy of the generator at its current position, for [`restore`](Self::restore) to rewind
+    /// to (e.g. to draw a recomputed block's dropout masks again).
+    pub fn snapshot(&self) -> ChaCha8Rng {
+        self.lock().clone()
+    }
+
+    /// Moves the generator to `rng` (a [`snapshot`](Self::snapshot), or a state checked by
+    /// [`parse_state`](Self::parse_state)); every handle on it draws from there on.
+    pub fn restore(&self, rng: ChaCha8Rng) {
         *self.lock() = rng;
     }
 }
@@ -220,6 +230,31 @@ mod tests {
             .parse_state(&saved)
             .unwrap_err()
             .contains("rank 1"));
+    }
+
+    #[test]
+    fn a_snapshot_rewinds_every_handle_to_the_same_draws() {
+        let a = RankRng::new(5, 0);
+        let handle = a.clone();
+        let x = Tensor::ones((4, 8), DType::F32, &Device::Cpu).unwrap();
+        let before = a.snapshot();
+        let first = a.dropout(&x, 0.5).unwrap().to_vec2::<f32>().unwrap();
+        // The clone shares the stream: it continues past the first mask.
+        let second = handle.dropout(&x, 0.5).unwrap().to_vec2::<f32>().unwrap();
+        assert_ne!(first, second);
+        let after = a.snapshot();
+        handle.restore(before);
+        assert_eq!(a.dropout(&x, 0.5).unwrap().to_vec2::<f32>().unwrap(), first);
+        a.restore(after);
+        let fresh = RankRng::new(5, 0);
+        for _ in 0..(2 * 32) {
+            fresh.lock().next_u32();
+        }
+        assert_eq!(
+            a.next_u64(),
+            fresh.next_u64(),
+            "restored to after two masks"
+        );
     }
 
     #[test]

@@ -1,7 +1,36 @@
 //! Layer helpers shared by the workloads.
 
+use std::any::Any;
+
+use accelerate_core::RankRng;
 use candle_core::{Result, Tensor};
 use candle_nn::Linear;
+use fused_kernels::checkpoint::RandomState;
+use rand_chacha::ChaCha8Rng;
+
+/// A [`RankRng`] as the random state of a checkpointed block ([`fused_kernels::checkpoint`]): the
+/// block's recomputation in the backward pass rewinds the generator to where its forward pass
+/// started, so dropout draws the same masks, and moves it back afterwards.
+#[derive(Debug, Clone)]
+pub struct RankRngState(pub RankRng);
+
+impl RandomState for RankRngState {
+    fn snapshot(&self) -> Box<dyn Any + Send + Sync> {
+        Box::new(self.0.snapshot())
+    }
+
+    fn restore(&self, state: &(dyn Any + Send + Sync)) -> Result<()> {
+        match state.downcast_ref::<ChaCha8Rng>() {
+            Some(rng) => {
+                self.0.restore(rng.clone());
+                Ok(())
+            }
+            None => candle_core::bail!(
+                "RankRngState::restore was given a state that RankRngState::snapshot did not make"
+            ),
+        }
+    }
+}
 
 /// `x · Wᵀ + b` for `x` of shape `[..., in]`, computed as `(W · xᵀ)ᵀ + b` over the rows of `x`.
 ///

@@ -18,10 +18,19 @@
 //! probabilities, and on each residual branch (after the attention's and the MLP's output
 //! projections). Its masks come from the accelerator's per-rank generator
 //! ([`accelerate_core::RankRng`]), which checkpoints save, so a run with dropout resumes bitwise.
+//!
+//! With [gradient checkpointing](Gpt::set_gradient_checkpointing) each block runs under
+//! [`fused_kernels::checkpoint`]: its activations are dropped after the forward pass and
+//! recomputed in the backward pass, the generator rewound so that dropout draws the same masks.
+//! Gradients are bitwise those without it on the CPU.
+
+use std::sync::Arc;
 
 use accelerate_core::RankRng;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder, VarMap};
+
+use crate::layers::RankRngState;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -44,16 +53,16 @@ pub struct GptConfig {
 }
 
 /// Training-mode dropout: probability `p` (0 is off), masks drawn from `rng`.
-#[derive(Debug, Clone, Copy)]
-pub struct Dropout<'a> {
-    /// The generator the masks come from (`Accelerator::rng`).
-    pub rng: &'a RankRng,
+#[derive(Debug, Clone)]
+pub struct Dropout {
+    /// The generator the masks come from (a handle on `Accelerator::rng`).
+    pub rng: RankRng,
     /// The probability of zeroing an element, in `[0, 1)`.
     pub p: f64,
 }
 
 /// `x` through `dropout`, or unchanged without it (evaluation).
-fn drop(x: Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+fn drop(x: Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
     match dropout {
         Some(d) if d.p > 0.0 => d
             .rng
@@ -72,6 +81,7 @@ pub struct Gpt {
     ln_f: Norm,
     lm_head: Linear,
     config: GptConfig,
+    gradient_checkpointing: bool,
 }
 
 /// LayerNorm through a differentiable path: candle-nn's `LayerNorm::forward` takes a fused kernel
@@ -117,15 +127,32 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let x = (x + drop(self.attention(&self.ln_1.forward(x)?, dropout)?, dropout)?)?;
         let h = fused_kernels::gelu(&linear(&self.c_fc, &self.ln_2.forward(&x)?)?)?;
         x + drop(linear(&self.mlp_proj, &h)?, dropout)?
     }
 
+    /// [`forward`](Self::forward) under [`fused_kernels::checkpoint`]: the same output and
+    /// gradients, the activations recomputed in the backward pass (with the same dropout masks).
+    fn forward_checkpointed(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+        let block = self.clone();
+        match dropout.filter(|d| d.p > 0.0).cloned() {
+            None => fused_kernels::checkpoint::checkpoint(x, move |x| block.forward(x, None)),
+            Some(d) => {
+                let state = Arc::new(RankRngState(d.rng.clone()));
+                fused_kernels::checkpoint::checkpoint_with_random_state(
+                    x,
+                    move |x| block.forward(x, Some(&d)),
+                    state,
+                )
+            }
+        }
+    }
+
     /// Causal multi-head self-attention of `x` `[b, t, width]`. Padding lies after the real
     /// tokens, so the causal mask alone keeps it out of every real token's attention.
-    fn attention(&self, x: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t, w) = x.dims3()?;
         let hd = w / self.heads;
         // [b, t, 3w] -> [3, b, heads, t, hd]
@@ -165,7 +192,19 @@ impl Gpt {
             ln_f: Norm::new(c.width, vb.pp("ln_f"))?,
             lm_head: candle_nn::linear_no_bias(c.width, c.vocab, vb.pp("lm_head"))?,
             config,
+            gradient_checkpointing: false,
         })
+    }
+
+    /// Runs each block under activation checkpointing (Hugging Face's `gradient_checkpointing`)
+    /// when `on`: less memory for one more forward pass of the blocks per step.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether the blocks run under activation checkpointing.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
     }
 
     /// The model's size.
@@ -180,7 +219,7 @@ impl Gpt {
     }
 
     /// [`forward`](Self::forward) in training mode with `dropout` (none when `None`).
-    pub fn forward_with(&self, tokens: &Tensor, dropout: Option<Dropout<'_>>) -> Result<Tensor> {
+    pub fn forward_with(&self, tokens: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         if t > self.config.context {
             candle_core::bail!(
@@ -198,7 +237,11 @@ impl Gpt {
         .reshape((b, t, w))?;
         let mut x = drop(x, dropout)?;
         for block in &self.blocks {
-            x = block.forward(&x, dropout)?;
+            x = if self.gradient_checkpointing {
+                block.forward_checkpointed(&x, dropout)?
+            } else {
+                block.forward(&x, dropout)?
+            };
         }
         linear(&self.lm_head, &self.ln_f.forward(&x)?)?.to_dtype(DType::F32)
     }
@@ -403,8 +446,9 @@ mod tests {
         let x = tokens(&[&[1, 2, 3, 4, 5]]);
         let plain = model.forward(&x).unwrap();
         let logits = |rng: &RankRng, p| {
+            let rng = rng.clone();
             model
-                .forward_with(&x, Some(Dropout { rng, p }))
+                .forward_with(&x, Some(&Dropout { rng, p }))
                 .unwrap()
                 .flatten_all()
                 .unwrap()

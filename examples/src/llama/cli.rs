@@ -67,6 +67,11 @@ pub struct LlamaArgs {
     /// Keep the rows in order (no per-epoch shuffle).
     #[arg(long)]
     pub no_shuffle: bool,
+    /// Activation checkpointing: keep only each decoder layer's input during the forward pass
+    /// and run the layer again in the backward pass (less memory, one more forward pass per
+    /// step; the same gradients).
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// Write one JSON line per optimizer step here: step, loss per predicted token of the global
     /// batch, lr, samples/s, tokens/s.
     #[arg(long)]

@@ -16,6 +16,10 @@
 //!
 //! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
 //! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
+//!
+//! With [gradient checkpointing](Llama::set_gradient_checkpointing) each decoder layer runs under
+//! [`fused_kernels::checkpoint`]: its activations are recomputed in the backward pass instead of
+//! kept. Gradients are bitwise those without it on the CPU.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder, VarMap};
@@ -40,6 +44,7 @@ pub struct Llama {
     cos: Tensor,
     sin: Tensor,
     config: LlamaConfig,
+    gradient_checkpointing: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -145,6 +150,19 @@ impl DecoderLayer {
         x + self.down_proj.forward(&gated)?
     }
 
+    /// [`forward`](Self::forward) under [`fused_kernels::checkpoint`]: the same output and
+    /// gradients, the activations recomputed in the backward pass.
+    fn forward_checkpointed(
+        &self,
+        x: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
+        let (layer, c, cos, sin) = (self.clone(), *c, cos.clone(), sin.clone());
+        fused_kernels::checkpoint::checkpoint(x, move |x| layer.forward(x, &c, &cos, &sin))
+    }
+
     fn projection_mut(&mut self, target: LoraTarget) -> &mut Projection {
         match target {
             LoraTarget::QProj => &mut self.q_proj,
@@ -219,7 +237,20 @@ impl Llama {
             cos,
             sin,
             config,
+            gradient_checkpointing: false,
         })
+    }
+
+    /// Runs each decoder layer under activation checkpointing (Hugging Face's
+    /// `gradient_checkpointing`) when `on`: less memory for one more forward pass of the layers
+    /// per step. [`detached`](Self::detached) keeps the setting.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether the decoder layers run under activation checkpointing.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
     }
 
     /// The model's size.
@@ -244,6 +275,7 @@ impl Llama {
             cos: self.cos.clone(),
             sin: self.sin.clone(),
             config: self.config,
+            gradient_checkpointing: self.gradient_checkpointing,
         }
     }
 
@@ -300,7 +332,11 @@ impl Llama {
         let sin = self.sin.narrow(0, 0, t)?;
         let mut x = self.embed_tokens.forward(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, c, &cos, &sin)?;
+            x = if self.gradient_checkpointing {
+                layer.forward_checkpointed(&x, c, &cos, &sin)?
+            } else {
+                layer.forward(&x, c, &cos, &sin)?
+            };
         }
         self.lm_head
             .forward(&fused_kernels::rms_norm(&x, &self.norm, c.rms_norm_eps)?)?

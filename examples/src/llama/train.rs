@@ -84,15 +84,18 @@ impl<'a> LlamaRun<'a> {
 
     /// The model of the flags' size in a fresh `VarMap`, in the accelerator's compute dtype
     /// (bf16/f16 under mixed precision; `prepare` returns the f32 masters), on its device, with
-    /// the weights seeded by --seed (see [`super::init_weights`]).
+    /// the weights seeded by --seed (see [`super::init_weights`]), and the layers under
+    /// activation checkpointing with --gradient-checkpointing.
     pub fn build_model(&self) -> Result<(VarMap, Llama)> {
         let acc = &self.acc;
-        Ok(super::model::build_in(
+        let (varmap, mut model) = super::model::build_in(
             self.config,
             self.args.seed,
             acc.device(),
             acc.compute_dtype(),
-        )?)
+        )?;
+        model.set_gradient_checkpointing(self.args.gradient_checkpointing);
+        Ok((varmap, model))
     }
 
     /// Prints where the data comes from and the model's size on the main process; `parameters`
@@ -102,14 +105,19 @@ impl<'a> LlamaRun<'a> {
         acc.print(format!("data: {}", self.source));
         acc.print(format!(
             "model: {} layers, hidden {}, {} heads ({} key/value), head_dim {}, intermediate {}, \
-             vocabulary {}, {parameters}",
+             vocabulary {}, {parameters}, gradient checkpointing {}",
             config.num_hidden_layers,
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
             config.intermediate_size,
-            config.vocab_size
+            config.vocab_size,
+            if self.args.gradient_checkpointing {
+                "on"
+            } else {
+                "off"
+            }
         ));
     }
 
