@@ -155,10 +155,7 @@ impl ZeroState {
         device: &candle_core::Device,
     ) -> Result<(bool, bool)> {
         let flags = Tensor::new(
-            &[
-                f32::from(u8::from(missing_here)),
-                f32::from(u8::from(nonfinite_here)),
-            ],
+            &[f32::from(u8::from(missing_here)), f32::from(u8::from(nonfinite_here))],
             device,
         )?;
         comm.all_reduce_agreed(&flags, ReduceOp::Max)?;

@@ -224,11 +224,7 @@ mod tests {
         for _ in 0..200 {
             let world = rng.random_range(1..=5);
             let buckets: Vec<Vec<usize>> = (0..rng.random_range(1..4))
-                .map(|_| {
-                    (0..rng.random_range(1..5))
-                        .map(|_| rng.random_range(1..30))
-                        .collect()
-                })
+                .map(|_| (0..rng.random_range(1..5)).map(|_| rng.random_range(1..30)).collect())
                 .collect();
             let refs: Vec<&[usize]> = buckets.iter().map(Vec::as_slice).collect();
             check_tiling(&refs, world);
