@@ -464,6 +464,53 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
     );
 }
 
+/// The mlp on 2 processes under ZeRO stage 1 (`ACCELERATE_ZERO_STAGE`), as [`train`] runs it.
+fn train_zero_1(out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    let o = Job::mlp(2)
+        .args(mlp_args(2, out, ckpt, extra))
+        .env("ACCELERATE_ZERO_STAGE", "1")
+        .limit(LIMIT)
+        .run()
+        .0;
+    assert!(o.status.success(), "{}", output_text(&o));
+    o
+}
+
+/// Stage 1 on 2 processes: `save_model` writes bitwise the model file plain data parallel
+/// writes (every rank holds the full parameters after the step's all-gather), each rank saves its
+/// own optimizer pieces, and a run stopped after step 2 and resumed ends there too.
+#[test]
+fn zero_stage_1_saves_the_full_model_and_resumes_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.safetensors");
+    train(2, &plain, &dir.path().join("unused"), &[]);
+    let whole = dir.path().join("whole.safetensors");
+    train_zero_1(&whole, &dir.path().join("unused_too"), &[]);
+    assert_eq!(bits(&whole), bits(&plain), "stage 1's model file differs");
+
+    let ckpt = dir.path().join("ckpt");
+    let stopped = dir.path().join("stopped.safetensors");
+    train_zero_1(
+        &stopped,
+        &ckpt,
+        &["--max-steps", "2", "--checkpoint-every", "2"],
+    );
+    for r in 0..2 {
+        let shard = ckpt.join(format!("checkpoint_2/optimizer_0.rank_{r}.safetensors"));
+        assert!(shard.is_file(), "{} is missing", shard.display());
+    }
+    assert!(!ckpt.join("checkpoint_2/optimizer_0.safetensors").exists());
+    let resumed = dir.path().join("resumed.safetensors");
+    let o = train_zero_1(&resumed, &ckpt, &["--resume"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("at optimizer step 2"),
+        "{}",
+        output_text(&o)
+    );
+    assert_ne!(bits(&stopped), bits(&whole));
+    assert_eq!(bits(&resumed), bits(&whole), "the resumed run differs");
+}
+
 // ---- ZeRO: per-rank optimizer pieces, re-cut for another stage or world size ----
 
 mod zero {
