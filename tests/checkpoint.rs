@@ -632,10 +632,13 @@ mod zero {
         v.into_iter().map(f32::to_bits).collect()
     }
 
+    /// An optimizer state's tensors (flattened) and scalars, as bits, by key.
+    type FlatState = (Vec<(String, Vec<u32>)>, Vec<(String, u64)>);
+
     /// The full state assembled from the ranks' pieces: each rank owns one contiguous block of
     /// the flat parameter space, in rank order, so a parameter's pieces follow one another in
     /// rank order; scalars are rank 0's.
-    fn assembled(ends: &[End]) -> (Vec<(String, Vec<u32>)>, Vec<(String, u64)>) {
+    fn assembled(ends: &[End]) -> FlatState {
         let mut tensors: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for e in ends {
             for (k, t) in &e.state.tensors {
@@ -652,7 +655,7 @@ mod zero {
     }
 
     /// A stage-0 state, flattened like [`assembled`].
-    fn full(end: &End) -> (Vec<(String, Vec<u32>)>, Vec<(String, u64)>) {
+    fn full(end: &End) -> FlatState {
         (
             end.state
                 .tensors
