@@ -463,3 +463,429 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
         "the restarted run ended elsewhere"
     );
 }
+
+/// The mlp on 2 processes under ZeRO stage 1 (`ACCELERATE_ZERO_STAGE`), as [`train`] runs it.
+fn train_zero_1(out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
+    let o = Job::mlp(2)
+        .args(mlp_args(2, out, ckpt, extra))
+        .env("ACCELERATE_ZERO_STAGE", "1")
+        .limit(LIMIT)
+        .run()
+        .0;
+    assert!(o.status.success(), "{}", output_text(&o));
+    o
+}
+
+/// Stage 1 on 2 processes: `save_model` writes bitwise the model file plain data parallel
+/// writes (every rank holds the full parameters after the step's all-gather), each rank saves its
+/// own optimizer pieces, and a run stopped after step 2 and resumed ends there too.
+#[test]
+fn zero_stage_1_saves_the_full_model_and_resumes_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.safetensors");
+    train(2, &plain, &dir.path().join("unused"), &[]);
+    let whole = dir.path().join("whole.safetensors");
+    train_zero_1(&whole, &dir.path().join("unused_too"), &[]);
+    assert_eq!(bits(&whole), bits(&plain), "stage 1's model file differs");
+
+    let ckpt = dir.path().join("ckpt");
+    let stopped = dir.path().join("stopped.safetensors");
+    train_zero_1(
+        &stopped,
+        &ckpt,
+        &["--max-steps", "2", "--checkpoint-every", "2"],
+    );
+    for r in 0..2 {
+        let shard = ckpt.join(format!("checkpoint_2/optimizer_0.rank_{r}.safetensors"));
+        assert!(shard.is_file(), "{} is missing", shard.display());
+    }
+    assert!(!ckpt.join("checkpoint_2/optimizer_0.safetensors").exists());
+    let resumed = dir.path().join("resumed.safetensors");
+    let o = train_zero_1(&resumed, &ckpt, &["--resume"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("at optimizer step 2"),
+        "{}",
+        output_text(&o)
+    );
+    assert_ne!(bits(&stopped), bits(&whole));
+    assert_eq!(bits(&resumed), bits(&whole), "the resumed run differs");
+}
+
+// ---- ZeRO: per-rank optimizer pieces, re-cut for another stage or world size ----
+
+mod zero {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use accelerate_core::data::{DataLoader, TensorDataset};
+    use accelerate_core::optim::{AdamW, AdamWConfig, OptimizerState};
+    use accelerate_core::Accelerator;
+    use accelerate_tests::{named_vars, ranks_as_threads, tiny_data, tiny_mlp};
+    use candle_core::Tensor;
+
+    /// Samples: 12 global batches of 2 per epoch: 6 per rank on 2 ranks, 4 on 3.
+    const SAMPLES: usize = 24;
+    const BATCH: usize = 2;
+    /// Optimizer steps of a whole run (K = 1: two epochs on 2 ranks, almost three on 3).
+    const STEPS: u64 = 11;
+
+    /// One rank's end: its parameters' bits (sorted by name) and its optimizer's state.
+    struct End {
+        params: Vec<(String, Vec<u32>)>,
+        state: OptimizerState,
+    }
+
+    /// Where a run starts and stops.
+    #[derive(Clone, Copy, Default)]
+    struct Plan<'a> {
+        /// Load this checkpoint after preparing.
+        from: Option<&'a Path>,
+        /// Save into this directory after this many micro-steps, and stop there.
+        save: Option<(&'a Path, usize)>,
+        /// Stop right after loading (the loaded state is the end).
+        stop_after_load: bool,
+        /// Gradient accumulation steps (1 unless set).
+        k: usize,
+    }
+
+    /// The tiny MLP trained with AdamW on `n` threads under ZeRO stage `stage`, K micro-steps per
+    /// window, on a shuffled loader, until [`STEPS`] optimizer steps (or as `plan` says).
+    fn run(n: usize, stage: u8, plan: Plan<'_>) -> Vec<Result<End, String>> {
+        let k = plan.k.max(1);
+        ranks_as_threads(
+            n,
+            || {
+                Accelerator::builder()
+                    .zero_stage(stage)
+                    .gradient_accumulation_steps(k)
+            },
+            |mut acc| -> Result<End, String> {
+                let (varmap, model) = tiny_mlp(1).unwrap();
+                let params = acc.prepare(&varmap).unwrap();
+                let cfg = AdamWConfig {
+                    lr: 0.05,
+                    ..AdamWConfig::default()
+                };
+                let mut opt = acc.prepare(AdamW::new(params, cfg).unwrap()).unwrap();
+                let (x, y) = tiny_data(SAMPLES, 5).unwrap();
+                let loader = DataLoader::new(Arc::new(TensorDataset::new(x, y).unwrap()), BATCH)
+                    .shuffle(true)
+                    .seed(9);
+                let mut loader = acc.prepare(loader).unwrap();
+                let end = |opt: &accelerate_core::PreparedOptimizer<AdamW>| End {
+                    params: named_vars(&varmap)
+                        .into_iter()
+                        .map(|(name, var)| {
+                            let v: Vec<f32> =
+                                var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                            (name, v.into_iter().map(f32::to_bits).collect())
+                        })
+                        .collect(),
+                    state: opt.state().unwrap(),
+                };
+                if let Some(dir) = plan.from {
+                    acc.load_state(dir).map_err(|e| e.to_string())?;
+                    if plan.stop_after_load {
+                        return Ok(end(&opt));
+                    }
+                }
+                let mut micro = 0;
+                loop {
+                    for batch in loader.iter() {
+                        let (x, y) = batch.unwrap();
+                        let _step = acc.accumulate();
+                        let logits = model.forward(&x).unwrap();
+                        let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
+                        acc.backward(&loss).unwrap();
+                        opt.step().unwrap();
+                        opt.zero_grad();
+                        micro += 1;
+                        if let Some((dir, at)) = plan.save {
+                            if micro == at {
+                                acc.save_state(dir).unwrap();
+                                return Ok(end(&opt));
+                            }
+                        }
+                        if acc.optimizer_steps() == STEPS {
+                            return Ok(end(&opt));
+                        }
+                    }
+                }
+            },
+        )
+    }
+
+    fn ok(ends: Vec<Result<End, String>>) -> Vec<End> {
+        ends.into_iter().map(|e| e.unwrap()).collect()
+    }
+
+    /// Every rank ends with the same parameters; returns them.
+    fn agreed(ends: &[End]) -> &[(String, Vec<u32>)] {
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.params == ends[0].params, "rank {r}'s parameters differ");
+        }
+        &ends[0].params
+    }
+
+    fn flat_bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    }
+
+    /// An optimizer state's tensors (flattened) and scalars, as bits, by key.
+    type FlatState = (Vec<(String, Vec<u32>)>, Vec<(String, u64)>);
+
+    /// The full state assembled from the ranks' pieces: each rank owns one contiguous block of
+    /// the flat parameter space, in rank order, so a parameter's pieces follow one another in
+    /// rank order; scalars are rank 0's.
+    fn assembled(ends: &[End]) -> FlatState {
+        let mut tensors: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+        for e in ends {
+            for (k, t) in &e.state.tensors {
+                tensors.entry(k.clone()).or_default().extend(flat_bits(t));
+            }
+        }
+        let scalars = ends[0]
+            .state
+            .scalars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_bits()))
+            .collect();
+        (tensors.into_iter().collect(), scalars)
+    }
+
+    /// A stage-0 state, flattened like [`assembled`].
+    fn full(end: &End) -> FlatState {
+        (
+            end.state
+                .tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), flat_bits(t)))
+                .collect(),
+            end.state
+                .scalars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_bits()))
+                .collect(),
+        )
+    }
+
+    fn manifest(dir: &Path) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+    }
+
+    /// Stage 1 on 2 ranks: each rank writes its pieces and no full optimizer file is written; the
+    /// manifest's pieces tile every parameter once; resumed on 2 ranks under stage 1 the run ends
+    /// bitwise where the uninterrupted one does (and where plain data parallel does).
+    #[test]
+    fn stage_1_saves_per_rank_pieces_and_resumes_bitwise() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ckpt");
+        let whole = ok(run(2, 1, Plan::default()));
+        let plain = ok(run(2, 0, Plan::default()));
+        assert!(
+            agreed(&whole) == agreed(&plain),
+            "stage 1 differs from stage 0"
+        );
+        let save = Plan {
+            save: Some((&dir, 4)),
+            ..Plan::default()
+        };
+        let stopped = ok(run(2, 1, save));
+        assert!(agreed(&stopped) != agreed(&whole), "stopped before the end");
+        for r in 0..2 {
+            assert!(dir
+                .join(format!("optimizer_0.rank_{r}.safetensors"))
+                .is_file());
+        }
+        assert!(!dir.join("optimizer_0.safetensors").exists());
+        assert!(dir.join("optimizer_0.json").is_file());
+        let m = manifest(&dir);
+        assert_eq!(m["format_version"], 2);
+        assert_eq!(m["zero"]["stage"], 1);
+        assert_eq!(m["zero"]["world_size"], 2);
+        for p in m["parameters"].as_array().unwrap() {
+            let name = p["name"].as_str().unwrap();
+            let numel: u64 = p["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .product();
+            let mut covered = vec![0; numel as usize];
+            for rank in m["zero"]["pieces"].as_array().unwrap() {
+                for piece in rank.as_array().unwrap() {
+                    if piece["param"] == name {
+                        let start = piece["start"].as_u64().unwrap();
+                        for e in start..start + piece["len"].as_u64().unwrap() {
+                            covered[e as usize] += 1;
+                        }
+                    }
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1), "{name}: {covered:?}");
+        }
+        let resume = Plan {
+            from: Some(&dir),
+            ..Plan::default()
+        };
+        let resumed = ok(run(2, 1, resume));
+        assert!(agreed(&resumed) == agreed(&whole), "resumed run differs");
+        for (r, (a, b)) in resumed.iter().zip(&whole).enumerate() {
+            assert!(full(a) == full(b), "rank {r}'s optimizer pieces differ");
+        }
+    }
+
+    /// A stage-0 checkpoint resumed under stage 1 ends bitwise where uninterrupted stage 0
+    /// ends; a stage-1 checkpoint loaded under stage 0 gives every rank the full state a stage-0
+    /// run has at the same step.
+    #[test]
+    fn stage_0_and_stage_1_checkpoints_load_under_each_other() {
+        let root = tempfile::tempdir().unwrap();
+        let (plain_dir, sharded_dir) = (root.path().join("s0"), root.path().join("s1"));
+        let whole = ok(run(2, 0, Plan::default()));
+        let at_4 = ok(run(
+            2,
+            0,
+            Plan {
+                save: Some((&plain_dir, 4)),
+                ..Plan::default()
+            },
+        ));
+        assert!(manifest(&plain_dir).get("zero").is_none());
+        let resumed = ok(run(
+            2,
+            1,
+            Plan {
+                from: Some(&plain_dir),
+                ..Plan::default()
+            },
+        ));
+        assert!(agreed(&resumed) == agreed(&whole), "0 -> 1 differs");
+
+        ok(run(
+            2,
+            1,
+            Plan {
+                save: Some((&sharded_dir, 4)),
+                ..Plan::default()
+            },
+        ));
+        let loaded = ok(run(
+            2,
+            0,
+            Plan {
+                from: Some(&sharded_dir),
+                stop_after_load: true,
+                ..Plan::default()
+            },
+        ));
+        let reference = full(&at_4[0]);
+        assert!(!reference.0.is_empty());
+        for (r, e) in loaded.iter().enumerate() {
+            assert!(full(e) == reference, "rank {r}: 1 -> 0 state differs");
+            assert_eq!(e.params, at_4[0].params);
+        }
+    }
+
+    /// Stage 1 saved by 2 ranks at the end of epoch 0 (6 steps), loaded by 3, and by 3 ranks
+    /// (4 steps), loaded by 2: the pieces over the new ranks assemble into the full state of a
+    /// stage-0 run at that step; training continues, bitwise as a stage-0 checkpoint resumed on
+    /// the new number of ranks does.
+    #[test]
+    fn another_world_size_recuts_the_pieces_at_an_epoch_boundary() {
+        for (old, new, epoch_end) in [(2, 3, 6), (3, 2, 4)] {
+            let root = tempfile::tempdir().unwrap();
+            let (plain_dir, sharded_dir) = (root.path().join("s0"), root.path().join("s1"));
+            let save = |dir| Plan {
+                save: Some((dir, epoch_end)),
+                ..Plan::default()
+            };
+            let reference = ok(run(old, 0, save(&plain_dir)));
+            ok(run(old, 1, save(&sharded_dir)));
+            let loaded = ok(run(
+                new,
+                1,
+                Plan {
+                    from: Some(&sharded_dir),
+                    stop_after_load: true,
+                    ..Plan::default()
+                },
+            ));
+            assert!(
+                assembled(&loaded) == full(&reference[0]),
+                "{old} -> {new}: the re-cut pieces differ from the saved state"
+            );
+            let from = |dir| Plan {
+                from: Some(dir),
+                ..Plan::default()
+            };
+            let sharded = ok(run(new, 1, from(&sharded_dir)));
+            let plain = ok(run(new, 0, from(&plain_dir)));
+            assert!(
+                agreed(&sharded) == agreed(&plain),
+                "{old} -> {new}: continued runs differ"
+            );
+            assert!(agreed(&sharded) != reference[0].params.as_slice());
+        }
+    }
+
+    /// Another number of processes is refused inside an accumulation window, and where the new
+    /// ranks cannot share the consumed batches evenly, each time naming the fix.
+    #[test]
+    fn another_world_size_mid_window_or_uneven_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let mid_window = root.path().join("mid");
+        ok(run(
+            2,
+            1,
+            Plan {
+                save: Some((&mid_window, 3)),
+                k: 2,
+                ..Plan::default()
+            },
+        ));
+        let refused = run(
+            3,
+            1,
+            Plan {
+                from: Some(&mid_window),
+                k: 2,
+                ..Plan::default()
+            },
+        );
+        for e in refused {
+            let e = e.err().expect("refused");
+            assert!(
+                e.contains("saved by 2 processes but this run has 3")
+                    && e.contains("accumulation window")
+                    && e.contains("--num-processes 2"),
+                "{e}"
+            );
+        }
+        let uneven = root.path().join("uneven");
+        ok(run(
+            2,
+            1,
+            Plan {
+                save: Some((&uneven, 1)),
+                ..Plan::default()
+            },
+        ));
+        for e in run(
+            3,
+            1,
+            Plan {
+                from: Some(&uneven),
+                ..Plan::default()
+            },
+        ) {
+            let e = e.err().expect("refused");
+            assert!(
+                e.contains("epoch 0: 2 global batches")
+                    && e.contains("resume at an epoch boundary or with --num-processes 2"),
+                "{e}"
+            );
+        }
+    }
+}

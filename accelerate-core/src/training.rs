@@ -389,6 +389,14 @@ impl TrainingState {
         self.zero_config.stage
     }
 
+    /// Under ZeRO once the parameters are prepared, the stage and the partition (what
+    /// checkpoints record and re-cut the optimizer state to).
+    pub fn zero_plan(&self) -> Option<(u8, Arc<ShardPlan>)> {
+        let steps = self.steps();
+        let zero = steps.zero.as_ref()?;
+        Some((zero.stage(), zero.plan().clone()))
+    }
+
     /// Registers a prepared scheduler (saved and restored with the state).
     pub fn register_scheduler(&self, scheduler: SharedScheduler) {
         self.steps().schedulers.push(scheduler);
@@ -592,7 +600,9 @@ impl TrainingState {
 
     /// What a checkpoint saves of this rank's state, at this instant. The optimizers',
     /// schedulers' and loss scaler's states, which only the main process writes, are taken only
-    /// `with_shared` state: each is a full copy of the moments on the host.
+    /// `with_shared` state: each is a full copy of the moments on the host. Under ZeRO the
+    /// optimizers' states (this rank's pieces) are taken on every rank, each of which saves its
+    /// own.
     pub fn snapshot(&self, with_shared: bool) -> Result<TrainingSnapshot> {
         let steps = self.steps();
         let counters = steps.accumulation.counters();
@@ -607,7 +617,8 @@ impl TrainingState {
             ),
             _ => None,
         };
-        if !with_shared {
+        // Under ZeRO each rank holds, and saves, its own pieces of the optimizer state.
+        if !with_shared && steps.zero.is_none() {
             return Ok(TrainingSnapshot {
                 counters,
                 window_gradients,
@@ -621,6 +632,15 @@ impl TrainingState {
             .iter()
             .map(|o| lock(o).state())
             .collect::<Result<_>>()?;
+        if !with_shared {
+            return Ok(TrainingSnapshot {
+                counters,
+                window_gradients,
+                optimizers,
+                schedulers: Vec::new(),
+                loss_scaler: None,
+            });
+        }
         let schedulers = steps.schedulers.iter().map(|s| lock(s).state()).collect();
         Ok(TrainingSnapshot {
             counters,

@@ -43,6 +43,10 @@ impl ModelFiles {
     pub fn optimizer_tensors(self, i: usize) -> String {
         self.prefixed(format!("optimizer_{i}.safetensors"))
     }
+    /// Rank `rank`'s pieces of optimizer `i`'s tensors, under ZeRO.
+    pub fn optimizer_shard(self, i: usize, rank: usize) -> String {
+        self.prefixed(format!("optimizer_{i}.rank_{rank}.safetensors"))
+    }
     /// Optimizer `i`'s kind and scalars.
     pub fn optimizer_json(self, i: usize) -> String {
         self.prefixed(format!("optimizer_{i}.json"))

@@ -10,10 +10,12 @@ use candle_core::Tensor;
 use rand_chacha::ChaCha8Rng;
 
 use super::files::{
-    self, AccumulationFile, LossScalerFile, ModelFiles, OptimizerScalars, RankFile, SchedulerFile,
+    self, AccumulationFile, LoaderPosition, LossScalerFile, ModelFiles, OptimizerScalars, RankFile,
+    SchedulerFile,
 };
 use super::manifest::{self, Manifest, MANIFEST_FILE};
 use super::naming::latest_checkpoint;
+use super::reshard::{self, SavedTensors};
 use super::save::{is_complete, log_recovery};
 use super::staging;
 use super::{custom_file, TrainingView};
@@ -69,6 +71,8 @@ struct Loaded {
     rng: Option<ChaCha8Rng>,
     /// Each registered object's saved value, parsed, in order of registration.
     custom: Vec<Box<dyn Any + Send>>,
+    /// The number of processes that saved the checkpoint.
+    saved_world: usize,
 }
 
 /// Loads the checkpoint at `dir` (or the latest under it); returns the directory loaded. First the
@@ -90,7 +94,7 @@ pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf>
 
 fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     let manifest = Manifest::read(dir)?;
-    manifest.check_compatible(dir, view.world_size, view.params())?;
+    manifest.check_compatible(dir, view.params())?;
     if manifest.models() != view.models.len() {
         return Err(problem(
             &dir.join(MANIFEST_FILE),
@@ -108,6 +112,41 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         manifest.read_verified(dir, name)?;
     }
 
+    let rank = if manifest.world_size == view.world_size {
+        read_rank_file(view, &manifest, dir)?
+    } else {
+        rank_file_for_another_world(view, &manifest, dir)?
+    };
+
+    let models = (0..view.models.len())
+        .map(|m| read_model(view, &manifest, dir, m, &rank))
+        .collect::<Result<Vec<_>>>()?;
+
+    let rng_name = files::rng_file(view.rank);
+    let rng = if manifest.files.contains_key(&rng_name) {
+        let path = dir.join(&rng_name);
+        let state: crate::rng::RngState =
+            files::parse_json(&path, &manifest.read_verified(dir, &rng_name)?)?;
+        Some(
+            view.rng
+                .parse_state(&state)
+                .map_err(|e| problem(&path, e))?,
+        )
+    } else {
+        None
+    };
+    let custom = read_custom(view, &manifest, dir)?;
+    Ok(Loaded {
+        models,
+        rank,
+        rng,
+        custom,
+        saved_world: manifest.world_size,
+    })
+}
+
+/// This rank's own part, saved by the same rank of a run of as many processes.
+fn read_rank_file(view: &TrainingView<'_>, manifest: &Manifest, dir: &Path) -> Result<RankFile> {
     let rpath = dir.join(files::rank_file(view.rank));
     let rank: RankFile = files::parse_json(
         &rpath,
@@ -143,30 +182,109 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
         }
     }
 
-    let models = (0..view.models.len())
-        .map(|m| read_model(view, &manifest, dir, m, &rank))
-        .collect::<Result<Vec<_>>>()?;
+    Ok(rank)
+}
 
-    let rng_name = files::rng_file(view.rank);
-    let rng = if manifest.files.contains_key(&rng_name) {
-        let path = dir.join(&rng_name);
-        let state: crate::rng::RngState =
-            files::parse_json(&path, &manifest.read_verified(dir, &rng_name)?)?;
-        Some(
-            view.rng
-                .parse_state(&state)
-                .map_err(|e| problem(&path, e))?,
+/// This rank's part when the checkpoint was saved by another number of processes: allowed only
+/// between accumulation windows (a window's partial gradients are per rank), with every loader's
+/// position remapped by global batches (see [`LoaderPosition::for_world`]). A refusal names the
+/// manifest, both numbers of processes and why.
+fn rank_file_for_another_world(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+) -> Result<RankFile> {
+    let (old, new) = (manifest.world_size, view.world_size);
+    let positions = remapped_positions(view, manifest, dir)?.map_err(|why| {
+        problem(
+            &dir.join(MANIFEST_FILE),
+            format!(
+                "saved by {old} processes but this run has {new}, which is possible only between \
+                 accumulation windows and where the new processes can share the batches \
+                 consumed: {why}; resume at an epoch boundary or with --num-processes {old}"
+            ),
         )
-    } else {
-        None
-    };
-    let custom = read_custom(view, &manifest, dir)?;
-    Ok(Loaded {
-        models,
-        rank,
-        rng,
-        custom,
+    })?;
+    if view.rank == 0 {
+        let line = format!(
+            "{} was saved by {old} processes and this run has {new}: the optimizer state is \
+             re-cut and the loaders continue after the same global batches, but the sums of \
+             another number of ranks round differently from the saved run's",
+            dir.display()
+        );
+        tracing::warn!("checkpoint: {line}");
+        eprintln!("accelerate: warning: checkpoint: {line}");
+    }
+    Ok(RankFile {
+        rank: view.rank,
+        loaders: positions,
+        has_gradients: false,
+        further_models_have_gradients: vec![false; view.models.len().saturating_sub(1)],
     })
+}
+
+/// Every loader's position for this run's world, or why there is none (the outer error is a file
+/// that cannot be read).
+fn remapped_positions(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+) -> Result<std::result::Result<Vec<LoaderPosition>, String>> {
+    let (old, new) = (manifest.world_size, view.world_size);
+    for m in 0..view.models.len() {
+        let name = ModelFiles(m).accumulation();
+        let path = dir.join(&name);
+        let a: AccumulationFile = files::parse_json(&path, &manifest.read_verified(dir, &name)?)?;
+        if a.micro_steps_taken_in_window > 0 {
+            return Ok(Err(format!(
+                "{name} says it was saved inside an accumulation window, whose partial \
+                 gradients are per rank"
+            )));
+        }
+    }
+    let mut saved: Option<Vec<LoaderPosition>> = None;
+    for r in 0..old {
+        let name = files::rank_file(r);
+        if !manifest.files.contains_key(&name) {
+            return Ok(Err(format!("it lists no {name}, rank {r}'s part")));
+        }
+        let path = dir.join(&name);
+        let part: RankFile = files::parse_json(&path, &manifest.read_verified(dir, &name)?)?;
+        if part.has_gradients || part.further_models_have_gradients.contains(&true) {
+            return Ok(Err(format!(
+                "rank {r} saved gradients a no_sync guard left unsynced, which are per rank"
+            )));
+        }
+        match &saved {
+            None => saved = Some(part.loaders),
+            Some(first) if *first != part.loaders => {
+                return Ok(Err(format!(
+                    "rank {r}'s loader positions differ from rank 0's"
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    let saved = saved.unwrap_or_default();
+    let loaders = view.loaders.batches_per_epoch();
+    if saved.len() != loaders.len() {
+        return Ok(Err(format!(
+            "it holds {} loader position(s) but this run prepared {} loader(s) (prepare the same \
+             data loaders before load_state)",
+            saved.len(),
+            loaders.len()
+        )));
+    }
+    Ok(saved
+        .iter()
+        .zip(&loaders)
+        .enumerate()
+        .map(|(i, (position, &now))| {
+            position
+                .for_world(old, new, now)
+                .map_err(|e| format!("loader {i}: {e}"))
+        })
+        .collect())
 }
 
 /// Reads and parses every registered object's saved value; refuses a checkpoint that holds
@@ -289,9 +407,7 @@ fn read_model(
 
     let mut optimizers = Vec::with_capacity(n_opt);
     for i in 0..n_opt {
-        let tname = names.optimizer_tensors(i);
-        let tensors =
-            files::parse_safetensors(&dir.join(&tname), &manifest.read_verified(dir, &tname)?)?;
+        let tensors = read_optimizer_tensors(view, manifest, dir, m, i)?;
         let jname = names.optimizer_json(i);
         let jpath = dir.join(&jname);
         let s: OptimizerScalars = files::parse_json(&jpath, &manifest.read_verified(dir, &jname)?)?;
@@ -403,6 +519,55 @@ fn read_model(
     })
 }
 
+/// Optimizer `i` of model `m`'s tensors as this rank's optimizer loads them: whole without ZeRO,
+/// this rank's pieces of this run's partition under it, whatever stage and world size saved them.
+fn read_optimizer_tensors(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+    m: usize,
+    i: usize,
+) -> Result<BTreeMap<String, Tensor>> {
+    let training = &view.models[m];
+    let names = ModelFiles(m);
+    let target = training.zero_plan().map(|(_, plan)| plan.pieces(view.rank));
+    let mut read_shard = |rank: usize| {
+        let name = names.optimizer_shard(i, rank);
+        files::parse_safetensors(&dir.join(&name), &manifest.read_verified(dir, &name)?)
+    };
+    let (path, saved) = match manifest.model_zero(m) {
+        None => {
+            let name = names.optimizer_tensors(i);
+            let path = dir.join(&name);
+            let tensors = files::parse_safetensors(&path, &manifest.read_verified(dir, &name)?)?;
+            (path, SavedTensors::Full(tensors))
+        }
+        Some(zero) => {
+            let path = dir.join(MANIFEST_FILE);
+            if zero.world_size != manifest.world_size || zero.pieces.len() != zero.world_size {
+                return Err(problem(
+                    &path,
+                    format!(
+                        "its ZeRO entry lists {} rank(s)' pieces for a world of {} saved by {} \
+                         processes; the manifest is corrupt",
+                        zero.pieces.len(),
+                        zero.world_size,
+                        manifest.world_size
+                    ),
+                ));
+            }
+            (
+                path,
+                SavedTensors::Pieces {
+                    zero,
+                    read: &mut read_shard,
+                },
+            )
+        }
+    };
+    reshard::optimizer_tensors_for(&path, saved, training.parameters(), target.as_deref())
+}
+
 /// The saved fp16 loss scaler state, checked against this run's scaler. A checkpoint saved without
 /// fp16 has none (the scaler then starts afresh), and a run without fp16 ignores a saved one.
 fn read_loss_scaler(
@@ -479,6 +644,17 @@ fn apply(view: &TrainingView<'_>, loaded: Loaded, dir: &Path) -> Result<()> {
     view.loaders.resume(&loaded.rank.loaders);
     match loaded.rng {
         Some(rng) => view.rng.restore(rng),
+        None if view.rank >= loaded.saved_world => {
+            let line = format!(
+                "{} was saved by {} processes and holds no random generator state for rank {}; \
+                 this rank's generator starts from the run's seed",
+                dir.display(),
+                loaded.saved_world,
+                view.rank
+            );
+            tracing::warn!("checkpoint: {line}");
+            eprintln!("accelerate: warning: checkpoint: {line}");
+        }
         None => {
             let line = format!(
                 "{} holds no random generator state for rank {} (it was saved before \

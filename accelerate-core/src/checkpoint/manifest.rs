@@ -12,10 +12,10 @@ use crate::error::{Error, Result};
 pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// The newest checkpoint layout this code writes and reads. Version 2 added several models
-/// (`further_models`), objects registered for checkpointing (`custom_objects`) and the gradients
-/// a `no_sync` guard left outside a window; a checkpoint that uses none of them is written as
-/// version 1, which older builds read alike, and one that does is refused by them instead of
-/// silently losing that state.
+/// (`further_models`), objects registered for checkpointing (`custom_objects`), the gradients
+/// a `no_sync` guard left outside a window and ZeRO's per-rank optimizer pieces (`zero`); a
+/// checkpoint that uses none of them is written as version 1, which older builds read alike, and
+/// one that does is refused by them instead of silently losing that state.
 pub const FORMAT_VERSION: u32 = 2;
 
 /// The oldest checkpoint layout this code reads.
@@ -55,6 +55,49 @@ pub struct ModelEntry {
     pub schedulers: usize,
     /// Its parameters, sorted by name.
     pub parameters: Vec<ParameterEntry>,
+    /// How its optimizer state was sharded (absent without ZeRO).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<ZeroEntry>,
+}
+
+/// One rank's piece of one parameter under ZeRO: elements `start .. start + len` of the
+/// parameter's flattened elements.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceEntry {
+    /// The parameter's name.
+    pub param: String,
+    /// Its first element in the flattened parameter.
+    pub start: u64,
+    /// Its number of elements.
+    pub len: u64,
+}
+
+/// How a model's optimizer state was sharded by ZeRO: each rank saved the pieces listed here in
+/// `optimizer_<i>.rank_<r>.safetensors` (1-D tensors `"<what>.<param>"` of the piece's length),
+/// and the main process the scalars in `optimizer_<i>.json`. A load re-cuts them for its own
+/// stage and world size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ZeroEntry {
+    /// The ZeRO stage (1 or 2).
+    pub stage: u8,
+    /// The number of ranks that saved pieces.
+    pub world_size: usize,
+    /// Each rank's pieces, in rank order; a parameter a rank owns none of is absent from its list.
+    pub pieces: Vec<Vec<PieceEntry>>,
+}
+
+impl ZeroEntry {
+    /// Rank `rank`'s piece of `param`, as a range of its flattened elements.
+    pub fn piece(&self, rank: usize, param: &str) -> Option<std::ops::Range<usize>> {
+        self.pieces
+            .get(rank)?
+            .iter()
+            .find(|p| p.param == param)
+            .map(|p| {
+                let start = p.start as usize;
+                start..start + p.len as usize
+            })
+    }
 }
 
 /// The manifest: written last, so a checkpoint with a manifest is complete.
@@ -81,6 +124,9 @@ pub struct Manifest {
     /// absent, and 0, in a checkpoint of a run that registered none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub custom_objects: usize,
+    /// How the first model's optimizer state was sharded (absent without ZeRO).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<ZeroEntry>,
     /// What the random state is (there is no generator to save; see the module documentation).
     pub random_state: String,
     /// Every other file of the checkpoint, by name.
@@ -160,26 +206,18 @@ impl Manifest {
         Ok(manifest)
     }
 
-    /// Checks that the checkpoint fits this run: same world size, same parameter names, shapes
-    /// and dtypes.
-    pub fn check_compatible(
-        &self,
-        dir: &Path,
-        world_size: usize,
-        params: &[(String, Var)],
-    ) -> Result<()> {
-        let path = dir.join(MANIFEST_FILE);
-        if self.world_size != world_size {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "saved by {} processes but this run has {world_size}; the data loader \
-                     positions are per rank, so resume with --num-processes {}",
-                    self.world_size, self.world_size
-                ),
-            ));
+    /// Checks that the checkpoint fits this run's model: same parameter names, shapes and
+    /// dtypes. (Another world size is the load's to judge: it depends on where the loaders were.)
+    pub fn check_compatible(&self, dir: &Path, params: &[(String, Var)]) -> Result<()> {
+        check_parameters(&dir.join(MANIFEST_FILE), "", &self.parameters, params)
+    }
+
+    /// How model `m`'s optimizer state was sharded, if it was.
+    pub fn model_zero(&self, m: usize) -> Option<&ZeroEntry> {
+        match m {
+            0 => self.zero.as_ref(),
+            m => self.further_models.get(m - 1)?.zero.as_ref(),
         }
-        check_parameters(&path, "", &self.parameters, params)
     }
 
     /// The saved parameters of model `m` (0 is the first), if the checkpoint has that model.

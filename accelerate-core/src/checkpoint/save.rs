@@ -10,12 +10,13 @@ use candle_core::Tensor;
 use super::exact::ExactF64;
 use super::files::{self, AccumulationFile, ModelFiles, OptimizerScalars, RankFile};
 use super::manifest::{
-    self, Manifest, ModelEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
+    self, Manifest, ModelEntry, PieceEntry, ZeroEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
+    OLDEST_FORMAT_VERSION,
 };
 use super::staging::{self, Staging};
 use super::{custom_file, TrainingView};
 use crate::error::{Error, Result};
-use crate::training::TrainingSnapshot;
+use crate::training::{TrainingSnapshot, TrainingState};
 
 /// What the manifest says about randomness.
 const RANDOM_STATE: &str = "each loader's shuffle order is a pure function of its seed (from the \
@@ -158,6 +159,19 @@ fn write_rank_part(
             staging.write(&name, &bytes)?;
         }
         has_gradients.push(snapshot.window_gradients.is_some());
+        // Under ZeRO each rank's snapshot holds its own pieces of every optimizer's tensors.
+        if view.models[m].zero_plan().is_some() {
+            for (i, state) in snapshot.optimizers.iter().enumerate() {
+                let tensors: Vec<(String, Tensor)> = state
+                    .tensors
+                    .iter()
+                    .map(|(k, t)| (k.clone(), t.clone()))
+                    .collect();
+                let name = ModelFiles(m).optimizer_shard(i, view.rank);
+                let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+                staging.write(&name, &bytes)?;
+            }
+        }
     }
     let part = RankFile {
         rank: view.rank,
@@ -191,15 +205,19 @@ fn write_model_files(
         &files::safetensors_bytes(&staging.dir().join(&name), &params)?,
     )?;
 
+    // Under ZeRO the tensors are in every rank's shard files (`write_rank_part`).
+    let sharded = view.models[m].zero_plan().is_some();
     for (i, state) in snapshot.optimizers.iter().enumerate() {
-        let tensors: Vec<(String, Tensor)> = state
-            .tensors
-            .iter()
-            .map(|(k, t)| (k.clone(), t.clone()))
-            .collect();
-        let name = names.optimizer_tensors(i);
-        let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
-        staging.write(&name, &bytes)?;
+        if !sharded {
+            let tensors: Vec<(String, Tensor)> = state
+                .tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), t.clone()))
+                .collect();
+            let name = names.optimizer_tensors(i);
+            let bytes = files::safetensors_bytes(&staging.dir().join(&name), &tensors)?;
+            staging.write(&name, &bytes)?;
+        }
         let scalars = OptimizerScalars {
             kind: state.kind.clone(),
             scalars: state
@@ -280,14 +298,17 @@ fn write_manifest(
             optimizers: snapshot.optimizers.len(),
             schedulers: snapshot.schedulers.len(),
             parameters: manifest::parameter_entries(model.parameters()),
+            zero: zero_entry(model),
         })
         .collect();
+    let zero = zero_entry(&view.models[0]);
+    let sharded = zero.is_some() || further_models.iter().any(|m| m.zero.is_some());
     // A no_sync guard is used alike on every rank, so the main process's snapshot tells.
     let unsynced_outside_window = snapshots
         .iter()
         .any(|s| s.window_gradients.is_some() && s.counters.taken == 0);
     let needs_newest =
-        !further_models.is_empty() || !view.custom.is_empty() || unsynced_outside_window;
+        !further_models.is_empty() || !view.custom.is_empty() || unsynced_outside_window || sharded;
     let m = Manifest {
         format: FORMAT_NAME.into(),
         format_version: if needs_newest {
@@ -302,8 +323,37 @@ fn write_manifest(
         parameters: manifest::parameter_entries(view.params()),
         further_models,
         custom_objects: view.custom.len(),
+        zero,
         random_state: RANDOM_STATE.into(),
         files: entries,
     };
     staging.write(MANIFEST_FILE, &files::json_bytes(&m)?)
+}
+
+/// Under ZeRO, every rank's pieces of `model`'s parameters (the partition is the same on every
+/// rank, so the main process lists them all).
+fn zero_entry(model: &TrainingState) -> Option<ZeroEntry> {
+    let (stage, plan) = model.zero_plan()?;
+    let params = model.parameters();
+    let pieces = (0..plan.world())
+        .map(|rank| {
+            params
+                .iter()
+                .enumerate()
+                .filter_map(|(p, (name, _))| {
+                    let piece = plan.piece(p, rank)?;
+                    Some(PieceEntry {
+                        param: name.clone(),
+                        start: piece.start as u64,
+                        len: piece.len() as u64,
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    Some(ZeroEntry {
+        stage,
+        world_size: plan.world(),
+        pieces,
+    })
 }

@@ -25,6 +25,59 @@ pub(crate) struct LoaderPosition {
     pub batches_per_epoch: usize,
 }
 
+impl LoaderPosition {
+    /// This position, saved by each of `old_world` ranks, as a rank of `new_world` continues it:
+    /// global batch `i` goes to rank `i mod N` in an order that does not depend on `N`, so the
+    /// `b · old_world` global batches consumed are `b · old_world / new_world` on each new rank.
+    /// `batches_per_epoch` is the new loader's (`None` for a stream). Refused, with the reason,
+    /// when the new ranks cannot share the consumed batches evenly, when they are more than the
+    /// new loader's epoch holds, or inside a stream's epoch (its shards are read, not planned).
+    pub fn for_world(
+        self,
+        old_world: usize,
+        new_world: usize,
+        batches_per_epoch: Option<usize>,
+    ) -> std::result::Result<Self, String> {
+        let epoch_start = Self {
+            epoch: self.epoch,
+            batches_consumed: 0,
+            batches_per_epoch: batches_per_epoch.unwrap_or(0),
+        };
+        if self.batches_consumed == 0 {
+            return Ok(epoch_start);
+        }
+        let b = self.batches_consumed;
+        let global = b * old_world;
+        let Some(now) = batches_per_epoch else {
+            return Err(format!(
+                "a streaming loader saved inside epoch {} ({b} batches on each of {old_world}                  ranks) cannot be split among {new_world}",
+                self.epoch
+            ));
+        };
+        if global % new_world != 0 {
+            return Err(format!(
+                "epoch {}: {global} global batches were consumed ({b} on each of {old_world}                  ranks), which {new_world} processes cannot share evenly",
+                self.epoch
+            ));
+        }
+        let consumed = global / new_world;
+        match consumed.cmp(&now) {
+            std::cmp::Ordering::Less => Ok(Self {
+                batches_consumed: consumed,
+                ..epoch_start
+            }),
+            std::cmp::Ordering::Equal => Ok(Self {
+                epoch: self.epoch + 1,
+                ..epoch_start
+            }),
+            std::cmp::Ordering::Greater => Err(format!(
+                "epoch {}: {global} global batches were consumed ({b} on each of {old_world}                  ranks), more than the {now} per rank this run's loader has on {new_world}",
+                self.epoch
+            )),
+        }
+    }
+}
+
 /// The loaders an accelerator prepared, in order of preparation, and which of them a loop is
 /// inside. Every prepared model of the accelerator shares it: a loader's end closes the window of
 /// each model's accumulation alike.
@@ -177,5 +230,28 @@ mod tests {
         assert_eq!(s.innermost(), Some(1));
         s.leave(1);
         assert_eq!(s.innermost(), None);
+    }
+
+    fn at(epoch: u64, batches_consumed: usize, batches_per_epoch: usize) -> LoaderPosition {
+        LoaderPosition {
+            epoch,
+            batches_consumed,
+            batches_per_epoch,
+        }
+    }
+
+    /// 2 ranks × 3 batches = global batches 0..6: on 3 ranks, 2 each; at an epoch's start
+    /// anything goes; the end of an epoch is the next one's start.
+    #[test]
+    fn a_position_is_remapped_by_global_batches() {
+        assert_eq!(at(1, 3, 5).for_world(2, 3, Some(4)), Ok(at(1, 2, 4)));
+        assert_eq!(at(1, 2, 4).for_world(3, 2, Some(5)), Ok(at(1, 3, 5)));
+        assert_eq!(at(2, 0, 5).for_world(2, 3, Some(4)), Ok(at(2, 0, 4)));
+        assert_eq!(at(0, 4, 4).for_world(3, 2, Some(6)), Ok(at(1, 0, 6)));
+        assert_eq!(at(0, 0, 0).for_world(2, 3, None), Ok(at(0, 0, 0)));
+        let err = at(1, 1, 5).for_world(2, 3, Some(4)).unwrap_err();
+        assert!(err.contains("epoch 1: 2 global batches") && err.contains("3 processes"));
+        assert!(at(0, 5, 5).for_world(2, 1, Some(5)).is_err());
+        assert!(at(0, 1, 0).for_world(2, 1, None).is_err());
     }
 }
