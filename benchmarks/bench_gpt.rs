@@ -5,6 +5,9 @@
 //!   configuration runs in a child process of this benchmark (re-executed with a hidden flag),
 //!   which reports its `VmHWM` (peak resident set) from `/proc/self/status` after its last step,
 //!   and after its setup (model, gradient buffers, data) for comparison.
+//! - **checkpointing**: what activation checkpointing trades. Batch B, K = 1, with every block
+//!   under `fused_kernels::checkpoint` against without: peak resident memory and ms/step, each
+//!   configuration in a child process as for `memory`, rounds interleaved, medians reported.
 //! - **overhead**: the cost of the runtime itself. The Accelerator loop at world size 1 against a
 //!   plain candle loop doing the same arithmetic: the same model, the same summed token loss
 //!   divided by the batch's tokens, the gradients added into the same gradient buffers, the same
@@ -14,7 +17,8 @@
 //! Windows all have the full context length here, so the configurations compute on the same
 //! tokens (with varying lengths, smaller batches would pad less and do less work).
 //!
-//! `cargo run --release --bin bench_gpt -- --part memory` (see BENCHMARKS.md).
+//! `cargo run --release --bin bench_gpt -- --part memory` (see BENCHMARKS.md; `--part
+//! checkpointing --batch-size 16` for the checkpointing figures).
 
 use std::process::Command;
 use std::sync::Arc;
@@ -34,11 +38,12 @@ use clap::{Parser, ValueEnum};
 enum Part {
     Memory,
     Overhead,
+    Checkpointing,
     All,
 }
 
-/// Benchmark the gpt training step: accumulation's memory/throughput trade-off and the runtime's
-/// overhead over a plain candle loop.
+/// Benchmark the gpt training step: accumulation's and activation checkpointing's
+/// memory/throughput trade-offs, and the runtime's overhead over a plain candle loop.
 #[derive(Debug, Parser)]
 struct Args {
     /// Which benchmark to run.
@@ -74,6 +79,9 @@ struct Args {
     /// Internal: run one memory configuration with this K and report (used by the parent).
     #[arg(long, hide = true)]
     child_k: Option<usize>,
+    /// Internal: the child runs its blocks under activation checkpointing.
+    #[arg(long, hide = true)]
+    child_checkpointing: bool,
 }
 
 fn main() -> Result<()> {
@@ -99,7 +107,7 @@ fn main() -> Result<()> {
     // when it is built; the plain loop must not be measured with glibc's defaults instead).
     accelerate_core::keep_freed_memory();
     if let Some(k) = args.child_k {
-        return child(&args, k);
+        return child(&args, k, args.child_checkpointing);
     }
     let (dataset, vocab) = fixed_windows(&args)?;
     let config = model_config(&args, vocab);
@@ -116,10 +124,13 @@ fn main() -> Result<()> {
         args.rounds,
         candle_core::utils::get_num_threads()
     );
-    if args.part != Part::Overhead {
+    if matches!(args.part, Part::Memory | Part::All) {
         memory(&args)?;
     }
-    if args.part != Part::Memory {
+    if matches!(args.part, Part::Checkpointing | Part::All) {
+        checkpointing(&args)?;
+    }
+    if matches!(args.part, Part::Overhead | Part::All) {
         overhead(&args, &dataset, config)?;
     }
     Ok(())
@@ -165,7 +176,7 @@ fn memory(args: &Args) -> Result<()> {
     let mut reports: Vec<Vec<ChildReport>> = vec![Vec::new(); ks.len()];
     for round in 0..args.rounds {
         for (i, &k) in ks.iter().enumerate() {
-            reports[i].push(run_child(args, k)?);
+            reports[i].push(run_child(args, k, false)?);
         }
         eprintln!("memory: round {} of {} done", round + 1, args.rounds);
     }
@@ -202,8 +213,74 @@ fn memory(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Re-executes this benchmark with `--child-k k` and reads its report.
-fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
+/// The checkpointing part: batch B at K = 1 without and with activation checkpointing, each in a
+/// child process, rounds interleaved (the order alternates), medians reported.
+fn checkpointing(args: &Args) -> Result<()> {
+    let mut reports: [Vec<ChildReport>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..args.rounds {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            reports[i].push(run_child(args, 1, i == 1)?);
+        }
+        let (without, with) = (reports[0][round], reports[1][round]);
+        eprintln!(
+            "checkpointing: round {} of {}: without {:.0} ms/step, {:.0} MiB; with {:.0} ms/step, \
+             {:.0} MiB",
+            round + 1,
+            args.rounds,
+            without.ms_per_step,
+            without.peak_kib / 1024.0,
+            with.ms_per_step,
+            with.peak_kib / 1024.0
+        );
+    }
+    println!();
+    println!(
+        "{:<34} {:>10} {:>10} {:>13} {:>14}",
+        "configuration", "ms/step", "samples/s", "peak RSS MiB", "after setup MiB"
+    );
+    let mib = |kib: f64| kib / 1024.0;
+    let mut rows = Vec::new();
+    for (name, r) in ["without checkpointing", "with checkpointing"]
+        .iter()
+        .zip(&reports)
+    {
+        let ms = median(&r.iter().map(|x| x.ms_per_step).collect::<Vec<_>>());
+        let peak = median(&r.iter().map(|x| x.peak_kib).collect::<Vec<_>>());
+        let setup = median(&r.iter().map(|x| x.setup_kib).collect::<Vec<_>>());
+        println!(
+            "{:<34} {ms:>10.1} {:>10.2} {:>13.0} {:>14.0}",
+            format!("batch {}, {name}", args.batch_size),
+            args.batch_size as f64 / ms * 1e3,
+            mib(peak),
+            mib(setup)
+        );
+        rows.push((ms, peak));
+    }
+    let ratios = |f: fn(&ChildReport) -> f64| {
+        let v: Vec<f64> = reports[1]
+            .iter()
+            .zip(&reports[0])
+            .map(|(with, without)| f(with) / f(without) - 1.0)
+            .collect();
+        median(&v) * 100.0
+    };
+    let ((ms0, peak0), (ms1, peak1)) = (rows[0], rows[1]);
+    println!(
+        "with vs without: peak memory {:+.1} % ({:.0} MiB saved), time per step {:+.1} % \
+         (per-round ratios, median: memory {:+.1} %, time {:+.1} %)",
+        (peak1 / peak0 - 1.0) * 100.0,
+        mib(peak0 - peak1),
+        (ms1 / ms0 - 1.0) * 100.0,
+        ratios(|r| r.peak_kib),
+        ratios(|r| r.ms_per_step)
+    );
+    Ok(())
+}
+
+/// Re-executes this benchmark with `--child-k k` (and `--child-checkpointing`) and reads its
+/// report.
+fn run_child(args: &Args, k: usize, checkpointing: bool) -> Result<ChildReport> {
     let exe = std::env::current_exe().context("locating the benchmark's own executable")?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -224,6 +301,9 @@ fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
         "--child-k",
         &k.to_string(),
     ]);
+    if checkpointing {
+        cmd.arg("--child-checkpointing");
+    }
     let Some((status, out)) = run_within(&mut cmd, Duration::from_secs(args.child_timeout))? else {
         bail!(
             "the K={k} configuration ran longer than --child-timeout {} s; lower --steps or \
@@ -243,10 +323,12 @@ fn run_child(args: &Args, k: usize) -> Result<ChildReport> {
     })
 }
 
-/// A child: the Accelerator loop with K micro-batches of B/K; prints its report on stdout.
-fn child(args: &Args, k: usize) -> Result<()> {
+/// A child: the Accelerator loop with K micro-batches of B/K, the blocks under activation
+/// checkpointing if asked; prints its report on stdout.
+fn child(args: &Args, k: usize, checkpointing: bool) -> Result<()> {
     let (dataset, vocab) = fixed_windows(args)?;
-    let ms = accelerated(args, &dataset, model_config(args, vocab), k, |_| {
+    let config = model_config(args, vocab);
+    let ms = accelerated(args, &dataset, config, k, checkpointing, |_| {
         println!("setup_hwm_kib={}", peak_resident_kib()?);
         Ok(())
     })?;
@@ -258,19 +340,22 @@ fn child(args: &Args, k: usize) -> Result<()> {
 }
 
 /// Milliseconds per optimizer step of the Accelerator loop, K micro-batches of B/K, item-weighted
-/// (the example's loop); `after_setup` runs once everything is built, before the first step.
+/// (the example's loop), the blocks under activation checkpointing if `checkpointing`;
+/// `after_setup` runs once everything is built, before the first step.
 fn accelerated(
     args: &Args,
     dataset: &Arc<TextWindows>,
     config: GptConfig,
     k: usize,
+    checkpointing: bool,
     after_setup: impl FnOnce(&Accelerator) -> Result<()>,
 ) -> Result<f64> {
     let mut acc = Accelerator::builder()
         .gradient_accumulation_steps(k)
         .process_state(ProcessState::single())
         .build()?;
-    let (varmap, model) = gpt::build_in(config, 0, acc.device(), DType::F32)?;
+    let (varmap, mut model) = gpt::build_in(config, 0, acc.device(), DType::F32)?;
+    model.set_gradient_checkpointing(checkpointing);
     let params = acc.prepare(&varmap)?;
     let mut opt = acc.prepare(AdamW::new(params, adamw())?)?;
     let loader = DataLoader::new(dataset.clone(), args.batch_size / k).prefetch(args.prefetch);
@@ -353,9 +438,9 @@ fn overhead(args: &Args, dataset: &Arc<TextWindows>, config: GptConfig) -> Resul
         // Every other round the other one goes first, so that neither always follows the other.
         if round % 2 == 0 {
             plain_ms.push(plain(args, dataset, config)?);
-            acc_ms.push(accelerated(args, dataset, config, 1, |_| Ok(()))?);
+            acc_ms.push(accelerated(args, dataset, config, 1, false, |_| Ok(()))?);
         } else {
-            acc_ms.push(accelerated(args, dataset, config, 1, |_| Ok(()))?);
+            acc_ms.push(accelerated(args, dataset, config, 1, false, |_| Ok(()))?);
             plain_ms.push(plain(args, dataset, config)?);
         }
         eprintln!("overhead: round {} of {} done", round + 1, args.rounds);

@@ -384,11 +384,6 @@ impl TrainingState {
         })
     }
 
-    /// The ZeRO stage (0 without sharding).
-    pub fn zero_stage(&self) -> u8 {
-        self.zero_config.stage
-    }
-
     /// Under ZeRO once the parameters are prepared, the stage and the partition (what
     /// checkpoints record and re-cut the optimizer state to).
     pub fn zero_plan(&self) -> Option<(u8, Arc<ShardPlan>)> {

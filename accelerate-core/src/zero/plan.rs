@@ -107,6 +107,7 @@ impl ShardPlan {
         self.world * self.buckets[b].block
     }
 
+    #[cfg(test)]
     /// Parameter elements of bucket `b`, without padding.
     pub fn elems(&self, b: usize) -> usize {
         self.buckets[b].elems
@@ -145,17 +146,20 @@ impl ShardPlan {
             .collect()
     }
 
+    #[cfg(test)]
     /// Elements of a rank's shard: the sum of the blocks (padding included, so every rank's shard
     /// has the same length).
     pub fn shard_len(&self) -> usize {
         self.buckets.iter().map(|b| b.block).sum()
     }
 
+    #[cfg(test)]
     /// Where bucket `b`'s block starts in a rank's shard.
     pub fn shard_offset(&self, b: usize) -> usize {
         self.buckets[b].shard_offset
     }
 
+    #[cfg(test)]
     /// Where `rank`'s piece of parameter `param` lies in its shard, if it has one.
     pub fn piece_in_shard(&self, param: usize, rank: usize) -> Option<Range<usize>> {
         let piece = self.piece(param, rank)?;
