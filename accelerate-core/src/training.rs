@@ -761,7 +761,8 @@ mod tests {
         let mixed = MixedPrecisionState::new(MixedPrecision::No, LossScalerConfig::default());
         let loaders = Arc::new(PreparedLoaders::default());
         let comm: Arc<dyn crate::comm::Communicator> =
-            Arc::new(crate::comm::LocalCommunicator::new());
+            Arc::from(Box::new(crate::comm::LocalCommunicator::new())
+                as Box<dyn crate::comm::Communicator>);
         let state = TrainingState::new(
             Accumulation::new(k).unwrap(),
             mixed.unwrap(),

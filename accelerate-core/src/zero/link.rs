@@ -72,7 +72,8 @@ mod tests {
 
     #[test]
     fn refuses_other_threads_and_a_dropped_communicator() {
-        let comm: Arc<dyn Communicator> = Arc::new(LocalCommunicator::new());
+        let comm: Arc<dyn Communicator> =
+            Arc::from(Box::new(LocalCommunicator::new()) as Box<dyn crate::comm::Communicator>);
         let link = CommLink::new(&comm);
         assert_eq!(link.with("x", |c| Ok(c.world_size())).unwrap(), 1);
         let err = std::thread::scope(|s| {

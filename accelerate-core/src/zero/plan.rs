@@ -154,12 +154,6 @@ impl ShardPlan {
     }
 
     #[cfg(test)]
-    /// Where bucket `b`'s block starts in a rank's shard.
-    pub fn shard_offset(&self, b: usize) -> usize {
-        self.buckets[b].shard_offset
-    }
-
-    #[cfg(test)]
     /// Where `rank`'s piece of parameter `param` lies in its shard, if it has one.
     pub fn piece_in_shard(&self, param: usize, rank: usize) -> Option<Range<usize>> {
         let piece = self.piece(param, rank)?;
