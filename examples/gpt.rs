@@ -313,9 +313,10 @@ fn run(args: &Args) -> Result<()> {
     })?;
     acc.end_training()?;
     let wall = run_totals.wall;
+    // Before save_model, which only some ranks may be asked for: every rank takes part.
+    let peak_rss_mib = run::peak_resident_mib(&acc)?;
     run::save_model(&acc, args.save_model.as_deref())?;
     let sync = acc.gradient_sync_stats();
-    let peak_rss_mib = run::peak_resident_mib(&acc)?;
     acc.print(format!(
         "samples/s={:.1} tokens/s={:.0} final_loss={:.6} unigram_entropy={entropy:.6} wall={:.2}s \
          steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={} \

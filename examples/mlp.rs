@@ -279,9 +279,10 @@ impl Training<'_> {
             eval_rows(&model, batch)
         })?;
         acc.end_training()?;
+        // Before save_model, which only some ranks may be asked for: every rank takes part.
+        let peak_rss_mib = run::peak_resident_mib(&acc)?;
         run::save_model(&acc, args.save_model.as_deref())?;
         let sync = acc.gradient_sync_stats();
-        let peak_rss_mib = run::peak_resident_mib(&acc)?;
         acc.print(format!(
             "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
              grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={} \
