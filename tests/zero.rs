@@ -342,40 +342,29 @@ fn an_fp16_overflow_in_one_ranks_block_skips_the_step_on_every_rank() {
             let mut opt = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
             let rank = acc.process_index();
             let initial = snapshot(&params);
+            let mut train_on = |x: Vec<f32>| {
+                let x = Tensor::new(x.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(acc.compute_dtype())
+                    .unwrap();
+                let _m = acc.accumulate();
+                let loss = (&w * &x)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                acc.backward(&loss).unwrap();
+                opt.step().unwrap();
+                opt.zero_grad();
+            };
             // Rank 1's gradient of w·x at elements 0..4 (rank 0's block) is 1e4 · 2^16: beyond
             // f16's 65504, so inf in the backward pass; rank 0's is small everywhere.
             let big = if rank == 1 { 1e4f32 } else { 0.5 };
-            let x: Vec<f32> = (0..8).map(|i| if i < 4 { big } else { 0.25 }).collect();
-            let x = Tensor::new(x.as_slice(), &Device::Cpu)
-                .unwrap()
-                .to_dtype(acc.compute_dtype())
-                .unwrap();
-            let _m = acc.accumulate();
-            let loss = (&w * &x)
-                .unwrap()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap()
-                .sum_all()
-                .unwrap();
-            acc.backward(&loss).unwrap();
-            opt.step().unwrap();
-            opt.zero_grad();
+            train_on((0..8).map(|i| if i < 4 { big } else { 0.25 }).collect());
             let skipped = (acc.step_was_skipped(), acc.loss_scale(), snapshot(&params));
             // A finite step: x = 0.25 everywhere on both ranks, so every element moves by -0.025.
-            let x = Tensor::new(&[0.25f32; 8], &Device::Cpu)
-                .unwrap()
-                .to_dtype(acc.compute_dtype())
-                .unwrap();
-            let _m = acc.accumulate();
-            let loss = (&w * &x)
-                .unwrap()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap()
-                .sum_all()
-                .unwrap();
-            acc.backward(&loss).unwrap();
-            opt.step().unwrap();
-            opt.zero_grad();
+            train_on(vec![0.25; 8]);
             (initial, skipped, acc.step_was_skipped(), snapshot(&params))
         },
     );

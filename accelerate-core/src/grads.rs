@@ -31,6 +31,10 @@ pub struct GradientBucket {
     /// window first adds into it and released once it has been reduce-scattered; otherwise it is
     /// allocated once, at construction.
     allocated: bool,
+    /// The storage's dtype and device (a released bucket's `flat` is an empty host tensor: no
+    /// zero-size allocation on a GPU).
+    dtype: DType,
+    device: candle_core::Device,
 }
 
 impl GradientBucket {
@@ -46,7 +50,7 @@ impl GradientBucket {
 
     /// Size of the bucket's data in bytes.
     pub fn size_in_bytes(&self) -> usize {
-        self.len * self.flat.dtype().size_in_bytes()
+        self.len * self.dtype.size_in_bytes()
     }
 }
 
@@ -112,7 +116,7 @@ impl GradientBuffers {
         let kinds: Vec<_> = buffers
             .buckets
             .iter()
-            .map(|b| (b.flat.dtype(), b.flat.device().clone()))
+            .map(|b| (b.dtype, b.device.clone()))
             .collect();
         for (b, bucket) in buffers.buckets.iter_mut().enumerate() {
             bucket.len = plan.padded_len(b);
@@ -175,6 +179,8 @@ impl GradientBuffers {
                 });
             }
             buckets.push(GradientBucket {
+                dtype,
+                device: device.clone(),
                 len: flat.elem_count(),
                 flat,
                 params: start..end,
@@ -204,7 +210,7 @@ impl GradientBuffers {
         if bucket.allocated {
             return Ok(());
         }
-        let flat = Tensor::zeros(bucket.len, bucket.flat.dtype(), bucket.flat.device())?;
+        let flat = Tensor::zeros(bucket.len, bucket.dtype, &bucket.device)?;
         let mut offset = 0;
         for slot in &mut self.slots[bucket.params.clone()] {
             let n = slot.shape.elem_count();
@@ -220,7 +226,7 @@ impl GradientBuffers {
     /// Drops bucket `b`'s storage (its parameters' gradients are forgotten).
     fn release(&mut self, b: usize) -> Result<()> {
         let bucket = &mut self.buckets[b];
-        let empty = Tensor::zeros(0, bucket.flat.dtype(), bucket.flat.device())?;
+        let empty = Tensor::zeros(0, bucket.dtype, &candle_core::Device::Cpu)?;
         for slot in &mut self.slots[bucket.params.clone()] {
             slot.view = empty.clone();
             slot.written = false;
@@ -605,8 +611,8 @@ impl GradientBuffers {
             for (_, var) in &params[range] {
                 grads.remove(var.as_tensor());
             }
-            let shard = self.shard.as_ref().expect("checked above");
-            reduce_scatter(&self.buckets[b].flat, shard.block(b))?;
+            let shard = self.shard.as_mut().expect("checked above");
+            reduce_scatter(&self.buckets[b].flat, shard.block(b)?)?;
             self.release(b)?;
         }
         let present = vec![true; self.slots.len()];

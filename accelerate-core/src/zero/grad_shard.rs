@@ -15,8 +15,12 @@ pub(crate) struct GradientShard {
     plan: Arc<ShardPlan>,
     rank: usize,
     /// One block per bucket (`plan.block(b)` elements; the tail of the last rank's is padding,
-    /// which the reduce-scatter keeps at zero).
-    blocks: Vec<Tensor>,
+    /// which the reduce-scatter keeps at zero), allocated by the sync and dropped by `clear`, so
+    /// that between an optimizer step and the next sync (a whole accumulation window, whose full
+    /// buckets exist meanwhile) the blocks take no memory.
+    blocks: Vec<Option<Tensor>>,
+    /// Each bucket's dtype and device.
+    kinds: Vec<(DType, Device)>,
     /// Per parameter: whether it has an averaged gradient (set by the sync, cleared by `zero`).
     present: Vec<bool>,
     /// Whether some rank's shard held an inf or NaN at the last sync (agreed by every rank).
@@ -26,11 +30,7 @@ pub(crate) struct GradientShard {
 impl GradientShard {
     /// Zeroed blocks for `rank` of `plan`, bucket `b` in `kinds[b]`'s dtype and on its device.
     pub fn new(plan: Arc<ShardPlan>, rank: usize, kinds: &[(DType, Device)]) -> Result<Self> {
-        let blocks = kinds
-            .iter()
-            .enumerate()
-            .map(|(b, (dtype, device))| Ok(Tensor::zeros(plan.block(b), *dtype, device)?))
-            .collect::<Result<_>>()?;
+        let blocks = vec![None; kinds.len()];
         let params = (0..plan.buckets())
             .map(|b| plan.bucket_params(b).len())
             .sum();
@@ -38,14 +38,24 @@ impl GradientShard {
             plan,
             rank,
             blocks,
+            kinds: kinds.to_vec(),
             present: vec![false; params],
             nonfinite_somewhere: false,
         })
     }
 
-    /// The block of bucket `b` (the reduce-scatter's output).
-    pub fn block(&self, b: usize) -> &Tensor {
-        &self.blocks[b]
+    /// The block of bucket `b` (the reduce-scatter's output), allocated if it is not.
+    pub fn block(&mut self, b: usize) -> Result<&Tensor> {
+        if self.blocks[b].is_none() {
+            let (dtype, device) = &self.kinds[b];
+            self.blocks[b] = Some(Tensor::zeros(self.plan.block(b), *dtype, device)?);
+        }
+        Ok(self.blocks[b].as_ref().expect("allocated above"))
+    }
+
+    /// The allocated blocks.
+    fn allocated(&self) -> impl Iterator<Item = &Tensor> {
+        self.blocks.iter().flatten()
     }
 
     /// Whether any parameter has a gradient here.
@@ -68,6 +78,7 @@ impl GradientShard {
 
     /// Forgets the gradients (the blocks are overwritten by the next sync).
     pub fn clear(&mut self) {
+        self.blocks.iter_mut().for_each(|b| *b = None);
         self.present.fill(false);
         self.nonfinite_somewhere = false;
     }
@@ -93,13 +104,18 @@ impl GradientShard {
             )));
         }
         let block_start = self.rank * self.plan.block(b);
-        Ok(self.blocks[b].narrow(0, start - block_start, piece.len())?)
+        let block = self.blocks[b].as_ref().ok_or_else(|| {
+            Error::Optimizer(format!(
+                "no averaged gradient of parameter {param} on this rank"
+            ))
+        })?;
+        Ok(block.narrow(0, start - block_start, piece.len())?)
     }
 
     /// Σ x² over this rank's blocks (padding is zero), in f64.
     pub fn sum_of_squares(&self) -> Result<f64> {
         let mut sum = 0f64;
-        for block in &self.blocks {
+        for block in self.allocated() {
             sum += match with_f32(block, |xs| {
                 xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
             })? {
@@ -116,7 +132,7 @@ impl GradientShard {
 
     /// Whether this rank's blocks are all finite.
     pub fn local_finite(&self) -> Result<bool> {
-        for block in &self.blocks {
+        for block in self.allocated() {
             let finite = match with_f32(block, |xs| xs.iter().all(|x| x.is_finite()))? {
                 Some(f) => f,
                 None => block
@@ -140,7 +156,7 @@ impl GradientShard {
     /// Multiplies the blocks by `factor`.
     pub fn scale(&mut self, factor: f64) -> Result<()> {
         let f = factor as f32;
-        for block in &self.blocks {
+        for block in self.allocated() {
             if with_f32_mut(block, |xs| xs.iter_mut().for_each(|x| *x *= f))?.is_none() {
                 block.slice_set(&(block.clone() * factor)?, 0, 0)?;
             }
@@ -151,7 +167,7 @@ impl GradientShard {
     /// Clamps the blocks to `[-limit, limit]`, NaN kept (PyTorch's `clip_grad_value_`).
     pub fn clamp(&mut self, limit: f64) -> Result<()> {
         let l = limit as f32;
-        for block in &self.blocks {
+        for block in self.allocated() {
             if with_f32_mut(block, |xs| xs.iter_mut().for_each(|x| *x = x.clamp(-l, l)))?.is_none()
             {
                 let clamped = block.clamp(-limit, limit)?;

@@ -381,14 +381,13 @@ impl ShmSession<'_> {
         unsafe { std::slice::from_raw_parts(base.cast::<T>().add(offset).cast_const(), len) }
     }
 
-    /// Reduces this rank's piece of `round`: `own` (its part of the tensor) combined in rank
-    /// order with the copies the peers staged at this rank's piece, divided by the world size
-    /// for `Mean`; the result replaces `own` and is staged for the peers at the same place.
-    pub(crate) fn reduce_owned<T: Element>(&mut self, round: u64, own: &mut [T], op: ReduceOp) {
+    /// The copies the peers staged at this rank's piece of `round` (`len` elements; empty for
+    /// this rank itself, in rank order), and where this rank's own piece of its staging half
+    /// starts (in bounds for `len` elements, checked).
+    fn piece_sources<T: Element>(&self, round: u64, len: usize) -> (Vec<&[T]>, *mut T) {
         let (w, r) = (self.world_size, self.rank);
         let offset = r * self.piece_elems::<T>();
-        let len = own.len();
-        let sources: Vec<&[T]> = (0..w)
+        let sources = (0..w)
             .map(|q| {
                 if q == r {
                     &[][..]
@@ -399,10 +398,20 @@ impl ShmSession<'_> {
             .collect();
         let (base, bytes) = self.region.data(r, half(round));
         assert!((offset + len) * T::SIZE <= bytes, "staging overflow");
+        // SAFETY: in bounds (checked above).
+        (sources, unsafe { base.cast::<T>().add(offset) })
+    }
+
+    /// Reduces this rank's piece of `round`: `own` (its part of the tensor) combined in rank
+    /// order with the copies the peers staged at this rank's piece, divided by the world size
+    /// for `Mean`; the result replaces `own` and is staged for the peers at the same place.
+    pub(crate) fn reduce_owned<T: Element>(&mut self, round: u64, own: &mut [T], op: ReduceOp) {
+        let len = own.len();
+        let (sources, slot) = self.piece_sources::<T>(round, len);
         // SAFETY: in bounds and aligned; this rank's own piece, written only by it, read by the
         // peers only after the `Reduced` mark that follows.
-        let staged = unsafe { std::slice::from_raw_parts_mut(base.cast::<T>().add(offset), len) };
-        reduce_in_rank_order(r, own, &sources, staged, op);
+        let staged = unsafe { std::slice::from_raw_parts_mut(slot, len) };
+        reduce_in_rank_order(self.rank, own, &sources, staged, op);
         self.bytes_sent += (len * T::SIZE) as u64;
     }
 
@@ -417,27 +426,15 @@ impl ShmSession<'_> {
         out: &mut [T],
         op: ReduceOp,
     ) {
-        let (w, r) = (self.world_size, self.rank);
-        let offset = r * self.piece_elems::<T>();
         let len = own.len();
-        let sources: Vec<&[T]> = (0..w)
-            .map(|q| {
-                if q == r {
-                    &[][..]
-                } else {
-                    self.peer_slice::<T>(q, round, offset, len)
-                }
-            })
-            .collect();
-        let (base, bytes) = self.region.data(r, half(round));
-        assert!((offset + len) * T::SIZE <= bytes, "staging overflow");
+        let (sources, slot) = self.piece_sources::<T>(round, len);
         // SAFETY: in bounds and aligned; this rank's own piece of its own half, which only it
         // writes and which no peer reads in a reduce-scatter (each reads nothing back). The
         // reduction writes its second copy there, where it costs no allocation; it is not sent,
         // so not counted in `bytes_sent`.
-        let unused = unsafe { std::slice::from_raw_parts_mut(base.cast::<T>().add(offset), len) };
+        let unused = unsafe { std::slice::from_raw_parts_mut(slot, len) };
         out.copy_from_slice(own);
-        reduce_in_rank_order(r, out, &sources, unused, op);
+        reduce_in_rank_order(self.rank, out, &sources, unused, op);
     }
 
     fn check_tag(&mut self, peer: usize, round: u64) -> Result<()> {
