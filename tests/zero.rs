@@ -380,3 +380,66 @@ fn an_fp16_overflow_in_one_ranks_block_skips_the_step_on_every_rank() {
         }
     }
 }
+
+/// A reduced gradient dtype at stage 2: the bucket is reduce-scattered in bf16 and widened into
+/// the f32 block, so one SGD step (lr 1) moves each weight by the bf16-rounded mean of the two
+/// ranks' gradients, as stage 0's compressed all-reduce does.
+#[test]
+fn stage_two_reduces_in_the_configured_dtype() {
+    use candle_nn::{VarBuilder, VarMap};
+    let xs: [Vec<f32>; 2] = [
+        (0..300).map(|i| (i as f32 * 0.731).sin() * 3.0).collect(),
+        (0..300)
+            .map(|i| (i as f32 * 1.377).cos() * 0.01 + 1.0)
+            .collect(),
+    ];
+    let run = |stage: u8, dtype: candle_core::DType| {
+        ranks_as_threads(
+            2,
+            || {
+                Accelerator::builder()
+                    .zero_stage(stage)
+                    .gradient_reduce_dtype(dtype)
+            },
+            |mut acc| {
+                let varmap = VarMap::new();
+                let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
+                let w = vb
+                    .get_with_hints(300, "w", candle_nn::Init::Const(0.0))
+                    .unwrap();
+                let params = acc.prepare(&varmap).unwrap();
+                let cfg = SgdConfig {
+                    lr: 1.0,
+                    ..SgdConfig::default()
+                };
+                let mut opt = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
+                let x = Tensor::new(xs[acc.process_index()].as_slice(), &Device::Cpu).unwrap();
+                let _m = acc.accumulate();
+                acc.backward(&(&w * &x).unwrap().sum_all().unwrap())
+                    .unwrap();
+                opt.step().unwrap();
+                snapshot(&params).concat()
+            },
+        )
+    };
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let compressed = run(2, candle_core::DType::BF16);
+    let exact = run(2, candle_core::DType::F32);
+    assert_eq!(compressed[0], compressed[1], "the ranks agree");
+    for (i, (&a, &b)) in xs[0].iter().zip(&xs[1]).enumerate() {
+        // w = 0 - mean gradient; the gradient of Σ w·x is x.
+        assert_eq!(exact[0][i], -((a + b) / 2.0), "f32 mean at {i}");
+        let want = -(bf(bf(a) + bf(b)) / 2.0);
+        assert!(
+            (compressed[0][i] - want).abs() <= want.abs() * 8e-3,
+            "bf16 mean at {i}: {} vs {want}",
+            compressed[0][i]
+        );
+    }
+    assert_ne!(exact[0], compressed[0], "the rounding is visible");
+    assert_eq!(
+        compressed,
+        run(0, candle_core::DType::BF16),
+        "as stage 0 rounds"
+    );
+}
