@@ -10,7 +10,7 @@ use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::{Accelerator, ProcessState, RankRng};
 use accelerate_examples::gpt::{self, Dropout, GptConfig};
 use accelerate_examples::llama::{self, LlamaConfig};
-use accelerate_tests::{load_flat, output_text as text, summary_value, Job};
+use accelerate_tests::{load_flat, named_vars, output_text as text, summary_value, Job};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 
@@ -27,18 +27,6 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let mut vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
-}
-
 /// The loss's bits, every parameter's gradient as bits, and the number of nodes of the loss's
 /// graph after the forward pass.
 struct Pass {
@@ -52,7 +40,7 @@ fn pass(varmap: &VarMap, loss: Tensor) -> Pass {
     let grads = loss.backward().unwrap();
     Pass {
         loss: loss.to_scalar::<f32>().unwrap().to_bits(),
-        grads: sorted_vars(varmap)
+        grads: named_vars(varmap)
             .iter()
             .map(|(n, v)| {
                 let g = grads
