@@ -615,17 +615,17 @@ impl GradientBuffers {
             reduce_scatter(&self.buckets[b].flat, shard.block(b)?)?;
             self.release(b)?;
         }
-        let present = vec![true; self.slots.len()];
-        let shard = self.shard.as_mut().expect("checked above");
-        shard.set_synced(present, false);
+        self.shard
+            .as_mut()
+            .expect("checked above")
+            .mark_all_present();
         Ok(missing_here)
     }
 
     /// Records the agreed verdict of a stage-2 sync: whether some rank's block held an inf or NaN.
     pub(crate) fn set_shard_verdict(&mut self, nonfinite_somewhere: bool) {
         if let Some(shard) = &mut self.shard {
-            let present = (0..self.slots.len()).map(|i| shard.is_present(i)).collect();
-            shard.set_synced(present, nonfinite_somewhere);
+            shard.set_nonfinite_somewhere(nonfinite_somewhere);
         }
     }
 

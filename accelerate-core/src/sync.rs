@@ -167,13 +167,7 @@ impl GradientSync {
         };
         buffers.set_shard_verdict(nonfinite);
         if missing {
-            let present = buffers.local_presence_mask()?;
-            if self.world_size > 1 {
-                comm.all_reduce(&present, ReduceOp::Max)?;
-                stats.all_reduces += 1;
-                stats.bytes += (present.elem_count() * present.dtype().size_in_bytes()) as u64;
-            }
-            buffers.keep_only_present(&present)?;
+            self.keep_gradients_present_somewhere(comm, buffers, &mut stats)?;
         }
         self.stats.set(stats);
         Ok(())
@@ -218,10 +212,23 @@ impl GradientSync {
         if self.world_size == 1 || !buffers.missing_on_some_rank()? {
             return Ok(());
         }
+        self.keep_gradients_present_somewhere(comm, buffers, stats)
+    }
+
+    /// Once the ranks know some rank missed a gradient: the presence masks are reduced (max) and
+    /// every parameter that no rank gave a gradient loses the one it was filled with.
+    fn keep_gradients_present_somewhere(
+        &self,
+        comm: &dyn Communicator,
+        buffers: &mut GradientBuffers,
+        stats: &mut GradientSyncStats,
+    ) -> Result<()> {
         let present = buffers.local_presence_mask()?;
-        comm.all_reduce(&present, ReduceOp::Max)?;
-        stats.all_reduces += 1;
-        stats.bytes += (present.elem_count() * present.dtype().size_in_bytes()) as u64;
+        if self.world_size > 1 {
+            comm.all_reduce(&present, ReduceOp::Max)?;
+            stats.all_reduces += 1;
+            stats.bytes += (present.elem_count() * present.dtype().size_in_bytes()) as u64;
+        }
         buffers.keep_only_present(&present)
     }
 

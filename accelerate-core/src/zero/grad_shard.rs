@@ -68,12 +68,17 @@ impl GradientShard {
         self.present[param]
     }
 
-    /// Records the sync's outcome: which parameters have a gradient, and the agreed verdict on
-    /// non-finite values.
-    pub fn set_synced(&mut self, present: Vec<bool>, nonfinite_somewhere: bool) {
-        debug_assert_eq!(present.len(), self.present.len());
-        self.present = present;
-        self.nonfinite_somewhere = nonfinite_somewhere;
+    /// After a reduce-scatter: every parameter has a gradient (the missing ones took part as
+    /// zeros), until [`keep_only`](Self::keep_only) says otherwise; no verdict on non-finite
+    /// values yet.
+    pub fn mark_all_present(&mut self) {
+        self.present.fill(true);
+        self.nonfinite_somewhere = false;
+    }
+
+    /// Records the verdict every rank agreed on: whether some rank's block was not finite.
+    pub fn set_nonfinite_somewhere(&mut self, nonfinite: bool) {
+        self.nonfinite_somewhere = nonfinite;
     }
 
     /// Forgets the gradients (the blocks are overwritten by the next sync).
