@@ -19,7 +19,7 @@ use candle_core::Device;
 
 use super::cpu::{CpuCommOptions, CpuCommunicator};
 use super::liveness::Liveness;
-use super::store::{Store, StoreServer, TcpStoreClient};
+use super::store::{RedialingClient, Store, StoreServer, TcpStoreClient};
 use super::{Communicator, LocalCommunicator};
 use crate::error::{Error, Result};
 use crate::state::{Launcher, ProcessState};
@@ -87,8 +87,9 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
         |v| v.parse().ok(),
     )?
     .unwrap_or_else(|| client.local_addr().ip());
-    // Its own connection: the heartbeat must not queue behind a long `get` on the main one.
-    let heartbeat_client = TcpStoreClient::connect(
+    // Its own connection: the heartbeat must not queue behind a long `get` on the main one. It
+    // dials again when that connection fails, so a network blip does not silence it for good.
+    let heartbeat_client = RedialingClient::connect(
         addr,
         &state.job_token,
         state.restart_count as u64,

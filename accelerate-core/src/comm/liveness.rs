@@ -765,4 +765,46 @@ mod tests {
         assert!(started.elapsed() >= busy);
         drop(peer);
     }
+
+    /// The beat count rank `rank` last published in `store` (generation 0).
+    fn beat_count(store: &dyn Store, rank: usize) -> Option<u64> {
+        let bytes = store
+            .get(&format!("accelerate/liveness/0/beat/{rank}"), Duration::ZERO)
+            .ok()?;
+        match serde_json::from_slice(&bytes).ok()? {
+            Beat::Alive { count, .. } => Some(count),
+            Beat::Left { .. } => None,
+        }
+    }
+
+    #[test]
+    fn the_heartbeat_goes_on_after_its_store_connection_is_cut() {
+        use crate::comm::store::{RedialingClient, StoreServer, TcpStoreClient};
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t".into(), 0).unwrap();
+        let limit = Duration::from_secs(10);
+        let heartbeat =
+            Arc::new(RedialingClient::connect(server.local_addr(), "t", 0, 0, limit).unwrap());
+        let me = Liveness::start(heartbeat.clone(), 0, 2, 0, Duration::from_millis(40)).unwrap();
+        let reader = TcpStoreClient::connect(server.local_addr(), "t", 0, 1, limit).unwrap();
+        // Waits (bounded) until the published count passes `above`.
+        let beats_past = |above: u64| {
+            let deadline = Instant::now() + limit;
+            loop {
+                match beat_count(&reader, 0) {
+                    Some(count) if count > above => return count,
+                    _ if Instant::now() > deadline => {
+                        panic!("the heartbeat stopped at {above} beats")
+                    }
+                    _ => std::thread::sleep(me.period()),
+                }
+            }
+        };
+        let before = beats_past(0);
+        heartbeat.cut_connection();
+        // A connection that failed once would silence it for good: peers on other machines
+        // would take this healthy rank for dead after the silence limit.
+        let after = beats_past(before + 2);
+        assert!(after > before + 2);
+        drop(me);
+    }
 }

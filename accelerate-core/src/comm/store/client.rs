@@ -39,6 +39,9 @@ struct Connection {
     stream: TcpStream,
     /// Why the connection is unusable, once it is.
     broken: Option<String>,
+    /// Whether the server refused this client (as opposed to the connection failing): a new
+    /// connection would be refused too.
+    refused: bool,
 }
 
 impl TcpStoreClient {
@@ -139,6 +142,7 @@ impl TcpStoreClient {
             connection: Mutex::new(Connection {
                 stream,
                 broken: None,
+                refused: false,
             }),
             closer,
         };
@@ -166,6 +170,21 @@ impl TcpStoreClient {
         let _ = self.closer.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Whether this connection failed (or was refused) and can no longer be used.
+    pub fn is_broken(&self) -> bool {
+        self.lock().broken.is_some()
+    }
+
+    /// Whether the server refused this client (a wrong token, a stale generation): a new
+    /// connection with the same hello would be refused too.
+    pub fn is_refused(&self) -> bool {
+        self.lock().refused
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.connection.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The rank this client introduced itself as.
     pub fn rank(&self) -> usize {
         self.rank
@@ -174,7 +193,7 @@ impl TcpStoreClient {
     /// Sends one request and reads its reply, waiting at most `reply_within` for it.
     fn request(&self, request: &Request, reply_within: Duration, limit: usize) -> Result<Response> {
         let frame = encode(request).map_err(|e| Error::Store(format!("{}: {e}", self.who)))?;
-        let mut connection = self.connection.lock().unwrap_or_else(|e| e.into_inner());
+        let mut connection = self.lock();
         if let Some(cause) = &connection.broken {
             return Err(Error::Store(format!(
                 "the connection of {} to the store at {} failed earlier ({cause}); \
@@ -186,6 +205,7 @@ impl TcpStoreClient {
         match result {
             Ok(Response::Refused(reason)) => {
                 connection.broken = Some(format!("refused: {reason}"));
+                connection.refused = true;
                 Err(Error::Store(format!(
                     "the store at {} refused {}: {reason}",
                     self.addr, self.who

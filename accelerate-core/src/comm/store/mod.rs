@@ -7,6 +7,7 @@
 
 mod client;
 mod host;
+mod redialing;
 mod server;
 pub(crate) mod wire;
 
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 pub use client::TcpStoreClient;
 pub use host::{check_master_addr, host_for_job};
+pub use redialing::RedialingClient;
 pub use server::StoreServer;
 
 use crate::error::{Error, Result};

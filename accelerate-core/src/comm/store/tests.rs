@@ -514,3 +514,47 @@ fn a_launcher_that_leaves_while_it_waits_in_get_is_noticed_at_once() {
     assert_eq!(watcher.get("launchers/0", WAIT).unwrap(), b"machine 1 left");
     assert!(waiter.join().unwrap().is_err());
 }
+
+fn redialing(server: &StoreServer, rank: usize) -> RedialingClient {
+    RedialingClient::connect(server.local_addr(), TOKEN, 0, rank, WAIT).unwrap()
+}
+
+#[test]
+fn a_redialing_client_repeats_set_and_get_on_a_new_connection_after_a_cut() {
+    let server = server();
+    let heartbeat = redialing(&server, 0);
+    let other = client(&server, 1);
+    heartbeat.set("beat", b"1").unwrap();
+    heartbeat.cut_connection();
+    heartbeat.set("beat", b"2").unwrap();
+    assert_eq!(other.get("beat", WAIT).unwrap(), b"2");
+    heartbeat.cut_connection();
+    other.set("theirs", b"x").unwrap();
+    assert_eq!(heartbeat.get("theirs", Duration::ZERO).unwrap(), b"x");
+}
+
+#[test]
+fn a_redialing_client_does_not_repeat_an_add_that_may_have_counted() {
+    let server = server();
+    let counter = redialing(&server, 0);
+    assert_eq!(counter.add("n", 1).unwrap(), 1);
+    counter.cut_connection();
+    // The add failed with the connection; repeating it could count it twice.
+    assert!(counter.add("n", 1).is_err());
+    // The next call runs on the new connection; the failed add never reached the server (the
+    // cut closed the sending side first), so this is the second.
+    assert_eq!(counter.add("n", 1).unwrap(), 2);
+    assert_eq!(client(&server, 1).get("n", WAIT).unwrap(), b"2");
+}
+
+#[test]
+fn a_redialing_client_refused_by_a_restart_stays_refused() {
+    let server = server();
+    let stale = redialing(&server, 0);
+    stale.set("k", b"v").unwrap();
+    server.service().set_generation(1);
+    for _ in 0..2 {
+        let err = stale.set("k", b"w").unwrap_err();
+        assert!(err.to_string().contains("generation 0"), "{err}");
+    }
+}
