@@ -48,6 +48,10 @@ pub(crate) enum Collective {
     ReduceScatter(ReduceOp),
     /// `all_gather_into`.
     AllGatherInto,
+    /// `barrier` (on NCCL, where nothing else would tell it from another collective; the CPU
+    /// transports tag every frame with its collective instead).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    Barrier,
 }
 
 impl Collective {
@@ -59,6 +63,7 @@ impl Collective {
             Collective::AllGather => "all_gather",
             Collective::ReduceScatter(_) => "reduce_scatter",
             Collective::AllGatherInto => "all_gather_into",
+            Collective::Barrier => "barrier",
         }
     }
 }
@@ -76,6 +81,7 @@ impl Signature {
             // Described by `of_pair`; with one tensor, only the operation is known.
             Collective::ReduceScatter(op) => (reduce_scatter_code(op), 0),
             Collective::AllGatherInto => (9, 0),
+            Collective::Barrier => (BARRIER, 0),
         };
         Self {
             op,
@@ -93,6 +99,17 @@ impl Signature {
             extra: output.elem_count() as i64,
             dtype: one.dtype | output_form(input, output) << FORM_SHIFT,
             ..one
+        }
+    }
+
+    /// The signature of a barrier: no tensor.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn barrier() -> Self {
+        Self {
+            op: BARRIER,
+            count: 0,
+            dtype: 0,
+            extra: 0,
         }
     }
 
@@ -121,6 +138,7 @@ impl Signature {
             7 => "reduce_scatter (Mean)".to_string(),
             8 => "reduce_scatter (Max)".to_string(),
             9 => "all_gather_into".to_string(),
+            BARRIER => return "barrier".to_string(),
             other => format!("an unknown collective ({other})"),
         };
         let form = self.dtype >> FORM_SHIFT;
@@ -199,17 +217,25 @@ pub(crate) fn check(collective: Collective, gathered: &[i64]) -> Result<()> {
     } else {
         ""
     };
+    let what = if signatures.iter().all(|s| s.op == first.op) {
+        "passed different tensors"
+    } else {
+        "called different collectives"
+    };
     Err(Error::Collective {
         op: collective.name(),
         peer,
         problem: format!(
-            "the ranks passed different tensors ({}); every rank must call the same collective \
+            "the ranks {what} ({}); every rank must call the same collective \
              with a tensor of the same number of elements and dtype{hint}. Nothing was \
              exchanged: the collective was refused on every rank",
             described.join("; ")
         ),
     })
 }
+
+/// The op code of a barrier.
+const BARRIER: i64 = 10;
 
 /// Where the output's form starts in the dtype word of a signature.
 const FORM_SHIFT: u32 = 8;
@@ -322,6 +348,23 @@ mod tests {
         assert!(
             err.contains("rank 0: broadcast from rank 1 of 4 i64 elements")
                 && err.contains("rank 1: all_reduce (Max)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_barrier_against_another_collective_is_named_as_such() {
+        let t = Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
+        let barrier = Signature::barrier().words();
+        check(Collective::Barrier, &[barrier, barrier].concat()).unwrap();
+        let reduce = Signature::of(Collective::AllReduce(ReduceOp::Sum), &t).words();
+        let err = check(Collective::Barrier, &[barrier, reduce].concat())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("called different collectives")
+                && err.contains("rank 0: barrier;")
+                && err.contains("rank 1: all_reduce (Sum) of 3 f32 elements"),
             "{err}"
         );
     }

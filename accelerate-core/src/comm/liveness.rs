@@ -769,7 +769,10 @@ mod tests {
     /// The beat count rank `rank` last published in `store` (generation 0).
     fn beat_count(store: &dyn Store, rank: usize) -> Option<u64> {
         let bytes = store
-            .get(&format!("accelerate/liveness/0/beat/{rank}"), Duration::ZERO)
+            .get(
+                &format!("accelerate/liveness/0/beat/{rank}"),
+                Duration::ZERO,
+            )
             .ok()?;
         match serde_json::from_slice(&bytes).ok()? {
             Beat::Alive { count, .. } => Some(count),

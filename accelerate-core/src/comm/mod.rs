@@ -62,7 +62,8 @@ pub struct CommStats {
     pub barriers: u64,
     /// Number of pre-flight agreements run (one per `all_reduce`, `broadcast`, `all_gather`,
     /// `reduce_scatter` and `all_gather_into` of a world of several ranks; see
-    /// [`Communicator`]). Their bytes count in `bytes_sent`.
+    /// [`Communicator`]; on NCCL also one per `barrier`, which is how it waits). Their bytes
+    /// count in `bytes_sent`.
     pub agreements: u64,
     /// Payload bytes this rank has sent to its peers.
     pub bytes_sent: u64,

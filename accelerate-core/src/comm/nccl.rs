@@ -721,20 +721,11 @@ impl Communicator for NcclCommunicator {
     }
 
     fn barrier(&self) -> Result<()> {
-        // A one-element all-reduce that every rank must join, then wait for it on the host.
-        let token = Tensor::zeros(1, DType::F32, &self.device)?;
-        let comm = &self.comm;
-        self.with_slice_mut(&token, "barrier", |slice| {
-            with_view!(slice, |s| comm
-                .all_reduce_in_place(&mut s, &NcclOp::Sum)
-                .map(|_| ()))
-        })?;
-        self.watch("barrier")?;
-        self.stream.synchronize().map_err(|e| Error::Collective {
-            op: "barrier",
-            peer: None,
-            problem: format!("CUDA error while waiting for the barrier: {e:?}"),
-        })?;
+        // The agreement is itself a barrier: its all-gather completes on no rank before every
+        // rank has contributed, and reading the result back waits for it on the host. Going
+        // through it also turns a rank that called another collective into an error naming both,
+        // where a bare one-element all-reduce would meet the other rank's collective and hang.
+        self.agree_on(Collective::Barrier, Signature::barrier())?;
         self.count(|s| s.barriers += 1);
         Ok(())
     }
@@ -785,6 +776,8 @@ impl Watchdog {
             .spawn(move || {
                 let _ = context.bind_to_thread();
                 let mut judged: Option<(Arc<Liveness>, Duration)> = None;
+                // Collectives watched so far: the number the heartbeat publishes with each.
+                let mut seq = 0u64;
                 // Events complete in the order they were recorded on the one stream, so waiting
                 // for each in turn is enough.
                 while let Ok(watch) = rx.recv() {
@@ -795,6 +788,13 @@ impl Watchdog {
                         }
                         Watch::Op(event, op, started) => (event, op, started),
                     };
+                    seq += 1;
+                    // The heartbeat tells the peers which collective this rank's GPU is in (the
+                    // oldest one not complete) and which it finished last, as the CPU ranks do:
+                    // a stalled peer's message then says where each rank stood.
+                    if let Some((liveness, _)) = &judged {
+                        liveness.entered(op, seq);
+                    }
                     let (silence, busy) = match &judged {
                         Some((liveness, busy)) => (liveness.silence(), *busy),
                         None => (timeout, timeout),
@@ -805,7 +805,12 @@ impl Watchdog {
                     let mut pause = Duration::from_micros(50);
                     loop {
                         match event.try_is_complete() {
-                            Ok(true) => break,
+                            Ok(true) => {
+                                if let Some((liveness, _)) = &judged {
+                                    liveness.finished();
+                                }
+                                break;
+                            }
                             Ok(false) => {}
                             Err(e) => die(rank, &format!("CUDA error after NCCL {op}: {e:?}")),
                         }

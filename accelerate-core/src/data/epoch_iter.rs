@@ -87,6 +87,8 @@ impl<D: Dataset> EpochIter<D> {
                 device: spec.device,
                 batches: spec.batches.into_iter(),
             }
+        } else if let Err(e) = order_before_prefetch(&spec.device) {
+            Source::Failed(Some(e))
         } else {
             match spawn_prefetcher(
                 spec.dataset,
@@ -282,6 +284,22 @@ fn produce<D: Dataset>(
             return;
         }
     }
+}
+
+/// Waits, on the thread that starts the iteration, for the GPU work it queued so far: a dataset
+/// that lives on the GPU was written by kernels and copies on this thread's per-thread stream,
+/// and the prefetch thread reads it on its own stream, which nothing orders after this one (see
+/// [`finish_device_work`]). Once per epoch, and nothing to wait for on the CPU.
+pub(super) fn order_before_prefetch(device: &Device) -> Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    device.synchronize().map_err(|e| {
+        Error::Device(format!(
+            "waiting for {:?} before the data loader's prefetch thread starts: {e}",
+            device.location()
+        ))
+    })
 }
 
 /// Lets a loader thread stage its host-to-GPU copies through pinned memory (see `pinned`); a

@@ -21,7 +21,9 @@ use std::time::Duration;
 use candle_core::Device;
 
 use super::batch::Batch;
-use super::epoch_iter::{enable_pinned_staging, finish_device_work, panic_message};
+use super::epoch_iter::{
+    enable_pinned_staging, finish_device_work, order_before_prefetch, panic_message,
+};
 use super::iterable::IterableDataset;
 use super::plan::BatchPlan;
 use super::progress::LoaderProgress;
@@ -244,6 +246,7 @@ impl<S: IterableDataset> Iterator for StreamIter<S> {
 
 /// Starts the reader and the workers of one epoch; returns the consumer's end of the slots.
 fn spawn<S: IterableDataset>(spec: StreamSpec<S>) -> Result<Receiver<Message<S::Batch>>> {
+    order_before_prefetch(&spec.device)?;
     let (messages, slots) = mpsc::sync_channel(spec.prefetch.max(1));
     let (work, queue) = mpsc::sync_channel::<Job<S::Record, S::Batch>>(spec.num_workers);
     let queue = Arc::new(Mutex::new(queue));

@@ -422,6 +422,7 @@ impl CpuCommunicator {
             Collective::AllGather => OpCode::AllGather,
             Collective::ReduceScatter(op) => OpCode::ReduceScatter(op),
             Collective::AllGatherInto => OpCode::AllGatherInto,
+            Collective::Barrier => OpCode::Barrier,
         };
         let all = self.all_gather_as::<i64>(&mine, op, |s| s.agreements += 1)?;
         agreement::check(collective, &all.to_vec1::<i64>()?)

@@ -95,8 +95,7 @@ impl RedialingClient {
             }
         }
         let timeout = REDIAL_TIMEOUT.min(self.timeout);
-        match TcpStoreClient::connect(self.addr, &self.token, self.generation, self.rank, timeout)
-        {
+        match TcpStoreClient::connect(self.addr, &self.token, self.generation, self.rank, timeout) {
             Ok(client) => {
                 tracing::debug!(
                     "rank {}: reconnected to the store at {} after a failed connection",
