@@ -55,8 +55,8 @@ mod on_gpu {
     use accelerate_core::{Accelerator, ProcessState, ReduceOp};
     use accelerate_core::{Communicator, NcclCommunicator, StoreServer, TcpStoreClient};
     use accelerate_tests::{
-        children_by_rank, load_flat, max_abs_diff, max_abs_diff_flat, named_vars, output_text,
-        send_signal, skip, summary_value, tiny_data, tiny_mlp, tiny_mlp_on, Job,
+        kill_rank_once_checkpointed, load_flat, max_abs_diff, max_abs_diff_flat, named_vars,
+        output_text, restart_mlp_args, skip, summary_value, tiny_data, tiny_mlp, tiny_mlp_on, Job,
         ReferenceOptimizer,
     };
     use candle_core::{DType, Device, Tensor, Var};
@@ -481,36 +481,7 @@ mod on_gpu {
         }
         // tests/checkpoint.rs's CPU test, on two NCCL ranks sharing the GPU.
         let dir = tempfile::tempdir().unwrap();
-        let args = |out: &std::path::Path, ckpt: &std::path::Path| -> Vec<String> {
-            [
-                "--hidden",
-                "128",
-                "--samples",
-                "4096",
-                "--batch-size",
-                "8",
-                "--grad-accum",
-                "2",
-                "--optimizer",
-                "adamw",
-                "--lr",
-                "0.003",
-                "--seed",
-                "5",
-                "--epochs",
-                "2",
-                "--checkpoint-every",
-                "16",
-                "--resume",
-                "--checkpoint-dir",
-                ckpt.to_str().unwrap(),
-                "--save-model",
-                out.to_str().unwrap(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-        };
+        let args = restart_mlp_args;
         let launch = || {
             two_ranks_on_one_gpu(Job::example("mlp"))
                 .launcher_flags(["--max-restarts", "1", "--grace-period", "2"])
@@ -545,27 +516,7 @@ mod on_gpu {
         let err_reader = read(Box::new(child.stderr.take().unwrap()));
         // Kill rank 1 once the first checkpoint exists (well before the run's 256 steps).
         let start = std::time::Instant::now();
-        let victim = loop {
-            if ckpt.join("checkpoint_16").is_dir() {
-                if let Some((_, pid)) = children_by_rank(child.id())
-                    .into_iter()
-                    .find(|&(rank, _)| rank == 1)
-                {
-                    break pid;
-                }
-            }
-            if child.try_wait().unwrap().is_some() || start.elapsed() > LIMIT {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!(
-                    "the job ended, or no checkpoint appeared, before the kill:\n{}\n{}",
-                    out_reader.join().unwrap(),
-                    err_reader.join().unwrap()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
-        send_signal(victim, "KILL");
+        kill_rank_once_checkpointed(&mut child, 1, &ckpt.join("checkpoint_16"), LIMIT);
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {
                 break s;
