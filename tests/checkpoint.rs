@@ -415,6 +415,57 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
     );
 }
 
+#[test]
+fn ranks_that_find_different_latest_checkpoints_load_nothing_and_name_both() {
+    use accelerate_core::Accelerator;
+    use accelerate_tests::ranks_as_threads;
+    // Machines that do not share the checkpoint directory: rank 0's copy holds checkpoint_3 and
+    // checkpoint_7, rank 1's only checkpoint_3. Each rank alone would load its own latest.
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let saved = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+        let (varmap, _) = tiny_mlp(1).unwrap();
+        acc.prepare(&varmap).unwrap();
+        for step in [3, 7] {
+            acc.save_state(a.join(format!("checkpoint_{step}")))
+                .unwrap();
+        }
+        acc.wait_for_everyone().unwrap();
+    });
+    assert_eq!(saved.len(), 2);
+    copy_dir(&a, &b);
+    std::fs::remove_dir_all(b.join("checkpoint_7")).unwrap();
+    let loaded = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+        let (varmap, _) = tiny_mlp(1).unwrap();
+        acc.prepare(&varmap).unwrap();
+        let mine = if acc.process_index() == 0 { &a } else { &b };
+        acc.load_state(mine).map_err(|e| e.to_string())
+    });
+    for (rank, result) in loaded.iter().enumerate() {
+        let e = result
+            .as_ref()
+            .expect_err("a rank loaded its own latest checkpoint");
+        assert!(
+            e.contains("rank 0: checkpoint_7") && e.contains("rank 1: checkpoint_3"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Copies the directory tree `from` to `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
 /// The mlp on 2 processes under ZeRO stage 1 (`ACCELERATE_ZERO_STAGE`), as [`train`] runs it.
 fn train_zero_1(out: &Path, ckpt: &Path, extra: &[&str]) -> std::process::Output {
     let o = Job::mlp(2)

@@ -85,6 +85,57 @@ pub(crate) fn agree_with<T>(
     })
 }
 
+/// Exchanges `choice` (what this rank picked for `what` under `path`, such as the checkpoint it
+/// found latest) with every rank through `all_gather`; `Ok` on every rank only if all picked the
+/// same, otherwise an error on every rank naming each rank's pick. Choices longer than the
+/// exchanged row compare by their first [`REASON_BYTES`] bytes.
+pub(crate) fn agree_on_choice(
+    all_gather: impl FnOnce(&Tensor) -> Result<Tensor>,
+    world_size: usize,
+    path: &Path,
+    what: &str,
+    choice: &str,
+) -> Result<()> {
+    if world_size == 1 {
+        return Ok(());
+    }
+    // The outcome rows carry a message; a "failed" flag of 0 and the choice as the message.
+    let mut row = vec![0i64; 1 + REASON_BYTES];
+    for (slot, byte) in row[1..].iter_mut().zip(choice.bytes()) {
+        *slot = i64::from(byte);
+    }
+    let gathered = all_gather(&Tensor::from_vec(row, (1, 1 + REASON_BYTES), &Device::Cpu)?)?;
+    let picks: Vec<String> = gathered
+        .to_vec2::<i64>()?
+        .iter()
+        .map(|row| {
+            let bytes: Vec<u8> = row[1..]
+                .iter()
+                .take_while(|&&b| b != 0)
+                .map(|&b| b as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .collect();
+    if picks.iter().all(|p| p == &picks[0]) {
+        return Ok(());
+    }
+    let named: Vec<String> = picks
+        .iter()
+        .enumerate()
+        .map(|(rank, pick)| format!("rank {rank}: {pick}"))
+        .collect();
+    Err(Error::Checkpoint {
+        path: path.to_path_buf(),
+        problem: format!(
+            "the ranks found different {what} ({}); every rank must see the same files: put \
+             the directory on a file system that every machine shares, or copy the same \
+             checkpoint to each machine. Nothing was loaded",
+            named.join("; ")
+        ),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

@@ -86,7 +86,15 @@ pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf>
         Ok(())
     };
     view.agree(dir, "recovering an interrupted save", recovered)?;
-    let read = resolve(dir).and_then(|resolved| Ok((read_all(view, &resolved)?, resolved)));
+    let resolved = view.agree(dir, "finding the checkpoint", resolve(dir))?;
+    // Each rank resolves "the latest" on its own file system: where machines do not share it,
+    // they could load different steps and train apart without a word.
+    let choice = match resolved.strip_prefix(dir).unwrap_or(&resolved) {
+        inside if inside.as_os_str().is_empty() => "the directory itself".into(),
+        inside => inside.to_string_lossy(),
+    };
+    view.agree_on_choice(dir, "checkpoints to load", &choice)?;
+    let read = read_all(view, &resolved).map(|loaded| (loaded, resolved));
     let (loaded, dir) = view.agree(dir, "reading the checkpoint", read)?;
     apply(view, loaded, &dir)?;
     Ok(dir)

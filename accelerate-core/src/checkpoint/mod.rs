@@ -79,6 +79,18 @@ impl TrainingView<'_> {
         )
     }
 
+    /// Succeeds on every rank only if every rank made the same `choice` of `what` under `path`
+    /// (see [`agree::agree_on_choice`]).
+    pub fn agree_on_choice(&self, path: &Path, what: &str, choice: &str) -> Result<()> {
+        agree::agree_on_choice(
+            |t| self.comm.all_gather(t),
+            self.world_size,
+            path,
+            what,
+            choice,
+        )
+    }
+
     /// On a GPU, resets the device's generator to a seed derived from this rank's generator (see
     /// the module documentation); returns the seed. Nothing to do on the CPU, whose candle
     /// generator cannot be seeded.
