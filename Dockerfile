@@ -29,7 +29,7 @@ RUN cargo build --release -p accelerate-launch --features nccl \
  && cargo build --release -p accelerate-tests --features nccl --tests --bins \
  && mkdir -p /out/examples /out/benchmarks /out/tests \
  && cp target/release/accelerate-launch target/release/accelerate /out/ \
- && cp target/release/examples/mlp /out/examples/ \
+ && cp target/release/examples/mlp target/release/examples/gpt /out/examples/ \
  && cp target/release/bench_mlp target/release/bench_allreduce /out/benchmarks/ \
  && cp target/release/accelerate-test-worker /out/ \
  && cp "$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)" /out/tests/gpu

@@ -68,6 +68,9 @@ case "$mode" in
     # With nccl, `accelerate env` and `accelerate test` see the GPUs.
     cargo build --release -p accelerate-launch --features nccl
     echo "gpu-build: binaries in $CARGO_TARGET_DIR/release"
+    # They load CUDA's and NCCL's libraries at run time; without a CUDA 13 installation on the
+    # GPU machine, copy these two folders along and point LD_LIBRARY_PATH at the copies.
+    echo "gpu-build: at run time, LD_LIBRARY_PATH=$cuda/lib:$site/nccl/lib (driver >= 580)"
     ;;
   *)
     echo "usage: scripts/gpu-build.sh [check|build]" >&2

@@ -169,6 +169,8 @@ pub fn check_communicator(comm: &dyn Communicator, device: &Device) -> Result<()
         check_disagreements(comm, placement)?;
         check_output_disagreements(comm, placement)?;
     }
+    // Empty tensors on the host only: CUDA refuses empty allocations, so none exists on a GPU.
+    check_empty(comm)?;
     comm.barrier()
         .map_err(|e| fail(comm.rank(), format!("final barrier: {e}")))?;
     Ok(())
@@ -485,6 +487,39 @@ fn check_layouts(comm: &dyn Communicator, placement: &Device) -> Result<(), Stri
     comm.barrier()
         .map_err(|e| fail(r, format!("barrier {on}: {e}")))?;
     check_still_in_step(comm, placement, "the refused layouts")
+}
+
+/// Every operation on an empty tensor succeeds, moves nothing, keeps the shape (the gather's
+/// rows multiplied by the world size), and leaves the ranks in step.
+fn check_empty(comm: &dyn Communicator) -> Result<(), String> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let e = |what: &'static str| {
+        move |err: accelerate_core::Error| fail(r, format!("{what} of an empty tensor: {err}"))
+    };
+    let empty = Tensor::zeros((0, 3), DType::F32, &Device::Cpu).map_err(|e| e.to_string())?;
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+        comm.all_reduce(&empty, op).map_err(e("all_reduce"))?;
+    }
+    comm.broadcast(&empty, w - 1).map_err(e("broadcast"))?;
+    let gathered = comm.all_gather(&empty).map_err(e("all_gather"))?;
+    if gathered.dims() != [0, 3] {
+        return Err(fail(
+            r,
+            format!(
+                "all_gather of a (0, 3) tensor: shape {:?}, want [0, 3]",
+                gathered.dims()
+            ),
+        ));
+    }
+    let output = Tensor::zeros(0, DType::F32, &Device::Cpu).map_err(|e| e.to_string())?;
+    comm.reduce_scatter(&empty, &output, ReduceOp::Sum)
+        .map_err(e("reduce_scatter"))?;
+    comm.all_gather_into(&output, &empty)
+        .map_err(e("all_gather_into"))?;
+    if empty.elem_count() != 0 || output.elem_count() != 0 {
+        return Err(fail(r, "an empty tensor grew".into()));
+    }
+    check_still_in_step(comm, &Device::Cpu, "collectives on empty tensors")
 }
 
 /// One all-reduce whose result proves the ranks are still in step after `after`.

@@ -92,6 +92,12 @@ impl JobLayout {
             set(env::DEVICE, "cuda".into());
             // Its GPU among those CUDA_VISIBLE_DEVICES shows (which is left as the user set it):
             // LOCAL_RANK normally, and every N-th under --ranks-per-gpu N.
+            // NCCL connects at init rather than inside the first collective, where a peer that
+            // never comes would block the call before the watchdog can time it (the worker sets
+            // it too when started by another launcher).
+            if !inherited("NCCL_RUNTIME_CONNECT") {
+                set("NCCL_RUNTIME_CONNECT", "0".into());
+            }
             let per_gpu = self.ranks_per_gpu.max(1);
             set(env::GPU_INDEX, (local_rank / per_gpu).to_string());
             if per_gpu > 1 {
@@ -180,10 +186,16 @@ mod tests {
             let env = one_per_gpu.worker_env(local, &|_| false);
             assert_eq!(env["ACCELERATE_GPU_INDEX"], local.to_string());
             assert!(!env.contains_key("NCCL_HOSTID"));
+            // NCCL connects at init, where a missing peer cannot block a collective's call.
+            assert_eq!(env["NCCL_RUNTIME_CONNECT"], "0");
         }
+        // Unless the user chose.
+        let env = one_per_gpu.worker_env(0, &|k| k == "NCCL_RUNTIME_CONNECT");
+        assert!(!env.contains_key("NCCL_RUNTIME_CONNECT"));
         // CPU workers are told no GPU at all.
         let env = layout().worker_env(0, &|_| false);
         assert!(!env.contains_key("ACCELERATE_GPU_INDEX") && !env.contains_key("NCCL_HOSTID"));
+        assert!(!env.contains_key("NCCL_RUNTIME_CONNECT"));
     }
 
     #[test]

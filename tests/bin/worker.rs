@@ -204,33 +204,41 @@ fn allreduce() -> Result<()> {
         let max: Vec<i64> = (0..len)
             .map(|i| (0..n).map(|k| value(k, i)).max().unwrap())
             .collect();
-        // i64 exactly; f64 and f32 hold these small integers exactly too.
-        // On the accelerator's device: under `--num-gpus` this exercises NCCL.
-        let t = Tensor::new(mine.as_slice(), acc.device())?;
-        let got = acc.reduce(&t, ReduceOp::Sum)?.to_vec1::<i64>()?;
+        // i64 exactly; f64 and f32 hold these small integers exactly too. Built and cast on the
+        // host, then moved to the accelerator's device (under `--num-gpus` this exercises NCCL):
+        // candle's CUDA kernels and allocations refuse empty tensors, so the empty case stays on
+        // the host, which the collectives take on every backend.
+        let host = Tensor::new(mine.as_slice(), &Device::Cpu)?;
+        let on_device = |t: &Tensor| {
+            if len == 0 {
+                Ok(t.clone())
+            } else {
+                t.to_device(acc.device())
+            }
+        };
+        let back = |t: Tensor| -> Result<Vec<f64>> {
+            Ok(t.to_device(&Device::Cpu)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?)
+        };
+        let got = acc
+            .reduce(&on_device(&host)?, ReduceOp::Sum)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<i64>()?;
         if got != sum {
             bail!("rank {r}: i64 sum of length {len} differs");
         }
         for dtype in [DType::F32, DType::F64] {
-            let t = t.to_dtype(dtype)?;
-            let got = acc
-                .reduce(&t, ReduceOp::Sum)?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            let t = on_device(&host.to_dtype(dtype)?)?;
+            let got = back(acc.reduce(&t, ReduceOp::Sum)?)?;
             if got.iter().zip(&sum).any(|(g, w)| *g != *w as f64) {
                 bail!("rank {r}: {dtype:?} sum of length {len} differs");
             }
-            let got = acc
-                .reduce(&t, ReduceOp::Max)?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            let got = back(acc.reduce(&t, ReduceOp::Max)?)?;
             if got.iter().zip(&max).any(|(g, w)| *g != *w as f64) {
                 bail!("rank {r}: {dtype:?} max of length {len} differs");
             }
-            let got = acc
-                .reduce(&t, ReduceOp::Mean)?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            let got = back(acc.reduce(&t, ReduceOp::Mean)?)?;
             if got
                 .iter()
                 .zip(&sum)

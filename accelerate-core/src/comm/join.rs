@@ -113,7 +113,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
             options,
         )?)
     } else {
-        gpu_communicator(store.as_ref(), state, device, &options)?
+        gpu_communicator(store.clone(), state, device, &options)?
     };
     Ok(Membership {
         comm,
@@ -124,7 +124,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
 
 #[cfg(feature = "nccl")]
 fn gpu_communicator(
-    store: &dyn Store,
+    store: Arc<dyn Store>,
     state: &ProcessState,
     device: &Device,
     options: &CpuCommOptions,
@@ -145,7 +145,7 @@ fn gpu_communicator(
 
 #[cfg(not(feature = "nccl"))]
 fn gpu_communicator(
-    _store: &dyn Store,
+    _store: Arc<dyn Store>,
     state: &ProcessState,
     device: &Device,
     _options: &CpuCommOptions,

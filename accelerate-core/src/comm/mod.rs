@@ -105,6 +105,10 @@ pub struct CommStats {
 /// tensor, the inputs concatenated along dimension 0 in rank order (a 0-dimensional input gathers
 /// into a vector of `world_size` elements).
 ///
+/// **Empty tensors** are valid everywhere: the agreement runs, nothing moves, and `all_gather`
+/// returns an empty tensor of the gathered shape. (CUDA refuses empty allocations, so an empty
+/// tensor exists only on the host; NCCL never stages one.)
+///
 /// **Into preallocated buffers.** [`reduce_scatter`](Self::reduce_scatter) and
 /// [`all_gather_into`](Self::all_gather_into) read an `input` and write an `output` the caller
 /// allocated (ZeRO's gradient and parameter shards). The blocks are flat, in rank order: a

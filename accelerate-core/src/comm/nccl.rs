@@ -43,6 +43,40 @@ use super::{CommStats, Communicator, ReduceOp};
 use crate::env::BUSY_PEER_TIMEOUT;
 use crate::error::{Error, Result};
 
+/// NCCL's switch for connecting lazily, at the first collective that needs a connection.
+const RUNTIME_CONNECT: &str = "NCCL_RUNTIME_CONNECT";
+/// NCCL's switch for non-blocking communicators.
+const COMM_BLOCKING: &str = "NCCL_COMM_BLOCKING";
+
+/// Makes NCCL's environment safe for this communicator, before NCCL reads it (it reads each
+/// variable once):
+///
+/// - `NCCL_RUNTIME_CONNECT=0` unless the user chose: NCCL 2.22+ otherwise makes its connections
+///   inside the first collective that needs them, on the calling thread, which then blocks until
+///   the peer takes part. A peer stuck before that collective would leave this rank blocked in
+///   the call, before the watchdog is handed anything to time: a hang without a message. Made at
+///   `ncclCommInitRank` instead, the connections sit behind the store's rendezvous, which has a
+///   timeout. (`accelerate-launch` sets it in the workers' environment already.)
+/// - `NCCL_COMM_BLOCKING=0` is refused: a non-blocking communicator launches from a thread of
+///   NCCL's own, where the per-thread stream candle computes on is another stream, so the
+///   collectives would no longer be ordered after the backward pass.
+fn settle_nccl_environment() -> Result<()> {
+    if std::env::var_os(RUNTIME_CONNECT).is_none() {
+        std::env::set_var(RUNTIME_CONNECT, "0");
+    }
+    match std::env::var(COMM_BLOCKING) {
+        Ok(v) if v.trim() == "0" => Err(Error::Env {
+            name: COMM_BLOCKING.into(),
+            value: v,
+            problem: "a non-blocking NCCL communicator launches its kernels from NCCL's own \
+                      thread, off the stream the training computes on, so gradients could be \
+                      reduced before they are written; unset it"
+                .into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Store key under which rank 0 publishes NCCL's unique id.
 const ID_KEY: &str = "accelerate/nccl/unique_id";
 
@@ -51,6 +85,10 @@ pub struct NcclCommunicator {
     comm: Comm,
     device: Device,
     stream: Arc<CudaStream>,
+    /// The rendezvous store: the ranks meet there once more before NCCL is closed.
+    store: Arc<dyn Store>,
+    /// The limit of every wait on another rank.
+    timeout: Duration,
     rank: usize,
     world_size: usize,
     stats: Cell<CommStats>,
@@ -58,15 +96,36 @@ pub struct NcclCommunicator {
 }
 
 impl Drop for NcclCommunicator {
-    /// Waits for the collectives queued on this rank's stream, then stops the watchdog, and only
-    /// then lets `comm` go (its drop aborts the NCCL communicator, which would cut short kernels
-    /// still queued). A peer that died leaves the synchronize waiting; the watchdog, still
-    /// running, ends the process then, naming it.
+    /// Waits for the collectives queued on this rank's stream, then for every rank to have done
+    /// the same, then stops the watchdog, and only then lets `comm` go: its drop aborts the NCCL
+    /// communicator (cudarc offers no finalize), which cuts short kernels still queued and the
+    /// sends NCCL's proxy thread has not finished. Over the network transport a rank's kernel can
+    /// complete while its last chunk still waits in the proxy; aborting then would leave a peer
+    /// waiting for it forever. Once every rank's stream is synchronized, every rank has received
+    /// all it needed, and nothing is in flight. A peer that died leaves the synchronize waiting;
+    /// the watchdog, still running, ends the process then, naming it.
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
+        if self.world_size > 1 && !std::thread::panicking() {
+            // Bounded: a rank leaving on an error while the others still compute must not wait
+            // for them long; after the limit it aborts as it would have without the wait.
+            let limit = self.timeout.min(FINISH_WAIT);
+            if let Err(e) = self.store.barrier(FINISHED_BARRIER, self.world_size, limit) {
+                tracing::debug!(
+                    "rank {}: not every rank finished its NCCL work within {limit:?} ({e}); \
+                     closing NCCL anyway",
+                    self.rank
+                );
+            }
+        }
         self.watchdog.stop();
     }
 }
+
+/// The store barrier every rank passes, its stream synchronized, before NCCL is closed.
+const FINISHED_BARRIER: &str = "accelerate/nccl/finished";
+/// The longest wait at that barrier.
+const FINISH_WAIT: Duration = Duration::from_secs(30);
 
 impl std::fmt::Debug for NcclCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,7 +151,7 @@ impl NcclCommunicator {
     /// Joins the NCCL communicator of `world_size` ranks through `store`. `device` must be this
     /// rank's GPU; every wait on another rank gives up after `timeout`.
     pub fn connect(
-        store: &dyn Store,
+        store: Arc<dyn Store>,
         device: &Device,
         rank: usize,
         world_size: usize,
@@ -105,6 +164,7 @@ impl NcclCommunicator {
             ))
         })?;
         let stream = cuda.cuda_stream();
+        settle_nccl_environment()?;
         let id = if rank == 0 {
             let id = Id::new().map_err(nccl_error("ncclGetUniqueId", rank))?;
             let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
@@ -151,6 +211,8 @@ impl NcclCommunicator {
             device: device.clone(),
             watchdog: Watchdog::start(rank, timeout, stream.context().clone()),
             stream,
+            store,
+            timeout,
             rank,
             world_size,
             stats: Cell::new(CommStats::default()),
@@ -475,6 +537,9 @@ impl NcclCommunicator {
         check_into_output(kind, input, output, self.world_size)?;
         let staged = self.check_device(input, kind.name())?;
         self.check_device(output, kind.name())?;
+        if input.elem_count() == 0 && output.elem_count() == 0 {
+            return Ok(());
+        }
         let input = if staged {
             staging::compact_copy(input, &self.device)?
         } else {
@@ -654,6 +719,11 @@ impl Communicator for NcclCommunicator {
     fn all_reduce_agreed(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place("all_reduce", tensor)?;
         self.check_device(tensor, "all_reduce")?;
+        if tensor.elem_count() == 0 {
+            // Nothing to move; and staging would allocate an empty buffer on the GPU, which CUDA
+            // refuses.
+            return Ok(());
+        }
         staging::in_place_on(tensor, &self.device, |t| self.all_reduce_on_gpu(t, op))
     }
 
@@ -668,6 +738,9 @@ impl Communicator for NcclCommunicator {
         check_in_place("broadcast", tensor)?;
         self.check_device(tensor, "broadcast")?;
         self.agree(Collective::Broadcast(root), tensor)?;
+        if tensor.elem_count() == 0 {
+            return Ok(());
+        }
         staging::in_place_on(tensor, &self.device, |t| self.broadcast_on_gpu(t, root))
     }
 
@@ -675,6 +748,11 @@ impl Communicator for NcclCommunicator {
         check_dtype("all_gather", tensor.dtype())?;
         let staged = self.check_device(tensor, "all_gather")?;
         self.agree(Collective::AllGather, tensor)?;
+        if tensor.elem_count() == 0 {
+            // W empty blocks are empty: the result's shape, without touching the GPU.
+            let dims = super::contract::gathered_dims(tensor.dims(), self.world_size);
+            return Ok(tensor.reshape(dims)?);
+        }
         let input = if staged {
             staging::compact_copy(tensor, &self.device)?
         } else {
