@@ -107,8 +107,10 @@ impl Drop for NcclCommunicator {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
         if self.world_size > 1 && !std::thread::panicking() {
-            // Bounded: a rank leaving on an error while the others still compute must not wait
-            // for them long; after the limit it aborts as it would have without the wait.
+            // Short: a rank leaving on an error while the others still compute must not keep
+            // them (and the launcher) waiting. Nor need it wait longer: its stream synchronized
+            // means every peer's kernels ran far enough to send it all they had, so its own last
+            // sends reach them within milliseconds, however busy their hosts still are.
             let limit = self.timeout.min(FINISH_WAIT);
             if let Err(e) = self.store.barrier(FINISHED_BARRIER, self.world_size, limit) {
                 tracing::debug!(
@@ -125,7 +127,7 @@ impl Drop for NcclCommunicator {
 /// The store barrier every rank passes, its stream synchronized, before NCCL is closed.
 const FINISHED_BARRIER: &str = "accelerate/nccl/finished";
 /// The longest wait at that barrier.
-const FINISH_WAIT: Duration = Duration::from_secs(30);
+const FINISH_WAIT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for NcclCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -804,6 +806,14 @@ impl Communicator for NcclCommunicator {
         // through it also turns a rank that called another collective into an error naming both,
         // where a bare one-element all-reduce would meet the other rank's collective and hang.
         self.agree_on(Collective::Barrier, Signature::barrier())?;
+        if self.world_size == 1 {
+            // No agreement ran: still wait for this rank's own queued work, as a barrier does.
+            self.stream.synchronize().map_err(|e| Error::Collective {
+                op: "barrier",
+                peer: None,
+                problem: format!("CUDA error while waiting for the barrier: {e:?}"),
+            })?;
+        }
         self.count(|s| s.barriers += 1);
         Ok(())
     }

@@ -152,6 +152,12 @@ impl TcpStoreClient {
         }
     }
 
+    /// Lets later requests wait up to `timeout` for their reply (instead of the connection
+    /// timeout given to `connect`).
+    pub(super) fn set_request_timeout(&mut self, timeout: Duration) {
+        self.request_timeout = timeout;
+    }
+
     /// The address of the store this client talks to.
     pub fn server_addr(&self) -> SocketAddr {
         self.addr

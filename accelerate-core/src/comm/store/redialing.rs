@@ -96,7 +96,10 @@ impl RedialingClient {
         }
         let timeout = REDIAL_TIMEOUT.min(self.timeout);
         match TcpStoreClient::connect(self.addr, &self.token, self.generation, self.rank, timeout) {
-            Ok(client) => {
+            Ok(mut client) => {
+                // Only the dialling is short: replies may take as long as on the first
+                // connection, or a busy store would have the client redial again and again.
+                client.set_request_timeout(self.timeout);
                 tracing::debug!(
                     "rank {}: reconnected to the store at {} after a failed connection",
                     self.rank,
