@@ -15,22 +15,37 @@ use crate::error::{Error, Result};
 /// failed rank itself returns its whole error).
 const REASON_BYTES: usize = 480;
 
-/// This rank's outcome as one row: `[failed (0/1), message bytes..., 0 padding]`, in i64 (a dtype
-/// every communicator carries).
-fn outcome_row<T>(local: &Result<T>) -> Result<Tensor> {
+/// One row to exchange: `[flag, text bytes..., 0 padding]`, in i64 (a dtype every communicator
+/// carries); the text is cut to [`REASON_BYTES`] on a character boundary.
+fn row(flag: i64, text: &str) -> Result<Tensor> {
     let mut row = vec![0i64; 1 + REASON_BYTES];
-    if let Err(e) = local {
-        row[0] = 1;
-        let message = e.to_string();
-        let mut end = message.len().min(REASON_BYTES);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        for (slot, byte) in row[1..].iter_mut().zip(message[..end].bytes()) {
-            *slot = i64::from(byte);
-        }
+    row[0] = flag;
+    let mut end = text.len().min(REASON_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    for (slot, byte) in row[1..].iter_mut().zip(text[..end].bytes()) {
+        *slot = i64::from(byte);
     }
     Ok(Tensor::from_vec(row, (1, 1 + REASON_BYTES), &Device::Cpu)?)
+}
+
+/// The text of a row made by [`row`].
+fn row_text(row: &[i64]) -> String {
+    let bytes: Vec<u8> = row[1..]
+        .iter()
+        .take_while(|&&b| b != 0)
+        .map(|&b| b as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// This rank's outcome as one row: failed (0/1), then the error's message.
+fn outcome_row<T>(local: &Result<T>) -> Result<Tensor> {
+    match local {
+        Ok(_) => row(0, ""),
+        Err(e) => row(1, &e.to_string()),
+    }
 }
 
 /// The ranks that failed and their messages, from the gathered rows `[world, 1 + REASON_BYTES]`.
@@ -40,14 +55,7 @@ fn failures(gathered: &Tensor) -> Result<Vec<(usize, String)>> {
         .iter()
         .enumerate()
         .filter(|(_, row)| row[0] != 0)
-        .map(|(rank, row)| {
-            let bytes: Vec<u8> = row[1..]
-                .iter()
-                .take_while(|&&b| b != 0)
-                .map(|&b| b as u8)
-                .collect();
-            (rank, String::from_utf8_lossy(&bytes).into_owned())
-        })
+        .map(|(rank, row)| (rank, row_text(row)))
         .collect())
 }
 
@@ -88,7 +96,7 @@ pub(crate) fn agree_with<T>(
 /// Exchanges `choice` (what this rank picked for `what` under `path`, such as the checkpoint it
 /// found latest) with every rank through `all_gather`; `Ok` on every rank only if all picked the
 /// same, otherwise an error on every rank naming each rank's pick. Choices longer than the
-/// exchanged row compare by their first [`REASON_BYTES`] bytes.
+/// exchanged row compare by their first [`REASON_BYTES`] bytes (cut on a character boundary).
 pub(crate) fn agree_on_choice(
     all_gather: impl FnOnce(&Tensor) -> Result<Tensor>,
     world_size: usize,
@@ -99,23 +107,11 @@ pub(crate) fn agree_on_choice(
     if world_size == 1 {
         return Ok(());
     }
-    // The outcome rows carry a message; a "failed" flag of 0 and the choice as the message.
-    let mut row = vec![0i64; 1 + REASON_BYTES];
-    for (slot, byte) in row[1..].iter_mut().zip(choice.bytes()) {
-        *slot = i64::from(byte);
-    }
-    let gathered = all_gather(&Tensor::from_vec(row, (1, 1 + REASON_BYTES), &Device::Cpu)?)?;
+    let gathered = all_gather(&row(0, choice)?)?;
     let picks: Vec<String> = gathered
         .to_vec2::<i64>()?
         .iter()
-        .map(|row| {
-            let bytes: Vec<u8> = row[1..]
-                .iter()
-                .take_while(|&&b| b != 0)
-                .map(|&b| b as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        })
+        .map(|r| row_text(r))
         .collect();
     if picks.iter().all(|p| p == &picks[0]) {
         return Ok(());
