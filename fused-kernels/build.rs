@@ -1,11 +1,14 @@
-//! With the `cuda` feature, compiles every `src/cuda/*.cu` to PTX in `OUT_DIR` with nvcc, so that a
-//! type-check of the CUDA build (`cargo clippy --features cuda`) also compiles the CUDA C and
-//! reports its errors. Without the feature it does nothing.
+//! With the `cuda` feature, compiles every `src/cuda/*.cu` with nvcc into a fat binary in `OUT_DIR`
+//! (`<file>.fatbin`), so that a type-check of the CUDA build (`cargo clippy --features cuda`) also
+//! compiles the CUDA C and reports its errors. Without the feature it does nothing.
 //!
-//! nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc` or `$CUDA_PATH/bin/nvcc`, else `nvcc` on `PATH`. The
-//! PTX targets compute capability `$CUDA_COMPUTE_CAP` (e.g. 90 for Hopper, as candle-kernels
-//! reads it), else the first GPU's as `nvidia-smi` reports it. Like candle's own kernels, the PTX
-//! runs on that capability and newer ones: build for the oldest GPU the binary will meet.
+//! Each fat binary holds machine code (cubin) for sm_80 (A100; also runs on the other 8.x GPUs) and
+//! sm_90 (H100/H200), and for `$CUDA_COMPUTE_CAP` (e.g. 89, 120) when that is set to another
+//! capability of 8.0 or newer, plus PTX for compute_80, which the driver compiles on a GPU that has
+//! no machine code here (a newer architecture). Machine code loads without the driver's JIT, which
+//! costs seconds per module on a machine's first launch. The tensor-core kernels need 8.0 or newer.
+//!
+//! nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc` or `$CUDA_PATH/bin/nvcc`, else `nvcc` on `PATH`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,7 +25,7 @@ fn main() {
     }
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = nvcc();
-    let arch = compute_cap();
+    let arches = machine_code_arches();
     let sources = Path::new("src/cuda");
     let mut units: Vec<PathBuf> = std::fs::read_dir(sources)
         .unwrap_or_else(|e| panic!("fused-kernels: cannot list {}: {e}", sources.display()))
@@ -35,14 +38,20 @@ fn main() {
             .file_stem()
             .and_then(|s| s.to_str())
             .expect("a UTF-8 file name");
-        let ptx = out_dir.join(format!("{stem}.ptx"));
-        let output = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-lineinfo"])
-            .arg(format!("--gpu-architecture=sm_{arch}"))
+        let fatbin = out_dir.join(format!("{stem}.fatbin"));
+        let mut command = Command::new(&nvcc);
+        command.args(["--fatbin", "-O3", "-std=c++17", "-lineinfo"]);
+        for arch in &arches {
+            command.arg(format!("--generate-code=arch=compute_{arch},code=sm_{arch}"));
+        }
+        command.arg(format!(
+            "--generate-code=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
+        ));
+        let output = command
             .arg("-I")
             .arg(sources)
             .arg("-o")
-            .arg(&ptx)
+            .arg(&fatbin)
             .arg(&unit)
             .output()
             .unwrap_or_else(|e| {
@@ -80,31 +89,28 @@ fn nvcc() -> PathBuf {
     PathBuf::from("nvcc")
 }
 
-/// The compute capability to compile for, as digits (`90`).
-fn compute_cap() -> String {
+/// The architecture whose PTX is embedded for GPUs without machine code here.
+const PTX_ARCH: u32 = 80;
+
+/// The architectures to emit machine code for: 80 and 90, and `$CUDA_COMPUTE_CAP` when it names
+/// another one of 8.0 or newer (candle-kernels reads the same variable for its PTX).
+fn machine_code_arches() -> Vec<u32> {
+    let mut arches = vec![80, 90];
     if let Ok(cap) = std::env::var("CUDA_COMPUTE_CAP") {
         let digits: String = cap.chars().filter(char::is_ascii_digit).collect();
-        if digits.is_empty() {
-            panic!("fused-kernels: CUDA_COMPUTE_CAP = {cap:?} is not a compute capability like 90");
+        let arch: u32 = digits.parse().unwrap_or_else(|_| {
+            panic!("fused-kernels: CUDA_COMPUTE_CAP = {cap:?} is not a compute capability like 90")
+        });
+        if arch < PTX_ARCH {
+            // candle itself runs on older GPUs; these kernels then fail to load at their first
+            // launch with the driver's "no kernel image" error, which names the module.
+            println!(
+                "cargo:warning=fused-kernels: CUDA_COMPUTE_CAP = {cap}: its kernels need compute \
+                 capability 8.0 or newer (bf16 tensor cores); building for 80 and 90 only"
+            );
+        } else if !arches.contains(&arch) {
+            arches.push(arch);
         }
-        return digits;
     }
-    let queried = Command::new("nvidia-smi")
-        .args(["--query-gpu=compute_cap", "--format=csv,noheader"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(|l| l.chars().filter(char::is_ascii_digit).collect::<String>())
-        })
-        .filter(|digits| !digits.is_empty());
-    queried.unwrap_or_else(|| {
-        panic!(
-            "fused-kernels: set CUDA_COMPUTE_CAP to the GPU's compute capability (e.g. 90 for \
-             H100/H200, 80 for A100): nvidia-smi could not report one"
-        )
-    })
+    arches
 }

@@ -1,32 +1,41 @@
-//! The CUDA side of the kernels: the PTX that `build.rs` compiles from `src/cuda/*.cu`, reading
-//! candle's CUDA storage, and launch shapes. Each op's `cuda_fwd` (in the op's own module) checks
-//! its inputs, allocates its output and launches the kernels of its module on the device's stream.
+//! The CUDA side of the kernels: the machine code that `build.rs` compiles from `src/cuda/*.cu`,
+//! reading candle's CUDA storage, and launch shapes. Each op's `cuda_fwd` (in the op's own module)
+//! checks its inputs, allocates its output and launches the kernels of its module on the device's
+//! stream.
 //!
-//! Every `.cu` is one PTX module, loaded once per device under the name `fused_kernels_<file>`;
-//! its kernels are named `<kernel>_<suffix>` with the dtype's suffix (`f32`, `f64`, `bf16`, `f16`).
+//! Every `.cu` is one fat binary holding machine code for the architectures `build.rs` names (sm_80
+//! and sm_90 at least) and PTX for the oldest, which the driver compiles for any newer GPU. Loading
+//! machine code costs nothing at run time, where PTX is compiled by the driver on a machine's first
+//! launch. A module is loaded once per device and its kernels are looked up once each (see
+//! [`function`]); kernels are named `<kernel>_<suffix>` with the dtype's suffix (`f32`, `f64`,
+//! `bf16`, `f16`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::CudaDType;
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, DeviceId};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 /// One compiled `.cu` file.
 pub(crate) struct Module {
-    /// The name candle's device caches the loaded module under.
+    /// The file's name without `.cu`, for error messages and the cache.
     pub(crate) name: &'static str,
-    /// Its PTX.
-    pub(crate) ptx: &'static str,
+    /// Its fat binary (machine code and PTX), as `nvcc --fatbin` wrote it.
+    pub(crate) image: &'static [u8],
 }
 
 macro_rules! module {
     ($const:ident, $file:literal) => {
         #[doc = concat!("The kernels of `src/cuda/", $file, ".cu`.")]
         pub(crate) const $const: Module = Module {
-            name: concat!("fused_kernels_", $file),
-            ptx: include_str!(concat!(env!("OUT_DIR"), "/", $file, ".ptx")),
+            name: $file,
+            image: include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".fatbin")),
         };
     };
 }
@@ -37,6 +46,62 @@ module!(CROSS_ENTROPY, "cross_entropy");
 module!(ACTIVATIONS, "activations");
 module!(ROTARY, "rotary");
 module!(ADD_BIAS, "add_bias");
+module!(RESIDUAL, "residual");
+module!(BLOCK_KERNELS, "block_kernels");
+
+/// Modules loaded per device, and kernels looked up per device (candle's own loader takes PTX text
+/// only, and looks a kernel up again at every launch).
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
+    functions: HashMap<(DeviceId, String), CudaFunction>,
+}
+
+fn loaded() -> &'static RwLock<Loaded> {
+    static LOADED: OnceLock<RwLock<Loaded>> = OnceLock::new();
+    LOADED.get_or_init(Default::default)
+}
+
+/// The kernel `kernel` of `module` on `device`, loading the module on first use.
+pub(crate) fn function(device: &CudaDevice, module: &Module, kernel: &str) -> Result<CudaFunction> {
+    let id = device.id();
+    // A poisoned lock only means another thread panicked while inserting: the maps stay valid.
+    if let Some(f) = loaded()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .functions
+        .get(&(id, kernel.to_string()))
+    {
+        return Ok(f.clone());
+    }
+    let mut cache = loaded().write().unwrap_or_else(|e| e.into_inner());
+    let module_handle = match cache.modules.get(&(id, module.name)) {
+        Some(m) => m.clone(),
+        None => {
+            let context = device.cuda_stream().context().clone();
+            let m = context
+                .load_module(Ptx::from_binary(module.image.to_vec()))
+                .map_err(|e| {
+                    candle_core::Error::Msg(format!(
+                        "fused-kernels: the CUDA module {} could not be loaded on this GPU ({e}); \
+                         it holds machine code for sm_80 and sm_90 and PTX for newer GPUs, which \
+                         needs a driver at least as new as the CUDA toolkit that built it",
+                        module.name
+                    ))
+                })?;
+            cache.modules.insert((id, module.name), m.clone());
+            m
+        }
+    };
+    let f = module_handle.load_function(kernel).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "fused-kernels: no kernel {kernel} in the CUDA module {} ({e})",
+            module.name
+        ))
+    })?;
+    cache.functions.insert((id, kernel.to_string()), f.clone());
+    Ok(f)
+}
 
 /// An element type the CUDA kernels take, with the type their arithmetic is done in (f32 for f32,
 /// bf16 and f16; f64 for f64), which is also the type of their partial sums.
@@ -205,13 +270,14 @@ macro_rules! launch {
     ($device:expr, $module:expr, $kernel:literal, $t:ty, $cfg:expr; $($arg:expr),* $(,)?) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
-        let module = &$module;
-        let func = $device.get_or_load_custom_func(
+        let device: &candle_core::CudaDevice = $device;
+        let func = $crate::cuda::function(
+            device,
+            &$module,
             &format!("{}_{}", $kernel, <$t as $crate::cuda::CudaElement>::SUFFIX),
-            module.name,
-            module.ptx,
         )?;
-        let mut builder = func.builder();
+        let stream = device.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         $( builder.arg($arg); )*
         // SAFETY: each call site passes the arguments of its kernel's signature in the `.cu`
         // file, in order, with the device buffers sized for the launch's shape.

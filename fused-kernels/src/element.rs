@@ -22,6 +22,8 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn slice(storage: &CpuStorage) -> Option<&[Self]>;
     /// Wraps elements into storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
+    /// The storage's elements, to write in place, when it holds this type.
+    fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
 }
 
 macro_rules! element {
@@ -45,6 +47,12 @@ macro_rules! element {
             }
             fn storage(values: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(values)
+            }
+            fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]> {
+                match storage {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
             }
         }
     };

@@ -39,7 +39,7 @@ pub(crate) fn tanh<A: Float>(u: A) -> A {
 
 /// `(gelu(x), gelu'(x))`.
 #[inline(always)]
-fn gelu_and_slope<A: Float>(x: A) -> (A, A) {
+pub(crate) fn gelu_and_slope<A: Float>(x: A) -> (A, A) {
     let half = constant::<A>(0.5);
     let k = constant::<A>(SQRT_2_OVER_PI);
     let c = constant::<A>(CUBIC);

@@ -28,6 +28,9 @@
 #![deny(missing_docs)]
 
 mod add_bias;
+mod attention_block;
+mod attention_reference;
+mod block_kernels;
 mod causal_softmax;
 pub mod checkpoint;
 mod cross_entropy;
@@ -38,17 +41,29 @@ mod elementwise;
 mod fallback;
 mod gelu;
 mod layer_norm;
+mod mlp_block;
+mod node;
+mod norm;
+mod projection;
+mod raw;
+mod residual;
 mod rms_norm;
 mod rotary;
 mod rows;
 mod silu;
 mod swiglu;
+#[cfg(test)]
+mod test_reference;
 
 pub use add_bias::{add_bias, linear};
+pub use attention_block::{attention_block, Attention, Qkv, Rotary};
 pub use causal_softmax::causal_softmax;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
+pub use mlp_block::{mlp_block, Mlp, MlpKind};
+pub use norm::Norm;
+pub use projection::{Lora, Projection};
 pub use rms_norm::rms_norm;
 pub use rotary::rotary;
 pub use silu::silu;

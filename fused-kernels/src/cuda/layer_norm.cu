@@ -36,12 +36,14 @@ __device__ void layer_norm(const T* __restrict__ x, const T* __restrict__ w, con
   }
 }
 
-// First pass of the backward: dx for every row, and each block's partial sums of d_weight and
+// First pass of the backward: dx for every row (plus dres, the gradient that reaches x along the
+// residual path, when given), and each block's partial sums of d_weight and
 // d_bias over its rows into partial[blockIdx.x · 2d ..][d_weight (d), d_bias (d)]. A column j is
 // always handled by the same thread of a block, so the partial sums need no atomics.
 template <typename T>
 __device__ void layer_norm_backward(const T* __restrict__ x, const T* __restrict__ w,
-                                    const T* __restrict__ dy, T* __restrict__ dx,
+                                    const T* __restrict__ dy, const T* __restrict__ dres,
+                                    T* __restrict__ dx,
                                     typename AccOf<T>::type* __restrict__ partial, u64 rows, u64 d,
                                     double eps_) {
   typedef typename AccOf<T>::type A;
@@ -71,7 +73,8 @@ __device__ void layer_norm_backward(const T* __restrict__ x, const T* __restrict
       const A xhat = (to_acc(xr[j]) - mean) * rstd;
       const A g = to_acc(gr[j]);
       const A ghat = g * to_acc(w[j]);
-      dxr[j] = from_acc<T>(rstd * (ghat - mean_g - xhat * mean_gx));
+      dxr[j] = from_acc<T>(rstd * (ghat - mean_g - xhat * mean_gx) +
+                              (dres ? to_acc(dres[r * d + j]) : A(0)));
       pw[j] += g * xhat;
       pb[j] += g;
     }
@@ -86,7 +89,12 @@ __device__ void layer_norm_backward(const T* __restrict__ x, const T* __restrict
   extern "C" __global__ void layer_norm_backward_##suffix(const T* x, const T* w, const T* dy,     \
                                                           T* dx, AccOf<T>::type* partial,          \
                                                           u64 rows, u64 d, double eps) {           \
-    layer_norm_backward<T>(x, w, dy, dx, partial, rows, d, eps);                                   \
+    layer_norm_backward<T>(x, w, dy, nullptr, dx, partial, rows, d, eps);                                   \
+  }                                                                                                \
+  extern "C" __global__ void layer_norm_backward_residual_##suffix(                                \
+      const T* x, const T* w, const T* dy, const T* dres, T* dx, AccOf<T>::type* partial,         \
+      u64 rows, u64 d, double eps) {                                                               \
+    layer_norm_backward<T>(x, w, dy, dres, dx, partial, rows, d, eps);                             \
   }                                                                                                \
   extern "C" __global__ void layer_norm_sum_##suffix(const AccOf<T>::type* partial, u64 blocks,    \
                                                      u64 len, T* out) {                            \

@@ -29,11 +29,13 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
   }
 }
 
-// First pass of the backward: dx for every row, and each block's partial sum of d_weight over its
+// First pass of the backward: dx for every row (plus dres, the gradient that reaches x along the
+// residual path, when given), and each block's partial sum of d_weight over its
 // rows into partial[blockIdx.x · d ..] (a column is always handled by the same thread: no atomics).
 template <typename T>
 __device__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__ w,
-                                  const T* __restrict__ dy, T* __restrict__ dx,
+                                  const T* __restrict__ dy, const T* __restrict__ dres,
+                                    T* __restrict__ dx,
                                   typename AccOf<T>::type* __restrict__ partial, u64 rows, u64 d,
                                   double eps_) {
   typedef typename AccOf<T>::type A;
@@ -53,7 +55,8 @@ __device__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
       const A xhat = to_acc(xr[j]) * rstd;
       const A g = to_acc(gr[j]);
-      dxr[j] = from_acc<T>(rstd * (g * to_acc(w[j]) - xhat * mean_gx));
+      dxr[j] = from_acc<T>(rstd * (g * to_acc(w[j]) - xhat * mean_gx) +
+                            (dres ? to_acc(dres[r * d + j]) : A(0)));
       pw[j] += g * xhat;
     }
   }
@@ -67,7 +70,12 @@ __device__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__
   extern "C" __global__ void rms_norm_backward_##suffix(const T* x, const T* w, const T* dy,       \
                                                         T* dx, AccOf<T>::type* partial, u64 rows,  \
                                                         u64 d, double eps) {                       \
-    rms_norm_backward<T>(x, w, dy, dx, partial, rows, d, eps);                                     \
+    rms_norm_backward<T>(x, w, dy, nullptr, dx, partial, rows, d, eps);                                     \
+  }                                                                                                \
+  extern "C" __global__ void rms_norm_backward_residual_##suffix(                                  \
+      const T* x, const T* w, const T* dy, const T* dres, T* dx, AccOf<T>::type* partial,         \
+      u64 rows, u64 d, double eps) {                                                               \
+    rms_norm_backward<T>(x, w, dy, dres, dx, partial, rows, d, eps);                               \
   }                                                                                                \
   extern "C" __global__ void rms_norm_sum_##suffix(const AccOf<T>::type* partial, u64 blocks,      \
                                                    u64 len, T* out) {                              \
