@@ -42,7 +42,9 @@ fn main() {
         let mut command = Command::new(&nvcc);
         command.args(["--fatbin", "-O3", "-std=c++17", "-lineinfo"]);
         for arch in &arches {
-            command.arg(format!("--generate-code=arch=compute_{arch},code=sm_{arch}"));
+            command.arg(format!(
+                "--generate-code=arch=compute_{arch},code=sm_{arch}"
+            ));
         }
         command.arg(format!(
             "--generate-code=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"

@@ -31,47 +31,6 @@ pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)
 }
 
-/// A linear layer, `x · weightᵀ + bias`, for `x` `[..., in]`, `weight` `[out, in]` (PyTorch's
-/// `nn.Linear` layout) and `bias` `[out]`: candle-nn's `Linear` product (one matrix product over
-/// all rows of a contiguous `x`) followed by [`add_bias`].
-pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = product_with_transpose(x, weight)?;
-    match bias {
-        Some(b) => add_bias(&y, b),
-        None => Ok(y),
-    }
-}
-
-/// `x · weightᵀ` with candle-nn's `Linear::forward` products: one matrix product over the rows
-/// of a contiguous `x`, a batched one otherwise.
-fn product_with_transpose(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    let (_, inp) = weight.dims2().map_err(|_| {
-        candle_core::Error::Msg(format!(
-            "linear: weight must have shape [out, in], got {:?}",
-            weight.dims()
-        ))
-    })?;
-    if x.dims().last() != Some(&inp) {
-        candle_core::bail!(
-            "linear: the last dimension of x {:?} must be weight's in = {inp} (weight {:?})",
-            x.dims(),
-            weight.dims()
-        );
-    }
-    let w = weight.t()?;
-    match *x.dims() {
-        [b1, b2, m, k] if x.is_contiguous() => {
-            x.reshape((b1 * b2 * m, k))?
-                .matmul(&w)?
-                .reshape((b1, b2, m, ()))
-        }
-        [b, m, k] if x.is_contiguous() => x.reshape((b * m, k))?.matmul(&w)?.reshape((b, m, ())),
-        [b1, b2, _, _] => x.matmul(&weight.broadcast_left((b1, b2))?.t()?),
-        [b, _, _] => x.matmul(&weight.broadcast_left(b)?.t()?),
-        _ => x.matmul(&w),
-    }
-}
-
 /// The forward op.
 struct AddBias;
 

@@ -130,7 +130,14 @@ pub fn attention_block(x: &Tensor, layer: &Attention) -> Result<Tensor> {
         let packed = y.reshape((b, t, total_heads, head_dim))?;
         if let Some((cos, sin)) = &rotary {
             // Queries and keys are the first heads + kv_heads heads: one launch for both.
-            crate::block_kernels::rotary_heads_inplace(&packed, 0, heads + kv_heads, cos, sin, false)?;
+            crate::block_kernels::rotary_heads_inplace(
+                &packed,
+                0,
+                heads + kv_heads,
+                cos,
+                sin,
+                false,
+            )?;
         }
         let (o, lse) = attention_forward(&packed, &geometry)?;
         let o = o.reshape((b * t, heads * head_dim))?;
@@ -148,7 +155,6 @@ pub fn attention_block(x: &Tensor, layer: &Attention) -> Result<Tensor> {
             geometry,
             rotary: rotary.clone(),
             x,
-            h,
             packed,
             projected,
             o,
@@ -211,7 +217,10 @@ impl Attention {
         }
         for t in self.all_tensors() {
             if t.dtype() != dtype {
-                candle_core::bail!("{op}: every parameter must have the input's dtype {dtype:?}, got {:?}", t.dtype());
+                candle_core::bail!(
+                    "{op}: every parameter must have the input's dtype {dtype:?}, got {:?}",
+                    t.dtype()
+                );
             }
         }
         Ok(Shape {
@@ -249,8 +258,6 @@ struct Saved {
     rotary: Option<(Tensor, Tensor)>,
     /// The input `[rows, width]`.
     x: Tensor,
-    /// The normed input.
-    h: Tensor,
     /// The rotated projections `[b, t, heads + 2 · kv_heads, head_dim]`.
     packed: Tensor,
     projected: PackedForward,
@@ -262,7 +269,12 @@ struct Saved {
 }
 
 impl Backward for Saved {
-    fn backward(&self, d: &[Tensor], grad: &Tensor, wanted: &[bool]) -> Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        d: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> Result<Vec<Option<Tensor>>> {
         let g = self.geometry;
         let rows = g.b * g.t;
         let mut grads: Vec<Option<Tensor>> = vec![None; d.len()];
@@ -271,13 +283,20 @@ impl Backward for Saved {
         // column sum as well).
         let d_o = self
             .out
-            .backward(d, &self.z, &self.o, &dz, wanted, true, &mut grads)?
+            .backward(d, &self.z, &dz, wanted, true, &mut grads)?
             .expect("need_dx");
         let d_o = d_o.reshape((g.b, g.t, g.heads, g.head_dim))?;
         let o = self.o.reshape((g.b, g.t, g.heads, g.head_dim))?;
         let dqkv = attention_backward(&self.packed, &o, &d_o, &self.lse, &g)?;
         if let Some((cos, sin)) = &self.rotary {
-            crate::block_kernels::rotary_heads_inplace(&dqkv, 0, g.heads + g.kv_heads, cos, sin, true)?;
+            crate::block_kernels::rotary_heads_inplace(
+                &dqkv,
+                0,
+                g.heads + g.kv_heads,
+                cos,
+                sin,
+                true,
+            )?;
         }
         let total = (g.heads + 2 * g.kv_heads) * g.head_dim;
         let dqkv = dqkv.reshape((rows, total))?;
@@ -285,7 +304,6 @@ impl Backward for Saved {
         let dh = self.qkv.backward(
             d,
             &self.projected,
-            &self.h,
             &dqkv,
             wanted,
             wanted[0] || norm_wanted,
@@ -311,13 +329,19 @@ fn attention_forward(packed: &Tensor, g: &Geometry) -> Result<(Tensor, Tensor)> 
 
 /// The gradient of the packed projections `[b, t, heads + 2 · kv_heads, d]` for attention's output
 /// gradient `d_o` `[b, t, heads, d]`.
-fn attention_backward(packed: &Tensor, o: &Tensor, d_o: &Tensor, lse: &Tensor, g: &Geometry) -> Result<Tensor> {
+fn attention_backward(
+    packed: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    lse: &Tensor,
+    g: &Geometry,
+) -> Result<Tensor> {
     crate::attention_reference::backward(packed, o, d_o, lse, g)
 }
 
 /// The layer with candle's differentiable ops (devices without the kernels).
 fn reference(x: &Tensor, layer: &Attention) -> Result<Tensor> {
-    let (b, t, width) = x.dims3()?;
+    let (b, t, _) = x.dims3()?;
     let h = layer.norm.apply(x)?;
     let project = |p: &Projection, x: &Tensor| p.apply(x);
     let (heads, kv) = (layer.heads, layer.kv_heads);
@@ -366,6 +390,9 @@ mod tests {
     use crate::test_reference as r;
     use candle_core::{DType, Var};
 
+    /// Makes one parameter: `(name, shape, seed, scale, frozen)`.
+    type Param<'a> = dyn FnMut(&'static str, &[usize], u64, f64, bool) -> Tensor + 'a;
+
     /// A layer's tensors: `(name, tensor, tracked)`.
     struct Built {
         x: Var,
@@ -377,29 +404,33 @@ mod tests {
     /// separate q/k/v, rotary, grouped-query heads), optionally with LoRA adapters on q and v
     /// over a frozen base.
     fn build(gpt: bool, lora: bool, dtype: DType) -> Built {
-        let (b, t, width, heads, kv) = if gpt { (2, 5, 8, 2, 2) } else { (2, 6, 8, 4, 2) };
+        let (b, t, width, heads, kv) = if gpt {
+            (2, 5, 8, 2, 2)
+        } else {
+            (2, 6, 8, 4, 2)
+        };
         let hd = width / heads;
         let x = r::var(&[b, t, width], 1, 1.0, dtype);
         let mut tracked: Vec<(&'static str, Tensor)> = vec![("x", x.as_tensor().clone())];
-        let mut param = |name: &'static str, shape: &[usize], seed: u64, scale: f64, frozen: bool| {
-            let v = r::var(shape, seed, scale, dtype);
-            if frozen {
-                v.as_tensor().detach()
-            } else {
-                tracked.push((name, v.as_tensor().clone()));
-                v.as_tensor().clone()
-            }
-        };
+        let mut param =
+            |name: &'static str, shape: &[usize], seed: u64, scale: f64, frozen: bool| {
+                let v = r::var(shape, seed, scale, dtype);
+                if frozen {
+                    v.as_tensor().detach()
+                } else {
+                    tracked.push((name, v.as_tensor().clone()));
+                    v.as_tensor().clone()
+                }
+            };
         let frozen = lora;
-        let adapter = |param: &mut dyn FnMut(&'static str, &[usize], u64, f64, bool) -> Tensor,
-                       a: &'static str,
-                       bn: &'static str,
-                       out: usize,
-                       seed: u64| Lora {
-            a: param(a, &[3, width], seed, 0.5, false),
-            b: param(bn, &[out, 3], seed + 1, 0.5, false),
-            scale: 0.75,
-        };
+        let adapter =
+            |param: &mut Param<'_>, a: &'static str, bn: &'static str, out: usize, seed: u64| {
+                Lora {
+                    a: param(a, &[3, width], seed, 0.5, false),
+                    b: param(bn, &[out, 3], seed + 1, 0.5, false),
+                    scale: 0.75,
+                }
+            };
         let norm = if gpt {
             Norm::Layer {
                 weight: (param("ln.w", &[width], 2, 0.5, frozen) + 1.0).unwrap(),
@@ -416,7 +447,8 @@ mod tests {
             Qkv::Packed(Projection {
                 weight: param("c_attn.w", &[(heads + 2 * kv) * hd, width], 4, 0.4, frozen),
                 bias: Some(param("c_attn.b", &[(heads + 2 * kv) * hd], 5, 0.1, frozen)),
-                lora: lora.then(|| adapter(&mut param, "qkv.a", "qkv.b", (heads + 2 * kv) * hd, 20)),
+                lora: lora
+                    .then(|| adapter(&mut param, "qkv.a", "qkv.b", (heads + 2 * kv) * hd, 20)),
             })
         } else {
             Qkv::Separate {
@@ -440,7 +472,9 @@ mod tests {
         };
         let rotary = (!gpt).then(|| {
             let angles: Vec<f64> = (0..8)
-                .flat_map(|p| (0..hd / 2).map(move |i| p as f64 / 10f64.powf(2.0 * i as f64 / hd as f64)))
+                .flat_map(|p| {
+                    (0..hd / 2).map(move |i| p as f64 / 10f64.powf(2.0 * i as f64 / hd as f64))
+                })
                 .collect();
             let a = Tensor::from_vec(angles, (8, hd / 2), &candle_core::Device::Cpu).unwrap();
             Rotary {
@@ -467,8 +501,13 @@ mod tests {
             Norm::Rms { weight, eps } => r::rms_norm(x, weight, *eps).unwrap(),
         };
         let proj = |p: &Projection, x: &Tensor| {
-            r::project(x, &p.weight, p.bias.as_ref(), p.lora.as_ref().map(|l| (&l.a, &l.b, l.scale)))
-                .unwrap()
+            r::project(
+                x,
+                &p.weight,
+                p.bias.as_ref(),
+                p.lora.as_ref().map(|l| (&l.a, &l.b, l.scale)),
+            )
+            .unwrap()
         };
         let hd = l.out.weight.dim(1).unwrap() / l.heads;
         let (q, k, v) = match &l.qkv {
@@ -477,17 +516,30 @@ mod tests {
                 (
                     y.narrow(2, 0, l.heads * hd).unwrap(),
                     y.narrow(2, l.heads * hd, l.kv_heads * hd).unwrap(),
-                    y.narrow(2, (l.heads + l.kv_heads) * hd, l.kv_heads * hd).unwrap(),
+                    y.narrow(2, (l.heads + l.kv_heads) * hd, l.kv_heads * hd)
+                        .unwrap(),
                 )
             }
             Qkv::Separate { q, k, v } => (proj(q, &h), proj(k, &h), proj(v, &h)),
         };
         let split = |y: Tensor, n: usize| {
-            y.reshape((b, t, n, hd)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap()
+            y.reshape((b, t, n, hd))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
         };
-        let (mut q, mut k, v) = (split(q, l.heads), split(k, l.kv_heads), split(v, l.kv_heads));
+        let (mut q, mut k, v) = (
+            split(q, l.heads),
+            split(k, l.kv_heads),
+            split(v, l.kv_heads),
+        );
         if let Some(rot) = &l.rotary {
-            let (c, s) = (rot.cos.narrow(0, 0, t).unwrap(), rot.sin.narrow(0, 0, t).unwrap());
+            let (c, s) = (
+                rot.cos.narrow(0, 0, t).unwrap(),
+                rot.sin.narrow(0, 0, t).unwrap(),
+            );
             q = r::rotary(&q, &c, &s).unwrap();
             k = r::rotary(&k, &c, &s).unwrap();
         }
@@ -507,16 +559,26 @@ mod tests {
         let fused = attention_block(x, &built.layer).unwrap();
         let reference = reference_layer(x, &built.layer);
         let d = r::rel_diff(&fused, &reference);
-        assert!(d < tol, "values differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})");
+        assert!(
+            d < tol,
+            "values differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
+        );
         let weights = r::var(fused.dims(), 77, 1.0, dtype);
         let loss = |y: &Tensor| (y * weights.as_tensor()).unwrap().sum_all().unwrap();
         let g_fused = loss(&fused).backward().unwrap();
         let g_ref = loss(&reference).backward().unwrap();
         for (name, t) in &built.tracked {
-            let a = g_fused.get(t).unwrap_or_else(|| panic!("no fused gradient for {name}"));
-            let b = g_ref.get(t).unwrap_or_else(|| panic!("no reference gradient for {name}"));
+            let a = g_fused
+                .get(t)
+                .unwrap_or_else(|| panic!("no fused gradient for {name}"));
+            let b = g_ref
+                .get(t)
+                .unwrap_or_else(|| panic!("no reference gradient for {name}"));
             let d = r::rel_diff(a, b);
-            assert!(d < tol, "{name}: gradients differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})");
+            assert!(
+                d < tol,
+                "{name}: gradients differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
+            );
         }
     }
 
@@ -539,8 +601,13 @@ mod tests {
         let built = build(false, true, DType::F32);
         let y = attention_block(built.x.as_tensor(), &built.layer).unwrap();
         let grads = y.sum_all().unwrap().backward().unwrap();
-        let Qkv::Separate { k, .. } = &built.layer.qkv else { unreachable!() };
-        assert!(grads.get(&k.weight).is_none(), "a frozen weight got a gradient");
+        let Qkv::Separate { k, .. } = &built.layer.qkv else {
+            unreachable!()
+        };
+        assert!(
+            grads.get(&k.weight).is_none(),
+            "a frozen weight got a gradient"
+        );
     }
 
     #[test]
@@ -569,8 +636,12 @@ mod tests {
             bias: p.bias.as_ref().map(Tensor::detach),
             lora: None,
         };
-        let Qkv::Packed(qkv) = &built.layer.qkv else { unreachable!() };
-        let Norm::Layer { weight, bias, eps } = &built.layer.norm else { unreachable!() };
+        let Qkv::Packed(qkv) = &built.layer.qkv else {
+            unreachable!()
+        };
+        let Norm::Layer { weight, bias, eps } = &built.layer.norm else {
+            unreachable!()
+        };
         let frozen = Attention {
             norm: Norm::Layer {
                 weight: weight.detach(),
@@ -583,7 +654,10 @@ mod tests {
         };
         let x = built.x.as_tensor();
         let y = attention_block(&x.detach(), &frozen).unwrap();
-        assert!(!y.track_op(), "a result over untracked inputs is a graph node");
+        assert!(
+            !y.track_op(),
+            "a result over untracked inputs is a graph node"
+        );
         let tracked = attention_block(x, &built.layer).unwrap();
         assert!(tracked.track_op());
         assert_eq!(r::rel_diff(&y, &tracked), 0.0);

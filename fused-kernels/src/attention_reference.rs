@@ -44,9 +44,18 @@ pub(crate) fn forward(packed: &Tensor, g: &Geometry) -> Result<(Tensor, Tensor)>
     let (q, k, v) = split(packed, g)?;
     let (s, _) = masked_scores(&q, &k, g)?;
     let max = s.max_keepdim(D::Minus1)?;
-    let lse = (s.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
+    let lse = (s
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + &max)?;
     let p = s.broadcast_sub(&lse)?.exp()?;
-    let o = p.matmul(&v)?.transpose(1, 2)?.contiguous()?.to_dtype(packed.dtype())?;
+    let o = p
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .to_dtype(packed.dtype())?;
     Ok((o, lse.squeeze(D::Minus1)?))
 }
 
@@ -72,7 +81,8 @@ pub(crate) fn backward(
     // Sum the query heads of each group back onto their key/value head.
     let fold = |x: Tensor| -> Result<Tensor> {
         let groups = g.heads / g.kv_heads;
-        x.reshape((g.b, g.kv_heads, groups, g.t, g.head_dim))?.sum(2)
+        x.reshape((g.b, g.kv_heads, groups, g.t, g.head_dim))?
+            .sum(2)
     };
     let parts = [dq, fold(dk)?, fold(dv)?]
         .into_iter()

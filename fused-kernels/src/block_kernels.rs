@@ -8,7 +8,9 @@
 //! [`crate::swiglu`], [`crate::rotary`]).
 
 #[cfg(feature = "cuda")]
-use crate::cuda::{cuda_dispatch, elements_config, input, launch, output, CudaElement, BLOCK_KERNELS};
+use crate::cuda::{
+    cuda_dispatch, elements_config, input, launch, output, CudaElement, BLOCK_KERNELS,
+};
 use crate::element::{contiguous, dispatch, Element};
 use crate::elementwise::map_unary;
 use crate::gelu::gelu_and_slope;
@@ -25,7 +27,10 @@ use num_traits::Zero;
 /// `(rows, n)` of a contiguous `[..., n]` tensor, or an error naming `op`.
 fn rows(op: &str, t: &Tensor) -> Result<(usize, usize)> {
     if !t.is_contiguous() {
-        candle_core::bail!("{op}: expected a contiguous tensor, got strides {:?}", t.stride());
+        candle_core::bail!(
+            "{op}: expected a contiguous tensor, got strides {:?}",
+            t.stride()
+        );
     }
     crate::rows::rows_of(op, "x", t.dims())
 }
@@ -56,13 +61,45 @@ pub(crate) fn add_bias_inplace(y: &Tensor, bias: &Tensor) -> Result<()> {
 
 struct AddBiasInPlace;
 
+/// The in-place bias add on a CPU storage the caller owns (a product's fresh result).
+pub(crate) fn add_bias_cpu(
+    y: &mut CpuStorage,
+    ly: &Layout,
+    bias: &CpuStorage,
+    lb: &Layout,
+) -> Result<()> {
+    AddBiasInPlace.cpu_fwd(y, ly, bias, lb)
+}
+
+/// The in-place bias add on a CUDA storage the caller owns (a product's fresh result).
+#[cfg(feature = "cuda")]
+pub(crate) fn add_bias_cuda(
+    y: &mut CudaStorage,
+    ly: &Layout,
+    bias: &CudaStorage,
+    lb: &Layout,
+) -> Result<()> {
+    AddBiasInPlace.cuda_fwd(y, ly, bias, lb)
+}
+
 impl InplaceOp2 for AddBiasInPlace {
     fn name(&self) -> &'static str {
         "add_bias_inplace"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
-        fn run<T: Element>(s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        fn run<T: Element>(
+            s1: &mut CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> Result<()> {
             let b = contiguous::<T>("add_bias_inplace", "bias", s2, l2)?;
             let n = b.len();
             let Some((start, end)) = l1.contiguous_offsets() else {
@@ -82,7 +119,13 @@ impl InplaceOp2 for AddBiasInPlace {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<()> {
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         fn run<T: CudaElement>(
             s1: &mut CudaStorage,
             l1: &Layout,
@@ -121,7 +164,10 @@ pub(crate) fn bias_gelu(f: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     with_cpu("bias_gelu", &args, |s| {
         fn run<T: Element>(s: &[(&CpuStorage, &Layout)], n: usize) -> Result<CpuStorage> {
             let f = contiguous::<T>("bias_gelu", "f", s[0].0, s[0].1)?;
-            let b = s.get(1).map(|(s, l)| contiguous::<T>("bias_gelu", "bias", s, l)).transpose()?;
+            let b = s
+                .get(1)
+                .map(|(s, l)| contiguous::<T>("bias_gelu", "bias", s, l))
+                .transpose()?;
             Ok(T::storage(match b {
                 None => map_unary(f, |x| gelu_and_slope(x).0),
                 Some(b) => {
@@ -147,7 +193,11 @@ pub(crate) fn bias_gelu_backward(f: &Tensor, bias: Option<&Tensor>, dg: &Tensor)
     check_bias("bias_gelu_backward", bias, n, f)?;
     let dg = dg.contiguous()?;
     if dg.dims() != f.dims() {
-        candle_core::bail!("bias_gelu_backward: dg {:?} and f {:?} differ", dg.dims(), f.dims());
+        candle_core::bail!(
+            "bias_gelu_backward: dg {:?} and f {:?} differ",
+            dg.dims(),
+            f.dims()
+        );
     }
     let shape = f.shape().clone();
     if on_cuda(f) {
@@ -161,7 +211,10 @@ pub(crate) fn bias_gelu_backward(f: &Tensor, bias: Option<&Tensor>, dg: &Tensor)
             let op = "bias_gelu_backward";
             let f = contiguous::<T>(op, "f", s[0].0, s[0].1)?;
             let dg = contiguous::<T>(op, "dg", s[1].0, s[1].1)?;
-            let b = s.get(2).map(|(s, l)| contiguous::<T>(op, "bias", s, l)).transpose()?;
+            let b = s
+                .get(2)
+                .map(|(s, l)| contiguous::<T>(op, "bias", s, l))
+                .transpose()?;
             let mut out = vec![T::from_acc(Zero::zero()); f.len()];
             for_each_row(&mut out, n, |r, y| {
                 let (f, dg) = (&f[r * n..(r + 1) * n], &dg[r * n..(r + 1) * n]);
@@ -179,7 +232,12 @@ pub(crate) fn bias_gelu_backward(f: &Tensor, bias: Option<&Tensor>, dg: &Tensor)
 
 /// [`bias_gelu`] (`dg` none) or [`bias_gelu_backward`] on a CUDA device.
 #[cfg(feature = "cuda")]
-fn cuda_bias_gelu(f: &Tensor, bias: Option<&Tensor>, dg: Option<&Tensor>, n: usize) -> Result<Tensor> {
+fn cuda_bias_gelu(
+    f: &Tensor,
+    bias: Option<&Tensor>,
+    dg: Option<&Tensor>,
+    n: usize,
+) -> Result<Tensor> {
     let shape = f.shape().clone();
     // Without a bias the kernel is given `f` in its place and told not to read it.
     let b = bias.unwrap_or(f);
@@ -227,8 +285,12 @@ pub(crate) fn swiglu_packed_backward(gu: &Tensor, da: &Tensor) -> Result<Tensor>
 }
 
 fn swiglu_packed_impl(gu: &Tensor, da: Option<&Tensor>) -> Result<Tensor> {
-    let op = if da.is_some() { "swiglu_packed_backward" } else { "swiglu_packed" };
-    let (rows_n, width) = rows(op, gu)?;
+    let op = if da.is_some() {
+        "swiglu_packed_backward"
+    } else {
+        "swiglu_packed"
+    };
+    let (_rows, width) = rows(op, gu)?;
     if width % 2 != 0 {
         candle_core::bail!("{op}: the packed [gate | up] width {width} is odd");
     }
@@ -241,7 +303,9 @@ fn swiglu_packed_impl(gu: &Tensor, da: Option<&Tensor>) -> Result<Tensor> {
             candle_core::bail!("{op}: da {:?} must be {want:?}", da.dims());
         }
     } else {
-        *out_dims.last_mut().expect("rows() checked a last dimension") = inner;
+        *out_dims
+            .last_mut()
+            .expect("rows() checked a last dimension") = inner;
     }
     let mut args = vec![gu];
     args.extend(da);
@@ -274,7 +338,7 @@ fn swiglu_packed_impl(gu: &Tensor, da: Option<&Tensor>) -> Result<Tensor> {
                 };
                 Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
             }
-            cuda_dispatch!("swiglu_packed", s[0].0, run(s, rows_n, inner))
+            cuda_dispatch!("swiglu_packed", s[0].0, run(s, _rows, inner))
         })
         .map(|s| cuda_tensor(s, out_dims));
     }
@@ -416,7 +480,11 @@ impl InplaceOp3 for RotaryHeads {
                     for k in 0..h {
                         let (a, b) = (lo[k].to_acc(), hi[k].to_acc());
                         let cosv = c[k].to_acc();
-                        let sinv = if op.inverse { -s[k].to_acc() } else { s[k].to_acc() };
+                        let sinv = if op.inverse {
+                            -s[k].to_acc()
+                        } else {
+                            s[k].to_acc()
+                        };
                         lo[k] = T::from_acc(a * cosv - b * sinv);
                         hi[k] = T::from_acc(b * cosv + a * sinv);
                     }

@@ -354,12 +354,19 @@ pub(crate) fn backward_raw(
         candle_core::bail!("layer_norm-backward: CUDA tensors need the `cuda` feature")
     } else {
         crate::raw::with_cpu("layer_norm-backward", &args, |s| {
-            fn run<T: Element>(s: &[(&CpuStorage, &Layout)], d: usize, eps: f64) -> Result<CpuStorage> {
+            fn run<T: Element>(
+                s: &[(&CpuStorage, &Layout)],
+                d: usize,
+                eps: f64,
+            ) -> Result<CpuStorage> {
                 let op = "layer_norm-backward";
                 let x = contiguous::<T>(op, "x", s[0].0, s[0].1)?;
                 let w = contiguous::<T>(op, "weight", s[1].0, s[1].1)?;
                 let dy = contiguous::<T>(op, "dy", s[2].0, s[2].1)?;
-                let dres = s.get(3).map(|(s, l)| contiguous::<T>(op, "dres", s, l)).transpose()?;
+                let dres = s
+                    .get(3)
+                    .map(|(s, l)| contiguous::<T>(op, "dres", s, l))
+                    .transpose()?;
                 Ok(T::storage(backward_cpu(x, w, dy, dres, d, eps)))
             }
             dispatch!("layer_norm-backward", s[0].0, run(s, d, eps))

@@ -41,6 +41,7 @@ mod elementwise;
 mod fallback;
 mod gelu;
 mod layer_norm;
+mod linear;
 mod mlp_block;
 mod node;
 mod norm;
@@ -55,12 +56,13 @@ mod swiglu;
 #[cfg(test)]
 mod test_reference;
 
-pub use add_bias::{add_bias, linear};
+pub use add_bias::add_bias;
 pub use attention_block::{attention_block, Attention, Qkv, Rotary};
 pub use causal_softmax::causal_softmax;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
+pub use linear::linear;
 pub use mlp_block::{mlp_block, Mlp, MlpKind};
 pub use norm::Norm;
 pub use projection::{Lora, Projection};

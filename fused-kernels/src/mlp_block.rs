@@ -107,11 +107,9 @@ pub fn mlp_block(x: &Tensor, layer: &Mlp) -> Result<Tensor> {
             rows,
             width,
             x,
-            h,
             f,
             first_bias,
             first_state,
-            act,
             second_state,
         };
         Ok((output, saved))
@@ -174,24 +172,25 @@ struct Saved {
     width: usize,
     /// The input `[rows, width]`.
     x: Tensor,
-    /// The normed input.
-    h: Tensor,
     /// The first product (GELU: before its bias; SwiGLU: `[gate | up]`).
     f: Tensor,
     first_bias: Option<Tensor>,
     first_state: PackedForward,
-    /// The activation, the second product's input.
-    act: Tensor,
     second_state: PackedForward,
 }
 
 impl Backward for Saved {
-    fn backward(&self, d: &[Tensor], grad: &Tensor, wanted: &[bool]) -> Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        d: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> Result<Vec<Option<Tensor>>> {
         let mut grads: Vec<Option<Tensor>> = vec![None; d.len()];
         let dz = grad.contiguous()?.reshape((self.rows, self.width))?;
         let d_act = self
             .second
-            .backward(d, &self.second_state, &self.act, &dz, wanted, true, &mut grads)?
+            .backward(d, &self.second_state, &dz, wanted, true, &mut grads)?
             .expect("need_dx");
         let df = if self.gelu {
             crate::block_kernels::bias_gelu_backward(&self.f, self.first_bias.as_ref(), &d_act)?
@@ -202,7 +201,6 @@ impl Backward for Saved {
         let dh = self.first.backward(
             d,
             &self.first_state,
-            &self.h,
             &df,
             wanted,
             wanted[0] || norm_wanted,
@@ -231,4 +229,180 @@ fn reference(x: &Tensor, layer: &Mlp) -> Result<Tensor> {
         }
     };
     x + z
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::projection::Lora;
+    use crate::test_reference as r;
+    use candle_core::{DType, Var};
+
+    struct Built {
+        x: Var,
+        layer: Mlp,
+        tracked: Vec<(&'static str, Tensor)>,
+    }
+
+    /// GPT-2's MLP (LayerNorm, GELU, biases) or Llama's (RMSNorm, SwiGLU, no biases), optionally
+    /// with LoRA adapters over a frozen base.
+    fn build(gpt: bool, lora: bool, dtype: DType) -> Built {
+        let (b, t, width, inner) = (2, 5, 8, 12);
+        let x = r::var(&[b, t, width], 1, 1.0, dtype);
+        let mut tracked: Vec<(&'static str, Tensor)> = vec![("x", x.as_tensor().clone())];
+        let mut param =
+            |name: &'static str, shape: &[usize], seed: u64, scale: f64, frozen: bool| {
+                let v = r::var(shape, seed, scale, dtype);
+                if frozen {
+                    v.as_tensor().detach()
+                } else {
+                    tracked.push((name, v.as_tensor().clone()));
+                    v.as_tensor().clone()
+                }
+            };
+        let frozen = lora;
+        let norm = if gpt {
+            Norm::Layer {
+                weight: (param("ln.w", &[width], 2, 0.5, frozen) + 1.0).unwrap(),
+                bias: param("ln.b", &[width], 3, 0.1, frozen),
+                eps: 1e-5,
+            }
+        } else {
+            Norm::Rms {
+                weight: (param("rms.w", &[width], 2, 0.5, frozen) + 1.0).unwrap(),
+                eps: 1e-6,
+            }
+        };
+        let kind = if gpt {
+            let fc = Projection::new(
+                param("fc.w", &[inner, width], 4, 0.5, frozen),
+                Some(param("fc.b", &[inner], 5, 0.2, frozen)),
+            );
+            let mut proj = Projection::new(
+                param("proj.w", &[width, inner], 6, 0.4, frozen),
+                Some(param("proj.b", &[width], 7, 0.1, frozen)),
+            );
+            if lora {
+                proj.lora = Some(Lora {
+                    a: param("proj.a", &[2, inner], 30, 0.5, false),
+                    b: param("proj.bb", &[width, 2], 31, 0.5, false),
+                    scale: 1.5,
+                });
+            }
+            MlpKind::Gelu { fc, proj }
+        } else {
+            let mut gate = Projection::new(param("gate.w", &[inner, width], 4, 0.5, frozen), None);
+            if lora {
+                gate.lora = Some(Lora {
+                    a: param("gate.a", &[2, width], 30, 0.5, false),
+                    b: param("gate.bb", &[inner, 2], 31, 0.5, false),
+                    scale: 0.5,
+                });
+            }
+            MlpKind::SwiGlu {
+                gate,
+                up: Projection::new(param("up.w", &[inner, width], 5, 0.5, frozen), None),
+                down: Projection::new(param("down.w", &[width, inner], 6, 0.4, frozen), None),
+            }
+        };
+        Built {
+            x,
+            layer: Mlp { norm, kind },
+            tracked,
+        }
+    }
+
+    fn reference_layer(x: &Tensor, l: &Mlp) -> Tensor {
+        let h = match &l.norm {
+            Norm::Layer { weight, bias, eps } => r::layer_norm(x, weight, bias, *eps).unwrap(),
+            Norm::Rms { weight, eps } => r::rms_norm(x, weight, *eps).unwrap(),
+        };
+        let proj = |p: &Projection, x: &Tensor| {
+            r::project(
+                x,
+                &p.weight,
+                p.bias.as_ref(),
+                p.lora.as_ref().map(|l| (&l.a, &l.b, l.scale)),
+            )
+            .unwrap()
+        };
+        let z = match &l.kind {
+            MlpKind::Gelu { fc, proj: p } => proj(p, &r::gelu(&proj(fc, &h)).unwrap()),
+            MlpKind::SwiGlu { gate, up, down } => {
+                let a = (r::silu(&proj(gate, &h)).unwrap() * proj(up, &h)).unwrap();
+                proj(down, &a)
+            }
+        };
+        (x + z).unwrap()
+    }
+
+    fn check(gpt: bool, lora: bool, dtype: DType, tol: f64) {
+        let built = build(gpt, lora, dtype);
+        let x = built.x.as_tensor();
+        let fused = mlp_block(x, &built.layer).unwrap();
+        let reference = reference_layer(x, &built.layer);
+        let d = r::rel_diff(&fused, &reference);
+        assert!(
+            d < tol,
+            "values differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
+        );
+        let weights = r::var(fused.dims(), 77, 1.0, dtype);
+        let loss = |y: &Tensor| (y * weights.as_tensor()).unwrap().sum_all().unwrap();
+        let g_fused = loss(&fused).backward().unwrap();
+        let g_ref = loss(&reference).backward().unwrap();
+        for (name, t) in &built.tracked {
+            let a = g_fused
+                .get(t)
+                .unwrap_or_else(|| panic!("no fused gradient for {name}"));
+            let b = g_ref
+                .get(t)
+                .unwrap_or_else(|| panic!("no reference gradient for {name}"));
+            let d = r::rel_diff(a, b);
+            assert!(
+                d < tol,
+                "{name}: gradients differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn gpt_mlp_equals_the_formula_with_every_gradient() {
+        check(true, false, DType::F64, 1e-12);
+        check(true, false, DType::F32, 1e-5);
+    }
+
+    #[test]
+    fn llama_swiglu_mlp_equals_the_formula_with_every_gradient() {
+        check(false, false, DType::F64, 1e-12);
+        check(false, false, DType::F32, 1e-5);
+    }
+
+    #[test]
+    fn lora_adapters_over_a_frozen_base_get_their_gradients() {
+        check(true, true, DType::F64, 1e-12);
+        check(false, true, DType::F64, 1e-12);
+    }
+
+    #[test]
+    fn bf16_is_close_to_the_formula() {
+        check(true, false, DType::BF16, 0.05);
+        check(false, false, DType::BF16, 0.05);
+    }
+
+    #[test]
+    fn projections_of_the_wrong_shape_are_refused_naming_them() {
+        let mut built = build(false, false, DType::F32);
+        if let MlpKind::SwiGlu { up, .. } = &mut built.layer.kind {
+            up.weight = up.weight.narrow(0, 0, 4).unwrap();
+        }
+        let e = mlp_block(built.x.as_tensor(), &built.layer).unwrap_err();
+        assert!(e.to_string().contains("input projections"), "{e}");
+        let built = build(true, false, DType::F32);
+        let e = mlp_block(
+            &built.x.as_tensor().to_dtype(DType::F64).unwrap(),
+            &built.layer,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("dtype"), "{e}");
+    }
 }

@@ -38,8 +38,6 @@ pub(crate) trait Backward: Send + Sync + 'static {
 
 /// How the node's forward computes its output from tensors the forward pass prepared.
 pub(crate) enum Output {
-    /// The tensor, copied into the node's storage (one pass over it).
-    Copy(Tensor),
     /// `x + z`, plus `bias` `[n]` added to every row when given (`x`, `z` `[..., n]`): the
     /// residual add after a layer's output projection.
     Residual {
@@ -50,14 +48,31 @@ pub(crate) enum Output {
         /// The output projection's bias.
         bias: Option<Tensor>,
     },
+    /// `x · wᵀ`, plus `bias` `[n]` on every row when given, for `x` `[..., k]` and `w` `[n, k]`
+    /// (both contiguous), of shape `[..., n]`: a linear layer, its product written straight into
+    /// the node's storage.
+    Product {
+        /// The input rows.
+        x: Tensor,
+        /// The weight, `nn.Linear`'s layout.
+        w: Tensor,
+        /// The bias.
+        bias: Option<Tensor>,
+    },
 }
 
 impl Output {
-    fn shape(&self) -> &Shape {
-        match self {
-            Output::Copy(t) => t.shape(),
-            Output::Residual { x, .. } => x.shape(),
-        }
+    fn shape(&self) -> Result<Shape> {
+        Ok(match self {
+            Output::Residual { x, .. } => x.shape().clone(),
+            Output::Product { x, w, .. } => {
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().ok_or_else(|| {
+                    candle_core::Error::Msg("node: a product's input is a scalar".into())
+                })? = w.dim(0)?;
+                Shape::from(dims)
+            }
+        })
     }
 }
 
@@ -129,7 +144,6 @@ fn lock<'a>(
 /// `output` as a plain tensor (no graph).
 fn realize(output: Output) -> Result<Tensor> {
     match output {
-        Output::Copy(t) => Ok(t),
         Output::Residual { x, z, bias } => {
             let y = (x + z)?;
             match bias {
@@ -137,7 +151,39 @@ fn realize(output: Output) -> Result<Tensor> {
                 None => Ok(y),
             }
         }
+        Output::Product { x, w, bias } => {
+            let y = x.broadcast_matmul(&w.t()?)?;
+            match bias {
+                Some(b) => y.broadcast_add(&b),
+                None => Ok(y),
+            }
+        }
     }
+}
+
+/// The storages and layouts of a [`Output::Product`]'s operands, the weight seen transposed,
+/// and `(1, m, n, k)`, for the backend's matrix product.
+macro_rules! product {
+    ($variant:ident, $x:expr, $w:expr, $bias:expr, $add:ident, $shape:expr) => {{
+        let (n, k) = $w.dims2()?;
+        let m = $x.elem_count() / k.max(1);
+        let x = $x.reshape((m, k))?;
+        let wt = $w.t()?;
+        let (sx, lx) = x.storage_and_layout();
+        let (sw, lw) = wt.storage_and_layout();
+        let (Storage::$variant(sx), Storage::$variant(sw)) = (&*sx, &*sw) else {
+            candle_core::bail!("node: a product's operands are not on one device");
+        };
+        let mut y = sx.matmul(sw, (1, m, n, k), lx, lw)?;
+        if let Some(b) = $bias {
+            let (sb, lb) = b.storage_and_layout();
+            let Storage::$variant(sb) = &*sb else {
+                candle_core::bail!("node: a product's bias is not on its device");
+            };
+            crate::block_kernels::$add(&mut y, &Layout::contiguous((m, n)), sb, lb)?;
+        }
+        Ok((y, $shape))
+    }};
 }
 
 /// The node itself: its forward writes the output, its backward runs [`Backward`].
@@ -204,44 +250,30 @@ impl<B: Backward> Main<B> {
         for &i in &self.linked {
             slots[i] = grads[i].take();
         }
-        Ok(if self.wanted[0] { grads[0].take() } else { None })
+        Ok(if self.wanted[0] {
+            grads[0].take()
+        } else {
+            None
+        })
     }
 }
 
 /// The output on the CPU.
 fn cpu_output(output: Output) -> Result<(CpuStorage, Shape)> {
-    let shape = output.shape().clone();
+    let shape = output.shape()?;
     match output {
-        Output::Copy(t) => {
-            let (s, l) = t.storage_and_layout();
-            let Storage::Cpu(s) = &*s else {
-                candle_core::bail!("node: the output is not on the CPU like the inputs");
-            };
-            // SAFETY: `copy_strided_src` writes every element of the new storage.
-            let mut dst = unsafe { s.device().alloc_uninit(&shape, s.dtype())? };
-            s.copy_strided_src(&mut dst, 0, l)?;
-            Ok((dst, shape))
-        }
         Output::Residual { x, z, bias } => crate::residual::cpu(&x, &z, bias.as_ref()),
+        Output::Product { x, w, bias } => product!(Cpu, x, w, bias.as_ref(), add_bias_cpu, shape),
     }
 }
 
 /// The output on a CUDA device.
 #[cfg(feature = "cuda")]
 fn cuda_output(output: Output) -> Result<(CudaStorage, Shape)> {
-    let shape = output.shape().clone();
+    let shape = output.shape()?;
     match output {
-        Output::Copy(t) => {
-            let (s, l) = t.storage_and_layout();
-            let Storage::Cuda(s) = &*s else {
-                candle_core::bail!("node: the output is not on the GPU like the inputs");
-            };
-            // SAFETY: `copy_strided_src` writes every element of the new storage.
-            let mut dst = unsafe { s.device().alloc_uninit(&shape, s.dtype())? };
-            s.copy_strided_src(&mut dst, 0, l)?;
-            Ok((dst, shape))
-        }
         Output::Residual { x, z, bias } => crate::residual::cuda(&x, &z, bias.as_ref()),
+        Output::Product { x, w, bias } => product!(Cuda, x, w, bias.as_ref(), add_bias_cuda, shape),
     }
 }
 
@@ -264,7 +296,10 @@ impl<B: Backward> CustomOp1 for Main<B> {
     }
 
     fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        candle_core::bail!("{}: no Metal kernels; the public functions fall back", self.name)
+        candle_core::bail!(
+            "{}: no Metal kernels; the public functions fall back",
+            self.name
+        )
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -304,7 +339,10 @@ impl<B: Backward> CustomOp2 for Main<B> {
         _: &MetalStorage,
         _: &Layout,
     ) -> Result<(MetalStorage, Shape)> {
-        candle_core::bail!("{}: no Metal kernels; the public functions fall back", self.name)
+        candle_core::bail!(
+            "{}: no Metal kernels; the public functions fall back",
+            self.name
+        )
     }
 
     fn bwd(
@@ -332,12 +370,14 @@ struct Link {
 impl Link {
     fn take(&self, k: usize) -> Result<Tensor> {
         let index = self.indices[k];
-        lock(&self.slots, "node-link")?[index].take().ok_or_else(|| {
-            candle_core::Error::Msg(format!(
+        lock(&self.slots, "node-link")?[index]
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
                 "node-link: no gradient was left for input {index} (the node's backward did not \
                  run before its link, or ran for another graph)"
             ))
-        })
+            })
     }
 }
 

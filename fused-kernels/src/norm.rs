@@ -38,8 +38,8 @@ impl Norm {
         for p in self.parameters() {
             if p.dims() != [width] || p.dtype() != dtype {
                 candle_core::bail!(
-                    "{op}: the norm's parameters must be [{width}] {dtype:?} like the input's \
-                     last dimension, got {:?} {:?}",
+                    "{op}: the norm's parameters must be [{width}] (the input's last dimension) \
+                     in the input's dtype {dtype:?}, got {:?} {:?}",
                     p.dims(),
                     p.dtype()
                 );
@@ -59,7 +59,9 @@ impl Norm {
     /// The norm of `x` `[rows, width]` (detached), with `params` the detached parameters.
     pub(crate) fn forward(&self, x: &Tensor, params: &[Tensor]) -> Result<Tensor> {
         match self {
-            Norm::Layer { eps, .. } => crate::layer_norm::forward_raw(x, &params[0], &params[1], *eps),
+            Norm::Layer { eps, .. } => {
+                crate::layer_norm::forward_raw(x, &params[0], &params[1], *eps)
+            }
             Norm::Rms { eps, .. } => crate::rms_norm::forward_raw(x, &params[0], *eps),
         }
     }

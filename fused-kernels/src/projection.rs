@@ -62,7 +62,10 @@ impl Projection {
         })?;
         if let Some(b) = &self.bias {
             if b.dims() != [out] {
-                candle_core::bail!("{op}: a bias of a [{out}, {inp}] weight must be [{out}], got {:?}", b.dims());
+                candle_core::bail!(
+                    "{op}: a bias of a [{out}, {inp}] weight must be [{out}], got {:?}",
+                    b.dims()
+                );
             }
         }
         if let Some(l) = &self.lora {
@@ -99,6 +102,8 @@ pub(crate) struct Packed {
 
 /// What [`Packed::forward`] keeps for the backward pass.
 pub(crate) struct PackedForward {
+    /// The input `[rows, in]`.
+    x: Tensor,
     /// The weights side by side `[Σ out, in]` (the weight itself for one part).
     weight: Tensor,
     /// `x · aᵀ` `[rows, r]` of each part with an adapter.
@@ -133,15 +138,14 @@ impl Packed {
         Ok(Self { parts })
     }
 
-    /// `Σ out`.
-    pub(crate) fn width(&self) -> usize {
-        self.parts.iter().map(|p| p.out).sum()
-    }
-
     /// The biases side by side `[Σ out]`, when every part has one; an error when some have one
     /// and others not (a packed bias add needs all of them).
     pub(crate) fn bias(&self, d: &[Tensor]) -> Result<Option<Tensor>> {
-        let biases: Vec<&Tensor> = self.parts.iter().filter_map(|p| p.bias.map(|i| &d[i])).collect();
+        let biases: Vec<&Tensor> = self
+            .parts
+            .iter()
+            .filter_map(|p| p.bias.map(|i| &d[i]))
+            .collect();
         if biases.is_empty() {
             return Ok(None);
         }
@@ -200,23 +204,29 @@ impl Packed {
                 crate::block_kernels::add_bias_inplace(&y, &b)?;
             }
         }
-        Ok((y, PackedForward { weight, lora_x }))
+        Ok((
+            y,
+            PackedForward {
+                x: x.clone(),
+                weight,
+                lora_x,
+            },
+        ))
     }
 
-    /// The backward pass for the packed output's gradient `dy` `[rows, Σ out]` (contiguous) and
-    /// the input `x` it read: puts every wanted parameter's gradient into `grads` and returns the
+    /// The backward pass for the packed output's gradient `dy` `[rows, Σ out]` (contiguous): puts every wanted parameter's gradient into `grads` and returns the
     /// gradient of `x` when `need_dx` (the biases' gradients are the column sums of `dy`, which
     /// is also right when the caller added them in a later pass, as a sum).
     pub(crate) fn backward(
         &self,
         d: &[Tensor],
         saved: &PackedForward,
-        x: &Tensor,
         dy: &Tensor,
         wanted: &[bool],
         need_dx: bool,
         grads: &mut [Option<Tensor>],
     ) -> Result<Option<Tensor>> {
+        let x = &saved.x;
         // Biases: one column sum over the whole packed gradient.
         if self.parts.iter().any(|p| p.bias.is_some_and(|i| wanted[i])) {
             let sums = crate::projection::column_sums(dy)?;

@@ -4,7 +4,9 @@
 //! inside a node's backward must.
 
 use candle_core::op::BackpropOp;
-use candle_core::{CpuStorage, CudaStorage, Device, Layout, Result, Shape, Storage, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, Device, Layout, Result, Shape, Storage, Tensor};
 
 /// A new tensor over `storage` (contiguous, of `shape`), outside candle's graph.
 pub(crate) fn wrap(storage: Storage, shape: impl Into<Shape>) -> Tensor {
@@ -17,6 +19,7 @@ pub(crate) fn cpu_tensor(storage: CpuStorage, shape: impl Into<Shape>) -> Tensor
 }
 
 /// A CUDA result as a tensor.
+#[cfg(feature = "cuda")]
 pub(crate) fn cuda_tensor(storage: CudaStorage, shape: impl Into<Shape>) -> Tensor {
     wrap(Storage::Cuda(storage), shape)
 }
@@ -41,6 +44,7 @@ pub(crate) fn with_cpu<R>(
 
 /// Calls `f` with the CUDA storage and layout of each of `tensors` (in order), or fails naming
 /// `op` when one is not on a CUDA device.
+#[cfg(feature = "cuda")]
 pub(crate) fn with_cuda<R>(
     op: &str,
     tensors: &[&Tensor],

@@ -3,7 +3,9 @@
 //! bf16/f16 are added in f32 and rounded once.
 
 #[cfg(feature = "cuda")]
-use crate::cuda::{cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, RESIDUAL};
+use crate::cuda::{
+    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, RESIDUAL,
+};
 use crate::element::{contiguous, dispatch, Element};
 use crate::rows::for_each_row;
 #[cfg(feature = "cuda")]

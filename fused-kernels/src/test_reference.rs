@@ -32,10 +32,25 @@ pub(crate) fn var(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
 /// (with an absolute floor of 1).
 pub(crate) fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    let a: Vec<f64> = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f64> = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let a: Vec<f64> = a
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f64> = b
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    a.iter()
+        .zip(&b)
+        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
 }
 
 /// LayerNorm over the last dimension.
@@ -90,8 +105,14 @@ pub(crate) fn project(
 /// Rotates `x` `[b, h, t, d]` by the angles of `cos`, `sin` `[t, d/2]` (`rotate_half`).
 pub(crate) fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
-    let (x1, x2) = (x.narrow(D::Minus1, 0, d / 2)?, x.narrow(D::Minus1, d / 2, d / 2)?);
-    let (c, s) = (cos.unsqueeze(0)?.unsqueeze(0)?, sin.unsqueeze(0)?.unsqueeze(0)?);
+    let (x1, x2) = (
+        x.narrow(D::Minus1, 0, d / 2)?,
+        x.narrow(D::Minus1, d / 2, d / 2)?,
+    );
+    let (c, s) = (
+        cos.unsqueeze(0)?.unsqueeze(0)?,
+        sin.unsqueeze(0)?.unsqueeze(0)?,
+    );
     let y1 = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
     let y2 = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
     Tensor::cat(&[y1, y2], D::Minus1)
