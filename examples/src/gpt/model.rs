@@ -11,8 +11,13 @@
 //! Under mixed precision the model is built in the compute dtype; the attention softmax and the
 //! logits are computed in f32, as autocast does.
 //!
-//! LayerNorm, GELU, the causal softmax, the bias adds and the loss are the trainable fused kernels
-//! of the `fused-kernels` crate (one op each way instead of candle's chains of small ops).
+//! Each block is two trainable nodes of the `fused-kernels` crate: [`fused_kernels::attention_block`]
+//! (LayerNorm, `c_attn`, causal flash attention, `c_proj`, the residual add) and
+//! [`fused_kernels::mlp_block`] (LayerNorm, `c_fc`, GELU, `c_proj`, the residual add), whose own
+//! backward passes compute every gradient, instead of ~60 candle nodes whose gradients candle
+//! creates as zeros and adds into. With dropout the blocks run unfused (flash attention has no
+//! dropout of the attention probabilities): the same layers out of the single fused kernels
+//! (LayerNorm, GELU, the causal softmax, the bias adds).
 //!
 //! Dropout is GPT-2's, at one probability: on the sum of the embeddings, on the attention
 //! probabilities, and on each residual branch (after the attention's and the MLP's output
@@ -100,6 +105,20 @@ impl Norm {
         let bias = self.0.bias().expect("layer_norm creates a bias");
         fused_kernels::layer_norm(x, self.0.weight(), bias, LN_EPS as f64)
     }
+
+    /// The same norm as a fused layer's.
+    fn fused(&self) -> fused_kernels::Norm {
+        fused_kernels::Norm::Layer {
+            weight: self.0.weight().clone(),
+            bias: self.0.bias().expect("layer_norm creates a bias").clone(),
+            eps: LN_EPS as f64,
+        }
+    }
+}
+
+/// candle-nn's `Linear` as a fused layer's projection (the same tensors).
+fn projection(layer: &Linear) -> fused_kernels::Projection {
+    fused_kernels::Projection::new(layer.weight().clone(), layer.bias().cloned())
 }
 
 #[derive(Debug, Clone)]
@@ -128,6 +147,40 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+        match dropout {
+            Some(d) if d.p > 0.0 => self.forward_unfused(x, dropout),
+            _ => {
+                let x = fused_kernels::attention_block(x, &self.fused_attention())?;
+                fused_kernels::mlp_block(&x, &self.fused_mlp())
+            }
+        }
+    }
+
+    /// The attention half as [`fused_kernels::attention_block`] sees it (the same tensors).
+    fn fused_attention(&self) -> fused_kernels::Attention {
+        fused_kernels::Attention {
+            norm: self.ln_1.fused(),
+            qkv: fused_kernels::Qkv::Packed(projection(&self.c_attn)),
+            out: projection(&self.attn_proj),
+            heads: self.heads,
+            kv_heads: self.heads,
+            rotary: None,
+        }
+    }
+
+    /// The MLP half as [`fused_kernels::mlp_block`] sees it.
+    fn fused_mlp(&self) -> fused_kernels::Mlp {
+        fused_kernels::Mlp {
+            norm: self.ln_2.fused(),
+            kind: fused_kernels::MlpKind::Gelu {
+                fc: projection(&self.c_fc),
+                proj: projection(&self.mlp_proj),
+            },
+        }
+    }
+
+    /// The block out of single ops, with dropout in GPT-2's places.
+    fn forward_unfused(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let x = (x + drop(self.attention(&self.ln_1.forward(x)?, dropout)?, dropout)?)?;
         let h = fused_kernels::gelu(&linear(&self.c_fc, &self.ln_2.forward(&x)?)?)?;
         x + drop(linear(&self.mlp_proj, &h)?, dropout)?
@@ -462,6 +515,42 @@ mod tests {
         assert_ne!(first, plain);
         assert_eq!(logits(&b, 0.2), first, "same generator state, same masks");
         assert_ne!(logits(&b, 0.2), first, "the generator moved on");
+    }
+
+    #[test]
+    fn the_fused_blocks_equal_the_unfused_ones_in_values_and_gradients() {
+        let (varmap, model) = build_in(config(), 6, &Device::Cpu, DType::F32).unwrap();
+        let values: Vec<f32> = (0..2 * 5 * 16).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+        let x = candle_core::Var::from_vec(values, (2, 5, 16), &Device::Cpu).unwrap();
+        let block = &model.blocks[1];
+        let fused = block.forward(x.as_tensor(), None).unwrap();
+        let unfused = block.forward_unfused(x.as_tensor(), None).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(diff(&fused, &unfused) < 1e-5, "{}", diff(&fused, &unfused));
+        let w = Tensor::arange(0f32, 160., &Device::Cpu).unwrap().reshape((2, 5, 16)).unwrap();
+        let w = (w / 160.0).unwrap();
+        let gf = (&fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gu = (&unfused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = diff(gf.get(x.as_tensor()).unwrap(), gu.get(x.as_tensor()).unwrap());
+        assert!(d < 1e-5, "x: {d}");
+        let data = varmap.data().lock().unwrap();
+        let mut seen = 0;
+        for (name, var) in data.iter().filter(|(n, _)| n.starts_with("h.1.")) {
+            let (a, b) = (gf.get(var.as_tensor()), gu.get(var.as_tensor()));
+            let (a, b) = (a.unwrap_or_else(|| panic!("{name}: no fused gradient")), b.unwrap());
+            assert!(diff(a, b) < 1e-5, "{name}: {}", diff(a, b));
+            seen += 1;
+        }
+        assert_eq!(seen, 12);
     }
 
     #[test]

@@ -9,10 +9,14 @@
 //! `nn.Linear` layouts (`[out, in]`), so weights move between this model and transformers
 //! unchanged.
 //!
-//! RMSNorm, the rotary embedding, the causal softmax, SwiGLU and the cross-entropy are the trainable
-//! fused kernels of the `fused-kernels` crate: one op with a backward pass each. candle-nn's fused
-//! `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and `sdpa` record none, so training through
-//! them would silently leave the weights before them untouched.
+//! Each decoder layer is two trainable nodes of the `fused-kernels` crate,
+//! [`fused_kernels::attention_block`] (RMSNorm, q/k/v as one packed product, rotary embeddings,
+//! causal flash attention over grouped-query heads, `o_proj`, the residual add) and
+//! [`fused_kernels::mlp_block`] (RMSNorm, gate/up as one packed product, SwiGLU, `down_proj`, the
+//! residual add), each with its own backward pass; the final RMSNorm and the cross-entropy are
+//! fused kernels too. candle-nn's fused `rms_norm`, `softmax_last_dim`, `rotary_emb::rope` and
+//! `sdpa` record no backward pass, so training through them would silently leave the weights
+//! before them untouched.
 //!
 //! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
 //! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
@@ -90,6 +94,20 @@ impl Projection {
         }
     }
 
+    /// The same projection as a fused layer's (the same tensors; a frozen `W` is a plain tensor,
+    /// which gets no gradient there either).
+    fn fused(&self) -> fused_kernels::Projection {
+        fused_kernels::Projection {
+            weight: self.linear.weight().clone(),
+            bias: self.linear.bias().cloned(),
+            lora: self.adapter.as_ref().map(|a| fused_kernels::Lora {
+                a: a.a().clone(),
+                b: a.b().clone(),
+                scale: a.scale(),
+            }),
+        }
+    }
+
     /// The same projection over a plain tensor sharing `W`'s storage (see [`Llama::detached`]).
     fn detached(&self) -> Self {
         Self {
@@ -98,19 +116,6 @@ impl Projection {
             adapter: self.adapter.clone(),
         }
     }
-}
-
-/// `x` `[b, kv_heads, t, d]` with every key/value head repeated for its `groups` query heads:
-/// `[b, kv_heads · groups, t, d]`, head `h` reading key/value head `h / groups` (transformers'
-/// `repeat_kv`).
-fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
-    if groups == 1 {
-        return Ok(x);
-    }
-    let (b, kv, t, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .broadcast_as((b, kv, groups, t, d))?
-        .reshape((b, kv * groups, t, d))
 }
 
 /// The RMSNorm weight `[size]` under `vb` (initially ones).
@@ -139,15 +144,40 @@ impl DecoderLayer {
         })
     }
 
+    /// The layer: two fused nodes, [`fused_kernels::attention_block`] and
+    /// [`fused_kernels::mlp_block`]; `cos`, `sin` the rotary tables of the sequence's positions.
     fn forward(&self, x: &Tensor, c: &LlamaConfig, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let normed = fused_kernels::rms_norm(x, &self.input_layernorm, c.rms_norm_eps)?;
-        let x = (x + self.attention(&normed, c, cos, sin)?)?;
-        let normed = fused_kernels::rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps)?;
-        let gated = fused_kernels::swiglu(
-            &self.gate_proj.forward(&normed)?,
-            &self.up_proj.forward(&normed)?,
-        )?;
-        x + self.down_proj.forward(&gated)?
+        let attention = fused_kernels::Attention {
+            norm: fused_kernels::Norm::Rms {
+                weight: self.input_layernorm.clone(),
+                eps: c.rms_norm_eps,
+            },
+            qkv: fused_kernels::Qkv::Separate {
+                q: self.q_proj.fused(),
+                k: self.k_proj.fused(),
+                v: self.v_proj.fused(),
+            },
+            out: self.o_proj.fused(),
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            rotary: Some(fused_kernels::Rotary {
+                cos: cos.clone(),
+                sin: sin.clone(),
+            }),
+        };
+        let mlp = fused_kernels::Mlp {
+            norm: fused_kernels::Norm::Rms {
+                weight: self.post_attention_layernorm.clone(),
+                eps: c.rms_norm_eps,
+            },
+            kind: fused_kernels::MlpKind::SwiGlu {
+                gate: self.gate_proj.fused(),
+                up: self.up_proj.fused(),
+                down: self.down_proj.fused(),
+            },
+        };
+        let x = fused_kernels::attention_block(x, &attention)?;
+        fused_kernels::mlp_block(&x, &mlp)
     }
 
     /// [`forward`](Self::forward) under [`fused_kernels::checkpoint`]: the same output and
@@ -187,25 +217,6 @@ impl DecoderLayer {
             up_proj: self.up_proj.detached(),
             down_proj: self.down_proj.detached(),
         }
-    }
-
-    /// Grouped-query causal self-attention of `x` `[b, t, hidden]`.
-    fn attention(&self, x: &Tensor, c: &LlamaConfig, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let split = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
-        let q = fused_kernels::rotary(&split(self.q_proj.forward(x)?, heads)?, cos, sin)?;
-        let k = fused_kernels::rotary(&split(self.k_proj.forward(x)?, kv)?, cos, sin)?;
-        let v = split(self.v_proj.forward(x)?, kv)?;
-        let k = repeat_kv(k, heads / kv)?;
-        let v = repeat_kv(v, heads / kv)?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = fused_kernels::causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
-        let y = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, t, heads * hd))?;
-        self.o_proj.forward(&y)
     }
 }
 

@@ -35,6 +35,21 @@ impl LoraAdapter {
         })
     }
 
+    /// `lora_A` `[r, in]`.
+    pub fn a(&self) -> &Tensor {
+        self.a.weight()
+    }
+
+    /// `lora_B` `[out, r]`.
+    pub fn b(&self) -> &Tensor {
+        self.b.weight()
+    }
+
+    /// `alpha / r`.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
     /// `(alpha / r) · B (A x)` for `x` `[..., in]`: what the adapter adds to the projection.
     pub fn update(&self, x: &Tensor) -> Result<Tensor> {
         self.b.forward(&self.a.forward(x)?)? * self.scale
