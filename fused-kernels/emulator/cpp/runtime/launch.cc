@@ -4,6 +4,8 @@
 // A launch checks the kernel's name, the launch shape (CUDA's limits), and the arguments against
 // the kernel's signature, then runs the grid's blocks on worker OS threads (one block at a time
 // each, its threads as fibers), then checks the canaries of every buffer it was given.
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cctype>
@@ -142,7 +144,10 @@ std::string check_shape(const std::uint32_t grid[3], const std::uint32_t block[3
 }
 
 unsigned worker_count(std::uint64_t blocks) {
-  unsigned n = std::thread::hardware_concurrency();
+  // The CPUs this process may run on (hardware_concurrency counts the machine's).
+  cpu_set_t set;
+  unsigned n = sched_getaffinity(0, sizeof set, &set) == 0 ? static_cast<unsigned>(CPU_COUNT(&set))
+                                                           : std::thread::hardware_concurrency();
   if (const char* env = std::getenv("FUSED_KERNELS_EMULATOR_THREADS")) {
     const long v = std::strtol(env, nullptr, 10);
     if (v > 0) n = static_cast<unsigned>(v);
