@@ -130,7 +130,9 @@ bool BlockRun::run(uint3 idx) {
   bool ok = true;
   for (;;) {
     int ran = 0;
-    for (int k = 0; k < n && !failed_; ++k) {
+    restart_pass_ = false;
+    // A released barrier starts a new pass: the block's threads resume from the first in order.
+    for (int k = 0; k < n && !failed_ && !restart_pass_; ++k) {
       Fiber& f = fibers_[order_ == Order::kIncreasing ? k : n - 1 - k];
       if (f.state != FiberState::kReady) continue;
       current_ = &f;
@@ -201,11 +203,10 @@ int BlockRun::barrier(int predicate, int mode, const char* file, int line) {
   f->predicate = predicate;
   f->barrier_mode = mode;
   ++at_barrier_;
-  if (at_barrier_ == live_) {
-    release_barrier();
-  } else {
-    suspend();
-  }
+  // The last to arrive releases the others and waits its turn too, so that after the barrier the
+  // threads start again in the chosen order.
+  if (at_barrier_ == live_) release_barrier();
+  suspend();
   ++f->barriers_passed;
   return barrier_result_;
 }
@@ -267,6 +268,7 @@ void BlockRun::release_barrier() {
     if (f.state == FiberState::kBarrier) f.state = FiberState::kReady;
   }
   at_barrier_ = 0;
+  restart_pass_ = true;
 }
 
 void BlockRun::collective(const char* name, Resolve resolve, unsigned mask, const void* in, void* out, int arg,
@@ -315,16 +317,18 @@ void BlockRun::collective(const char* name, Resolve resolve, unsigned mask, cons
     suspend();
     return;
   }
-  // The last lane: compute every lane's result and release the others.
+  // The last lane computes every lane's result, releases the others and waits its turn too (the
+  // lanes continue in the chosen order).
   LaneRecord records[32];
   Fiber* lanes = &fibers_[(f->linear / 32) * 32];
   for (int lane = 0; lane < 32; ++lane) {
     records[lane] = lanes[lane].record;
-    if (&lanes[lane] != f) lanes[lane].state = FiberState::kReady;
+    lanes[lane].state = FiberState::kReady;
   }
   w.arrived = 0;
   w.first = nullptr;
   resolve(records, width);
+  suspend();
 }
 
 std::string BlockRun::deadlock_report() const {

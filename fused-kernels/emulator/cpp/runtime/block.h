@@ -89,6 +89,7 @@ class BlockRun {
   int at_barrier_ = 0;
   int barrier_result_ = 0;
   bool failed_ = false;
+  bool restart_pass_ = false;
   std::string error_;
 };
 

@@ -126,9 +126,9 @@ extern "C" __global__ void emu_test_write_past_end(float* out, unsigned long lon
   if (threadIdx.x == 0) out[n] = 1.0f;
 }
 
-// Reads far past the end of `in`: faults in the guard page.
+// Reads 2 KiB past the start of `in` (4 floats): faults in the guard page after it.
 extern "C" __global__ void emu_test_read_far(const float* in, float* out) {
-  out[0] = in[threadIdx.x + 4096];
+  out[0] = in[threadIdx.x + 512];
 }
 
 // The conversions of cuda_bf16.h / cuda_fp16.h: float bits in, both rounded bits and the

@@ -8,5 +8,6 @@ mod add_bias;
 mod causal_softmax;
 mod common;
 mod cross_entropy;
+mod emulator;
 mod norms;
 mod rotary;
