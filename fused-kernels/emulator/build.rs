@@ -32,8 +32,9 @@ fn main() {
 
     let mut sources: Vec<PathBuf> = Vec::new();
     for dir in &kernel_dirs {
-        let entries = std::fs::read_dir(dir)
-            .unwrap_or_else(|e| panic!("fused-kernels-emulator: cannot list {}: {e}", dir.display()));
+        let entries = std::fs::read_dir(dir).unwrap_or_else(|e| {
+            panic!("fused-kernels-emulator: cannot list {}: {e}", dir.display())
+        });
         let mut found: Vec<PathBuf> = entries
             .map(|e| e.expect("a directory entry").path())
             .filter(|p| p.extension().is_some_and(|e| e == "cu"))
@@ -52,6 +53,8 @@ fn main() {
         .flag(cpp.join("cuda_emulator.h").to_str().expect("a UTF-8 path"))
         .include(cpp.join("shim"))
         .include(&cpp)
+        // fused-kernels' own headers (common.cuh), for the emulator's test kernels too.
+        .include(manifest.join("../src/cuda"))
         // Type punning through pointers (vector loads) is common in CUDA C and nvcc allows it.
         .flag_if_supported("-fno-strict-aliasing")
         // No fused multiply-adds the CPU reference does not make (g++ contracts by default on
@@ -98,14 +101,13 @@ fn main() {
 fn scan(compiler: &cc::Tool, cpp: &Path, unit: &Path) -> Vec<String> {
     let output = Command::new(compiler.path())
         .args(["-E", "-P", "-x", "c++", "-std=c++17"])
-        .args([
-            "-DFUSED_KERNELS_EMULATOR",
-            "-DFUSED_KERNELS_EMULATOR_SCAN",
-        ])
+        .args(["-DFUSED_KERNELS_EMULATOR", "-DFUSED_KERNELS_EMULATOR_SCAN"])
         .arg("-include")
         .arg(cpp.join("cuda_emulator.h"))
         .arg("-I")
         .arg(cpp.join("shim"))
+        .arg("-I")
+        .arg(cpp.parent().expect("the crate").join("../src/cuda"))
         .arg(unit)
         .output()
         .unwrap_or_else(|e| {
@@ -241,7 +243,10 @@ fn unit_source(i: usize, unit: &Path, kernels: &[String]) -> String {
             "extern \"C\" const ::emu::KernelTable fk_emu_table_{i} = {{\"{path}\", nullptr, 0}};"
         );
     } else {
-        let _ = writeln!(s, "static const ::emu::KernelEntry fk_emu_entries_{i}[] = {{");
+        let _ = writeln!(
+            s,
+            "static const ::emu::KernelEntry fk_emu_entries_{i}[] = {{"
+        );
         for k in kernels {
             let _ = writeln!(s, "    EMU_KERNEL_ENTRY({k}),");
         }
@@ -282,6 +287,10 @@ fn write_if_changed(path: &Path, text: &str) {
     if std::fs::read_to_string(path).is_ok_and(|old| old == text) {
         return;
     }
-    std::fs::write(path, text)
-        .unwrap_or_else(|e| panic!("fused-kernels-emulator: cannot write {}: {e}", path.display()));
+    std::fs::write(path, text).unwrap_or_else(|e| {
+        panic!(
+            "fused-kernels-emulator: cannot write {}: {e}",
+            path.display()
+        )
+    });
 }

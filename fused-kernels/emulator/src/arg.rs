@@ -44,7 +44,12 @@ impl<'a> Arg<'a> {
     /// A read-only pointer to the start of `buffer` (a `const T*` parameter).
     pub fn ptr<T: Element>(buffer: &'a Buffer<T>) -> Self {
         Self::new(
-            Value::Pointer(buffer.ptr_at(0).expect("offset 0 is in every buffer").cast()),
+            Value::Pointer(
+                buffer
+                    .ptr_at(0)
+                    .expect("offset 0 is in every buffer")
+                    .cast(),
+            ),
             T::KIND | ffi::POINTER | ffi::CONST,
         )
     }
@@ -52,7 +57,12 @@ impl<'a> Arg<'a> {
     /// A pointer to the start of `buffer` the kernel may write through (a `T*` parameter).
     pub fn ptr_mut<T: Element>(buffer: &'a mut Buffer<T>) -> Self {
         Self::new(
-            Value::Pointer(buffer.ptr_at(0).expect("offset 0 is in every buffer").cast()),
+            Value::Pointer(
+                buffer
+                    .ptr_at(0)
+                    .expect("offset 0 is in every buffer")
+                    .cast(),
+            ),
             T::KIND | ffi::POINTER,
         )
     }
@@ -111,13 +121,3 @@ impl<'a> Arg<'a> {
     }
 }
 
-/// Scalar kinds the Rust side never sends; kept so that the codes stay complete.
-#[allow(dead_code)]
-const UNSENT: [u32; 6] = [
-    kind::BF16,
-    kind::F16,
-    kind::I8,
-    kind::U8,
-    kind::I16,
-    kind::U16,
-];

@@ -39,7 +39,8 @@ extern "C" {
     pub(crate) fn emu_last_error() -> *const c_char;
     pub(crate) fn emu_kernel_count() -> usize;
     pub(crate) fn emu_kernel_name(i: usize) -> *const c_char;
-    pub(crate) fn emu_kernel_signature(name: *const c_char, out: *mut c_char, cap: usize) -> c_long;
+    pub(crate) fn emu_kernel_signature(name: *const c_char, out: *mut c_char, cap: usize)
+        -> c_long;
     /// A guarded allocation of `bytes` bytes (16-byte aligned, poisoned with 0xFF), or null.
     pub(crate) fn emu_alloc(bytes: usize) -> *mut c_void;
     pub(crate) fn emu_free(data: *mut c_void);

@@ -1,7 +1,6 @@
 // Kernels that test the emulator itself (tests/kernels/emulator.rs), compiled with fused-kernels'
 // kernels by build.rs. Valid CUDA C: each does what its comment says on a GPU too.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "common.cuh"
 
 // out[i] = threadIdx.x + 1 of thread i, read by its neighbour through shared memory: with
 // `sync` the neighbour reads after the barrier; without, it reads whatever is there (a race).

@@ -70,7 +70,12 @@ fn check<T: Dt>(act: Act, n: usize) {
             let n64 = n as u64;
             let (fargs, bargs) = match act {
                 Act::Swiglu => (
-                    vec![Arg::ptr(&xb), Arg::ptr(&ub), Arg::ptr_mut(&mut yb), Arg::U64(n64)],
+                    vec![
+                        Arg::ptr(&xb),
+                        Arg::ptr(&ub),
+                        Arg::ptr_mut(&mut yb),
+                        Arg::U64(n64),
+                    ],
                     vec![
                         Arg::ptr(&xb),
                         Arg::ptr(&ub),
@@ -81,7 +86,12 @@ fn check<T: Dt>(act: Act, n: usize) {
                 ),
                 _ => (
                     vec![Arg::ptr(&xb), Arg::ptr_mut(&mut yb), Arg::U64(n64)],
-                    vec![Arg::ptr(&xb), Arg::ptr(&gb), Arg::ptr_mut(&mut db), Arg::U64(n64)],
+                    vec![
+                        Arg::ptr(&xb),
+                        Arg::ptr(&gb),
+                        Arg::ptr_mut(&mut db),
+                        Arg::U64(n64),
+                    ],
                 ),
             };
             run(&name::<T>(fwd), shape, &fargs, order);
@@ -91,11 +101,23 @@ fn check<T: Dt>(act: Act, n: usize) {
         });
         assert_close::<T>(&format!("{what}: y"), &got[0], &want_y, rtol, |_| 0.0);
         let terms = |i: usize| {
-            gs[i].abs() * (1.0 + xs[i].abs()) * if matches!(act, Act::Swiglu) { us[i].abs() } else { 1.0 }
+            gs[i].abs()
+                * (1.0 + xs[i].abs())
+                * if matches!(act, Act::Swiglu) {
+                    us[i].abs()
+                } else {
+                    1.0
+                }
         };
         assert_close::<T>(&format!("{what}: dx"), &got[1][..n], &want_dx, rtol, terms);
         if let Some(want_du) = &want_du {
-            assert_close::<T>(&format!("{what}: d_up"), &got[1][n..], want_du, rtol, |_| 0.0);
+            assert_close::<T>(
+                &format!("{what}: d_up"),
+                &got[1][n..],
+                want_du,
+                rtol,
+                |_| 0.0,
+            );
         }
     }
 }

@@ -44,10 +44,7 @@ fn check<T: Dt>(rows: usize, n: usize) {
             fused::columns_config(n),
         ),
         (
-            Shape {
-                grid: 2,
-                block: 70,
-            },
+            Shape { grid: 2, block: 70 },
             Shape {
                 grid: 3.min(rows as u32),
                 block: 64,

@@ -46,7 +46,11 @@ fn check<T: Dt>(bh: usize, t_q: usize, t_k: usize, scale: f64) {
     let rtol = 4.0 * t_k as f64 * T::U;
     let (ps, gs) = (want_p.clone(), dp.f64s());
     let dot_mag: Vec<f64> = (0..rows)
-        .map(|r| (0..t_k).map(|j| (ps[r * t_k + j] * gs[r * t_k + j]).abs()).sum())
+        .map(|r| {
+            (0..t_k)
+                .map(|j| (ps[r * t_k + j] * gs[r * t_k + j]).abs())
+                .sum()
+        })
         .collect();
     let ds_floor = |i: usize| scale * ps[i].abs() * (gs[i].abs() + dot_mag[i / t_k]);
 

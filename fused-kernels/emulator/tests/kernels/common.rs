@@ -264,6 +264,9 @@ pub fn assert_close<T: Dt>(
         bad.iter().take(8).cloned().collect::<Vec<_>>().join("\n")
     );
     if std::env::var_os("EMULATOR_TEST_VERBOSE").is_some() {
-        eprintln!("{what} ({}): worst difference {worst:.3} of the tolerance", T::SUFFIX);
+        eprintln!(
+            "{what} ({}): worst difference {worst:.3} of the tolerance",
+            T::SUFFIX
+        );
     }
 }

@@ -34,7 +34,13 @@ fn targets_and_weights(n: usize, v: usize) -> (Vec<u32>, Vec<f64>) {
         })
         .collect();
     let w = (0..n)
-        .map(|r| if r % 7 == 3 { 0.0 } else { 0.25 + (r % 5) as f64 * 0.3 })
+        .map(|r| {
+            if r % 7 == 3 {
+                0.0
+            } else {
+                0.25 + (r % 5) as f64 * 0.3
+            }
+        })
         .collect();
     (t, w)
 }
@@ -149,15 +155,27 @@ fn check<T: Dt>(n: usize, v: usize) {
             );
             vec![read(&row_loss), read(&total), read(&grad)]
         });
-        assert_close::<T::Acc>(&format!("{what}: row losses"), &got[0], &want_rows, rtol, |r| {
-            row_mag[r]
-        });
-        assert_close::<T::Acc>(&format!("{what}: total"), &got[1], &want_total, rtol, |_| {
-            total_mag
-        });
-        assert_close::<T>(&format!("{what}: d_logits"), &got[2], &want_grad, rtol, |i| {
-            weights[i / v].abs() * dloss
-        });
+        assert_close::<T::Acc>(
+            &format!("{what}: row losses"),
+            &got[0],
+            &want_rows,
+            rtol,
+            |r| row_mag[r],
+        );
+        assert_close::<T::Acc>(
+            &format!("{what}: total"),
+            &got[1],
+            &want_total,
+            rtol,
+            |_| total_mag,
+        );
+        assert_close::<T>(
+            &format!("{what}: d_logits"),
+            &got[2],
+            &want_grad,
+            rtol,
+            |i| weights[i / v].abs() * dloss,
+        );
     }
 }
 
@@ -204,7 +222,10 @@ fn out_of_range_target<T: Dt>() {
     let losses = read(&row_loss);
     let g = read(&grad);
     assert!(losses[1].is_nan(), "row 1's loss {} is not NaN", losses[1]);
-    assert!(g[v..2 * v].iter().all(|x| x.is_nan()), "row 1's gradient is not NaN");
+    assert!(
+        g[v..2 * v].iter().all(|x| x.is_nan()),
+        "row 1's gradient is not NaN"
+    );
     assert!(losses[0].is_finite() && losses[2].is_finite(), "{losses:?}");
     assert!(g[..v].iter().chain(&g[2 * v..]).all(|x| x.is_finite()));
 }
@@ -229,4 +250,3 @@ tests! {
     cross_entropy_bf16, cross_entropy_target_out_of_range_bf16: half::bf16;
     cross_entropy_f16, cross_entropy_target_out_of_range_f16: half::f16;
 }
-

@@ -15,7 +15,10 @@ fn error_of(result: Result<(), fused_kernels_emulator::Error>) -> String {
 
 fn assert_mentions(error: &str, parts: &[&str]) {
     for p in parts {
-        assert!(error.contains(p), "the error does not mention {p:?}: {error}");
+        assert!(
+            error.contains(p),
+            "the error does not mention {p:?}: {error}"
+        );
     }
 }
 
@@ -39,9 +42,16 @@ fn neighbour(sync: bool, order: Order) -> Vec<u32> {
 fn a_missing_barrier_gives_different_results_in_the_two_orders() {
     let correct: Vec<u32> = (0..64).map(|t| (t + 1) % 64 + 1).collect();
     for order in Order::BOTH {
-        assert_eq!(neighbour(true, order), correct, "with the barrier, {order:?}");
+        assert_eq!(
+            neighbour(true, order),
+            correct,
+            "with the barrier, {order:?}"
+        );
     }
-    let (up, down) = (neighbour(false, Order::Increasing), neighbour(false, Order::Decreasing));
+    let (up, down) = (
+        neighbour(false, Order::Increasing),
+        neighbour(false, Order::Decreasing),
+    );
     assert_ne!(up, down, "the race went unnoticed");
     // Increasing: each thread reads its right neighbour before the neighbour wrote (still 0).
     assert_eq!(up[..63], [0; 63]);
@@ -79,7 +89,14 @@ fn a_divergent_syncthreads_is_an_error() {
 fn a_deadlock_is_an_error_not_a_hang() {
     let mut out = Buffer::<f32>::poisoned(32).unwrap();
     for order in Order::BOTH {
-        let e = error_of(launch("emu_test_deadlock", 1, 32, 0, &[Arg::ptr_mut(&mut out)], order));
+        let e = error_of(launch(
+            "emu_test_deadlock",
+            1,
+            32,
+            0,
+            &[Arg::ptr_mut(&mut out)],
+            order,
+        ));
         assert_mentions(
             &e,
             &[
@@ -112,7 +129,9 @@ fn cuda_source(mode: usize, lane: usize, arg: usize, width: usize) -> usize {
 #[test]
 fn shuffles_and_votes_give_cudas_documented_results() {
     let n = 64;
-    let input: Vec<i32> = (0..n as i32).map(|t| t * 7 % 61 + (t % 5 == 0) as i32).collect();
+    let input: Vec<i32> = (0..n as i32)
+        .map(|t| t * 7 % 61 + (t % 5 == 0) as i32)
+        .collect();
     for (width, arg) in [(32, 5), (32, 0), (8, 3), (16, 17), (4, 1), (2, 1), (32, 31)] {
         for order in Order::BOTH {
             let inb = Buffer::from_slice(&input).unwrap();
@@ -177,7 +196,10 @@ fn a_partial_mask_and_an_exited_lane_are_errors() {
             "mask 0x0000ffff",
         ],
     );
-    for (order, thread) in [(Order::Increasing, "thread (1, 0, 0)"), (Order::Decreasing, "thread (30, 0, 0)")] {
+    for (order, thread) in [
+        (Order::Increasing, "thread (1, 0, 0)"),
+        (Order::Decreasing, "thread (30, 0, 0)"),
+    ] {
         let e = error_of(launch(
             "emu_test_exited_lane",
             1,
@@ -290,8 +312,15 @@ fn indices_warps_and_barrier_counts_of_a_3d_launch() {
     let per_block = 64usize;
     let blocks = 12usize;
     let mut out = Buffer::<u32>::poisoned(4 * per_block * blocks).unwrap();
-    launch("emu_test_indices", grid, block, 0, &[Arg::ptr_mut(&mut out)], Order::Decreasing)
-        .unwrap();
+    launch(
+        "emu_test_indices",
+        grid,
+        block,
+        0,
+        &[Arg::ptr_mut(&mut out)],
+        Order::Decreasing,
+    )
+    .unwrap();
     let out = out.to_vec();
     let multiples_of_3 = (0..per_block).filter(|t| t % 3 == 0).count() as u32;
     for b in 0..blocks {
@@ -326,8 +355,22 @@ fn launches_that_cuda_would_refuse_are_refused() {
     let x = Buffer::from_slice(&[1.0f32; 4]).unwrap();
     let mut y = Buffer::<f32>::poisoned(4).unwrap();
     let xb = Buffer::from_slice(&[bf16::ONE; 4]).unwrap();
-    let e = error_of(launch("gelu_f32", 1, 32, 0, &[Arg::ptr(&x), Arg::U64(4)], Order::Increasing));
-    assert_mentions(&e, &["gelu_f32(const float*, float*, long long unsigned int)", "takes 3", "2 were given"]);
+    let e = error_of(launch(
+        "gelu_f32",
+        1,
+        32,
+        0,
+        &[Arg::ptr(&x), Arg::U64(4)],
+        Order::Increasing,
+    ));
+    assert_mentions(
+        &e,
+        &[
+            "gelu_f32(const float*, float*, long long unsigned int)",
+            "takes 3",
+            "2 were given",
+        ],
+    );
     let e = error_of(launch(
         "gelu_f32",
         1,
@@ -336,7 +379,15 @@ fn launches_that_cuda_would_refuse_are_refused() {
         &[Arg::ptr(&x), Arg::ptr_mut(&mut y), Arg::U32(4)],
         Order::Increasing,
     ));
-    assert_mentions(&e, &["argument 2", "long long unsigned int", "Arg::U64", "Arg::U32"]);
+    assert_mentions(
+        &e,
+        &[
+            "argument 2",
+            "long long unsigned int",
+            "Arg::U64",
+            "Arg::U32",
+        ],
+    );
     let e = error_of(launch(
         "gelu_f32",
         1,
@@ -345,7 +396,10 @@ fn launches_that_cuda_would_refuse_are_refused() {
         &[Arg::ptr(&xb), Arg::ptr_mut(&mut y), Arg::U64(4)],
         Order::Increasing,
     ));
-    assert_mentions(&e, &["argument 0", "const float*", "bf16", "pass a buffer of f32"]);
+    assert_mentions(
+        &e,
+        &["argument 0", "const float*", "bf16", "pass a buffer of f32"],
+    );
     let y2 = Buffer::<f32>::poisoned(4).unwrap();
     let e = error_of(launch(
         "gelu_f32",
@@ -357,13 +411,27 @@ fn launches_that_cuda_would_refuse_are_refused() {
     ));
     assert_mentions(&e, &["argument 1", "float*", "Arg::ptr_mut"]);
     let e = error_of(launch("gelu_f33", 1, 32, 0, &[], Order::Increasing));
-    assert_mentions(&e, &["no kernel named 'gelu_f33'", "gelu_f32", "gelu_backward_bf16"]);
+    assert_mentions(
+        &e,
+        &[
+            "no kernel named 'gelu_f33'",
+            "gelu_f32",
+            "gelu_backward_bf16",
+        ],
+    );
     let args = [Arg::ptr(&x), Arg::ptr_mut(&mut y), Arg::U64(4)];
     let e = error_of(launch("gelu_f32", 1, 2048, 0, &args, Order::Increasing));
     assert_mentions(&e, &["2048 x 1 x 1 threads", "at most 1024"]);
     let e = error_of(launch("gelu_f32", 0, 32, 0, &args, Order::Increasing));
     assert_mentions(&e, &["dimension is 0"]);
-    let e = error_of(launch("gelu_f32", 1, 32, 49 * 1024, &args, Order::Increasing));
+    let e = error_of(launch(
+        "gelu_f32",
+        1,
+        32,
+        49 * 1024,
+        &args,
+        Order::Increasing,
+    ));
     assert_mentions(&e, &["48 KiB"]);
 }
 
@@ -380,7 +448,11 @@ fn a_write_just_past_a_buffer_is_an_error() {
     ));
     assert_mentions(
         &e,
-        &["kernel 'emu_test_write_past_end', argument 0", "12-byte buffer", "after its end"],
+        &[
+            "kernel 'emu_test_write_past_end', argument 0",
+            "12-byte buffer",
+            "after its end",
+        ],
     );
 }
 
@@ -439,12 +511,20 @@ fn faults_name_the_kernel_and_thread() {
         ),
     ] {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "emulator::fault_child", "--ignored", "--nocapture"])
+            .args([
+                "--exact",
+                "emulator::fault_child",
+                "--ignored",
+                "--nocapture",
+            ])
             .env(FAULT_VAR, fault)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "the {fault} fault did not end the process: {stderr}");
+        assert!(
+            !out.status.success(),
+            "the {fault} fault did not end the process: {stderr}"
+        );
         assert_mentions(&stderr, &parts);
     }
 }
@@ -457,8 +537,8 @@ fn float_patterns() -> Vec<u32> {
     for sign in [0u32, 0x8000_0000] {
         for exp in 0..=255u32 {
             for man in [
-                0u32, 1, 0x7FFF, 0x8000, 0x8001, 0x1_8000, 0x1_7FFF, 0x0FFF, 0x1000, 0x1001, 0x3000,
-                0x2FFF, 0x7F_FFFF, 0x7F_8000, 0x40_0000, 0x00_2000,
+                0u32, 1, 0x7FFF, 0x8000, 0x8001, 0x1_8000, 0x1_7FFF, 0x0FFF, 0x1000, 0x1001,
+                0x3000, 0x2FFF, 0x7F_FFFF, 0x7F_8000, 0x40_0000, 0x00_2000,
             ] {
                 v.push(sign | exp << 23 | man);
             }
@@ -491,8 +571,16 @@ fn conversions_match_the_half_crate_bit_for_bit() {
     .unwrap();
     for (i, &b) in bits.iter().enumerate() {
         let f = f32::from_bits(b);
-        assert_eq!(bf.as_slice()[i], bf16::from_f32(f).to_bits(), "bf16 of {b:#010x}");
-        assert_eq!(h.as_slice()[i], f16::from_f32(f).to_bits(), "f16 of {b:#010x}");
+        assert_eq!(
+            bf.as_slice()[i],
+            bf16::from_f32(f).to_bits(),
+            "bf16 of {b:#010x}"
+        );
+        assert_eq!(
+            h.as_slice()[i],
+            f16::from_f32(f).to_bits(),
+            "f16 of {b:#010x}"
+        );
     }
 
     let all: Vec<u16> = (0..=u16::MAX).collect();
@@ -515,8 +603,16 @@ fn conversions_match_the_half_crate_bit_for_bit() {
     .unwrap();
     for &b in &all {
         let i = b as usize;
-        assert_eq!(from_bf.as_slice()[i], bf16::from_bits(b).to_f32().to_bits(), "bf16 {b:#06x}");
-        assert_eq!(from_h.as_slice()[i], f16::from_bits(b).to_f32().to_bits(), "f16 {b:#06x}");
+        assert_eq!(
+            from_bf.as_slice()[i],
+            bf16::from_bits(b).to_f32().to_bits(),
+            "bf16 {b:#06x}"
+        );
+        assert_eq!(
+            from_h.as_slice()[i],
+            f16::from_bits(b).to_f32().to_bits(),
+            "f16 {b:#06x}"
+        );
     }
 }
 
@@ -553,7 +649,10 @@ fn every_cuda_kernel_has_a_test() {
     for base in TESTED {
         for suffix in ["f32", "f64", "bf16", "f16"] {
             let k = format!("{base}_{suffix}");
-            assert!(registered.contains(&k), "{k} is not registered: {registered:?}");
+            assert!(
+                registered.contains(&k),
+                "{k} is not registered: {registered:?}"
+            );
         }
     }
     let untested: Vec<&String> = registered

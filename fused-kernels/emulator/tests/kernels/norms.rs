@@ -16,9 +16,7 @@
 //!
 //! bf16/f16 results may also round to the neighbouring value (one step of the type).
 
-use crate::common::{
-    assert_close, flat, fused, in_both_orders, name, read, run, Dt, Input, Shape,
-};
+use crate::common::{assert_close, flat, fused, in_both_orders, name, read, run, Dt, Input, Shape};
 use candle_core::{Tensor, Var};
 use fused_kernels_emulator::{Arg, Buffer};
 
@@ -104,7 +102,9 @@ fn check<T: Dt>(norm: Norm, rows: usize, d: usize) {
         .fold(0.0, f64::max);
     let dx_floor: Vec<f64> = (0..rows)
         .map(|r| {
-            let g = (0..d).map(|j| (gs[r * d + j] * ws[j]).abs()).fold(0.0, f64::max);
+            let g = (0..d)
+                .map(|j| (gs[r * d + j] * ws[j]).abs())
+                .fold(0.0, f64::max);
             stats[r].1 * g * (1.0 + max_xhat)
         })
         .collect();

@@ -17,7 +17,9 @@ fn check<T: Dt>(bh: usize, t: usize, d: usize) {
     let h = d / 2;
     let rows = bh * t;
     let x = Input::<T>::random(&[bh, t, d], 61, -2.0, 2.0);
-    let angles: Vec<f64> = (0..t * h).map(|i| (i / h) as f64 * 0.37 / (1.0 + (i % h) as f64)).collect();
+    let angles: Vec<f64> = (0..t * h)
+        .map(|i| (i / h) as f64 * 0.37 / (1.0 + (i % h) as f64))
+        .collect();
     let cos = Input::<T>::new(angles.iter().map(|a| a.cos()).collect(), &[t, h]);
     let sin = Input::<T>::new(angles.iter().map(|a| a.sin()).collect(), &[t, h]);
     let dy = Input::<T>::random(&[bh, t, d], 62, -1.0, 1.0);
@@ -38,16 +40,16 @@ fn check<T: Dt>(bh: usize, t: usize, d: usize) {
         let (r, k) = (i / d, i % d);
         let (pos, kk) = (r % t, k % h);
         let (a, b) = (v[r * d + kk], v[r * d + kk + h]);
-        let (c, s) = (cos.data[pos * h + kk].to_f64(), sin.data[pos * h + kk].to_f64());
+        let (c, s) = (
+            cos.data[pos * h + kk].to_f64(),
+            sin.data[pos * h + kk].to_f64(),
+        );
         (a * c).abs() + (b * s).abs() + (b * c).abs() + (a * s).abs()
     };
     let (xs, gs) = (x.f64s(), dy.f64s());
     for shape in [
         fused::elements_config(rows * h),
-        Shape {
-            grid: 2,
-            block: 50,
-        },
+        Shape { grid: 2, block: 50 },
     ] {
         let what = format!("rotary [{bh}, {t}, {d}] {shape:?}");
         let got = in_both_orders(&what, |order| {
@@ -74,8 +76,12 @@ fn check<T: Dt>(bh: usize, t: usize, d: usize) {
             }
             outs
         });
-        assert_close::<T>(&format!("{what}: y"), &got[0], &want_y, rtol, |i| terms(&xs, i));
-        assert_close::<T>(&format!("{what}: dx"), &got[1], &want_dx, rtol, |i| terms(&gs, i));
+        assert_close::<T>(&format!("{what}: y"), &got[0], &want_y, rtol, |i| {
+            terms(&xs, i)
+        });
+        assert_close::<T>(&format!("{what}: dx"), &got[1], &want_dx, rtol, |i| {
+            terms(&gs, i)
+        });
     }
 }
 
