@@ -120,4 +120,3 @@ impl<'a> Arg<'a> {
         Self::new(Value::F64(v), kind::F64)
     }
 }
-
