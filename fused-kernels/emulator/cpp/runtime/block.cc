@@ -131,7 +131,9 @@ bool BlockRun::run(uint3 idx) {
   for (;;) {
     int ran = 0;
     restart_pass_ = false;
-    // A released barrier starts a new pass: the block's threads resume from the first in order.
+    // A released barrier or warp collective starts a new pass from the first thread in order:
+    // so a warp runs as far as it can (to a barrier) before the warps after it start, the
+    // schedule that exposes a warp overwriting shared memory another warp has yet to read.
     for (int k = 0; k < n && !failed_ && !restart_pass_; ++k) {
       Fiber& f = fibers_[order_ == Order::kIncreasing ? k : n - 1 - k];
       if (f.state != FiberState::kReady) continue;
@@ -328,6 +330,7 @@ void BlockRun::collective(const char* name, Resolve resolve, unsigned mask, cons
   w.arrived = 0;
   w.first = nullptr;
   resolve(records, width);
+  restart_pass_ = true;
   suspend();
 }
 

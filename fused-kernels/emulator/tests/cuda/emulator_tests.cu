@@ -14,6 +14,24 @@ extern "C" __global__ void emu_test_neighbour(unsigned* out, int sync) {
   out[blockIdx.x * blockDim.x + t] = cell[(t + 1) % blockDim.x];
 }
 
+// Two block sums of (t + 1)·(k + 1) through one shared array, as block_reduce in common.cuh
+// does. Without `sync`, a warp can overwrite its slot for the second sum before the other warps
+// have read the first (the barrier block_reduce begins with is missing).
+extern "C" __global__ void emu_test_reuse(float* out, int sync) {
+  __shared__ float per_warp[32];
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int k = 0; k < 2; ++k) {
+    float v = (float)(threadIdx.x + 1) * (float)(k + 1);
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (sync) __syncthreads();
+    if (lane == 0) per_warp[warp] = v;
+    __syncthreads();
+    float r = 0;
+    for (unsigned w = 0; w < warps; ++w) r += per_warp[w];
+    out[2 * threadIdx.x + k] = r;
+  }
+}
+
 // Threads below 16 wait at one barrier, the others at another: divergent __syncthreads.
 extern "C" __global__ void emu_test_divergent_barrier(unsigned* out) {
   if (threadIdx.x < 16) {

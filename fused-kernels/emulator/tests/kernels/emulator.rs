@@ -59,6 +59,38 @@ fn a_missing_barrier_gives_different_results_in_the_two_orders() {
     assert_eq!(down[..63], correct[..63]);
 }
 
+/// `out` of `emu_test_reuse`: both block sums as every thread saw them.
+fn reuse(sync: bool, order: Order) -> Vec<f32> {
+    let mut out = Buffer::<f32>::poisoned(2 * 128).unwrap();
+    launch(
+        "emu_test_reuse",
+        1,
+        128,
+        0,
+        &[Arg::ptr_mut(&mut out), Arg::I32(sync as i32)],
+        order,
+    )
+    .unwrap();
+    out.to_vec()
+}
+
+#[test]
+fn a_missing_barrier_between_warps_gives_wrong_results() {
+    // Σ (t + 1) over 128 threads, then twice that.
+    let correct: Vec<f32> = (0..128).flat_map(|_| [8256.0, 16512.0]).collect();
+    for order in Order::BOTH {
+        assert_eq!(reuse(true, order), correct, "with the barrier, {order:?}");
+        // A warp runs on to its next write before the warps after it read: the later warps
+        // read a second-sum value in their first sum.
+        let racy = reuse(false, order);
+        assert_ne!(racy, correct, "{order:?}: the race went unnoticed");
+    }
+    assert_ne!(
+        reuse(false, Order::Increasing),
+        reuse(false, Order::Decreasing)
+    );
+}
+
 #[test]
 fn a_divergent_syncthreads_is_an_error() {
     let mut out = Buffer::<u32>::poisoned(32).unwrap();
