@@ -179,3 +179,27 @@ __device__ int emu_test_deep(volatile int* p, int n) {
   return n == 0 ? *p : emu_test_deep(p, n - 1) + pad[0];
 }
 extern "C" __global__ void emu_test_stack_overflow(int* out) { out[0] = emu_test_deep(out, 1 << 20); }
+
+// CUDA's math functions by their CUDA names: out[k · n + i] for function k of x[i].
+extern "C" __global__ void emu_test_math(const float* x, float* out, unsigned long long n) {
+  for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = x[i];
+    const float r[16] = {expf(v),
+                         exp2f(v),
+                         logf(fabsf(v)),
+                         log2f(fabsf(v)),
+                         sqrtf(fabsf(v)),
+                         rsqrtf(fabsf(v)),
+                         tanhf(v),
+                         fmaxf(v, 0.25f),
+                         fminf(v, 0.25f),
+                         erff(v),
+                         __expf(v),
+                         __logf(fabsf(v)),
+                         __fdividef(v, 3.0f),
+                         max(v, -0.5f) + min(2, 3),
+                         __low2float(__floats2half2_rn(v, -v)) + __high2float(__floats2half2_rn(v, -v)),
+                         __ldg(&x[i]) + __uint_as_float(__float_as_uint(v))};
+    for (int k = 0; k < 16; ++k) out[k * n + i] = r[k];
+  }
+}

@@ -561,6 +561,66 @@ fn faults_name_the_kernel_and_thread() {
     }
 }
 
+#[test]
+fn math_functions_are_the_c_librarys() {
+    let x: Vec<f32> = vec![-3.5, -1.0, -0.3, 0.0, 0.2, 0.5, 1.0, 2.75, 10.0];
+    let n = x.len();
+    let xb = Buffer::from_slice(&x).unwrap();
+    let mut out = Buffer::<f32>::poisoned(16 * n).unwrap();
+    launch(
+        "emu_test_math",
+        1,
+        32,
+        0,
+        &[Arg::ptr(&xb), Arg::ptr_mut(&mut out), Arg::U64(n as u64)],
+        Order::Increasing,
+    )
+    .unwrap();
+    let out = out.to_vec();
+    // erf has no Rust std function: its values to f32 precision.
+    let erf = |v: f32| match v {
+        -3.5 => -0.999_999_26,
+        -1.0 => -0.842_700_8,
+        -0.3 => -0.328_626_76,
+        0.0 => 0.0,
+        0.2 => 0.222_702_6,
+        0.5 => 0.520_499_9,
+        1.0 => 0.842_700_8,
+        2.75 => 0.999_899_5,
+        _ => 1.0,
+    };
+    for (i, &v) in x.iter().enumerate() {
+        let half_pair = f16::from_f32(v).to_f32() + f16::from_f32(-v).to_f32();
+        let want = [
+            v.exp(),
+            v.exp2(),
+            v.abs().ln(),
+            v.abs().log2(),
+            v.abs().sqrt(),
+            1.0 / v.abs().sqrt(),
+            v.tanh(),
+            v.max(0.25),
+            v.min(0.25),
+            erf(v),
+            v.exp(),
+            v.abs().ln(),
+            v / 3.0,
+            v.max(-0.5) + 2.0,
+            half_pair,
+            v + v,
+        ];
+        for (k, w) in want.iter().enumerate() {
+            let got = out[k * n + i];
+            let close = if k == 9 {
+                (got - w).abs() <= 2.0 * f32::EPSILON
+            } else {
+                got.to_bits() == w.to_bits() || (got.is_nan() && w.is_nan())
+            };
+            assert!(close, "function {k} of {v}: got {got:e}, want {w:e}");
+        }
+    }
+}
+
 /// Float bit patterns for the conversion test: every exponent with mantissas at and around the
 /// rounding boundaries of bf16 (16 dropped bits) and f16 (13 dropped bits), a sweep of the whole
 /// space, and the special values.
