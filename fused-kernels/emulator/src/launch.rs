@@ -5,6 +5,11 @@ use crate::ffi;
 use crate::Error;
 use std::ffi::{c_void, CStr, CString};
 
+// Each argument travels in a u64 whose first bytes the kernel reads as its parameter: the low
+// bytes on a little-endian machine.
+#[cfg(target_endian = "big")]
+compile_error!("fused-kernels-emulator passes 4-byte arguments in the low bytes of a u64");
+
 /// The order in which a block's threads run between two barriers (or warp collectives): each
 /// runs until it waits or exits, in increasing or decreasing thread index. A kernel whose result
 /// depends on the order has a race between its threads (a missing `__syncthreads`, most often);

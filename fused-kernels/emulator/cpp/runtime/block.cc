@@ -96,9 +96,8 @@ std::string BlockRun::where() const {
 }
 
 void BlockRun::fiber_main(void* p) {
-  Fiber* f = static_cast<Fiber*>(p);
+  (void)p;  // the fiber is tls_run->current_
   BlockRun* run = tls_run;
-  (void)f;
   run->kernel_->invoke(run->args_);
   run->exit_current();
 }
@@ -246,19 +245,14 @@ void BlockRun::release_barrier() {
                      site(std::get<0>(g.first).c_str(), std::get<1>(g.first)).c_str(), std::get<3>(g.first).c_str(),
                      static_cast<unsigned long long>(std::get<2>(g.first)));
     }
-    const Fiber* saved = current_;
-    current_ = nullptr;  // the error is the block's, not one thread's
-    error_ = where() + ": divergent __syncthreads: every running thread waits at a barrier, but not at the same one (" +
-             detail +
+    // The error is the block's, not the releasing thread's.
+    error_ = strf("kernel '%s', block %s", kernel_->name, triple(view_.block_idx).c_str()) +
+             ": divergent __syncthreads: every running thread waits at a barrier, but not at the same one (" + detail +
              "); __syncthreads must be reached by all threads of the block the same number of times, so keep it out "
              "of conditions and loops that differ between threads";
-    current_ = const_cast<Fiber*>(saved);
     failed_ = true;
-    if (current_) {
-      context_switch(&current_->context, &scheduler_);
-      std::abort();
-    }
-    return;
+    context_switch(&current_->context, &scheduler_);
+    std::abort();  // a failed block's fibers are never resumed
   }
   switch (first ? first->barrier_mode : kBarrierPlain) {
     case kBarrierCount: barrier_result_ = count; break;
