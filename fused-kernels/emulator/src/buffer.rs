@@ -9,7 +9,7 @@ use std::ptr::NonNull;
 ///
 /// Its allocation sits between two inaccessible guard pages, with its data (16-byte aligned)
 /// ending just before the upper one: a kernel's access well past either end faults at once and
-/// the emulator aborts naming the kernel, block and thread; a write into the few bytes of
+/// the emulator ends the process naming the kernel, block and thread; a write into the few bytes of
 /// alignment slack after the end, or into the page before the start, is found after the launch
 /// (the bytes there hold a canary pattern) and makes the launch an error. A new buffer from
 /// [`Buffer::poisoned`] holds 0xFF bytes (NaN for floats), so output a kernel forgets to write

@@ -60,7 +60,7 @@ impl From<(u32, u32, u32)> for Dim3 {
 /// error while it runs (a divergent `__syncthreads`, a deadlock, a warp collective with a partial
 /// mask or an exited lane, `__trap`) names the kernel, block and thread and ends the launch; so
 /// does a write just outside a buffer, found after the launch. A memory fault (an access well
-/// outside a buffer) aborts the process after printing the kernel, block and thread.
+/// outside a buffer) ends the process (status 134) after printing the kernel, block and thread.
 pub fn launch(
     kernel: &str,
     grid: impl Into<Dim3>,

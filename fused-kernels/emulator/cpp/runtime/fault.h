@@ -1,5 +1,6 @@
 // A handler of memory faults (SIGSEGV, SIGBUS) in device code: it names the kernel, block and
-// thread and what the address was (a buffer's guard page, a fiber's stack guard), then aborts.
+// thread and what the address was (a buffer's guard page, a fiber's stack guard), then ends the
+// process with status 134.
 // Faults outside the emulator's blocks go to the handler that was installed before.
 #pragma once
 

@@ -491,7 +491,7 @@ fn a_write_just_past_a_buffer_is_an_error() {
 /// Which fault the child process provokes (see `faults_name_the_kernel_and_thread`).
 const FAULT_VAR: &str = "FUSED_KERNELS_EMULATOR_TEST_FAULT";
 
-/// Run by `faults_name_the_kernel_and_thread` in a child process: a memory fault aborts the
+/// Run by `faults_name_the_kernel_and_thread` in a child process: a memory fault ends the
 /// process. Does nothing when run directly.
 #[test]
 #[ignore = "run by faults_name_the_kernel_and_thread in a child process"]
