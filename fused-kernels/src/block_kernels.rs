@@ -148,6 +148,103 @@ impl InplaceOp2 for AddBiasInPlace {
     }
 }
 
+// ---- add into a range of columns, in place ----
+
+/// `y[:, offset..offset + w] += delta` for a contiguous `y` `[rows, total]` that nothing else reads
+/// yet and `delta` `[rows, w]`: an adapter's update added to its part of a packed projection.
+pub(crate) fn add_into_columns(y: &Tensor, delta: &Tensor, offset: usize) -> Result<()> {
+    let (rows, total) = y.dims2()?;
+    let delta = delta.contiguous()?;
+    let (delta_rows, width) = delta.dims2()?;
+    if !y.is_contiguous()
+        || delta_rows != rows
+        || offset + width > total
+        || delta.dtype() != y.dtype()
+    {
+        candle_core::bail!(
+            "add_into_columns: delta {:?} {:?} does not fit columns {offset}.. of y {:?} {:?}",
+            delta.dims(),
+            delta.dtype(),
+            y.dims(),
+            y.dtype()
+        );
+    }
+    y.inplace_op2(&delta, &AddIntoColumns { offset })
+}
+
+struct AddIntoColumns {
+    offset: usize,
+}
+
+impl InplaceOp2 for AddIntoColumns {
+    fn name(&self) -> &'static str {
+        "add_into_columns"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        fn run<T: Element>(
+            offset: usize,
+            s1: &mut CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> Result<()> {
+            let delta = contiguous::<T>("add_into_columns", "delta", s2, l2)?;
+            let (total, width) = (l1.dims()[1], l2.dims()[1]);
+            let Some((start, end)) = l1.contiguous_offsets() else {
+                candle_core::bail!("add_into_columns: y is not contiguous");
+            };
+            let y = T::slice_mut(s1).ok_or_else(|| {
+                candle_core::Error::Msg("add_into_columns: y and delta dtypes differ".into())
+            })?;
+            for_each_row(&mut y[start..end], total.max(1), |r, row| {
+                let d = &delta[r * width..(r + 1) * width];
+                for (y, d) in row[offset..offset + width].iter_mut().zip(d) {
+                    *y = T::from_acc(y.to_acc() + d.to_acc());
+                }
+            });
+            Ok(())
+        }
+        dispatch!("add_into_columns", s2, run(self.offset, s1, l1, s2, l2))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        fn run<T: CudaElement>(
+            offset: usize,
+            s1: &mut CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<()> {
+            let delta = input::<T>("add_into_columns", "delta", s2, l2)?;
+            let (rows, total, width) = (l1.dims()[0], l1.dims()[1], l2.dims()[1]);
+            let Some((start, end)) = l1.contiguous_offsets() else {
+                candle_core::bail!("add_into_columns: y is not contiguous");
+            };
+            let dev = s1.device.clone();
+            let mut y = s1.as_cuda_slice_mut::<T>()?.slice_mut(start..end);
+            let args = [rows, total, width, offset].map(|v| v as u64);
+            launch!(&dev, BLOCK_KERNELS, "add_into_columns", T, elements_config(rows * width);
+                &mut y, &delta, &args[0], &args[1], &args[2], &args[3]);
+            Ok(())
+        }
+        cuda_dispatch!("add_into_columns", s2, run(self.offset, s1, l1, s2, l2))
+    }
+}
+
 // ---- bias + GELU ----
 
 /// `gelu(f + bias)` for a projection's output `f` `[..., n]` and its bias `[n]` (or none).

@@ -174,31 +174,20 @@ impl Packed {
             let ws: Vec<&Tensor> = self.parts.iter().map(|p| &d[p.weight]).collect();
             Tensor::cat(&ws, 0)?
         };
-        let has_lora = self.parts.iter().any(|p| p.lora.is_some());
+        // The packed product, then each adapter's update added into its part's columns (so a
+        // fresh adapter, whose update is zero, leaves the product bitwise as it is).
+        let y = x.matmul(&weight.t()?)?;
         let mut lora_x = vec![None; self.parts.len()];
-        let y = if !has_lora {
-            x.matmul(&weight.t()?)?
-        } else {
-            // Each part on its own, its update added, then side by side.
-            let mut outs = Vec::with_capacity(self.parts.len());
-            let mut row = 0;
-            for (i, p) in self.parts.iter().enumerate() {
-                let w = weight.narrow(0, row, p.out)?;
-                row += p.out;
-                let mut y = x.matmul(&w.t()?)?;
-                if let Some((a, b, scale)) = p.lora {
-                    let u = x.matmul(&d[a].t()?)?;
-                    y = (y + (u.matmul(&d[b].t()?)? * scale)?)?;
-                    lora_x[i] = Some(u);
-                }
-                outs.push(y);
+        let mut col = 0;
+        for (i, p) in self.parts.iter().enumerate() {
+            if let Some((a, b, scale)) = p.lora {
+                let u = x.matmul(&d[a].t()?)?;
+                let delta = (u.matmul(&d[b].t()?)? * scale)?;
+                crate::block_kernels::add_into_columns(&y, &delta, col)?;
+                lora_x[i] = Some(u);
             }
-            if outs.len() == 1 {
-                outs.pop().expect("one part")
-            } else {
-                Tensor::cat(&outs, 1)?
-            }
-        };
+            col += p.out;
+        }
         if add_bias {
             if let Some(b) = self.bias(d)? {
                 crate::block_kernels::add_bias_inplace(&y, &b)?;

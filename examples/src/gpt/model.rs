@@ -520,7 +520,9 @@ mod tests {
     #[test]
     fn the_fused_blocks_equal_the_unfused_ones_in_values_and_gradients() {
         let (varmap, model) = build_in(config(), 6, &Device::Cpu, DType::F32).unwrap();
-        let values: Vec<f32> = (0..2 * 5 * 16).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+        let values: Vec<f32> = (0..2 * 5 * 16)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
         let x = candle_core::Var::from_vec(values, (2, 5, 16), &Device::Cpu).unwrap();
         let block = &model.blocks[1];
         let fused = block.forward(x.as_tensor(), None).unwrap();
@@ -536,17 +538,36 @@ mod tests {
                 .unwrap()
         };
         assert!(diff(&fused, &unfused) < 1e-5, "{}", diff(&fused, &unfused));
-        let w = Tensor::arange(0f32, 160., &Device::Cpu).unwrap().reshape((2, 5, 16)).unwrap();
+        let w = Tensor::arange(0f32, 160., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 5, 16))
+            .unwrap();
         let w = (w / 160.0).unwrap();
-        let gf = (&fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let gu = (&unfused * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let d = diff(gf.get(x.as_tensor()).unwrap(), gu.get(x.as_tensor()).unwrap());
+        let gf = (&fused * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gu = (&unfused * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let d = diff(
+            gf.get(x.as_tensor()).unwrap(),
+            gu.get(x.as_tensor()).unwrap(),
+        );
         assert!(d < 1e-5, "x: {d}");
         let data = varmap.data().lock().unwrap();
         let mut seen = 0;
         for (name, var) in data.iter().filter(|(n, _)| n.starts_with("h.1.")) {
             let (a, b) = (gf.get(var.as_tensor()), gu.get(var.as_tensor()));
-            let (a, b) = (a.unwrap_or_else(|| panic!("{name}: no fused gradient")), b.unwrap());
+            let (a, b) = (
+                a.unwrap_or_else(|| panic!("{name}: no fused gradient")),
+                b.unwrap(),
+            );
             assert!(diff(a, b) < 1e-5, "{name}: {}", diff(a, b));
             seen += 1;
         }

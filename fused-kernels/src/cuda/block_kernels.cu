@@ -1,4 +1,5 @@
-// Element-wise kernels of the fused layers (see block_kernels.rs): in-place bias add, bias + GELU
+// Element-wise kernels of the fused layers (see block_kernels.rs): in-place bias add, in-place add
+// into a range of columns, bias + GELU
 // and its backward, SwiGLU over a packed [gate | up] projection and its backward, rotary embeddings
 // applied in place to a range of heads of a packed [B, T, heads, D] projection. Grid-stride loops;
 // arithmetic in AccOf<T>, rounded once per stored element.
@@ -7,6 +8,17 @@
 template <typename T>
 __device__ void add_bias_inplace(T* __restrict__ y, const T* __restrict__ bias, u64 total, u64 n) {
   GRID_STRIDE(i, total) y[i] = from_acc<T>(to_acc(y[i]) + to_acc(bias[i % n]));
+}
+
+// y[r, offset + j] += delta[r, j] for rows r of y (`total` wide) and delta (`width` wide).
+template <typename T>
+__device__ void add_into_columns(T* __restrict__ y, const T* __restrict__ delta, u64 rows,
+                                 u64 total, u64 width, u64 offset) {
+  GRID_STRIDE(i, rows * width) {
+    const u64 r = i / width, j = i % width;
+    T* p = y + r * total + offset + j;
+    *p = from_acc<T>(to_acc(*p) + to_acc(delta[i]));
+  }
 }
 
 // act = gelu(f + bias); `has_bias` 0 reads no bias.
@@ -82,6 +94,10 @@ __device__ void rotary_heads(T* __restrict__ x, const T* __restrict__ cos, const
 #define BLOCK_KERNELS(suffix, T)                                                                   \
   extern "C" __global__ void add_bias_inplace_##suffix(T* y, const T* bias, u64 total, u64 n) {    \
     add_bias_inplace<T>(y, bias, total, n);                                                        \
+  }                                                                                                \
+  extern "C" __global__ void add_into_columns_##suffix(T* y, const T* delta, u64 rows, u64 total, \
+                                                       u64 width, u64 offset) {                    \
+    add_into_columns<T>(y, delta, rows, total, width, offset);                                     \
   }                                                                                                \
   extern "C" __global__ void bias_gelu_##suffix(const T* f, const T* bias, T* act, u64 total,      \
                                                 u64 n, int has_bias) {                             \

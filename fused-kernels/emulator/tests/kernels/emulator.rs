@@ -713,10 +713,14 @@ fn conversions_match_the_half_crate_bit_for_bit() {
 /// The kernels of fused-kernels' `src/cuda/*.cu` these tests compare with the CPU, without their
 /// dtype suffix. A kernel added to a `.cu` without a test here fails
 /// `every_cuda_kernel_has_a_test` (the README says how to add one).
-const TESTED: [&str; 21] = [
+const TESTED: [&str; 32] = [
     "add_bias",
+    "add_bias_inplace",
     "add_bias_partial",
     "add_bias_sum",
+    "add_into_columns",
+    "bias_gelu",
+    "bias_gelu_backward",
     "causal_softmax",
     "causal_softmax_backward",
     "cross_entropy_backward",
@@ -726,15 +730,22 @@ const TESTED: [&str; 21] = [
     "gelu_backward",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_backward_residual",
     "layer_norm_sum",
     "rms_norm",
+    "residual_add",
+    "residual_add_bias",
     "rms_norm_backward",
+    "rms_norm_backward_residual",
     "rms_norm_sum",
     "rotary",
+    "rotary_heads",
     "silu",
     "silu_backward",
     "swiglu",
     "swiglu_backward",
+    "swiglu_packed",
+    "swiglu_packed_backward",
 ];
 
 #[test]

@@ -5,6 +5,7 @@
 
 mod activations;
 mod add_bias;
+mod blocks;
 mod causal_softmax;
 mod common;
 mod cross_entropy;

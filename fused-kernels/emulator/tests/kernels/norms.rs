@@ -65,6 +65,7 @@ fn check<T: Dt>(norm: Norm, rows: usize, d: usize) {
     let w = Input::<T>::random(&[d], 12, 0.5, 1.5);
     let b = Input::<T>::random(&[d], 13, -0.5, 0.5);
     let dy = Input::<T>::random(&[rows, d], 14, -1.0, 1.0);
+    let dres = Input::<T>::random(&[rows, d], 97, -1.0, 1.0);
 
     // The CPU reference: the op, and the gradients of Σ y · dy.
     let xv = Var::from_tensor(&x.tensor).unwrap();
@@ -174,64 +175,85 @@ fn check<T: Dt>(norm: Norm, rows: usize, d: usize) {
             Shape { grid: 1, block: 32 },
         ),
     ] {
-        let what = format!("{bwd} + {sum} [{rows}, {d}] {first:?} then {second:?}");
-        let blocks = first.grid as usize;
-        let params = if norm == Norm::Layer { 2 } else { 1 };
-        let got = in_both_orders(&what, |order| {
-            let (xb, wb, gb) = (x.buffer(), w.buffer(), dy.buffer());
-            let mut out = Buffer::<T>::poisoned((rows + params) * d).unwrap();
-            let mut partial = Buffer::<T::Acc>::poisoned(blocks * width).unwrap();
-            run(
-                &name::<T>(bwd),
-                first,
-                &[
-                    Arg::ptr(&xb),
-                    Arg::ptr(&wb),
-                    Arg::ptr(&gb),
+        // The residual variant adds dres, the gradient reaching x along the residual path, to dx.
+        for residual in [false, true] {
+            let kernel = if residual {
+                format!("{bwd}_residual")
+            } else {
+                bwd.to_string()
+            };
+            let what = format!("{kernel} + {sum} [{rows}, {d}] {first:?} then {second:?}");
+            let blocks = first.grid as usize;
+            let params = if norm == Norm::Layer { 2 } else { 1 };
+            let got = in_both_orders(&what, |order| {
+                let (xb, wb, gb, rb) = (x.buffer(), w.buffer(), dy.buffer(), dres.buffer());
+                let mut out = Buffer::<T>::poisoned((rows + params) * d).unwrap();
+                let mut partial = Buffer::<T::Acc>::poisoned(blocks * width).unwrap();
+                let mut args = vec![Arg::ptr(&xb), Arg::ptr(&wb), Arg::ptr(&gb)];
+                if residual {
+                    args.push(Arg::ptr(&rb));
+                }
+                args.extend([
                     Arg::ptr_mut(&mut out),
                     Arg::ptr_mut(&mut partial),
                     Arg::U64(rows as u64),
                     Arg::U64(d as u64),
                     Arg::F64(EPS),
-                ],
-                order,
-            );
-            run(
-                &name::<T>(sum),
-                second,
-                &[
-                    Arg::ptr(&partial),
-                    Arg::U64(blocks as u64),
-                    Arg::U64(width as u64),
-                    Arg::ptr_mut_at(&mut out, rows * d).unwrap(),
-                ],
-                order,
-            );
-            vec![read(&out)]
-        });
-        let all = &got[0];
-        assert_close::<T>(
-            &format!("{what}: dx"),
-            &all[..rows * d],
-            &want_dx,
-            rtol_row,
-            |i| dx_floor[i / d],
-        );
-        assert_close::<T>(
-            &format!("{what}: d_weight"),
-            &all[rows * d..(rows + 1) * d],
-            &want_dw,
-            rtol_col,
-            |j| dw_floor[j],
-        );
-        if let Some(want_db) = &want_db {
+                ]);
+                run(&name::<T>(&kernel), first, &args, order);
+                drop(args);
+                run(
+                    &name::<T>(sum),
+                    second,
+                    &[
+                        Arg::ptr(&partial),
+                        Arg::U64(blocks as u64),
+                        Arg::U64(width as u64),
+                        Arg::ptr_mut_at(&mut out, rows * d).unwrap(),
+                    ],
+                    order,
+                );
+                vec![read(&out)]
+            });
+            let all = &got[0];
+            let res = dres.f64s();
+            let want: Vec<f64> = if residual {
+                want_dx.iter().zip(&res).map(|(a, b)| a + b).collect()
+            } else {
+                want_dx.clone()
+            };
+            // The reference's dx is rounded to T before dres is added (the kernel rounds the
+            // sum once): one more step of T at dx's magnitude.
             assert_close::<T>(
-                &format!("{what}: d_bias"),
-                &all[(rows + 1) * d..],
-                want_db,
-                rtol_col,
-                |j| db_floor[j],
+                &format!("{what}: dx"),
+                &all[..rows * d],
+                &want,
+                rtol_row,
+                |i| {
+                    dx_floor[i / d]
+                        + if residual {
+                            res[i].abs() + T::step(want_dx[i]) / rtol_row
+                        } else {
+                            0.0
+                        }
+                },
             );
+            assert_close::<T>(
+                &format!("{what}: d_weight"),
+                &all[rows * d..(rows + 1) * d],
+                &want_dw,
+                rtol_col,
+                |j| dw_floor[j],
+            );
+            if let Some(want_db) = &want_db {
+                assert_close::<T>(
+                    &format!("{what}: d_bias"),
+                    &all[(rows + 1) * d..],
+                    want_db,
+                    rtol_col,
+                    |j| db_floor[j],
+                );
+            }
         }
     }
 }
