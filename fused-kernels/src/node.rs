@@ -38,6 +38,9 @@ pub(crate) trait Backward: Send + Sync + 'static {
 
 /// How the node's forward computes its output from tensors the forward pass prepared.
 pub(crate) enum Output {
+    /// The tensor, copied into the node's storage (one pass over it): the output of a computation
+    /// whose last step is not one of the others (a checkpointed block).
+    Copy(Tensor),
     /// `x + z`, plus `bias` `[n]` added to every row when given (`x`, `z` `[..., n]`): the
     /// residual add after a layer's output projection.
     Residual {
@@ -64,6 +67,7 @@ pub(crate) enum Output {
 impl Output {
     fn shape(&self) -> Result<Shape> {
         Ok(match self {
+            Output::Copy(t) => t.shape().clone(),
             Output::Residual { x, .. } => x.shape().clone(),
             Output::Product { x, w, .. } => {
                 let mut dims = x.dims().to_vec();
@@ -144,6 +148,7 @@ fn lock<'a>(
 /// `output` as a plain tensor (no graph).
 fn realize(output: Output) -> Result<Tensor> {
     match output {
+        Output::Copy(t) => Ok(t),
         Output::Residual { x, z, bias } => {
             let y = (x + z)?;
             match bias {
@@ -258,10 +263,38 @@ impl<B: Backward> Main<B> {
     }
 }
 
+/// A contiguous copy of `t`'s elements in storage of its own (the bits unchanged): a custom op
+/// must return an owned storage, and a tensor's storage cannot be moved out of it.
+fn copy_of(t: &Tensor) -> Result<Storage> {
+    fn copy<S: BackendStorage<Device = D>, D: BackendDevice<Storage = S>>(
+        s: &S,
+        layout: &Layout,
+    ) -> Result<S> {
+        // SAFETY: `copy_strided_src` writes every element of the new storage.
+        let mut dst = unsafe { s.device().alloc_uninit(layout.shape(), s.dtype())? };
+        s.copy_strided_src(&mut dst, 0, layout)?;
+        Ok(dst)
+    }
+    let (storage, layout) = t.storage_and_layout();
+    Ok(match &*storage {
+        Storage::Cpu(s) => Storage::Cpu(copy(s, layout)?),
+        Storage::Cuda(s) => Storage::Cuda(copy(s, layout)?),
+        Storage::Metal(s) => Storage::Metal(copy(s, layout)?),
+    })
+}
+
+fn wrong_device() -> candle_core::Error {
+    candle_core::Error::Msg("node: the output is not on the device of the inputs".into())
+}
+
 /// The output on the CPU.
 fn cpu_output(output: Output) -> Result<(CpuStorage, Shape)> {
     let shape = output.shape()?;
     match output {
+        Output::Copy(t) => match copy_of(&t)? {
+            Storage::Cpu(s) => Ok((s, shape)),
+            _ => Err(wrong_device()),
+        },
         Output::Residual { x, z, bias } => crate::residual::cpu(&x, &z, bias.as_ref()),
         Output::Product { x, w, bias } => product!(Cpu, x, w, bias.as_ref(), add_bias_cpu, shape),
     }
@@ -272,14 +305,38 @@ fn cpu_output(output: Output) -> Result<(CpuStorage, Shape)> {
 fn cuda_output(output: Output) -> Result<(CudaStorage, Shape)> {
     let shape = output.shape()?;
     match output {
+        Output::Copy(t) => match copy_of(&t)? {
+            Storage::Cuda(s) => Ok((s, shape)),
+            _ => Err(wrong_device()),
+        },
         Output::Residual { x, z, bias } => crate::residual::cuda(&x, &z, bias.as_ref()),
         Output::Product { x, w, bias } => product!(Cuda, x, w, bias.as_ref(), add_bias_cuda, shape),
     }
 }
 
+/// The output on a CUDA device without the kernels: only a copy.
 #[cfg(not(feature = "cuda"))]
-fn cuda_output(_: Output) -> Result<(CudaStorage, Shape)> {
-    candle_core::bail!("node: CUDA tensors need fused-kernels' `cuda` feature")
+fn cuda_output(output: Output) -> Result<(CudaStorage, Shape)> {
+    let shape = output.shape()?;
+    match output {
+        Output::Copy(t) => match copy_of(&t)? {
+            Storage::Cuda(s) => Ok((s, shape)),
+            _ => Err(wrong_device()),
+        },
+        _ => candle_core::bail!("node: CUDA kernels need fused-kernels' `cuda` feature"),
+    }
+}
+
+/// The output on a Metal device: only a copy (the fused layers fall back to candle's ops there).
+fn metal_output(output: Output) -> Result<(MetalStorage, Shape)> {
+    let shape = output.shape()?;
+    match output {
+        Output::Copy(t) => match copy_of(&t)? {
+            Storage::Metal(s) => Ok((s, shape)),
+            _ => Err(wrong_device()),
+        },
+        _ => candle_core::bail!("node: no Metal kernels; the public functions fall back"),
+    }
 }
 
 impl<B: Backward> CustomOp1 for Main<B> {
@@ -296,10 +353,7 @@ impl<B: Backward> CustomOp1 for Main<B> {
     }
 
     fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        candle_core::bail!(
-            "{}: no Metal kernels; the public functions fall back",
-            self.name
-        )
+        metal_output(self.take_output()?)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -339,10 +393,7 @@ impl<B: Backward> CustomOp2 for Main<B> {
         _: &MetalStorage,
         _: &Layout,
     ) -> Result<(MetalStorage, Shape)> {
-        candle_core::bail!(
-            "{}: no Metal kernels; the public functions fall back",
-            self.name
-        )
+        metal_output(self.take_output()?)
     }
 
     fn bwd(
