@@ -4,7 +4,8 @@
 #   docker run --gpus all --rm accelerate-rs \
 #       accelerate-launch --num-gpus 8 /opt/accelerate/examples/mlp --grad-accum 4
 #
-# The build stage compiles candle's CUDA kernels for CUDA_COMPUTE_CAP (90 = Hopper; 80 = Ampere).
+# The build stage compiles candle's CUDA kernels (PTX) for CUDA_COMPUTE_CAP (90 = Hopper; 80 =
+# Ampere); fused-kernels' kernels also ship machine code for sm_80 and sm_90.
 ARG CUDA_VERSION=13.0.0
 ARG UBUNTU=ubuntu24.04
 
@@ -39,6 +40,10 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libnccl2 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out /opt/accelerate
-ENV PATH=/opt/accelerate:${PATH}
+# The driver compiles candle's PTX on the first launch (~14 s) and caches the result: keep the
+# cache on a volume (-v cuda-jit-cache:/var/cache/cuda-jit) so that only the first container pays.
+ENV PATH=/opt/accelerate:${PATH} \
+    CUDA_CACHE_PATH=/var/cache/cuda-jit \
+    CUDA_CACHE_MAXSIZE=4294967296
 WORKDIR /workspace
 CMD ["accelerate-launch", "--help"]
