@@ -20,6 +20,8 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn from_acc(a: Self::Acc) -> Self;
     /// The storage's elements when it holds this type.
     fn slice(storage: &CpuStorage) -> Option<&[Self]>;
+    /// The storage's elements, writable (for in-place ops), when it holds this type.
+    fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps elements into storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
 }
@@ -38,6 +40,12 @@ macro_rules! element {
                 $from(a)
             }
             fn slice(storage: &CpuStorage) -> Option<&[Self]> {
+                match storage {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]> {
                 match storage {
                     CpuStorage::$variant(v) => Some(v),
                     _ => None,
