@@ -191,3 +191,52 @@ impl CustomOp1 for SumRows {
         dispatch!("add_bias-backward", s, run(s, l))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    #[test]
+    fn column_sums_equal_naive_sums_and_bf16_is_summed_in_f32() {
+        // 3 · 333 rows of 5 (past the threshold of the threaded row blocks).
+        let (rows, m) = (999, 5);
+        let v: Vec<f64> = (0..rows * m)
+            .map(|i| ((i * 7919) % 1000) as f64 / 100.0 - 4.0)
+            .collect();
+        let dy = Tensor::from_vec(v, (3, 333, m), &Device::Cpu).unwrap();
+        // Absolute and relative tolerances: f32 sums of 200 terms reaching ~1000 (half an ulp,
+        // 3e-5, per add); bf16's one final rounding (2⁻⁹ relative, 2 at ~1000; a bf16 running
+        // sum would round to 4 at every add past 512, tens of units in all).
+        for (dtype, abs, rel) in [
+            (DType::F64, 1e-9, 0.0),
+            (DType::F32, 1e-2, 0.0),
+            (DType::BF16, 1e-2, 1.0 / 256.0),
+        ] {
+            let dy = dy.to_dtype(dtype).unwrap();
+            // The reference: f64 sums of the values as the dtype holds them.
+            let held: Vec<f64> = dy
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut want = vec![0f64; m];
+            for (i, x) in held.iter().enumerate() {
+                want[i % m] += x;
+            }
+            let got: Vec<f64> = super::column_sums(&dy)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= abs + rel * w.abs(),
+                    "{dtype:?}: {got:?} vs {want:?}"
+                );
+            }
+        }
+    }
+}

@@ -357,7 +357,8 @@ impl InplaceOp3 for RowsAndGradient {
             s3: &CpuStorage,
             l3: &Layout,
         ) -> Result<()> {
-            let name = "linear_cross_entropy-rows";
+            // The targets' errors reach the user: name the public function.
+            let name = "linear_cross_entropy";
             let &[n, v] = l1.dims() else {
                 candle_core::bail!("{name}: logits must be [rows, v], got {:?}", l1.dims());
             };
@@ -619,5 +620,385 @@ impl CustomOp2 for Scale {
                 other,
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// `n` pseudo-random values in `[-1, 1)` (xorshift from `seed`).
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+            })
+            .collect()
+    }
+
+    fn f64s(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// A problem: `n` rows of `c` against `v` classes; padding (weight 0) on rows 2 and 7, the
+    /// last class as target of rows 1 and 6.
+    struct Problem {
+        n: usize,
+        c: usize,
+        v: usize,
+        x: Vec<f64>,
+        w: Vec<f64>,
+        targets: Vec<u32>,
+        weights: Vec<f64>,
+    }
+
+    fn problem(n: usize, c: usize, v: usize, seed: u64) -> Problem {
+        let targets = (0..n)
+            .map(|i| match i % 5 {
+                1 => (v - 1) as u32,
+                _ => ((i * 7919 + 3) % v) as u32,
+            })
+            .collect();
+        let weights = (0..n)
+            .map(|i| {
+                if i % 5 == 2 {
+                    0.0
+                } else {
+                    [1.0, 0.5, 2.0][i % 3]
+                }
+            })
+            .collect();
+        Problem {
+            n,
+            c,
+            v,
+            // Logits of a few units: a softmax that is neither flat nor one-hot.
+            x: values(n * c, seed).iter().map(|x| x * 2.0).collect(),
+            w: values(v * c, seed + 1).iter().map(|x| x * 1.5).collect(),
+            targets,
+            weights,
+        }
+    }
+
+    /// The loss and its gradients with respect to `x` and `w` by naive f64 loops, from the
+    /// inputs as given (the caller rounds them to the dtype under test first).
+    fn naive(p: &Problem, x: &[f64], w: &[f64]) -> (f64, Vec<f64>, Vec<f64>) {
+        let (n, c, v) = (p.n, p.c, p.v);
+        let mut loss = 0.0;
+        let mut dx = vec![0.0; n * c];
+        let mut dw = vec![0.0; v * c];
+        for i in 0..n {
+            let z: Vec<f64> = (0..v)
+                .map(|k| (0..c).map(|j| x[i * c + j] * w[k * c + j]).sum())
+                .collect();
+            let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + z.iter().map(|z| (z - max).exp()).sum::<f64>().ln();
+            let t = p.targets[i] as usize;
+            let wi = p.weights[i];
+            if wi == 0.0 {
+                continue;
+            }
+            loss += wi * (lse - z[t]);
+            for k in 0..v {
+                let dz = wi * ((z[k] - lse).exp() - if k == t { 1.0 } else { 0.0 });
+                for j in 0..c {
+                    dx[i * c + j] += dz * w[k * c + j];
+                    dw[k * c + j] += dz * x[i * c + j];
+                }
+            }
+        }
+        (loss, dx, dw)
+    }
+
+    /// Loss and gradients of `scale · linear_cross_entropy` (chunks of `rows`) in `dtype`.
+    fn fused(p: &Problem, dtype: DType, rows: usize, scale: f64) -> (f64, Vec<f64>, Vec<f64>) {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(
+            &Tensor::from_vec(p.x.clone(), (p.n, p.c), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let w = Var::from_tensor(
+            &Tensor::from_vec(p.w.clone(), (p.v, p.c), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let targets = Tensor::new(p.targets.as_slice(), &dev).unwrap();
+        let weights = Tensor::new(p.weights.as_slice(), &dev)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let loss =
+            linear_cross_entropy_in_chunks(x.as_tensor(), w.as_tensor(), &targets, &weights, rows)
+                .unwrap();
+        assert_eq!(loss.dtype(), loss_dtype(dtype));
+        let grads = (&loss * scale).unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).unwrap();
+        let dw = grads.get(w.as_tensor()).unwrap();
+        assert_eq!((dx.dtype(), dw.dtype()), (dtype, dtype));
+        (f64s(&loss)[0], f64s(dx), f64s(dw))
+    }
+
+    /// `a` within `tol` of `b`, relative to the largest magnitude of `b` (at least 1).
+    fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        let scale = b.iter().fold(1f64, |m, v| m.max(v.abs()));
+        for (k, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * scale,
+                "{what}[{k}]: {x} vs {y} (tolerance {tol:e} × {scale})"
+            );
+        }
+    }
+
+    /// The inputs rounded to `dtype`, as f64.
+    fn rounded(v: &[f64], dtype: DType) -> Vec<f64> {
+        f64s(
+            &Tensor::new(v, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+    }
+
+    #[test]
+    fn loss_and_gradients_equal_naive_loops_for_any_chunking() {
+        // Odd shapes; chunks of 1 row, 4 rows (the last one short), all rows, more than all.
+        let p = problem(13, 7, 37, 1);
+        // The tolerances: f64 to rounding; f32 to a few ulps of sums of ~40 terms; bf16 to the
+        // rounding of the logits (2⁻⁹ of a few units) and of the gradients' products.
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-6), (DType::BF16, 3e-2)] {
+            let (x, w) = (rounded(&p.x, dtype), rounded(&p.w, dtype));
+            let (loss, dx, dw) = naive(&p, &x, &w);
+            for rows in [1, 4, 13, 100] {
+                let what = format!("{dtype:?}, chunks of {rows}");
+                let (l, gx, gw) = fused(&p, dtype, rows, 1.0);
+                assert_close(&format!("{what}: loss"), &[l], &[loss], tol);
+                assert_close(&format!("{what}: dx"), &gx, &dx, tol);
+                assert_close(&format!("{what}: dw"), &gw, &dw, tol);
+            }
+        }
+    }
+
+    #[test]
+    fn the_loss_gradient_scales_the_kept_gradients() {
+        // backward of 0.37 · loss: the kept gradients times 0.37 (in f32 for the bf16 weight's
+        // f32 sum, rounded once).
+        let p = problem(9, 5, 11, 2);
+        for (dtype, tol) in [(DType::F32, 2e-6), (DType::BF16, 2e-2)] {
+            let (x, w) = (rounded(&p.x, dtype), rounded(&p.w, dtype));
+            let (_, dx, dw) = naive(&p, &x, &w);
+            let scaled = |g: &[f64]| g.iter().map(|g| g * 0.37).collect::<Vec<_>>();
+            let (_, gx, gw) = fused(&p, dtype, 4, 0.37);
+            assert_close(&format!("{dtype:?} dx"), &gx, &scaled(&dx), tol);
+            assert_close(&format!("{dtype:?} dw"), &gw, &scaled(&dw), tol);
+        }
+    }
+
+    #[test]
+    fn equals_the_unfused_candle_path_and_chunking_changes_nothing_in_f32() {
+        // The unfused path: candle's matmul, a cast to f32, fused_kernels::cross_entropy, all
+        // differentiated by candle.
+        let p = problem(50, 16, 203, 3);
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::BF16] {
+            let x = Var::from_tensor(
+                &Tensor::from_vec(p.x.clone(), (p.n, p.c), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let w = Var::from_tensor(
+                &Tensor::from_vec(p.w.clone(), (p.v, p.c), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let targets = Tensor::new(p.targets.as_slice(), &dev).unwrap();
+            let weights = Tensor::new(p.weights.as_slice(), &dev)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let logits = x
+                .as_tensor()
+                .matmul(&w.as_tensor().t().unwrap())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let loss = crate::cross_entropy(&logits, &targets, &weights).unwrap();
+            let g = loss.backward().unwrap();
+            let want = (
+                f64s(&loss),
+                f64s(g.get(x.as_tensor()).unwrap()),
+                f64s(g.get(w.as_tensor()).unwrap()),
+            );
+            let (l, gx, gw) = fused(&p, dtype, usize::MAX, 1.0);
+            // One chunk: the same logits, the same row arithmetic, the same f64 sum.
+            assert_eq!(l, want.0[0], "{dtype:?}: loss");
+            // The gradients round d z to the dtype before the products, as the unfused path.
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+            assert_close(&format!("{dtype:?} dx"), &gx, &want.1, tol);
+            assert_close(&format!("{dtype:?} dw"), &gw, &want.2, tol);
+            if dtype == DType::F32 {
+                let (l7, gx7, gw7) = fused(&p, dtype, 7, 1.0);
+                assert_close("chunks of 7: loss", &[l7], &[l], 1e-6);
+                assert_close("chunks of 7: dx", &gx7, &gx, 1e-6);
+                assert_close("chunks of 7: dw", &gw7, &gw, 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_bits_on_one_and_on_four_threads() {
+        // 600 rows of 300 classes: past the threshold of the threaded row loop.
+        let p = problem(600, 8, 300, 4);
+        let pool = |k| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(k)
+                .build()
+                .unwrap()
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let one = pool(1).install(|| fused(&p, dtype, 250, 1.0));
+            let four = pool(4).install(|| fused(&p, dtype, 250, 1.0));
+            assert_eq!(one, four, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn frozen_inputs_get_no_gradient_and_no_product() {
+        let p = problem(6, 4, 9, 5);
+        let dev = Device::Cpu;
+        let x = Tensor::from_vec(p.x.clone(), (p.n, p.c), &dev).unwrap();
+        let w = Tensor::from_vec(p.w.clone(), (p.v, p.c), &dev).unwrap();
+        let targets = Tensor::new(p.targets.as_slice(), &dev).unwrap();
+        let weights = Tensor::new(p.weights.as_slice(), &dev).unwrap();
+        let (loss, want_dx, want_dw) = naive(&p, &p.x, &p.w);
+        // A frozen head: x trains, weight does not.
+        let xv = Var::from_tensor(&x).unwrap();
+        let l = linear_cross_entropy(xv.as_tensor(), &w, &targets, &weights).unwrap();
+        let g = l.backward().unwrap();
+        assert!(g.get(&w).is_none());
+        assert_close("dx", &f64s(g.get(xv.as_tensor()).unwrap()), &want_dx, 1e-12);
+        // Frozen inputs: weight trains, x does not.
+        let wv = Var::from_tensor(&w).unwrap();
+        let l = linear_cross_entropy(&x, wv.as_tensor(), &targets, &weights).unwrap();
+        let g = l.backward().unwrap();
+        assert!(g.get(&x).is_none());
+        assert_close("dw", &f64s(g.get(wv.as_tensor()).unwrap()), &want_dw, 1e-12);
+        // Neither: a plain loss, no graph.
+        let l = linear_cross_entropy(&x, &w, &targets, &weights).unwrap();
+        assert!(!l.track_op());
+        assert_close("loss", &f64s(&l), &[loss], 1e-12);
+        // And the forward pass computes only the gradients asked for.
+        let weights = weights.to_dtype(DType::F64).unwrap();
+        let parts = forward(&x, &w, &targets, &weights, 4, true, false).unwrap();
+        assert!(parts.dx.is_some() && parts.dw.is_none());
+        let parts = forward(&x, &w, &targets, &weights, 4, false, true).unwrap();
+        assert!(parts.dx.is_none() && parts.dw.is_some());
+    }
+
+    #[test]
+    fn padding_rows_add_nothing_and_no_rows_give_zero() {
+        let p = problem(10, 3, 5, 6);
+        let dev = Device::Cpu;
+        let mut q = problem(10, 3, 5, 6);
+        // Padding rows hold huge values and an arbitrary class: weight 0 ignores them.
+        for i in [2, 7] {
+            for j in 0..q.c {
+                q.x[i * q.c + j] = 1e30;
+            }
+        }
+        let (l, gx, gw) = fused(&p, DType::F32, 3, 1.0);
+        let (lq, gxq, gwq) = fused(&q, DType::F32, 3, 1.0);
+        assert_eq!(l, lq);
+        assert_eq!(gw, gwq);
+        for i in [2, 7] {
+            assert!(gxq[i * q.c..(i + 1) * q.c].iter().all(|&g| g == 0.0));
+        }
+        assert_eq!(gx, gxq);
+        let x = Var::from_tensor(&Tensor::zeros((0, 3), DType::F32, &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::ones((5, 3), DType::F32, &dev).unwrap()).unwrap();
+        let none = Tensor::zeros(0, DType::U32, &dev).unwrap();
+        let loss = linear_cross_entropy(
+            x.as_tensor(),
+            w.as_tensor(),
+            &none,
+            &none.to_dtype(DType::F32).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(loss.to_scalar::<f32>().unwrap(), 0.0);
+        let g = loss.backward().unwrap();
+        assert_eq!(g.get(x.as_tensor()).unwrap().dims(), [0, 3]);
+        assert_eq!(f64s(g.get(w.as_tensor()).unwrap()), vec![0.0; 15]);
+    }
+
+    #[test]
+    fn bad_inputs_are_refused_naming_the_problem() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((5, 3), DType::F32, &dev).unwrap();
+        let t = Tensor::new(&[0u32, 1, 2, 4], &dev).unwrap();
+        let wt = Tensor::ones(4, DType::F32, &dev).unwrap();
+        let err = |r: Result<Tensor>| r.map(|t| t.dims().to_vec()).unwrap_err().to_string();
+        let narrow = Tensor::zeros((5, 2), DType::F32, &dev).unwrap();
+        let e = err(linear_cross_entropy(&x, &narrow, &t, &wt));
+        assert!(
+            e.contains("weight must have shape [classes, 3]") && e.contains("[5, 2]"),
+            "{e}"
+        );
+        let e = err(linear_cross_entropy(
+            &x.reshape((2, 2, 3)).unwrap(),
+            &w,
+            &t,
+            &wt,
+        ));
+        assert!(
+            e.contains("x must have shape [rows, in]") && e.contains("[2, 2, 3]"),
+            "{e}"
+        );
+        let e = err(linear_cross_entropy(
+            &x,
+            &w.to_dtype(DType::BF16).unwrap(),
+            &t,
+            &wt,
+        ));
+        assert!(e.contains("F32") && e.contains("BF16"), "{e}");
+        let e = err(linear_cross_entropy(
+            &x,
+            &w,
+            &t.narrow(0, 0, 3).unwrap(),
+            &wt,
+        ));
+        assert!(
+            e.contains("targets must have shape [4]") && e.contains("[3]"),
+            "{e}"
+        );
+        let bad = Tensor::new(&[0u32, 1, 5, 2], &dev).unwrap();
+        let e = err(linear_cross_entropy(&x, &w, &bad, &wt));
+        assert!(
+            e.contains("targets[2] = 5") && e.contains("5 logits"),
+            "{e}"
+        );
+        let e = err(linear_cross_entropy_in_chunks(&x, &w, &t, &wt, 0));
+        assert!(e.contains("rows_per_chunk"), "{e}");
+        let e = err(linear_cross_entropy(&x, &w, &t, &t));
+        assert!(e.contains("weights must be floats"), "{e}");
     }
 }
