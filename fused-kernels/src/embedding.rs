@@ -351,8 +351,7 @@ impl CustomOp2 for EmbeddingBackward {
         dispatch!("embedding-backward", s1, dy_typed(self, s1, l1, s2, l2))
     }
 
-    /// One launch: block `(bx, by)` owns rows `[bx·R, bx·R + R)` and columns `[by·W, by·W + W)`
-    /// of the gradient (see `embedding.cu`).
+    /// One launch: each block owns `R` rows by `W` columns of the gradient (see `embedding.cu`).
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -430,11 +429,13 @@ impl BackwardTiles {
         }
     }
 
-    /// Its launch: a whole number of warps, one thread per column up to [`MAX_THREADS`].
+    /// Its launch: a 1-D grid of `row_blocks · col_blocks` blocks (the row tiles of the first
+    /// column tile, then of the second, ...), each a whole number of warps, one thread per column
+    /// up to [`MAX_THREADS`].
     #[cfg(feature = "cuda")]
     fn launch(&self) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (self.row_blocks as u32, self.col_blocks as u32, 1),
+            grid_dim: ((self.row_blocks * self.col_blocks) as u32, 1, 1),
             block_dim: (
                 (self.cols.div_ceil(32) * 32).clamp(32, MAX_THREADS) as u32,
                 1,
@@ -709,6 +710,7 @@ mod tests {
             );
             assert!((t.row_blocks - 1) * t.rows < v && (t.col_blocks - 1) * t.cols < c);
             assert!(t.rows <= u16::MAX as usize && MAX_THREADS <= 1024);
+            assert!(t.row_blocks * t.col_blocks <= i32::MAX as usize, "{t:?}");
         }
         assert_eq!(BackwardTiles::new(50_257, 768, 4).rows, 13);
     }

@@ -3,8 +3,9 @@
 // pass and adds nothing in the backward pass: checking it would need the ids on the host, a
 // synchronization in every step.
 //
-// The backward pass is a deterministic scatter-add without atomics: block (bx, by) owns the
-// table rows [bx·R, bx·R + R) and the columns [by·W, by·W + W) of the gradient, accumulates them
+// The backward pass is a deterministic scatter-add without atomics: block b (a 1-D grid of
+// row tiles × column tiles, b = by · ⌈v/R⌉ + bx) owns the table rows [bx·R, bx·R + R) and the
+// columns [by·W, by·W + W) of the gradient, accumulates them
 // in f32 (f64 for f64) in shared memory, and writes them once, rounded (zeros where no id fell).
 // Its threads scan all ids in chunks of blockDim.x, compact the positions whose id falls in the
 // block's rows in position order (a warp ballot, then the warps' counts in warp order), then add
@@ -45,7 +46,9 @@ __device__ void embedding_backward(const T* __restrict__ dy, const I* __restrict
   __shared__ unsigned short row_of[EMBEDDING_MAX_THREADS];
   __shared__ unsigned warp_count[EMBEDDING_MAX_THREADS / 32];
 
-  const u64 r0 = blockIdx.x * rows_per_block, c0 = blockIdx.y * cols_per_block;
+  const u64 row_tiles = (v + rows_per_block - 1) / rows_per_block;
+  const u64 r0 = (blockIdx.x % row_tiles) * rows_per_block;
+  const u64 c0 = (blockIdx.x / row_tiles) * cols_per_block;
   if (r0 >= v || c0 >= c) return;  // uniform over the block
   const u64 rows = v - r0 < rows_per_block ? v - r0 : rows_per_block;
   const u64 cols = c - c0 < cols_per_block ? c - c0 : cols_per_block;
