@@ -374,7 +374,7 @@ impl CustomOp2 for EmbeddingBackward {
             let dev = &s1.device;
             let mut grad = output::<T>(dev, v * c)?;
             let tiles = BackwardTiles::new(v, c, std::mem::size_of::<T::Acc>());
-            let cfg = tiles.launch();
+            let cfg = tiles.launch(std::mem::size_of::<T::Acc>());
             let (n64, v64, c64) = (n as u64, v as u64, c as u64);
             let (rows64, cols64) = (tiles.rows as u64, tiles.cols as u64);
             match cuda_ids(name, s2, l2)? {
@@ -389,8 +389,8 @@ impl CustomOp2 for EmbeddingBackward {
     }
 }
 
-/// Bytes of shared memory the CUDA backward block accumulates in: `EMBEDDING_ACCUMULATOR_BYTES`
-/// of `embedding.cu`, which must be the same number.
+/// Most bytes of dynamic shared memory a CUDA backward block accumulates in: with the kernel's
+/// 4.2 KiB of static shared memory, within the 48 KiB a block gets without an opt-in.
 #[cfg(any(feature = "cuda", test))]
 const ACCUMULATOR_BYTES: usize = 40 * 1024;
 
@@ -431,9 +431,10 @@ impl BackwardTiles {
 
     /// Its launch: a 1-D grid of `row_blocks · col_blocks` blocks (the row tiles of the first
     /// column tile, then of the second, ...), each a whole number of warps, one thread per column
-    /// up to [`MAX_THREADS`].
+    /// up to [`MAX_THREADS`], with `rows · cols` accumulators of `acc_bytes` bytes as its dynamic
+    /// shared memory.
     #[cfg(feature = "cuda")]
-    fn launch(&self) -> LaunchConfig {
+    fn launch(&self, acc_bytes: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: ((self.row_blocks * self.col_blocks) as u32, 1, 1),
             block_dim: (
@@ -441,7 +442,7 @@ impl BackwardTiles {
                 1,
                 1,
             ),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (self.rows * self.cols * acc_bytes) as u32,
         }
     }
 }
@@ -709,7 +710,7 @@ mod tests {
                 "{t:?}"
             );
             assert!((t.row_blocks - 1) * t.rows < v && (t.col_blocks - 1) * t.cols < c);
-            assert!(t.rows <= u16::MAX as usize && MAX_THREADS <= 1024);
+            assert!(t.rows <= 1 << 16 && MAX_THREADS <= 1024);
             assert!(t.row_blocks * t.col_blocks <= i32::MAX as usize, "{t:?}");
         }
         assert_eq!(BackwardTiles::new(50_257, 768, 4).rows, 13);

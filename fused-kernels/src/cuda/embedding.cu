@@ -14,11 +14,10 @@
 // order: both give the same bits.
 #include "common.cuh"
 
-// Bytes of shared memory for the accumulators; the Rust side (embedding.rs,
-// EMBEDDING_ACCUMULATOR_BYTES) sizes R and W to fit it. 40 KiB leaves room in the 48 KiB of
-// static shared memory for the compacted positions.
-#define EMBEDDING_ACCUMULATOR_BYTES 40960
-// Most threads a backward block has (the chunk of ids it compacts at once).
+// Most threads a backward block has (the chunk of ids it compacts at once). The accumulators,
+// rows_per_block · cols_per_block values of A, are the launch's dynamic shared memory; with the
+// static arrays below (4.2 KiB) they stay within the 48 KiB a block gets without an opt-in
+// (embedding.rs, ACCUMULATOR_BYTES).
 #define EMBEDDING_MAX_THREADS 1024
 
 template <typename T, typename I>
@@ -39,7 +38,7 @@ __device__ void embedding_backward(const T* __restrict__ dy, const I* __restrict
                                    T* __restrict__ grad, u64 n, u64 v, u64 c, u64 rows_per_block,
                                    u64 cols_per_block) {
   typedef typename AccOf<T>::type A;
-  __shared__ A acc[EMBEDDING_ACCUMULATOR_BYTES / sizeof(A)];
+  DYNAMIC_SHARED(A, acc);
   // The chunk's positions that fall in this block's rows (as offsets in the chunk), in order,
   // and the accumulator row each one adds to.
   __shared__ unsigned short offset_of[EMBEDDING_MAX_THREADS];
@@ -52,9 +51,8 @@ __device__ void embedding_backward(const T* __restrict__ dy, const I* __restrict
   if (r0 >= v || c0 >= c) return;  // uniform over the block
   const u64 rows = v - r0 < rows_per_block ? v - r0 : rows_per_block;
   const u64 cols = c - c0 < cols_per_block ? c - c0 : cols_per_block;
-  if (rows * cols > EMBEDDING_ACCUMULATOR_BYTES / sizeof(A) || rows > 65535 ||
-      blockDim.x > EMBEDDING_MAX_THREADS) {
-    // A launch shape the shared memory cannot hold (the Rust side never makes one): say so
+  if (rows > 65536 || blockDim.x > EMBEDDING_MAX_THREADS) {
+    // A launch shape the compaction arrays cannot hold (the Rust side never makes one): say so
     // loudly in the result rather than write out of bounds.
     for (u64 k = threadIdx.x; k < rows * cols; k += blockDim.x) {
       const u64 r = k / cols, j = k - r * cols;

@@ -8,6 +8,8 @@ mod add_bias;
 mod causal_softmax;
 mod common;
 mod cross_entropy;
+mod embedding;
 mod emulator;
+mod linear_cross_entropy;
 mod norms;
 mod rotary;
