@@ -24,6 +24,8 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps elements into storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
+    /// `n` zeros from the allocator's zeroed memory (no pass writing them).
+    fn zeros(n: usize) -> Vec<Self>;
 }
 
 macro_rules! element {
@@ -53,6 +55,9 @@ macro_rules! element {
             }
             fn storage(values: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(values)
+            }
+            fn zeros(n: usize) -> Vec<Self> {
+                bytemuck::zeroed_vec(n)
             }
         }
     };

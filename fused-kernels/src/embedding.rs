@@ -191,12 +191,14 @@ impl CustomOp2 for Embedding {
             let table = contiguous::<T>("embedding", "table", s1, l1)?;
             let ids = checked_ids::<I>("embedding", s2, l2, op.v, op.c)?;
             let c = op.c;
-            let mut out = vec![T::from_acc(<T::Acc>::zero()); ids.len() * c];
-            for_each_row(&mut out, c, |p, row| {
-                if let Some(r) = ids[p].row(op.v) {
-                    row.copy_from_slice(&table[r * c..(r + 1) * c]);
+            // One sequential copy: a memory-bound gather gains little from threads, and
+            // building the vector row by row writes each element once.
+            let mut out = Vec::with_capacity(ids.len() * c);
+            for id in ids {
+                if let Some(r) = id.row(op.v) {
+                    out.extend_from_slice(&table[r * c..(r + 1) * c]);
                 }
-            });
+            }
             Ok((T::storage(out), op.out_shape(l2.dims())))
         }
         fn table_typed<T: Element>(
@@ -321,7 +323,8 @@ impl CustomOp2 for EmbeddingBackward {
                     next[r] += 1;
                 }
             }
-            let mut grad = vec![T::from_acc(<T::Acc>::zero()); v * c];
+            // Zeroed by the allocator: the rows no id names are never written.
+            let mut grad = T::zeros(v * c);
             for_each_row(&mut grad, c, |r, row| {
                 let mine = &positions[first[r]..first[r + 1]];
                 if mine.is_empty() {

@@ -184,9 +184,19 @@ fn forward(
 ) -> Result<Parts> {
     let (n, c) = x.dims2()?;
     let v = weight.dim(0)?;
-    let acc = loss_dtype(x.dtype());
+    let model = x.dtype();
+    let acc = loss_dtype(model);
     let dev = x.device();
-    let x = x.contiguous()?;
+    // candle's CPU product of bf16 matrices widens both whole operands to f32 on every call and
+    // rounds the f32 product to bf16: widen x and the weight once instead (not once per chunk and
+    // product) and round the products the same way, which gives the same bits.
+    let gemm = if dev.is_cpu() && model == DType::BF16 {
+        DType::F32
+    } else {
+        model
+    };
+    let x = x.contiguous()?.to_dtype(gemm)?;
+    let weight = weight.to_dtype(gemm)?;
     let weight_t = weight.t()?;
     let mut row_losses = Vec::new();
     let mut dx_chunks = Vec::new();
@@ -194,7 +204,7 @@ fn forward(
     for start in (0..n).step_by(rows_per_chunk) {
         let len = rows_per_chunk.min(n - start);
         let x_chunk = x.narrow(0, start, len)?;
-        let logits = x_chunk.matmul(&weight_t)?;
+        let logits = x_chunk.matmul(&weight_t)?.to_dtype(model)?;
         let rows = RowsAndGradient::default();
         logits.inplace_op3(
             &targets.narrow(0, start, len)?,
@@ -202,12 +212,13 @@ fn forward(
             &rows,
         )?;
         row_losses.push(rows.take_losses(len)?);
-        // `logits` now holds the chunk's d z.
+        // `logits` now holds the chunk's d z (in the model's dtype).
+        let dz = logits.to_dtype(gemm)?;
         if need_dx {
-            dx_chunks.push(logits.matmul(weight)?);
+            dx_chunks.push(dz.matmul(&weight)?.to_dtype(model)?);
         }
         if need_dw {
-            let part = logits.t()?.matmul(&x_chunk)?.to_dtype(acc)?;
+            let part = dz.t()?.matmul(&x_chunk)?.to_dtype(acc)?;
             dw = Some(match dw {
                 None => part,
                 Some(sum) => (sum + part)?,
@@ -221,7 +232,7 @@ fn forward(
     };
     let dx = match (need_dx, dx_chunks.len()) {
         (false, _) => None,
-        (true, 0) => Some(Tensor::zeros((0, c), x.dtype(), dev)?),
+        (true, 0) => Some(Tensor::zeros((0, c), model, dev)?),
         (true, 1) => dx_chunks.pop(),
         (true, _) => Some(Tensor::cat(&dx_chunks, 0)?),
     };
