@@ -18,8 +18,8 @@ use candle_core::op::BackpropOp;
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape,
-    Storage, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Storage,
+    Tensor,
 };
 use num_traits::{Float, NumCast, One, ToPrimitive, Zero};
 use rayon::prelude::*;
@@ -123,11 +123,7 @@ pub fn linear_cross_entropy_in_chunks(
         candle_core::bail!("{op}: rows_per_chunk must be at least 1");
     }
     let targets = class_indices(op, targets)?;
-    let on_kernel_device = match x.device() {
-        Device::Cpu => true,
-        Device::Cuda(_) => cfg!(feature = "cuda"),
-        _ => false,
-    };
+    let on_kernel_device = x.device().is_cpu() || (x.device().is_cuda() && cfg!(feature = "cuda"));
     if !on_kernel_device {
         return crate::cross_entropy(&x.matmul(&weight.t()?)?, &targets, weights);
     }
@@ -637,7 +633,7 @@ impl CustomOp2 for Scale {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
+    use candle_core::{Device, Var};
 
     /// `n` pseudo-random values in `[-1, 1)` (xorshift from `seed`).
     fn values(n: usize, seed: u64) -> Vec<f64> {
