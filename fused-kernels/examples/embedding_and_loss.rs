@@ -7,8 +7,8 @@
 //!   candle-nn's `Linear` computes), `to_dtype(F32)` and [`fused_kernels::cross_entropy`],
 //!   forward and backward to `x` and `weight`.
 //!
-//! `cargo run --release -p fused-kernels --example embedding_and_loss [repeats]` prints one line
-//! per case: the best of `repeats` (default 3) runs after one warm-up, for ids of [8, 256] and
+//! `cargo run --release -p fused-kernels --example embedding_and_loss [repeats [embedding|head]]`
+//! prints one line per case (both parts unless one is named): the best of `repeats` (default 3) runs after one warm-up, for ids of [8, 256] and
 //! [2, 1024] (2048 rows each), width 768, GPT-2's vocabulary of 50 257, in f32 and bf16. The ids
 //! are pseudo-random, uniform over the vocabulary.
 
@@ -104,11 +104,37 @@ fn ms(d: Duration) -> String {
     format!("{:8.1} ms", d.as_secs_f64() * 1e3)
 }
 
+/// Times the two embeddings for ids of `dims` and a table of `dtype`, and prints the line.
+fn embedding_line(repeats: usize, dims: [usize; 2], ids: &Tensor, dtype: DType) -> Result<()> {
+    let table = Var::from_tensor(&random(&[VOCAB, WIDTH], 2, 0.1, dtype)?)?;
+    let r = random(&[dims[0], dims[1], WIDTH], 3, 1.0, dtype)?;
+    // candle-nn's Embedding::forward: the flattened ids, index_select, the ids' shape.
+    let (cf, cb) = embedding_case(repeats, ids, &table, &r, |i, t| {
+        t.index_select(&i.flatten_all()?, 0)?
+            .reshape((i.dim(0)?, i.dim(1)?, WIDTH))
+    })?;
+    let (ff, fb) = embedding_case(repeats, ids, &table, &r, |i, t| {
+        fused_kernels::embedding(i, t)
+    })?;
+    println!(
+        "embedding      ids {dims:?} {dtype:?}: candle forward {} backward {} | fused \
+                 forward {} backward {} | backward speed-up {:.1}x",
+        ms(cf),
+        ms(cb),
+        ms(ff),
+        ms(fb),
+        cb.as_secs_f64() / fb.as_secs_f64()
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let repeats: usize = std::env::args()
         .nth(1)
         .map(|a| a.parse().expect("repeats: a number"))
         .unwrap_or(3);
+    let part = std::env::args().nth(2).unwrap_or_default();
+    let (embeddings, heads) = (part != "head", part != "embedding");
     println!(
         "CPU, {} rayon threads, best of {repeats} after a warm-up; width {WIDTH}, vocabulary {VOCAB}",
         rayon::current_num_threads()
@@ -125,25 +151,12 @@ fn main() -> Result<()> {
         let targets = ids.flatten_all()?;
         let weights = Tensor::ones(n, DType::F32, &Device::Cpu)?;
         for dtype in [DType::F32, DType::BF16] {
-            let table = Var::from_tensor(&random(&[VOCAB, WIDTH], 2, 0.1, dtype)?)?;
-            let r = random(&[dims[0], dims[1], WIDTH], 3, 1.0, dtype)?;
-            // candle-nn's Embedding::forward: the flattened ids, index_select, the ids' shape.
-            let (cf, cb) = embedding_case(repeats, &ids, &table, &r, |i, t| {
-                t.index_select(&i.flatten_all()?, 0)?
-                    .reshape((i.dim(0)?, i.dim(1)?, WIDTH))
-            })?;
-            let (ff, fb) = embedding_case(repeats, &ids, &table, &r, |i, t| {
-                fused_kernels::embedding(i, t)
-            })?;
-            println!(
-                "embedding      ids {dims:?} {dtype:?}: candle forward {} backward {} | fused \
-                 forward {} backward {} | backward speed-up {:.1}x",
-                ms(cf),
-                ms(cb),
-                ms(ff),
-                ms(fb),
-                cb.as_secs_f64() / fb.as_secs_f64()
-            );
+            if embeddings {
+                embedding_line(repeats, dims, &ids, dtype)?;
+            }
+            if !heads {
+                continue;
+            }
             if heads_done.contains(&(n, dtype)) {
                 println!("head + loss    {n} rows {dtype:?}: as above (the same rows)");
                 continue;

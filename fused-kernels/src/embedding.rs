@@ -26,6 +26,9 @@ use num_traits::Zero;
 /// increasing order and rounded once to the table's dtype. No atomics: the same bits on every
 /// run, on any number of threads, and the same bits on the CPU and on CUDA.
 ///
+/// On the CPU the op works on the distinct rows the ids name (gathered with candle's
+/// `index_select`, whose backward writes the dense gradient in one pass); the sums are the same.
+///
 /// An id that is not a row of the table (negative or `>= v`) is an error naming it on the CPU.
 /// On CUDA it gives a NaN output row (so the loss shows it) and adds nothing to the gradient:
 /// naming it would need the ids on the host, a synchronization in every training step.
@@ -60,7 +63,56 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         dims.push(c);
         return table.index_select(&ids.flatten_all()?, 0)?.reshape(dims);
     }
+    if table.device().is_cpu() {
+        // candle adds a custom op's gradient into a zero tensor of its input's shape, one more
+        // pass over the whole [v, c] table (a slow one in bf16), where the backward of its
+        // `index_select` adds rows straight into the zero table. So on the CPU the op runs on the
+        // distinct rows the ids name, gathered by `index_select`: its backward sums each row's
+        // positions in f32 in order as always, and candle then adds each sum once into zeros
+        // (exactly), the dense part done once, by candle.
+        let (distinct, inverse) = distinct_rows(&ids, v, c)?;
+        let rows = table.index_select(&distinct, 0)?;
+        return rows.apply_op2(
+            &inverse,
+            Embedding {
+                v: distinct.elem_count(),
+                c,
+            },
+        );
+    }
     table.contiguous()?.apply_op2(&ids, Embedding { v, c })
+}
+
+/// The distinct rows the CPU ids name, increasing (`[u]`, u32), and each id's index among them
+/// (the shape of `ids`, u32), or an error naming the first id that is not a row of the table
+/// `[v, c]`.
+fn distinct_rows(ids: &Tensor, v: usize, c: usize) -> Result<(Tensor, Tensor)> {
+    let flat: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    // slot[r]: the index of row r among the distinct rows, u32::MAX for rows no id names.
+    let mut slot = vec![u32::MAX; v];
+    for (p, &id) in flat.iter().enumerate() {
+        match usize::try_from(id).ok().filter(|&r| r < v) {
+            Some(r) => slot[r] = 0,
+            None => candle_core::bail!(
+                "embedding: ids[{p}] = {id} (of the flattened ids {:?}) is not a row of the table \
+                 [{v}, {c}]; token ids must be in 0..{v}",
+                ids.dims()
+            ),
+        }
+    }
+    let mut distinct = Vec::new();
+    for (r, s) in slot.iter_mut().enumerate() {
+        if *s != u32::MAX {
+            *s = distinct.len() as u32;
+            distinct.push(r as u32);
+        }
+    }
+    let inverse: Vec<u32> = flat.iter().map(|&id| slot[id as usize]).collect();
+    let n = distinct.len();
+    Ok((
+        Tensor::from_vec(distinct, n, ids.device())?,
+        Tensor::from_vec(inverse, ids.dims(), ids.device())?,
+    ))
 }
 
 /// A token id type the CPU kernels read.
