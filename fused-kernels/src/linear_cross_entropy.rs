@@ -36,7 +36,7 @@ const CHUNK_ELEMENTS: usize = 1 << 26;
 /// `x` is `[n, c]`, `weight` `[v, c]` (PyTorch's `nn.Linear` layout, no bias), both f32, f64,
 /// bf16 or f16; `targets` `[n]` are class indices (u32; other integer dtypes are converted) and
 /// `weights` `[n]` floats (0 for padding: such a row adds exactly 0 and no gradient). The loss is
-/// f32 (f64 for f64 inputs) and equals [`crate::cross_entropy`] of the logits
+/// f32 (f64 for f64 inputs) and equals [`crate::cross_entropy()`] of the logits
 /// `x.matmul(weight.t())` cast to f32: the logits are computed in the inputs' dtype, every
 /// row's log-sum-exp and loss in f32.
 ///
@@ -51,7 +51,7 @@ const CHUNK_ELEMENTS: usize = 1 << 26;
 /// synchronization).
 ///
 /// A target must be `< v`: on the CPU another one is an error naming it; on CUDA it makes the
-/// loss and that row's gradient NaN (see [`crate::cross_entropy`]).
+/// loss and that row's gradient NaN (see [`crate::cross_entropy()`]).
 pub fn linear_cross_entropy(
     x: &Tensor,
     weight: &Tensor,
@@ -345,7 +345,7 @@ impl InplaceOp3 for RowsAndGradient {
     }
 
     /// Rows split over threads; each row is the CPU cross-entropy kernel's arithmetic (the same
-    /// loss and gradient as [`crate::cross_entropy`] of these logits).
+    /// loss and gradient as [`crate::cross_entropy()`] of these logits).
     fn cpu_fwd(
         &self,
         s1: &mut CpuStorage,
@@ -481,7 +481,7 @@ impl InplaceOp3 for RowsAndGradient {
 }
 
 /// `[rows] → []`: the sum of the per-row losses (f32 or f64), added in f64 in row order on the
-/// CPU (as [`crate::cross_entropy`] adds them) and by one block on CUDA (no atomics).
+/// CPU (as [`crate::cross_entropy()`] adds them) and by one block on CUDA (no atomics).
 struct SumLosses;
 
 impl CustomOp1 for SumLosses {
