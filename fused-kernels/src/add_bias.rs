@@ -3,8 +3,7 @@
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{
-    blocks_over_rows, columns_config, cuda_dispatch, elements_config, input, launch, output,
-    partial_blocks, storage, CudaElement, ADD_BIAS,
+    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, ADD_BIAS,
 };
 use crate::element::{contiguous, dispatch, Element};
 use crate::rows::{for_each_row, rows_of, sum_over_rows};
@@ -15,7 +14,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 /// `x + bias` for `x` `[..., n]` and `bias` `[n]` (added to every row), in the dtype both share.
 ///
 /// Gradients: `dx = dy` (the same tensor) and `d_bias = Σ_rows dy`, accumulated in f32 for
-/// bf16/f16 and in row blocks (the same sum on any number of threads).
+/// bf16/f16 in one deterministic pass (row blocks on the CPU, the same sum on any number of
+/// threads; one matrix product with a row of ones on CUDA).
 pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let (_, n) = rows_of("add_bias", "x", x.dims())?;
     if bias.dims() != [n] {
@@ -100,12 +100,32 @@ impl CustomOp2 for AddBias {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = dy.contiguous()?.apply_op1_no_bwd(&SumRows)?;
-        Ok((Some(dy.clone()), Some(db)))
+        Ok((Some(dy.clone()), Some(column_sums(dy)?)))
     }
 }
 
-/// `[..., n] → [n]`, the sum of the rows.
+/// `[..., m] → [m]`: the sum of the rows of `dy` (a bias's gradient), in one deterministic pass
+/// and without autograd. bf16/f16 are summed in f32 and rounded once.
+///
+/// On the CPU the rows are summed in row blocks whose partial sums are added in block order
+/// (the same result on any number of threads). On other devices it is one matrix product,
+/// `ones[1, rows] · dy[rows, m]` through candle's `matmul`: cuBLAS accumulates bf16/f16 in f32
+/// (unless candle's reduced-precision switches for half-precision products are turned on) and
+/// gives the same bits on every run on one GPU model.
+pub(crate) fn column_sums(dy: &Tensor) -> Result<Tensor> {
+    let (rows, m) = rows_of("column_sums", "dy", dy.dims())?;
+    if dy.device().is_cpu() {
+        return dy.contiguous()?.apply_op1_no_bwd(&SumRows);
+    }
+    if rows == 0 || m == 0 {
+        return Tensor::zeros(m, dy.dtype(), dy.device());
+    }
+    let ones = Tensor::ones((1, rows), dy.dtype(), dy.device())?;
+    ones.matmul(&dy.reshape((rows, m))?)?.reshape(m)
+}
+
+/// `[..., n] → [n]`, the sum of the rows on the CPU ([`column_sums`] takes a matrix product on
+/// other devices).
 struct SumRows;
 
 impl CustomOp1 for SumRows {
@@ -129,25 +149,53 @@ impl CustomOp1 for SumRows {
         }
         dispatch!("add_bias-backward", s, run(s, l))
     }
+}
 
-    /// Two launches: per-block partial sums over at most 512 blocks of rows, then one
-    /// thread per column adds them in block order (no atomics: the same result on every run).
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            let dy = input::<T>("add_bias-backward", "dy", s, l)?;
-            let (rows, n) = rows_of("add_bias-backward", "dy", l.dims())?;
-            let dev = &s.device;
-            let blocks = partial_blocks(rows, n);
-            let mut partial = output::<T::Acc>(dev, blocks * n)?;
-            let mut db = output::<T>(dev, n)?;
-            let (rows64, n64, blocks64) = (rows as u64, n as u64, blocks as u64);
-            launch!(dev, ADD_BIAS, "add_bias_partial", T, blocks_over_rows(blocks, n);
-                &dy, &mut partial, &rows64, &n64);
-            launch!(dev, ADD_BIAS, "add_bias_sum", T, columns_config(n);
-                &partial, &blocks64, &n64, &mut db);
-            Ok((storage(db, dev), Shape::from(n)))
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    #[test]
+    fn column_sums_equal_naive_sums_and_bf16_is_summed_in_f32() {
+        // 3 · 333 rows of 5 (past the threshold of the threaded row blocks).
+        let (rows, m) = (999, 5);
+        let v: Vec<f64> = (0..rows * m)
+            .map(|i| ((i * 7919) % 1000) as f64 / 100.0 - 4.0)
+            .collect();
+        let dy = Tensor::from_vec(v, (3, 333, m), &Device::Cpu).unwrap();
+        // Absolute and relative tolerances: f32 sums of 200 terms reaching ~1000 (half an ulp,
+        // 3e-5, per add); bf16's one final rounding (2⁻⁹ relative, 2 at ~1000; a bf16 running
+        // sum would round to 4 at every add past 512, tens of units in all).
+        for (dtype, abs, rel) in [
+            (DType::F64, 1e-9, 0.0),
+            (DType::F32, 1e-2, 0.0),
+            (DType::BF16, 1e-2, 1.0 / 256.0),
+        ] {
+            let dy = dy.to_dtype(dtype).unwrap();
+            // The reference: f64 sums of the values as the dtype holds them.
+            let held: Vec<f64> = dy
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut want = vec![0f64; m];
+            for (i, x) in held.iter().enumerate() {
+                want[i % m] += x;
+            }
+            let got: Vec<f64> = super::column_sums(&dy)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= abs + rel * w.abs(),
+                    "{dtype:?}: {got:?} vs {want:?}"
+                );
+            }
         }
-        cuda_dispatch!("add_bias-backward", s, run(s, l))
     }
 }

@@ -44,13 +44,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Res
     if v == 0 {
         candle_core::bail!("cross_entropy: logits {:?} have no classes", logits.dims());
     }
-    let targets = match targets.dtype() {
-        DType::U32 => targets.contiguous()?,
-        DType::U8 | DType::I64 | DType::I32 | DType::I16 => targets.to_dtype(DType::U32)?,
-        other => candle_core::bail!(
-            "cross_entropy: targets must be class indices (u32, or an integer dtype), got {other:?}"
-        ),
-    };
+    let targets = class_indices("cross_entropy", targets)?;
     if !weights.dtype().is_float() {
         candle_core::bail!(
             "cross_entropy: weights must be floats, got {:?}",
@@ -88,9 +82,21 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Res
         .apply_op3(&targets, &weights.contiguous()?, CrossEntropy)
 }
 
+/// `targets` as contiguous u32 class indices (other integer dtypes converted), or an error naming
+/// `op` for a dtype that holds no class indices.
+pub(crate) fn class_indices(op: &str, targets: &Tensor) -> Result<Tensor> {
+    match targets.dtype() {
+        DType::U32 => targets.contiguous(),
+        DType::U8 | DType::I64 | DType::I32 | DType::I16 => targets.to_dtype(DType::U32),
+        other => candle_core::bail!(
+            "{op}: targets must be class indices (u32, or an integer dtype), got {other:?}"
+        ),
+    }
+}
+
 /// The contiguous u32 targets of a CUDA op (the public function converts them to u32).
 #[cfg(feature = "cuda")]
-fn cuda_targets<'a>(
+pub(crate) fn cuda_targets<'a>(
     op: &str,
     s: &'a CudaStorage,
     l: &Layout,
@@ -105,7 +111,12 @@ fn cuda_targets<'a>(
 }
 
 /// The targets as indices, each checked against `v` classes.
-fn checked_targets<'a>(op: &str, s: &'a CpuStorage, l: &Layout, v: usize) -> Result<&'a [u32]> {
+pub(crate) fn checked_targets<'a>(
+    op: &str,
+    s: &'a CpuStorage,
+    l: &Layout,
+    v: usize,
+) -> Result<&'a [u32]> {
     let CpuStorage::U32(t) = s else {
         candle_core::bail!("{op}: targets must be u32 (the public function converts them)");
     };
@@ -120,7 +131,7 @@ fn checked_targets<'a>(op: &str, s: &'a CpuStorage, l: &Layout, v: usize) -> Res
 }
 
 /// Float weights (any float dtype) as f64.
-fn weights_f64(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+pub(crate) fn weights_f64(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
     fn read<T: Element>(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
         let w = contiguous::<T>(op, "weights", s, l)?;
         Ok(w.iter()
@@ -132,7 +143,7 @@ fn weights_f64(op: &str, s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
 
 /// `logsumexp` of one row.
 #[inline(always)]
-fn logsumexp<T: Element>(row: &[T]) -> T::Acc {
+pub(crate) fn logsumexp<T: Element>(row: &[T]) -> T::Acc {
     let max = row
         .iter()
         .map(|v| v.to_acc())

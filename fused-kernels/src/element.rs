@@ -20,10 +20,12 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn from_acc(a: Self::Acc) -> Self;
     /// The storage's elements when it holds this type.
     fn slice(storage: &CpuStorage) -> Option<&[Self]>;
+    /// The storage's elements, writable (for in-place ops), when it holds this type.
+    fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps elements into storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
-    /// The storage's elements, to write in place, when it holds this type.
-    fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
+    /// `n` zeros from the allocator's zeroed memory (no pass writing them).
+    fn zeros(n: usize) -> Vec<Self>;
 }
 
 macro_rules! element {
@@ -45,14 +47,17 @@ macro_rules! element {
                     _ => None,
                 }
             }
-            fn storage(values: Vec<Self>) -> CpuStorage {
-                CpuStorage::$variant(values)
-            }
             fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]> {
                 match storage {
                     CpuStorage::$variant(v) => Some(v),
                     _ => None,
                 }
+            }
+            fn storage(values: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(values)
+            }
+            fn zeros(n: usize) -> Vec<Self> {
+                bytemuck::zeroed_vec(n)
             }
         }
     };

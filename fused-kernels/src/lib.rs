@@ -14,6 +14,8 @@
 //! | [`gelu`], [`silu`], [`swiglu`] | activations (GELU's tanh approximation) |
 //! | [`rotary`] | rotary position embeddings (Hugging Face's `rotate_half` convention) |
 //! | [`add_bias`], [`linear`] | a bias add whose gradient is a contiguous row sum |
+//! | [`embedding`] | an embedding lookup whose gradient is a deterministic f32 scatter-add |
+//! | [`linear_cross_entropy`] | the cross-entropy of `x · weightᵀ` without the batch's logits in f32 |
 //!
 //! [`checkpoint`] is activation checkpointing for any candle block: its intermediate tensors are
 //! recomputed during the backward pass instead of kept.
@@ -38,10 +40,12 @@ mod cross_entropy;
 mod cuda;
 mod element;
 mod elementwise;
+mod embedding;
 mod fallback;
 mod gelu;
 mod layer_norm;
 mod linear;
+mod linear_cross_entropy;
 mod mlp_block;
 mod node;
 mod norm;
@@ -60,9 +64,11 @@ pub use add_bias::add_bias;
 pub use attention_block::{attention_block, Attention, Qkv, Rotary};
 pub use causal_softmax::causal_softmax;
 pub use cross_entropy::cross_entropy;
+pub use embedding::embedding;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
 pub use linear::linear;
+pub use linear_cross_entropy::{linear_cross_entropy, linear_cross_entropy_in_chunks};
 pub use mlp_block::{mlp_block, Mlp, MlpKind};
 pub use norm::Norm;
 pub use projection::{Lora, Projection};

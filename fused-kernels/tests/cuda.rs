@@ -22,7 +22,8 @@ use common::{flat, tensor};
 const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 
 /// The largest difference allowed between the GPU's and the CPU's results, relative to the
-/// largest magnitude of the CPU's. Both compute bf16/f16 in f32 and round once; their sums run in
+/// largest magnitude of the CPU's, or absolute below magnitude 1 (see [`assert_close`]). Both
+/// compute bf16/f16 in f32 and round once; their sums run in
 /// different orders, so f32 results differ by a few units in the last place of the largest
 /// element, and half-precision ones by one rounding step of the stored result (2⁻⁸ relative for
 /// bf16, 2⁻¹¹ for f16), twice where a backward reads the rounded forward output.
@@ -86,10 +87,14 @@ fn run_on(
     (flat(&out.to_device(&Device::Cpu).unwrap()), g)
 }
 
-/// Asserts that `gpu` equals `cpu` within `tol` of the largest magnitude of `cpu`.
+/// Asserts that `gpu` equals `cpu` within `tol` of the largest magnitude of `cpu`, and within
+/// `tol` absolutely when that magnitude is below 1: a result that is exactly 0 on the CPU by
+/// cancellation (LayerNorm's gradients over one element) is the difference of terms of order 1
+/// on the GPU too, which keeps their rounding (a few 1e-6 in f32), so a purely relative
+/// tolerance of a zero result would demand bit-exact cancellation.
 fn assert_close(what: &str, gpu: &[f64], cpu: &[f64], tol: f64) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: lengths differ");
-    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let scale = cpu.iter().fold(1f64, |m, v| m.max(v.abs()));
     let (worst, diff) = gpu
         .iter()
         .zip(cpu)
@@ -106,7 +111,7 @@ fn assert_close(what: &str, gpu: &[f64], cpu: &[f64], tol: f64) {
     assert!(
         diff <= tol * scale,
         "{what}: GPU and CPU differ by {diff:e} at [{worst}] (GPU {}, CPU {}), more than \
-         {tol:e} × the largest magnitude {scale:e}",
+         {tol:e} × max(1, the largest magnitude) = {tol:e} × {scale:e}",
         gpu[worst],
         cpu[worst]
     );
@@ -306,5 +311,193 @@ fn add_bias_on_cuda_equals_the_cpu_kernel() {
         check(&format!("add_bias {shape:?}"), &[x, b], &[], &|v, _| {
             fused_kernels::add_bias(&v[0], &v[1])
         });
+    }
+}
+
+/// The output and the table's gradient of `Σ embedding(ids, table) · r` on `device`, as f64.
+fn embedding_on(device: &Device, ids: &Tensor, table: &Tensor) -> (Vec<f64>, Vec<f64>) {
+    let table = Var::from_tensor(&table.to_device(device).unwrap()).unwrap();
+    let out = fused_kernels::embedding(&ids.to_device(device).unwrap(), table.as_tensor()).unwrap();
+    let r = tensor(out.dims(), 21, 1.0)
+        .to_dtype(out.dtype())
+        .unwrap()
+        .to_device(device)
+        .unwrap();
+    let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = grads.get(table.as_tensor()).expect("a gradient");
+    (
+        flat(&out.to_device(&Device::Cpu).unwrap()),
+        flat(&grad.to_device(&Device::Cpu).unwrap()),
+    )
+}
+
+/// `n` ids below `v` in which a few ids recur very often (as common tokens do): every fourth
+/// position is one of three hot ids, among them 0 and `v − 1`.
+fn skewed_ids(n: usize, v: usize, seed: u64) -> Vec<u32> {
+    common::values(n, seed)
+        .iter()
+        .enumerate()
+        .map(|(p, x)| match p % 4 {
+            0 => [0, v - 1, v / 2][p % 3] as u32,
+            _ => (((x + 1.0) * 0.5 * v as f64) as usize).min(v - 1) as u32,
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn embedding_on_cuda_equals_the_cpu_kernel_bit_for_bit() {
+    // GPT-2's table (3866 blocks of 13 rows); a 59-row vocabulary whose 8192 ids all fall in
+    // five blocks (many chunks of ids per block); rows wider than the accumulators (column
+    // tiles); i64 and u8 ids.
+    let gpu = gpu();
+    for (v, c, dims) in [
+        (50_257, 768, vec![4, 512]),
+        (59, 768, vec![8, 1024]),
+        (3, 20_000, vec![7]),
+        (200, 33, vec![3, 5, 67]),
+    ] {
+        let n: usize = dims.iter().product();
+        let ids = Tensor::from_vec(skewed_ids(n, v, 22), dims.as_slice(), &Device::Cpu).unwrap();
+        let mut id_kinds = vec![ids.clone(), ids.to_dtype(DType::I64).unwrap()];
+        if v <= 256 {
+            id_kinds.push(ids.to_dtype(DType::U8).unwrap());
+        }
+        for dtype in DTYPES {
+            let table = tensor(&[v, c], 23, 1.0).to_dtype(dtype).unwrap();
+            for ids in &id_kinds {
+                let what = format!(
+                    "embedding [{v}, {c}] {dtype:?}, {:?} ids {dims:?}",
+                    ids.dtype()
+                );
+                let cpu = embedding_on(&Device::Cpu, ids, &table);
+                let first = embedding_on(&gpu, ids, &table);
+                let again = embedding_on(&gpu, ids, &table);
+                // Both sum each gradient element over its positions in increasing order, from
+                // 0, in f32 (f64), and round once: the same bits.
+                assert!(first.0 == cpu.0, "{what}: the rows differ");
+                let diff = first.1.iter().zip(&cpu.1).position(|(g, c)| g != c);
+                assert!(
+                    diff.is_none(),
+                    "{what}: gradient [{}] GPU {} CPU {}",
+                    diff.unwrap(),
+                    first.1[diff.unwrap()],
+                    cpu.1[diff.unwrap()]
+                );
+                assert!(first == again, "{what}: two GPU runs differ");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn an_out_of_range_id_gives_a_nan_row_on_cuda_and_no_gradient() {
+    let gpu = gpu();
+    let table = Var::from_tensor(
+        &tensor(&[5, 3], 24, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&gpu)
+            .unwrap(),
+    )
+    .unwrap();
+    let ids = Tensor::new(&[1i64, 5, -1, 1], &gpu).unwrap();
+    let out = fused_kernels::embedding(&ids, table.as_tensor()).unwrap();
+    let rows: Vec<Vec<f32>> = out.to_vec2().unwrap();
+    assert!(
+        rows[1].iter().chain(&rows[2]).all(|v| v.is_nan()),
+        "{rows:?}"
+    );
+    assert!(
+        rows[0].iter().chain(&rows[3]).all(|v| v.is_finite()),
+        "{rows:?}"
+    );
+    let grads = out
+        .narrow(0, 0, 1)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g: Vec<Vec<f32>> = grads.get(table.as_tensor()).unwrap().to_vec2().unwrap();
+    // Only position 0 (id 1) has a gradient of 1; the others' dy is 0 and ids 5 and −1 add nothing.
+    let want: Vec<Vec<f32>> = (0..5)
+        .map(|r| vec![if r == 1 { 1.0 } else { 0.0 }; 3])
+        .collect();
+    assert_eq!(g, want);
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn linear_cross_entropy_on_cuda_equals_the_cpu_op() {
+    // GPT-2's vocabulary in chunks of 8 rows (5 chunks, the last short) and in one chunk; a
+    // small vocabulary with more rows than the 65 535 blocks of a row kernel's grid.
+    for (n, c, v, chunk) in [
+        (37, 64, 50_257, Some(8)),
+        (37, 64, 50_257, None),
+        (70_000, 16, 67, Some(30_000)),
+    ] {
+        let x = tensor(&[n, c], 25, 1.0);
+        let w = tensor(&[v, c], 26, 0.5);
+        let targets: Vec<u32> = (0..n)
+            .map(|i| match i % 5 {
+                0 => 0,
+                1 => (v - 1) as u32,
+                _ => ((i * 7919) % v) as u32,
+            })
+            .collect();
+        let targets = Tensor::new(targets, &Device::Cpu).unwrap();
+        let weights: Vec<f32> = (0..n).map(|i| [0.25, 0.0, 1.0, 1.5][i % 4]).collect();
+        let weights = Tensor::new(weights, &Device::Cpu).unwrap();
+        check(
+            &format!("linear_cross_entropy [{n}, {c}] x [{v}, {c}], chunks {chunk:?}"),
+            &[x, w],
+            &[(targets, false), (weights, false)],
+            &|p, k| match chunk {
+                Some(rows) => {
+                    fused_kernels::linear_cross_entropy_in_chunks(&p[0], &p[1], &k[0], &k[1], rows)
+                }
+                None => fused_kernels::linear_cross_entropy(&p[0], &p[1], &k[0], &k[1]),
+            },
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn the_bias_gradient_is_the_same_on_every_cuda_run() {
+    // The column sums are one cuBLAS product: deterministic on one GPU.
+    let gpu = gpu();
+    for dtype in DTYPES {
+        let run = || {
+            let b = Var::from_tensor(
+                &tensor(&[768], 27, 1.0)
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&gpu)
+                    .unwrap(),
+            )
+            .unwrap();
+            let x = tensor(&[8, 1024, 768], 28, 1.0)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&gpu)
+                .unwrap();
+            let r = tensor(&[8, 1024, 768], 29, 1.0)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&gpu)
+                .unwrap();
+            let y = fused_kernels::add_bias(&x, b.as_tensor()).unwrap();
+            let g = (y * r).unwrap().sum_all().unwrap().backward().unwrap();
+            flat(
+                &g.get(b.as_tensor())
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap(),
+            )
+        };
+        assert!(run() == run(), "{dtype:?}");
     }
 }

@@ -81,6 +81,36 @@ fn ops(rows: usize, d: usize) -> Vec<Op> {
             }),
         ),
         (
+            "embedding",
+            // A table of `rows` rows; twice as many ids, every row named about twice.
+            vec![x()],
+            Box::new(move |x| {
+                let ids: Vec<u32> = (0..2 * rows as u32)
+                    .map(|i| (i * 7 + i / 3) % rows as u32)
+                    .collect();
+                let ids = Tensor::from_vec(ids, (2, rows), &Device::Cpu)?;
+                fused_kernels::embedding(&ids, &x[0])
+            }),
+        ),
+        (
+            "linear_cross_entropy",
+            // 67 classes; chunks of rows / 3 + 1 rows (three chunks, the last one short).
+            vec![x(), tensor(&[67, d], 8, 0.5)],
+            Box::new(move |x| {
+                let n = x[0].dim(0)?;
+                let targets: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 67).collect();
+                let targets = Tensor::new(targets, &Device::Cpu)?;
+                let weights = Tensor::ones(n, DType::F32, &Device::Cpu)?;
+                fused_kernels::linear_cross_entropy_in_chunks(
+                    &x[0],
+                    &x[1],
+                    &targets,
+                    &weights,
+                    n / 3 + 1,
+                )
+            }),
+        ),
+        (
             "cross_entropy",
             vec![x()],
             Box::new(move |x| {

@@ -47,6 +47,32 @@ fn cross_entropy() {
 }
 
 #[test]
+fn embedding_with_repeated_ids() {
+    // Row 3 named three times, row 2 never; ids of shape [2, 3].
+    let ids = Tensor::new(&[[3u32, 0, 3], [4, 3, 1]], &Device::Cpu).unwrap();
+    let inputs = [tensor(&[5, 4], 30, 1.0), ids];
+    check_gradients("embedding", &inputs, &[0], |x| {
+        fused_kernels::embedding(&x[1], &x[0])
+    });
+}
+
+#[test]
+fn linear_cross_entropy_in_chunks() {
+    // 7 rows in chunks of 3 (the last one short); a padding row; the last class as a target.
+    let targets = Tensor::new(&[2u32, 0, 6, 6, 1, 3, 5], &Device::Cpu).unwrap();
+    let weights = Tensor::new(&[1.0f64, 0.0, 0.5, 2.0, 1.0, 1.0, 0.25], &Device::Cpu).unwrap();
+    let inputs = [
+        tensor(&[7, 4], 31, 2.0),
+        tensor(&[7, 4], 32, 1.0),
+        targets,
+        weights,
+    ];
+    check_gradients("linear_cross_entropy", &inputs, &[0, 1], |x| {
+        fused_kernels::linear_cross_entropy_in_chunks(&x[0], &x[1], &x[2], &x[3], 3)
+    });
+}
+
+#[test]
 fn gelu_silu_swiglu() {
     let x = [tensor(&[3, 9], 8, 4.0)];
     check_gradients("gelu", &x, &[0], |x| fused_kernels::gelu(&x[0]));

@@ -2,19 +2,7 @@
 // (forward) and dloss · weights (backward) are in the arithmetic type A. A target outside the
 // row's classes makes that row's loss and gradient NaN: the CPU kernel's error would need the
 // targets on the host, a synchronization in every training step.
-#include "common.cuh"
-
-// logsumexp of one row (every thread gets it).
-template <typename T>
-__device__ __forceinline__ typename AccOf<T>::type logsumexp(const T* __restrict__ row, u64 v) {
-  typedef typename AccOf<T>::type A;
-  A m = acc_neg_inf(A(0));
-  for (u64 j = threadIdx.x; j < v; j += blockDim.x) m = MaxOp()(m, to_acc(row[j]));
-  const A max = block_max(m);
-  A s = 0;
-  for (u64 j = threadIdx.x; j < v; j += blockDim.x) s += acc_exp(to_acc(row[j]) - max);
-  return max + acc_log(block_sum(s));
-}
+#include "cross_entropy.cuh"
 
 // First pass of the forward: each row's weighted loss into row_loss (A).
 template <typename T>

@@ -144,6 +144,16 @@ pub fn run(kernel: &str, shape: Shape, args: &[Arg<'_>], order: Order) {
     }
 }
 
+/// Launches `kernel` with `shape` and `shared` bytes of dynamic shared memory, panicking with the
+/// emulator's error.
+pub fn run_shared(kernel: &str, shape: Shape, shared: usize, args: &[Arg<'_>], order: Order) {
+    if let Err(e) = launch(kernel, shape.grid, shape.block, shared, args, order) {
+        panic!(
+            "{kernel} with {shape:?} and {shared} bytes of shared memory in {order:?} order: {e}"
+        );
+    }
+}
+
 /// fused-kernels' launch shapes, as `fused-kernels/src/cuda.rs` computes them (its functions are
 /// private to the `cuda` feature, so they are restated here; a change there must be made here).
 pub mod fused {
@@ -199,6 +209,27 @@ pub mod fused {
             grid: 1,
             block: 1024,
         }
+    }
+
+    /// The embedding backward's tiles (`BackwardTiles` of `src/embedding.rs`) for a `[v, c]`
+    /// gradient accumulated in values of `acc_bytes` bytes: `(launch, rows per block, columns per
+    /// block, dynamic shared memory bytes)`.
+    pub fn embedding_backward(
+        v: usize,
+        c: usize,
+        acc_bytes: usize,
+    ) -> (Shape, usize, usize, usize) {
+        const ACCUMULATOR_BYTES: usize = 40 * 1024;
+        const MAX_THREADS: usize = 1024;
+        let capacity = ACCUMULATOR_BYTES / acc_bytes;
+        let cols = c.clamp(1, capacity);
+        let rows = (capacity / cols).clamp(1, v.max(1));
+        let blocks = v.div_ceil(rows).max(1) * c.div_ceil(cols).max(1);
+        let shape = Shape {
+            grid: blocks as u32,
+            block: (cols.div_ceil(32) * 32).clamp(32, MAX_THREADS) as u32,
+        };
+        (shape, rows, cols, rows * cols * acc_bytes)
     }
 }
 

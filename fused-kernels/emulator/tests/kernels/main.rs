@@ -9,6 +9,8 @@ mod blocks;
 mod causal_softmax;
 mod common;
 mod cross_entropy;
+mod embedding;
 mod emulator;
+mod linear_cross_entropy;
 mod norms;
 mod rotary;
