@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch's side of `bench_step`: the same training configurations in PyTorch with Hugging Face
-Accelerate, printing the same JSON fields (one line starting with `{"bench": "step"`) and a
+Accelerate, printing the same JSON fields (one line, an object whose "bench" is "step") and a
 readable line on the main process.
 
 - gpt2: a plain nn.Module of exactly the `gpt` example's architecture (token and learned
@@ -383,7 +383,7 @@ def main():
     print(f"torch_step: {args.model} {args.mixed_precision} torch {args.mode}, {world} rank(s) x "
           f"batch {args.batch_size} x context {args.context}: step {step_median:.2f} ms median "
           f"({step_mean:.2f} mean), {tokens_per_s:.0f} tokens/s, MFU {mfu * 100:.2f} % of "
-          f"{peak_tflops:.1f} TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, "
+          f"{peak_tflops:.{3 if peak_tflops < 10 else 1}f} TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, "
           f"loss {final_loss:.4f}", flush=True)
     finish(acc)
 

@@ -4,37 +4,44 @@ results.jsonl and writes results.md (steps and their status, the benchmark table
 ratios, consistency checks).
 
     report.py record --results R --name N --rc RC --wall S --log LOG [--smi FILE]
-        appends the `{"bench": "step", ...}` line of LOG (bench_step's or torch_step.py's, the
-        main process's) with the run's name, exit status and wall time, and the nvidia-smi
+        appends the JSON line of LOG whose "bench" is "step" (bench_step's or torch_step.py's,
+        the main process's) with the run's name, exit status and wall time, and the nvidia-smi
         samples of FILE (MiB, one per line; the first is taken before the run starts)
     report.py record-ncu --results R --name N --raw RAW --steps K
-        appends the totals of the ncu per-kernel summary in RAW (see ncu_summary.py)
+        appends the totals of the ncu per-kernel summary in RAW (see ncu_summary.py), with the
+        configuration of the profiled run (its JSON line, which ncu passes through)
     report.py table --results R --status STATUS_TSV --machine MACHINE_TXT --out results.md
         writes the markdown report
     report.py check --results R --status STATUS_TSV --expect-runs N --expect-statuses S,S,...
         the self-test's assertions over a finished report (see run.sh selftest)
+    report.py compare --results R
+        interleaved rounds of ours and PyTorch (run names NAME-roundK, see cpu_rounds.sh):
+        medians over the rounds and the per-round ratios, as markdown
 """
 
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ncu_summary  # noqa: E402
 
+RANK_PREFIX = re.compile(r"^\[rank \d+\]\s*")
 STEP_FIELDS = ["impl", "mode", "model", "mixed_precision", "world_size", "batch_size", "context",
                "n_params", "n_params_matmul", "flops_per_token", "step_ms_median",
                "step_ms_mean", "tokens_per_s", "peak_tflops", "mfu", "final_loss", "data_first"]
 
 
 def step_line(log_text):
-    """The last `{"bench": "step"...}` JSON line of a run's output, or None."""
+    """The last JSON object line of a run's output whose "bench" is "step", or None. Lines may
+    carry accelerate-launch's `[rank N] ` prefix."""
     found = None
     for line in log_text.splitlines():
-        line = line.strip()
-        if line.startswith('{"bench"'):
+        line = RANK_PREFIX.sub("", line.strip())
+        if line.startswith("{") and '"bench"' in line:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError:
@@ -65,11 +72,11 @@ def record_ncu(a):
     value = ncu_summary.totals(kernels, a.steps) if kernels else {
         "bench": "ncu", "error": "no per-kernel summary in the ncu output"}
     value["run"] = a.name
-    if a.config:
-        # The configuration of the profiled run, so that the table puts its launches/step beside
-        # the matching timed run: model, mixed_precision, world, batch, context, layers, width.
-        parts = a.config.split(",")
-        value["config"] = parts[:2] + [int(x) for x in parts[2:]]
+    # The profiled program's own JSON line (ncu passes its output through) says which
+    # configuration it was, so that the table puts its launches/step beside the timed run.
+    profiled = step_line(raw.read_text(errors="replace")) if raw.exists() else None
+    if profiled:
+        value["config"] = list(config_key(profiled))
     with open(a.results, "a") as f:
         f.write(json.dumps(value) + "\n")
 
@@ -159,7 +166,7 @@ def table(a):
         out.append(
             f"| {label(r)} | {impl} | {fmt(r['step_ms_median'], '.1f')} "
             f"({fmt(r['step_ms_mean'], '.1f')}) | {fmt(r['tokens_per_s'], ',.0f')} "
-            f"| {fmt(100 * r['mfu'], '.1f')} % | {fmt(r['peak_tflops'], '.1f')} "
+            f"| {fmt(100 * r['mfu'], '.1f')} % | {fmt(r['peak_tflops'], '.1f' if r['peak_tflops'] >= 10 else '.3f')} "
             f"| {fmt(mem, ',.0f')}{'' if device == 'cuda' else ' (RSS)'} | {fmt(smi, ',.0f')} "
             f"| {fmt(r.get('framework_peak_mib'), ',.0f')} | {fmt(launches, ',.0f')} "
             f"| {fmt(r['final_loss'], '.3f')} | {fmt(r.get('compile_s'), '.1f')} |")
@@ -248,6 +255,44 @@ def check(a):
           f"launches/step {[r['launches_per_step'] for r in ncu]}: ok")
 
 
+def median(values):
+    """The upper of the middle two for an even count, as the Rust benchmarks' median."""
+    v = sorted(values)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def compare(a):
+    runs = [r for r in load(a.results) if r.get("bench") == "step" and "error" not in r]
+    rounds = {}
+    for r in runs:
+        name, _, k = r["run"].rpartition("-round")
+        rounds.setdefault(r["model"], {}).setdefault(r["impl"], {})[int(k)] = r
+    out = ["| model | impl | rounds | step ms (median of rounds) | tokens/s | MFU | peak RSS MiB "
+           "| ours / torch step time (per-round median, quartiles) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for model, impls in sorted(rounds.items()):
+        ours, theirs = impls.get("ours", {}), impls.get("torch", {})
+        ratios = sorted(ours[k]["step_ms_median"] / theirs[k]["step_ms_median"]
+                        for k in ours if k in theirs)
+        for impl, by_round in (("ours", ours), ("torch", theirs)):
+            if not by_round:
+                continue
+            rs = list(by_round.values())
+            ratio = ""
+            if impl == "ours" and ratios:
+                q = lambda f: ratios[int((len(ratios) - 1) * f)]
+                ratio = f"{median(ratios):.2f} ({q(0.25):.2f}–{q(0.75):.2f})"
+            first = rs[0]
+            out.append(
+                f"| {model} ({first['layers']}x{first['width']}, vocab {first['vocab']}, batch "
+                f"{first['batch_size']} x {first['context']}) | {impl} | {len(rs)} "
+                f"| {median([r['step_ms_median'] for r in rs]):.1f} "
+                f"| {median([r['tokens_per_s'] for r in rs]):,.0f} "
+                f"| {100 * median([r['mfu'] for r in rs]):.1f} % "
+                f"| {median([r['rss_peak_mib'] for r in rs]):,.0f} | {ratio} |")
+    print("\n".join(out))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -263,7 +308,6 @@ def main():
     n.add_argument("--name", required=True)
     n.add_argument("--raw", required=True)
     n.add_argument("--steps", type=int, required=True)
-    n.add_argument("--config", help="model,mixed_precision,world,batch,context,layers,width")
     t = sub.add_parser("table")
     t.add_argument("--results", required=True)
     t.add_argument("--status", required=True)
@@ -275,8 +319,12 @@ def main():
     c.add_argument("--expect-runs", type=int, required=True)
     c.add_argument("--expect-statuses", required=True)
     c.add_argument("--expect-launches", type=float)
+    m = sub.add_parser("compare")
+    m.add_argument("--results", required=True)
     a = ap.parse_args()
-    if a.cmd == "record":
+    if a.cmd == "compare":
+        compare(a)
+    elif a.cmd == "record":
         record(a)
     elif a.cmd == "record-ncu":
         record_ncu(a)

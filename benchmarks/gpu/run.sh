@@ -19,12 +19,14 @@
 # bench.log, profile.txt, results.jsonl, results.md, status.tsv.
 #
 # Environment (device phase): BUDGET_S (450), PY (/opt/torch/.venv/bin/python3), NCU
-# (/usr/local/cuda/bin/ncu), PACK (target/gpu-pack/bins.tar.xz), WORK (/tmp/bench-gpu),
+# (/usr/local/cuda/bin/ncu), PACK (target/gpu-pack/bins.tar.xz), WORK (/tmp/bench-gpu), SKIP
+# (names of steps not to run, space-separated; see results.md's step list for the names),
 # BATCH (8), CONTEXT (1024), WARMUP_BF16/STEPS_BF16 (5/20), WARMUP_F32/STEPS_F32 (3/10),
-# OPTIONAL_MIN_S (the least time left for an optional step to start, 100). The selftest sets
-# BENCH_DEVICE=cpu and the tiny sizes itself.
+# OPTIONAL_MIN_S (the least time left for an optional step to start, 100), CAP_SCALE (1; each
+# step's own time limit is multiplied by it). The selftest sets BENCH_DEVICE=cpu, the tiny sizes
+# and a CAP_SCALE of 10 (SELFTEST_CAP_SCALE: a shared 2-core machine compiles slowly) itself.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
 PACK=${PACK:-$ROOT/target/gpu-pack/bins.tar.xz}
 
@@ -104,11 +106,17 @@ step() {
   local name=$1 cap=$2 min=$3 logf=$4
   shift 4
   local left=$((DEADLINE - $(date +%s) - RESERVE_S))
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    printf '%s\tskipped\t-\t0\tnamed in SKIP\n' "$name" >>"$STATUS"
+    echo "== $name: skipped (SKIP)" >>"$logf"
+    return 99
+  fi
   if [ "$left" -lt "$min" ]; then
     printf '%s\tskipped\t-\t0\t%s s of the budget left, %s needed\n' "$name" "$left" "$min" >>"$STATUS"
     echo "== $name: skipped ($left s left, $min needed)" >>"$logf"
     return 99
   fi
+  cap=$((cap * CAP_SCALE))
   local limit=$((cap < left ? cap : left))
   echo "== $name (limit ${limit} s): $*" >>"$logf"
   local t0 t1 rc status note
@@ -195,6 +203,7 @@ device() {
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   WORK=${WORK:-/tmp/bench-gpu}
   OPTIONAL_MIN_S=${OPTIONAL_MIN_S:-100}
+  CAP_SCALE=${CAP_SCALE:-1}
   rm -rf "$WORK"
   mkdir -p "$WORK" "$OUT"
   STATUS=$WORK/status.tsv
@@ -221,7 +230,9 @@ device() {
 
   # Sizes: GPT-2 124M and SmolLM-135M, or the selftest's tiny ones.
   local batch=${BATCH:-8} context=${CONTEXT:-1024}
-  local gpt=(--model gpt2 ${GPT_SIZE:-}) smol=(--model smollm ${SMOL_SIZE:-})
+  local gpt smol
+  read -ra gpt <<<"--model gpt2 ${GPT_SIZE:-}"
+  read -ra smol <<<"--model smollm ${SMOL_SIZE:-}"
   local common=(--device "$DEV" --batch-size "$batch" --context "$context")
   local bf16=(--mixed-precision bf16 --warmup "${WARMUP_BF16:-5}" --steps "${STEPS_BF16:-20}")
   local f32=(--mixed-precision no --warmup "${WARMUP_F32:-3}" --steps "${STEPS_F32:-10}")
@@ -244,14 +255,14 @@ device() {
     # Stand-ins that pass, fail and overrun, to exercise the recording.
     step suite-pass 30 5 "$OUT/suite.log" "$BIN/bench_step" --help
     step suite-fail 30 5 "$OUT/suite.log" "$BIN/bench_step" --model nope
-    step suite-timeout 2 1 "$OUT/suite.log" sleep 30
+    step suite-timeout 1 1 "$OUT/suite.log" sleep 300
   else
     step fused-kernels-cuda 90 20 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(ls "$BIN"/deps/cuda-* | head -1)" --test-threads=1
+      "$(find "$BIN/deps" -name 'cuda-*' | head -1)" --ignored --test-threads=1
     step gpu-suite 150 40 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(ls "$BIN"/deps/gpu-* | head -1)" --test-threads=1 --nocapture
+      "$(find "$BIN/deps" -name 'gpu-*' | head -1)" --test-threads=1 --nocapture
     step nccl-conformance 90 20 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(ls "$BIN"/deps/integration-* | head -1)" conformance:: --test-threads=1 --nocapture
+      "$(find "$BIN/deps" -name 'integration-*' | head -1)" conformance:: --test-threads=1 --nocapture
   fi
 
   # (3) The matrix, one process: ours, then PyTorch eager (with torch.profiler over 2 steps).
@@ -313,16 +324,8 @@ ncu_profile() {
     --warmup 2 --steps 1 --profile-steps "$steps"
   local rc=$?
   [ "$rc" = 99 ] && { tabulate; return 99; }
-  # The configuration the profiled run had (its JSON line), for the table's launches/step.
-  local config
-  config=$("$PY" -c 'import json, sys
-for line in open(sys.argv[1], errors="replace"):
-    if line.startswith("{\"bench\""):
-        r = json.loads(line)
-        print(",".join(str(r[k]) for k in ("model", "mixed_precision", "world_size", "batch_size", "context", "layers", "width")))' \
-    "$WORK/$name.log" 2>/dev/null | tail -1)
   "$PY" benchmarks/gpu/report.py record-ncu --results "$OUT/results.jsonl" --name "$name" \
-    --raw "$WORK/$name.log" --steps "$steps" ${config:+--config "$config"}
+    --raw "$WORK/$name.log" --steps "$steps"
   {
     echo "## ours under ncu: $name ($*), $steps profiled steps"
     echo
@@ -415,8 +418,8 @@ EOF
   XZ_DICT=64MiB pack "$target/release" "$tmp/pack/bins.tar.xz" lenient || return 1
   local tiny="--layers 2 --width 64 --heads 4 --vocab 256"
   OUT=$tmp/out PACK=$tmp/pack/bins.tar.xz WORK=$tmp/work PATH="$tmp/stubs:$PATH" \
-    NCU=$tmp/stubs/ncu BENCH_DEVICE=cpu PY="$venv/bin/python" BUDGET_S=${SELFTEST_BUDGET_S:-1500} \
-    OPTIONAL_MIN_S=1000000 BATCH=4 CONTEXT=32 GPT_SIZE="$tiny" SMOL_SIZE="$tiny --kv-heads 2" \
+    NCU=$tmp/stubs/ncu BENCH_DEVICE=cpu PY="$venv/bin/python" BUDGET_S=${SELFTEST_BUDGET_S:-5400} \
+    CAP_SCALE=${SELFTEST_CAP_SCALE:-10} OPTIONAL_MIN_S=1000000 BATCH=4 CONTEXT=32 GPT_SIZE="$tiny" SMOL_SIZE="$tiny --kv-heads 2" \
     WARMUP_BF16=1 STEPS_BF16=3 WARMUP_F32=1 STEPS_F32=3 device || return 1
   local expect="passed,passed,passed,failed,timeout"
   expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
@@ -438,7 +441,7 @@ EOF
     log "selftest: results.md lacks ours' gpt2 row"
     return 1
   }
-  log "selftest: passed ($files files in OUT: $(cd "$tmp/out" && ls | paste -sd ' ' -)); report in $tmp/out/results.md"
+  log "selftest: passed ($files files in OUT: $(find "$tmp/out" -type f -printf '%f ')); report in $tmp/out/results.md"
 }
 
 case "${1:-}" in
