@@ -119,7 +119,8 @@ def config_key(r):
 
 
 def label(r):
-    return (f"{r['model']} ({r['layers']}x{r['width']}) {r['mixed_precision']}, "
+    precision = "f32" if r["mixed_precision"] == "no" else r["mixed_precision"]
+    return (f"{r['model']} ({r['layers']}x{r['width']}) {precision}, "
             f"{r['world_size']} rank(s), batch {r['batch_size']} x {r['context']}")
 
 
@@ -171,7 +172,8 @@ def table(a):
             f"| {fmt(r.get('framework_peak_mib'), ',.0f')} | {fmt(launches, ',.0f')} "
             f"| {fmt(r['final_loss'], '.3f')} | {fmt(r.get('compile_s'), '.1f')} |")
     for r in failed:
-        out.append(f"| {r.get('run')} | failed (exit {r.get('rc')}) | | | | | | | | | | |")
+        why = ", no result line" if "error" in r else ""
+        out.append(f"| {r.get('run')} | failed (exit {r.get('rc')}{why}) | | | | | | | | | | |")
 
     out += ["", "## Ours / theirs", "",
             "tokens/s of ours divided by PyTorch's (above 1: ours faster); memory: ours / theirs "
