@@ -437,10 +437,16 @@ EOF
     log "selftest: names the device tool would not bring back"
     return 1
   }
-  grep -q '^| gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours |' "$tmp/out/results.md" || {
-    log "selftest: results.md lacks ours' gpt2 row"
-    return 1
-  }
+  local row
+  for row in "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours" \
+    "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours" \
+    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile"; do
+    grep -qF "| $row |" "$tmp/out/results.md" || {
+      log "selftest: results.md lacks the row '$row'"
+      return 1
+    }
+  done
   log "selftest: passed ($files files in OUT: $(find "$tmp/out" -type f -printf '%f ')); report in $tmp/out/results.md"
 }
 
