@@ -1,4 +1,10 @@
-//! Statistics and child-process plumbing shared by the benchmark programs.
+//! Statistics and child-process plumbing shared by the benchmark programs, the synthetic token
+//! data of the step benchmark ([`synthetic`]), its FLOPs formula ([`mfu`]) and what it reads from
+//! the GPU ([`gpu_probe`]).
+
+pub mod gpu_probe;
+pub mod mfu;
+pub mod synthetic;
 
 use std::fmt;
 use std::process::{Command, ExitStatus, Stdio};

@@ -1,0 +1,461 @@
+#!/usr/bin/env bash
+# The GPU step benchmark, ours against PyTorch on the same GPU, in one command (issue 29).
+#
+#   benchmarks/gpu/run.sh prepare    here, without a GPU: builds the CUDA binaries
+#                                    (scripts/gpu-build.sh build) and packs those the GPU machine
+#                                    runs into target/gpu-pack/bins.tar.xz (one xz dictionary,
+#                                    ~15 MiB), the folder to name in the device tool's `carry`
+#   benchmarks/gpu/run.sh device     on the GPU machine, in the repository root, with $OUT set:
+#                                    unpacks, records the machine, runs the correctness suite, the
+#                                    benchmark matrix, ncu and torch.profiler, and writes the
+#                                    report, all within BUDGET_S seconds (default 450)
+#   benchmarks/gpu/run.sh selftest   here, without a GPU: the device phase end to end on the CPU
+#                                    with tiny models, nvidia-smi and ncu stubbed, then checks the
+#                                    report and $OUT's limits
+#
+# See benchmarks/gpu/README.md for the exact device-tool call and the time each step takes.
+#
+# Files under $OUT (at most 8, 16 MiB each, the device tool's limits): machine.txt, suite.log,
+# bench.log, profile.txt, results.jsonl, results.md, status.tsv.
+#
+# Environment (device phase): BUDGET_S (450), PY (/opt/torch/.venv/bin/python3), NCU
+# (/usr/local/cuda/bin/ncu), PACK (target/gpu-pack/bins.tar.xz), WORK (/tmp/bench-gpu), SKIP
+# (names of steps not to run, space-separated; see results.md's step list for the names),
+# BATCH (8), CONTEXT (1024), WARMUP_BF16/STEPS_BF16 (5/20), WARMUP_F32/STEPS_F32 (3/10),
+# OPTIONAL_MIN_S (the least time left for an optional step to start, 100), CAP_SCALE (1; each
+# step's own time limit is multiplied by it). The selftest sets BENCH_DEVICE=cpu, the tiny sizes
+# and a CAP_SCALE of 10 (SELFTEST_CAP_SCALE: a shared 2-core machine compiles slowly) itself.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+ROOT=$PWD
+PACK=${PACK:-$ROOT/target/gpu-pack/bins.tar.xz}
+
+log() { echo "run.sh: $*" >&2; }
+
+# The binaries the GPU machine runs: the benchmark, the launcher, and everything the GPU
+# correctness suite runs (tests/gpu.rs launches the test worker and the examples from the folder
+# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary).
+BINARIES=(bench_step accelerate-launch accelerate accelerate-test-worker examples/mlp
+  examples/gpt examples/llama)
+TEST_PREFIXES=(gpu integration cuda)
+
+# pack RELEASE_DIR OUT_FILE strict|lenient: stages the binaries (debug info stripped) under
+# release/ and compresses them with one xz dictionary; `lenient` skips missing ones (selftest).
+pack() {
+  local release=$1 out=$2 mode=$3 stage missing=0
+  stage=$(mktemp -d)
+  mkdir -p "$stage/release/examples" "$stage/release/deps"
+  for b in "${BINARIES[@]}"; do
+    if [ -x "$release/$b" ]; then
+      cp "$release/$b" "$stage/release/$b"
+    else
+      log "pack: $release/$b is missing"
+      missing=1
+    fi
+  done
+  for p in "${TEST_PREFIXES[@]}"; do
+    # The newest build of each test binary (older hashes may linger); no .d files.
+    local newest
+    newest=$(find "$release/deps" -maxdepth 1 -type f -executable -regextype posix-extended \
+      -regex ".*/$p-[0-9a-f]{16}" -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
+    if [ -n "$newest" ]; then
+      cp "$newest" "$stage/release/deps/"
+    else
+      log "pack: no $release/deps/$p-<hash> test binary"
+      missing=1
+    fi
+  done
+  if [ "$missing" = 1 ] && [ "$mode" = strict ]; then
+    rm -rf "$stage"
+    log "pack: binaries missing; run scripts/gpu-build.sh build first"
+    return 1
+  fi
+  find "$stage/release" -type f -exec strip --strip-debug {} + 2>/dev/null || true
+  mkdir -p "$(dirname "$out")"
+  # One dictionary over all of them: each embeds the same PTX of candle's kernels.
+  tar -C "$stage" -cf - release | xz -T1 "--lzma2=preset=6,dict=${XZ_DICT:-512MiB}" > "$out.tmp" \
+    && mv "$out.tmp" "$out"
+  local rc=$?
+  du -sh "$stage/release" | sed 's/^/pack: staged /' >&2
+  rm -rf "$stage"
+  [ "$rc" = 0 ] || return "$rc"
+  local size
+  size=$(stat -c %s "$out")
+  log "pack: $out, $((size / 1024 / 1024)) MiB"
+  if [ "$size" -gt $((48 * 1024 * 1024)) ]; then
+    log "pack: over 48 MiB; the device tool carries 64 MiB with the working tree"
+    return 1
+  fi
+}
+
+prepare() {
+  local target=${CUDA_TARGET_DIR:-$ROOT/target/cuda}
+  CUDA_TARGET_DIR=$target scripts/gpu-build.sh build || return 1
+  pack "$target/release" "$PACK" strict || return 1
+  git check-ignore -q "$PACK" || { log "$PACK is not ignored by git"; return 1; }
+  log "prepare: done; carry $(dirname "${PACK#"$ROOT"/}") in the device tool's call"
+}
+
+# ---------------------------------------------------------------------------------------------
+# The device phase.
+
+# step NAME CAP_S MIN_S LOG CMD...: runs CMD under `timeout` (CAP_S, or what the budget leaves)
+# with its output in $WORK/NAME.log, appended to LOG; one status line in $STATUS. Skipped when
+# less than MIN_S seconds of the budget are left. Returns CMD's exit status (99 when skipped).
+step() {
+  local name=$1 cap=$2 min=$3 logf=$4
+  shift 4
+  local left=$((DEADLINE - $(date +%s) - RESERVE_S))
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    printf '%s\tskipped\t-\t0\tnamed in SKIP\n' "$name" >>"$STATUS"
+    echo "== $name: skipped (SKIP)" >>"$logf"
+    return 99
+  fi
+  if [ "$left" -lt "$min" ]; then
+    printf '%s\tskipped\t-\t0\t%s s of the budget left, %s needed\n' "$name" "$left" "$min" >>"$STATUS"
+    echo "== $name: skipped ($left s left, $min needed)" >>"$logf"
+    return 99
+  fi
+  cap=$((cap * CAP_SCALE))
+  local limit=$((cap < left ? cap : left))
+  echo "== $name (limit ${limit} s): $*" >>"$logf"
+  local t0 t1 rc status note
+  t0=$(date +%s.%N)
+  timeout -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  cat "$WORK/$name.log" >>"$logf"
+  case $rc in
+    0) status=passed ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+  esac
+  # cargo test's summary lines, if any, say how many tests passed.
+  note=$(grep -E '^test result:' "$WORK/$name.log" | sed 's/test result: //' | paste -sd ';' -)
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" \
+    "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" "$note" >>"$STATUS"
+  echo "== $name: $status (exit $rc)" >>"$logf"
+  return "$rc"
+}
+
+# bench NAME CAP_S MIN_S CMD...: one benchmark run under step, with nvidia-smi polling the
+# device memory in use meanwhile; its JSON line goes to results.jsonl and the table is rewritten.
+bench() {
+  local name=$1 cap=$2 min=$3
+  shift 3
+  local smi=$WORK/$name.smi smi_pid=
+  : >"$smi"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --id=0 --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 \
+      >"$smi" 2>/dev/null &
+    smi_pid=$!
+    sleep 0.3
+  fi
+  local t0 rc
+  t0=$(date +%s)
+  step "$name" "$cap" "$min" "$OUT/bench.log" "$@"
+  rc=$?
+  if [ -n "$smi_pid" ]; then
+    kill "$smi_pid" 2>/dev/null
+    wait "$smi_pid" 2>/dev/null
+  fi
+  if [ "$rc" != 99 ]; then
+    "$PY" benchmarks/gpu/report.py record --results "$OUT/results.jsonl" --name "$name" \
+      --rc "$rc" --wall "$(($(date +%s) - t0))" --log "$WORK/$name.log" --smi "$smi"
+  fi
+  tabulate
+  return "$rc"
+}
+
+tabulate() {
+  cp "$STATUS" "$OUT/status.tsv"
+  "$PY" benchmarks/gpu/report.py table --results "$OUT/results.jsonl" --status "$STATUS" \
+    --machine "$OUT/machine.txt" --out "$OUT/results.md" || log "the report failed"
+}
+
+machine_info() {
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "kernel: $(uname -srm)"
+    echo "cpus: $(nproc), memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
+    echo "candle PTX cache before the run: $(du -sh ~/.nv/ComputeCache 2>/dev/null | cut -f1 || echo none)"
+    if command -v nvidia-smi >/dev/null; then
+      timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm \
+        --format=csv 2>&1
+      timeout 20 nvidia-smi 2>&1
+    else
+      echo "nvidia-smi: not found"
+    fi
+    timeout 60 "$PY" -c 'import torch, accelerate, transformers, sys
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "accelerate", accelerate.__version__, "transformers", transformers.__version__)' 2>&1
+    [ -x "$NCU" ] && timeout 20 "$NCU" --version 2>&1 | tail -1
+  } >"$OUT/machine.txt"
+}
+
+device() {
+  : "${OUT:?the device tool sets OUT; run this on the GPU machine (or use selftest)}"
+  BUDGET_S=${BUDGET_S:-450}
+  RESERVE_S=${RESERVE_S:-10}
+  DEADLINE=$(($(date +%s) + BUDGET_S))
+  DEV=${BENCH_DEVICE:-cuda}
+  PY=${PY:-/opt/torch/.venv/bin/python3}
+  NCU=${NCU:-/usr/local/cuda/bin/ncu}
+  WORK=${WORK:-/tmp/bench-gpu}
+  OPTIONAL_MIN_S=${OPTIONAL_MIN_S:-100}
+  CAP_SCALE=${CAP_SCALE:-1}
+  rm -rf "$WORK"
+  mkdir -p "$WORK" "$OUT"
+  STATUS=$WORK/status.tsv
+  : >"$STATUS"
+  : >"$OUT/results.jsonl"
+  : >"$OUT/suite.log"
+  : >"$OUT/bench.log"
+  : >"$OUT/profile.txt"
+  BIN=$WORK/release
+  machine_info
+  tabulate
+
+  # Our binaries load CUDA's and NCCL's libraries from the torch venv's wheels and the driver's
+  # libcuda (shared/gpu/PROFILE.md).
+  local site ours_env
+  site=$(echo "$(dirname "$PY")"/../lib/python3*/site-packages)
+  ours_env=(env "LD_LIBRARY_PATH=$site/nvidia/cu13/lib:$site/nvidia/nccl/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+  [ "$DEV" = cpu ] && ours_env=(env RAYON_NUM_THREADS=1)
+
+  step unpack 60 5 "$OUT/suite.log" bash -c "xz -dc '$PACK' | tar -x -C '$WORK'" || {
+    tabulate
+    return 1
+  }
+
+  # Sizes: GPT-2 124M and SmolLM-135M, or the selftest's tiny ones.
+  local batch=${BATCH:-8} context=${CONTEXT:-1024}
+  local gpt smol
+  read -ra gpt <<<"--model gpt2 ${GPT_SIZE:-}"
+  read -ra smol <<<"--model smollm ${SMOL_SIZE:-}"
+  local common=(--device "$DEV" --batch-size "$batch" --context "$context")
+  local bf16=(--mixed-precision bf16 --warmup "${WARMUP_BF16:-5}" --steps "${STEPS_BF16:-20}")
+  local f32=(--mixed-precision no --warmup "${WARMUP_F32:-3}" --steps "${STEPS_F32:-10}")
+  local torch_cpu=()
+  [ "$DEV" = cpu ] && torch_cpu=(--threads 1)
+  local ours=("${ours_env[@]}" "$BIN/bench_step")
+  local torch=("$PY" benchmarks/torch_step.py "${torch_cpu[@]}")
+
+  # (1) The first launch of our binaries on a fresh machine JIT-compiles candle's PTX (~14 s,
+  # cached in ~/.nv/ComputeCache afterwards): one short run of each model warms the cache, so
+  # that neither the suite's timeouts nor the timings pay it.
+  step jit-warmup 120 30 "$OUT/suite.log" bash -c "$(printf '%q ' "${ours[@]}") --model gpt2 \
+    --layers 1 --width 64 --heads 2 --vocab 256 --context 64 --batch-size 2 --warmup 1 --steps 1 \
+    --peak-size 256 --device $DEV && $(printf '%q ' "${ours[@]}") --model smollm --layers 1 \
+    --width 64 --heads 2 --kv-heads 1 --vocab 256 --context 64 --batch-size 2 --warmup 1 \
+    --steps 1 --peak-size 256 --device $DEV --mixed-precision no"
+
+  # (2) The correctness suite, first; a failure is recorded and the benchmark runs anyway.
+  if [ "$DEV" = cpu ]; then
+    # Stand-ins that pass, fail and overrun, to exercise the recording.
+    step suite-pass 30 5 "$OUT/suite.log" "$BIN/bench_step" --help
+    step suite-fail 30 5 "$OUT/suite.log" "$BIN/bench_step" --model nope
+    step suite-timeout 1 1 "$OUT/suite.log" sleep 300
+  else
+    step fused-kernels-cuda 90 20 "$OUT/suite.log" "${ours_env[@]}" \
+      "$(find "$BIN/deps" -name 'cuda-*' | head -1)" --ignored --test-threads=1
+    step gpu-suite 150 40 "$OUT/suite.log" "${ours_env[@]}" \
+      "$(find "$BIN/deps" -name 'gpu-*' | head -1)" --test-threads=1 --nocapture
+    step nccl-conformance 90 20 "$OUT/suite.log" "${ours_env[@]}" \
+      "$(find "$BIN/deps" -name 'integration-*' | head -1)" conformance:: --test-threads=1 --nocapture
+  fi
+
+  # (3) The matrix, one process: ours, then PyTorch eager (with torch.profiler over 2 steps).
+  local p=$WORK/torch-profile
+  bench ours-gpt2-bf16 90 20 "${ours[@]}" "${gpt[@]}" "${common[@]}" "${bf16[@]}"
+  bench torch-eager-gpt2-bf16 120 30 "${torch[@]}" "${gpt[@]}" "${common[@]}" "${bf16[@]}" \
+    --mode eager --profile-steps 2 --profile-out "$p-eager-gpt2-bf16.txt"
+  bench ours-smollm-bf16 90 20 "${ours[@]}" "${smol[@]}" "${common[@]}" "${bf16[@]}"
+  bench torch-eager-smollm-bf16 120 30 "${torch[@]}" "${smol[@]}" "${common[@]}" "${bf16[@]}" \
+    --mode eager --profile-steps 2 --profile-out "$p-eager-smollm-bf16.txt"
+  bench ours-gpt2-f32 90 20 "${ours[@]}" "${gpt[@]}" "${common[@]}" "${f32[@]}"
+  bench torch-eager-gpt2-f32 120 30 "${torch[@]}" "${gpt[@]}" "${common[@]}" "${f32[@]}" \
+    --mode eager
+  bench ours-smollm-f32 90 20 "${ours[@]}" "${smol[@]}" "${common[@]}" "${f32[@]}"
+  bench torch-eager-smollm-f32 120 30 "${torch[@]}" "${smol[@]}" "${common[@]}" "${f32[@]}" \
+    --mode eager
+  # Two ranks on the one GPU (NCCL; on the CPU, two CPU processes).
+  local launch=("${ours_env[@]}" "$BIN/accelerate-launch" --num-gpus 1 --ranks-per-gpu 2)
+  [ "$DEV" = cpu ] && launch=("${ours_env[@]}" "$BIN/accelerate-launch" --cpu --num-processes 2)
+  bench ours-gpt2-bf16-2ranks 120 30 "${launch[@]}" "$BIN/bench_step" "${gpt[@]}" \
+    "${common[@]}" "${bf16[@]}"
+  bench torch-eager-gpt2-bf16-2ranks 150 40 "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 2 benchmarks/torch_step.py "${torch_cpu[@]}" "${gpt[@]}" "${common[@]}" \
+    "${bf16[@]}" --mode eager
+
+  # (4) ncu over 2 steady-state steps of ours (kernel launches per step, the per-kernel table).
+  ncu_profile ncu-ours-gpt2-bf16 150 40 "${gpt[@]}" --mixed-precision bf16
+
+  # (5) torch.compile last: compiling takes longest (bf16 first; f32 only if time is left).
+  bench torch-compile-gpt2-bf16 240 90 "${torch[@]}" "${gpt[@]}" "${common[@]}" "${bf16[@]}" \
+    --mode compile --profile-steps 2 --profile-out "$p-compile-gpt2-bf16.txt"
+  bench torch-compile-smollm-bf16 240 90 "${torch[@]}" "${smol[@]}" "${common[@]}" "${bf16[@]}" \
+    --mode compile --profile-steps 2 --profile-out "$p-compile-smollm-bf16.txt"
+  bench torch-compile-gpt2-f32 200 "$OPTIONAL_MIN_S" "${torch[@]}" "${gpt[@]}" "${common[@]}" \
+    "${f32[@]}" --mode compile
+  bench torch-compile-smollm-f32 200 "$OPTIONAL_MIN_S" "${torch[@]}" "${smol[@]}" \
+    "${common[@]}" "${f32[@]}" --mode compile
+  ncu_profile ncu-ours-smollm-bf16 150 "$OPTIONAL_MIN_S" "${smol[@]}" --mixed-precision bf16
+
+  for f in "$p"-*.txt; do
+    [ -f "$f" ] || continue
+    { echo; echo "## torch.profiler: $(basename "$f" .txt)"; echo; cat "$f"; } >>"$OUT/profile.txt"
+  done
+  tabulate
+  limit_out
+  log "device: done in $(($(date +%s) - DEADLINE + BUDGET_S)) s; $OUT/results.md"
+  cat "$OUT/results.md"
+}
+
+# ncu_profile NAME CAP MIN MODEL_ARGS...: ours under ncu, --profile-steps 2 after 2 warm-up
+# steps and 1 timed one; the parsed per-kernel table and ncu's raw output go to profile.txt.
+ncu_profile() {
+  local name=$1 cap=$2 min=$3
+  shift 3
+  local batch=${BATCH:-8} context=${CONTEXT:-1024} steps=2
+  step "$name" "$cap" "$min" "$OUT/bench.log" "${ours_env[@]}" "$NCU" --clock-control none \
+    --metrics gpu__time_duration.sum --print-summary per-kernel --profile-from-start off \
+    "$BIN/bench_step" "$@" --device "$DEV" --batch-size "$batch" --context "$context" \
+    --warmup 2 --steps 1 --profile-steps "$steps"
+  local rc=$?
+  [ "$rc" = 99 ] && { tabulate; return 99; }
+  "$PY" benchmarks/gpu/report.py record-ncu --results "$OUT/results.jsonl" --name "$name" \
+    --raw "$WORK/$name.log" --steps "$steps"
+  {
+    echo "## ours under ncu: $name ($*), $steps profiled steps"
+    echo
+    "$PY" benchmarks/gpu/ncu_summary.py "$WORK/$name.log" "$steps" 2>&1
+    echo
+    echo "### ncu's raw output"
+    echo
+    cat "$WORK/$name.log"
+    echo
+  } >>"$OUT/profile.txt"
+  tabulate
+}
+
+# The device tool brings back at most 8 files of at most 16 MiB, 2 folders deep, named in
+# letters, digits, '.', '_' and '-': keep the logs' ends if one grew too large, and say so if
+# anything else breaks the rule.
+limit_out() {
+  local f size
+  for f in "$OUT"/*; do
+    size=$(stat -c %s "$f")
+    if [ "$size" -gt $((15 * 1024 * 1024)) ]; then
+      tail -c $((15 * 1024 * 1024)) "$f" >"$f.tail" && mv "$f.tail" "$f"
+      log "$f was $size bytes; kept its last 15 MiB"
+    fi
+  done
+  local count
+  count=$(find "$OUT" -type f | wc -l)
+  [ "$count" -le 8 ] || log "OUT holds $count files; the device tool brings back 8"
+  find "$OUT" -mindepth 1 | grep -vE "^$OUT(/[A-Za-z0-9._-]+){1,3}$" | sed 's/^/bad name: /' >&2
+}
+
+# ---------------------------------------------------------------------------------------------
+# The selftest: the device phase on the CPU.
+
+selftest() {
+  local target=${CARGO_TARGET_DIR:-$ROOT/target}
+  cargo build --release -p accelerate-benchmarks --bin bench_step -p accelerate-launch || return 1
+  local venv=$ROOT/target/torch-venv
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch, accelerate, transformers' 2>/dev/null; then
+    log "selftest: installing torch 2.11, accelerate 1.15, transformers 5.17 into $venv (the GPU machine's versions)"
+    python3 -m venv "$venv" && "$venv/bin/pip" install -q torch==2.11.0 accelerate==1.15.0 \
+      transformers==5.17.0 numpy || return 1
+  fi
+  local tmp
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/stubs" "$tmp/out" "$tmp/pack"
+  # nvidia-smi: a GPU whose memory in use climbs by 10 MiB per sample (no -L list, so that
+  # nothing takes this machine for a GPU one).
+  cat >"$tmp/stubs/nvidia-smi" <<'EOF'
+#!/usr/bin/env bash
+case "$*" in
+  *-lms*) i=0; while true; do echo $((500 + 10 * i)); i=$((i + 1)); sleep 0.1; done ;;
+  *--query-gpu=name*) echo "name, driver_version, memory.total [MiB], compute_cap, clocks.max.sm [MHz]"
+                      echo "Stub GPU, 0.0, 1000 MiB, 0.0, 0 MHz" ;;
+  *-L*) ;;
+  *) echo "stub nvidia-smi (selftest)" ;;
+esac
+EOF
+  # ncu: runs the program (its options dropped), then prints a per-kernel summary in ncu's
+  # format with 7 launches per profiled step (4 + 2 + 1 over --profile-steps K steps).
+  cat >"$tmp/stubs/ncu" <<'EOF'
+#!/usr/bin/env bash
+[ "${1:-}" = --version ] && { echo "stub ncu"; exit 0; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --clock-control|--metrics|--print-summary|--profile-from-start|--target-processes) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+k=0; prev=
+for a in "$@"; do [ "$prev" = --profile-steps ] && k=$a; prev=$a; done
+"$@" || exit $?
+echo "==PROF== Disconnected from process $$"
+entry() {
+  printf '  %s (%s)x(256, 1, 1), Device 0, CC 9.0, Invocations %d\n' "$1" "$2" "$3"
+  printf '    Section: Command line profiler metrics\n'
+  printf '    ---------------------- ----------- ------- ------- -------\n'
+  printf '    Metric Name            Metric Unit Minimum Maximum Average\n'
+  printf '    ---------------------- ----------- ------- ------- -------\n'
+  printf '    gpu__time_duration.sum          us    1.00    3.00    %s\n' "$4"
+  printf '    ---------------------- ----------- ------- ------- -------\n\n'
+}
+entry badd_bf16 "4, 1, 1" $((3 * k)) 2.00
+entry badd_bf16 "8, 1, 1" $((1 * k)) 4.00
+entry "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(T1::Params)" "12, 1, 1" $((2 * k)) 10.00
+entry adamw_f32 "3, 1, 1" $((1 * k)) 1.50
+EOF
+  chmod +x "$tmp/stubs/"*
+  XZ_DICT=64MiB pack "$target/release" "$tmp/pack/bins.tar.xz" lenient || return 1
+  local tiny="--layers 2 --width 64 --heads 4 --vocab 256"
+  OUT=$tmp/out PACK=$tmp/pack/bins.tar.xz WORK=$tmp/work PATH="$tmp/stubs:$PATH" \
+    NCU=$tmp/stubs/ncu BENCH_DEVICE=cpu PY="$venv/bin/python" BUDGET_S=${SELFTEST_BUDGET_S:-5400} \
+    CAP_SCALE=${SELFTEST_CAP_SCALE:-10} OPTIONAL_MIN_S=1000000 BATCH=4 CONTEXT=32 GPT_SIZE="$tiny" SMOL_SIZE="$tiny --kv-heads 2" \
+    WARMUP_BF16=1 STEPS_BF16=3 WARMUP_F32=1 STEPS_F32=3 device || return 1
+  local expect="passed,passed,passed,failed,timeout"
+  expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
+  expect+=",passed,passed,passed,skipped,skipped,skipped"
+  "$venv/bin/python" benchmarks/gpu/report.py check --results "$tmp/out/results.jsonl" \
+    --status "$tmp/out/status.tsv" --expect-runs 12 --expect-statuses "$expect" \
+    --expect-launches 7 || return 1
+  "$venv/bin/python" benchmarks/gpu/ncu_summary.py --self-test || return 1
+  # The device tool's limits on what comes back.
+  local files bad
+  files=$(find "$tmp/out" -type f | wc -l)
+  bad=$(find "$tmp/out" -type f -size +16M | wc -l)
+  [ "$files" -le 8 ] && [ "$bad" = 0 ] || { log "selftest: $files files in OUT, $bad over 16 MiB"; return 1; }
+  find "$tmp/out" -mindepth 1 | grep -vE "^$tmp/out(/[A-Za-z0-9._-]+){1,3}$" && {
+    log "selftest: names the device tool would not bring back"
+    return 1
+  }
+  local row
+  for row in "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours" \
+    "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours" \
+    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile"; do
+    grep -qF "| $row |" "$tmp/out/results.md" || {
+      log "selftest: results.md lacks the row '$row'"
+      return 1
+    }
+  done
+  log "selftest: passed ($files files in OUT: $(find "$tmp/out" -type f -printf '%f ')); report in $tmp/out/results.md"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  device) device ;;
+  selftest) selftest ;;
+  *)
+    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest" >&2
+    exit 2
+    ;;
+esac
