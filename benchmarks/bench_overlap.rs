@@ -350,9 +350,9 @@ fn worker(args: &Args) -> Result<()> {
                 times.record(&acc, &mut opt, k, |_| {
                     let batch = batches.next().context("the loader ran out")??;
                     let _step = acc.accumulate();
-                    let logits = model.forward(&batch.inputs)?;
                     // Full-length windows: the mean token loss, as K equal micro-batches.
-                    let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
+                    let loss =
+                        model.summed_loss(&batch.inputs, &batch.targets, &batch.mask, None)?;
                     Ok((loss / batch.tokens as f64)?)
                 })?;
             }

@@ -314,12 +314,7 @@ fn run(args: Args) -> Result<()> {
             let data = TextWindows::new(tokens, args.context, args.context, row_len, args.seed)?;
             let items_of = |batch: &gpt::TokenBatch| batch.tokens;
             let timings = train(&mut acc, opt, data, &args, items_of, |batch| {
-                let logits = model.forward(&batch.inputs)?;
-                Ok(gpt::summed_token_loss(
-                    &logits,
-                    &batch.targets,
-                    &batch.mask,
-                )?)
+                Ok(model.summed_loss(&batch.inputs, &batch.targets, &batch.mask, None)?)
             })?;
             (counts, timings)
         }

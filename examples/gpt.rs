@@ -280,8 +280,12 @@ fn run(args: &Args) -> Result<()> {
                     rng: acc.rng().clone(),
                     p: args.dropout,
                 };
-                let logits = model.forward_with(&batch.inputs, Some(&dropout))?;
-                let loss = gpt::summed_token_loss(&logits, &batch.targets, &batch.mask)?;
+                let loss = model.summed_loss(
+                    &batch.inputs,
+                    &batch.targets,
+                    &batch.mask,
+                    Some(&dropout),
+                )?;
                 acc.backward(&loss)?;
                 monitor.micro_step(&loss)?;
                 window_samples += batch.inputs.dims()[0];

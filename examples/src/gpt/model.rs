@@ -32,7 +32,7 @@
 use std::sync::Arc;
 
 use accelerate_core::RankRng;
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder, VarMap};
 
 use crate::layers::RankRngState;
@@ -273,6 +273,32 @@ impl Gpt {
 
     /// [`forward`](Self::forward) in training mode with `dropout` (none when `None`).
     pub fn forward_with(&self, tokens: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+        linear(&self.lm_head, &self.hidden(tokens, dropout)?)?.to_dtype(DType::F32)
+    }
+
+    /// The training loss: [`summed_token_loss`] of [`forward_with`](Self::forward_with)'s logits,
+    /// computed by the fused head and cross-entropy ([`fused_kernels::linear_cross_entropy`]),
+    /// which never holds the batch's logits in f32. `targets` `[b, t]` (u32), `mask` `[b, t]` (1
+    /// for a real token, 0 for padding).
+    pub fn summed_loss(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        mask: &Tensor,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let h = self.hidden(tokens, dropout)?;
+        let (b, t, w) = h.dims3()?;
+        fused_kernels::linear_cross_entropy(
+            &h.reshape((b * t, w))?,
+            self.lm_head.weight(),
+            &targets.reshape(b * t)?,
+            &mask.reshape(b * t)?.to_dtype(DType::F32)?,
+        )
+    }
+
+    /// The final LayerNorm's output `[b, t, width]`: what the head reads.
+    fn hidden(&self, tokens: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         if t > self.config.context {
             candle_core::bail!(
@@ -280,12 +306,13 @@ impl Gpt {
                 self.config.context
             );
         }
-        let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
         let w = self.config.width;
-        // The position embedding `[t, w]` is the same "bias" for every sequence `[t · w]`.
+        // The position embedding of positions 0..t, `[t, w]`, is the same "bias" for every
+        // sequence `[t · w]` (its first rows: a view, whose gradient candle passes through).
+        let positions = self.wpe.embeddings().narrow(0, 0, t)?;
         let x = fused_kernels::add_bias(
-            &self.wte.forward(tokens)?.reshape((b, t * w))?,
-            &self.wpe.forward(&positions)?.reshape(t * w)?,
+            &fused_kernels::embedding(tokens, self.wte.embeddings())?.reshape((b, t * w))?,
+            &positions.reshape(t * w)?,
         )?
         .reshape((b, t, w))?;
         let mut x = drop(x, dropout)?;
@@ -296,7 +323,7 @@ impl Gpt {
                 block.forward(&x, dropout)?
             };
         }
-        linear(&self.lm_head, &self.ln_f.forward(&x)?)?.to_dtype(DType::F32)
+        self.ln_f.forward(&x)
     }
 }
 
@@ -572,6 +599,48 @@ mod tests {
             seen += 1;
         }
         assert_eq!(seen, 12);
+    }
+
+    #[test]
+    fn the_fused_loss_equals_the_loss_of_the_logits_with_the_same_gradients() {
+        let (varmap, model) = build_in(config(), 8, &Device::Cpu, DType::F32).unwrap();
+        let x = tokens(&[&[1, 2, 3, 4, 5], &[6, 7, 8, 9, 10]]);
+        let y = tokens(&[&[2, 3, 4, 5, 6], &[7, 8, 9, 10, 0]]);
+        let mask = Tensor::new(
+            &[[1f32, 1., 1., 1., 1.], [1., 1., 1., 0., 0.]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let fused = model.summed_loss(&x, &y, &mask, None).unwrap();
+        let plain = summed_token_loss(&model.forward(&x).unwrap(), &y, &mask).unwrap();
+        let (a, b) = (
+            fused.to_scalar::<f32>().unwrap(),
+            plain.to_scalar::<f32>().unwrap(),
+        );
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{a} vs {b}");
+        let (ga, gb) = (fused.backward().unwrap(), plain.backward().unwrap());
+        for (name, var) in varmap.data().lock().unwrap().iter() {
+            let (p, q) = (
+                ga.get(var.as_tensor()).unwrap(),
+                gb.get(var.as_tensor()).unwrap(),
+            );
+            let d = (p - q)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let m = q
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d <= 1e-5 * m.max(1e-3), "{name}: {d} (largest {m})");
+        }
     }
 
     #[test]

@@ -330,6 +330,13 @@ impl Llama {
     /// Logits `[b, t, vocab]` in f32 of the next token at every position of `input_ids` `[b, t]`
     /// (u32, `t <= max_position_embeddings`); position `i` sees positions `0..=i` only.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.lm_head
+            .forward(&self.hidden(input_ids)?)?
+            .to_dtype(DType::F32)
+    }
+
+    /// The final RMSNorm's output `[b, t, hidden]`: what the head reads.
+    fn hidden(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (_, t) = input_ids.dims2()?;
         let c = &self.config;
         if t > c.max_position_embeddings {
@@ -341,7 +348,7 @@ impl Llama {
         }
         let cos = self.cos.narrow(0, 0, t)?;
         let sin = self.sin.narrow(0, 0, t)?;
-        let mut x = self.embed_tokens.forward(input_ids)?;
+        let mut x = fused_kernels::embedding(input_ids, self.embed_tokens.embeddings())?;
         for layer in &self.layers {
             x = if self.gradient_checkpointing {
                 layer.forward_checkpointed(&x, c, &cos, &sin)?
@@ -349,18 +356,43 @@ impl Llama {
                 layer.forward(&x, c, &cos, &sin)?
             };
         }
-        self.lm_head
-            .forward(&fused_kernels::rms_norm(&x, &self.norm, c.rms_norm_eps)?)?
-            .to_dtype(DType::F32)
+        fused_kernels::rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
 
     /// The *sum* over the predicted tokens of transformers' causal-LM loss with
     /// `labels = input_ids` `[b, t]`: the logits at positions `0..t-1` against the tokens at
     /// `1..t`. Divided by `b · (t - 1)` it is the loss transformers reports; summed, it is what
-    /// item-weighted accumulation needs.
+    /// item-weighted accumulation needs. The head and the cross-entropy are one fused op
+    /// ([`fused_kernels::linear_cross_entropy`]), which never holds the batch's logits in f32;
+    /// every position is fed to it, the last of each row with weight 0.
     pub fn summed_causal_lm_loss(&self, input_ids: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(input_ids)?;
-        causal_lm_loss_sum(&logits, input_ids)
+        let (b, t) = input_ids.dims2()?;
+        if t < 2 {
+            candle_core::bail!("a sequence of {t} token(s) predicts nothing; rows need 2 or more");
+        }
+        let h = self.hidden(input_ids)?;
+        let dev = input_ids.device();
+        let targets = Tensor::cat(
+            &[
+                &input_ids.narrow(1, 1, t - 1)?,
+                &Tensor::zeros((b, 1), input_ids.dtype(), dev)?,
+            ],
+            1,
+        )?;
+        let weights = Tensor::cat(
+            &[
+                &Tensor::ones((b, t - 1), DType::F32, dev)?,
+                &Tensor::zeros((b, 1), DType::F32, dev)?,
+            ],
+            1,
+        )?;
+        let width = self.config.hidden_size;
+        fused_kernels::linear_cross_entropy(
+            &h.reshape((b * t, width))?,
+            self.lm_head.linear.weight(),
+            &targets.reshape(b * t)?,
+            &weights.reshape(b * t)?,
+        )
     }
 }
 
