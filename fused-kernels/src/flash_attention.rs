@@ -678,9 +678,7 @@ fn check_tensors(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Dims>
 /// Checks the internal functions' views like [`check_tensors`].
 fn check_views(q: &HeadsView, k: &HeadsView, v: &HeadsView, scale: f64) -> Result<Dims> {
     let shape = |x: &HeadsView| [x.batch, x.tokens, x.heads, x.head_dim];
-    if shape(k) != shape(v)
-        || [k.batch, k.tokens, k.head_dim] != [q.batch, q.tokens, q.head_dim]
-    {
+    if shape(k) != shape(v) || [k.batch, k.tokens, k.head_dim] != [q.batch, q.tokens, q.head_dim] {
         candle_core::bail!(
             "flash_attention: the key and value views must both be [B, T, Hkv, D] with the query \
              view's B, T and D; got q {:?}, k {:?}, v {:?}",
@@ -724,7 +722,10 @@ fn check_common(dims: Dims, dtypes: [DType; 3], devices: [&Device; 3], scale: f6
             dtypes[2]
         );
     }
-    if !matches!(dtypes[0], DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
+    if !matches!(
+        dtypes[0],
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16
+    ) {
         return Err(crate::element::unsupported("flash_attention", dtypes[0]));
     }
     if !devices[1].same_device(devices[0]) || !devices[2].same_device(devices[0]) {

@@ -41,6 +41,8 @@ pub(crate) trait Arith: Float + Send + Sync + std::fmt::Debug + 'static {
     );
     /// `e^x` (a vectorizable polynomial for f32, libm's for f64).
     fn fast_exp(x: Self) -> Self;
+    /// `x ← e^(x − shift)` in place, returning the sum of the results.
+    fn exp_shifted(x: &mut [Self], shift: Self) -> Self;
     /// Wraps values into storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
     /// The storage's values when it holds this type.
@@ -48,7 +50,7 @@ pub(crate) trait Arith: Float + Send + Sync + std::fmt::Debug + 'static {
 }
 
 macro_rules! arith {
-    ($t:ty, $variant:ident, $exp:expr) => {
+    ($t:ty, $variant:ident, $exp:expr, $exp_shifted:expr) => {
         impl Arith for $t {
             unsafe fn gemm(
                 m: usize,
@@ -90,6 +92,9 @@ macro_rules! arith {
             fn fast_exp(x: Self) -> Self {
                 $exp(x)
             }
+            fn exp_shifted(x: &mut [Self], shift: Self) -> Self {
+                $exp_shifted(x, shift)
+            }
             fn storage(values: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(values)
             }
@@ -102,8 +107,8 @@ macro_rules! arith {
         }
     };
 }
-arith!(f32, F32, exp_f32);
-arith!(f64, F64, f64::exp);
+arith!(f32, F32, exp_f32, exp_shifted_f32);
+arith!(f64, F64, f64::exp, exp_shifted_portable::<f64>);
 
 /// `e^x` in f32 within 2 ulp (Cody–Waite reduction to `r ∈ [−ln2/2, ln2/2]`, Cephes' degree-6
 /// polynomial for `e^r`, the power of two from the bits). Branch-free, so that the loops over a
@@ -118,21 +123,15 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 · 2²³: adding it rounds to an integer held in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    let x = if x < -87.0 {
-        -87.0
-    } else if x > 88.0 {
-        88.0
-    } else {
-        x
-    };
+    // clamp keeps NaN.
+    let x = x.clamp(-87.0, 88.0);
     let t = x * LOG2E + ROUND;
     let n = t - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 0.5;
     let e_r = p * r * r + r + 1.0;
     // 2^n, n ∈ [−126, 127] for the clamped x: the biased exponent n + 127 is 1..=254.
     let bits = (t.to_bits() as i32 - ROUND.to_bits() as i32 + 127) << 23;
@@ -245,18 +244,22 @@ fn max_of<A: Arith>(x: &[A]) -> A {
             *l = l.max(*v);
         }
     }
-    let mut m = chunks.remainder().iter().fold(A::neg_infinity(), |m, v| m.max(*v));
+    let mut m = chunks
+        .remainder()
+        .iter()
+        .fold(A::neg_infinity(), |m, v| m.max(*v));
     for l in lanes {
         m = m.max(l);
     }
     m
 }
 
-/// `x ← e^(x − shift)` in place, returning the sum of the results (eight running sums in a
-/// fixed order, so that it vectorizes and does not depend on anything but `x`).
-fn exp_shifted<A: Arith>(x: &mut [A], shift: A) -> A {
-    let mut lanes = [A::zero(); 8];
-    let mut chunks = x.chunks_exact_mut(8);
+/// `x ← e^(x − shift)` in place, returning the sum of the results (sixteen running sums in a
+/// fixed order, so that it vectorizes and its result depends on nothing but `x`).
+#[inline(always)]
+fn exp_shifted_portable<A: Arith>(x: &mut [A], shift: A) -> A {
+    let mut lanes = [A::zero(); 16];
+    let mut chunks = x.chunks_exact_mut(16);
     for c in &mut chunks {
         for (l, v) in lanes.iter_mut().zip(c) {
             *v = A::fast_exp(*v - shift);
@@ -269,6 +272,50 @@ fn exp_shifted<A: Arith>(x: &mut [A], shift: A) -> A {
         s = s + *v;
     }
     lanes.iter().fold(s, |s, l| s + *l)
+}
+
+/// [`exp_shifted_portable`] compiled for AVX-512 (the crate is built for baseline x86-64, whose
+/// 4-wide SSE makes the exponentials as costly as the tile products).
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_avx512(x: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_portable(x, shift)
+}
+
+/// [`exp_shifted_portable`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn exp_shifted_avx2(x: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_portable(x, shift)
+}
+
+/// `x ← e^(x − shift)` in f32, with the widest vectors the CPU has. Every variant computes the
+/// same bits: the same operations, element by element, and the same order of the sums (no
+/// fused multiply-adds: Rust does not contract `a * b + c`).
+fn exp_shifted_f32(x: &mut [f32], shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F is present.
+            return unsafe { exp_shifted_avx512(x, shift) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present.
+            return unsafe { exp_shifted_avx2(x, shift) };
+        }
+    }
+    exp_shifted_portable(x, shift)
+}
+
+/// `x ← e^(x − shift)` in place, returning the sum of the results.
+fn exp_shifted<A: Arith>(x: &mut [A], shift: A) -> A {
+    A::exp_shifted(x, shift)
 }
 
 /// Runs `task(i)` for `i` in `0..n` over rayon's threads, results in order.
@@ -398,7 +445,11 @@ where
     let mut o = Vec::with_capacity(rows * d);
     for r in 0..rows {
         let inv = l[r].recip();
-        o.extend(acc[r * d..(r + 1) * d].iter().map(|a| T::from_acc(*a * inv)));
+        o.extend(
+            acc[r * d..(r + 1) * d]
+                .iter()
+                .map(|a| T::from_acc(*a * inv)),
+        );
     }
     let lse = (0..rows).map(|r| m[r] + l[r].ln()).collect();
     (o, lse)
@@ -461,7 +512,15 @@ where
     let k_tiles = tokens.div_ceil(BLOCK_K);
     let dq = tasks(batch * heads * q_tiles, |task| {
         let (bh, tile) = (task / q_tiles, task % q_tiles);
-        dq_tile([q, k, v], saved, dims, scale, bh / heads, bh % heads, tile * BLOCK_Q)
+        dq_tile(
+            [q, k, v],
+            saved,
+            dims,
+            scale,
+            bh / heads,
+            bh % heads,
+            tile * BLOCK_Q,
+        )
     });
     let dkv = tasks(batch * kv_heads * k_tiles, |task| {
         let (bh, tile) = (task / k_tiles, task % k_tiles);
@@ -554,7 +613,14 @@ where
         v.load(b, hk, j0, cols, d, &mut vt);
         let (kt, vt) = (&kt[..cols * d], &vt[..cols * d]);
         let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-        product((rows, cols, d), p, false, row_major(&qt, d), transpose_of(kt, d), scale);
+        product(
+            (rows, cols, d),
+            p,
+            false,
+            row_major(&qt, d),
+            transpose_of(kt, d),
+            scale,
+        );
         probabilities(p, cols, i0, j0, lse);
         // dp = dO vᵀ
         product(
@@ -616,7 +682,14 @@ where
             let lse = &saved.lse[row0..row0 + rows];
             let delta = &saved.delta[row0..row0 + rows];
             let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-            product((rows, cols, d), p, false, row_major(qt, d), transpose_of(&kt, d), scale);
+            product(
+                (rows, cols, d),
+                p,
+                false,
+                row_major(qt, d),
+                transpose_of(&kt, d),
+                scale,
+            );
             probabilities(p, cols, i0, j0, lse);
             // dv += pᵀ dO
             product(

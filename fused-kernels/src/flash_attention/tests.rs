@@ -114,7 +114,10 @@ fn error(a: &[f64], b: &[f64]) -> f64 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0, |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) })
+        .fold(
+            0.0,
+            |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
+        )
         / scale
 }
 
@@ -210,7 +213,10 @@ fn assert_matches(
         ("dv", &got.3, &want.dv),
     ] {
         let e = error(g, w);
-        assert!(e < tol, "{what}: {name} differs from the reference by {e:e}");
+        assert!(
+            e < tol,
+            "{what}: {name} differs from the reference by {e:e}"
+        );
     }
 }
 
@@ -299,10 +305,21 @@ fn strided_views_are_read_in_place_with_their_gradients() {
     let v = stacked.narrow(2, 2, 1).unwrap().squeeze(2).unwrap();
     assert!(!v.is_contiguous());
     let got = op_results(&q, &k, &v, &ins[3], scale);
-    assert_matches("transposed q, offset k, [B, T, 3, H, D] v", got, &want, 1e-12);
+    assert_matches(
+        "transposed q, offset k, [B, T, 3, H, D] v",
+        got,
+        &want,
+        1e-12,
+    );
 
     // A last dimension that is not contiguous is copied, and still right.
-    let q = ins[0].transpose(2, 3).unwrap().contiguous().unwrap().transpose(2, 3).unwrap();
+    let q = ins[0]
+        .transpose(2, 3)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .transpose(2, 3)
+        .unwrap();
     assert_ne!(q.layout().stride()[3], 1);
     let got = op_results(&q, &ins[1], &ins[2], &ins[3], scale);
     assert_matches("q with a strided head dim", got, &want, 1e-12);
@@ -367,8 +384,8 @@ fn heads_views_into_a_flat_storage_and_the_packed_gradient() {
             );
         }
         let d_o = ins[3].to_dtype(dtype).unwrap();
-        let dqkv = flash_backward(&q, &k, &v, &o, &d_o, &lse_tensor(&lse, dm, dtype), scale)
-            .unwrap();
+        let dqkv =
+            flash_backward(&q, &k, &v, &o, &d_o, &lse_tensor(&lse, dm, dtype), scale).unwrap();
         assert_eq!(dqkv.dims(), [b, t, width, d]);
         let got = (
             flat(&o),
@@ -404,7 +421,10 @@ fn the_results_do_not_depend_on_the_number_of_threads() {
         let two = pool(2).install(run);
         let three = pool(3).install(run);
         // Bitwise: f64 holds every f32/bf16 value exactly.
-        assert!(one == two && one == three, "{dtype:?}: 1, 2, 3 threads differ");
+        assert!(
+            one == two && one == three,
+            "{dtype:?}: 1, 2, 3 threads differ"
+        );
     }
 }
 
@@ -419,7 +439,12 @@ fn the_fallback_computes_the_same_formula() {
         Var::from_tensor(&ins[2]).unwrap(),
     );
     let o = super::fallback(&q, &k, &v, dm, 0.5).unwrap();
-    let grads = (&o * &ins[3]).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (&o * &ins[3])
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let g = |x: &Var| flat(grads.get(x).unwrap());
     assert_matches("fallback", (flat(&o), g(&q), g(&k), g(&v)), &want, 1e-12);
 }
