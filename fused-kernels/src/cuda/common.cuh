@@ -15,6 +15,16 @@
 
 typedef unsigned long long u64;
 
+// The launch's dynamic shared memory (its shared_mem_bytes) as `T* name`, declared in a kernel's
+// body. Every use names one untyped array: nvcc refuses `extern __shared__ T name[]` declared with
+// two different T in one file, and every kernel here is instantiated for four dtypes. The CPU
+// emulator (fused-kernels/emulator) defines its own.
+#ifndef FUSED_KERNELS_EMULATOR
+#define DYNAMIC_SHARED(T, name)                                        \
+  extern __shared__ __align__(16) unsigned char fk_dynamic_shared_[]; \
+  T* name = reinterpret_cast<T*>(fk_dynamic_shared_)
+#endif
+
 // The arithmetic type of an element type.
 template <typename T> struct AccOf { typedef float type; };
 template <> struct AccOf<double> { typedef double type; };

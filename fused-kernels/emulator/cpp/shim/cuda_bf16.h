@@ -1,0 +1,3 @@
+// <cuda_bf16.h> for the emulator: everything is in cuda_emulator.h (included before every .cu).
+#pragma once
+#include "../cuda_emulator.h"

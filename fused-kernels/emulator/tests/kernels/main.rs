@@ -1,0 +1,13 @@
+//! The emulator's tests, in one harness: every kernel of fused-kernels' `src/cuda/*.cu` against
+//! fused-kernels' CPU ops (forward, and backward through candle's `backward()`), in both
+//! scheduling orders, with fused-kernels' launch shapes and another one; and the emulator's own
+//! semantics (barriers, warp collectives, errors, memory checks, conversions).
+
+mod activations;
+mod add_bias;
+mod causal_softmax;
+mod common;
+mod cross_entropy;
+mod emulator;
+mod norms;
+mod rotary;
