@@ -37,6 +37,7 @@ module!(CROSS_ENTROPY, "cross_entropy");
 module!(ACTIVATIONS, "activations");
 module!(ROTARY, "rotary");
 module!(ADD_BIAS, "add_bias");
+module!(FLASH_ATTENTION, "flash_attention");
 
 /// An element type the CUDA kernels take, with the type their arithmetic is done in (f32 for f32,
 /// bf16 and f16; f64 for f64), which is also the type of their partial sums.

@@ -9,5 +9,6 @@ mod causal_softmax;
 mod common;
 mod cross_entropy;
 mod emulator;
+mod flash_attention;
 mod norms;
 mod rotary;
