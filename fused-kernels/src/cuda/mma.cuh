@@ -21,9 +21,10 @@
 // A[g][2t..] of columns 0..15 is c0, c1 of the first product, A[g+8][2t..] its c2, c3, and the same
 // of the second product for columns 8..15.
 //
-// Three implementations of one function, by where the code runs:
+// mma_m16n8k16<T> has three implementations, by where the code runs:
 //   - nvcc for sm_80+: the PTX instruction;
-//   - nvcc for older GPUs: the same arithmetic from warp shuffles (slow, but the kernels still run);
+//   - nvcc for older GPUs: mma_m16n8k16_shuffled, the same arithmetic from warp shuffles (slow,
+//     but the kernels still run);
 //   - the CPU emulator (FUSED_KERNELS_EMULATOR, fused-kernels/emulator): every lane gathers the
 //     warp's fragments with emu_warp_gather and computes its own four results from the layouts
 //     above, summing the 16 products in k order in f32 (bf16 and f16 products are exact in f32).
@@ -65,12 +66,41 @@ __device__ __forceinline__ float mma_unpack(uint32_t reg, int half) {
   return MmaElement<T>::to_float((unsigned short)(half ? reg >> 16 : reg & 0xffffu));
 }
 
-// A[row][k] of an A fragment whose registers `a` came from lane `lane` (the inverse of the
-// layout: lane = (row % 8)·4 + (k % 8) / 2, register = row / 8 + 2·(k / 8), half = k % 2).
-// B[k][col] likewise: lane = col·4 + (k % 8) / 2, register = k / 8, half = k % 2.
+// The product from warp shuffles, for GPUs before sm_80 (and a test of the layouts in the
+// emulator): every lane fetches the registers holding its rows of A and columns of B with
+// shuffles (uniform register indices, per-lane source lanes) and sums in k order.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16_shuffled(float c[4], const uint32_t a[4],
+                                                      const uint32_t b[2]) {
+  const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
+  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int kp = 0; kp < 8; ++kp) {  // k = 2kp, 2kp + 1
+    const int reg_hi = kp / 4, src = kp % 4;
+    // A rows g (register 2·reg_hi) and g + 8 (register 2·reg_hi + 1), from lane g·4 + src.
+    const uint32_t a0 = __shfl_sync(0xffffffffu, a[2 * reg_hi], g * 4 + src);
+    const uint32_t a1 = __shfl_sync(0xffffffffu, a[2 * reg_hi + 1], g * 4 + src);
+    // B columns 2t and 2t + 1, from lanes (2t)·4 + src and (2t + 1)·4 + src.
+    const uint32_t b0 = __shfl_sync(0xffffffffu, b[reg_hi], (2 * t) * 4 + src);
+    const uint32_t b1 = __shfl_sync(0xffffffffu, b[reg_hi], (2 * t + 1) * 4 + src);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x0 = mma_unpack<T>(a0, h), x1 = mma_unpack<T>(a1, h);
+      const float y0 = mma_unpack<T>(b0, h), y1 = mma_unpack<T>(b1, h);
+      sum[0] += x0 * y0;
+      sum[1] += x0 * y1;
+      sum[2] += x1 * y0;
+      sum[3] += x1 * y1;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] += sum[i];
+}
 
 #if defined(FUSED_KERNELS_EMULATOR)
 
+// A[row][k] lies in lane (row % 8)·4 + (k % 8) / 2, register row / 8 + 2·(k / 8), half k % 2 (the
+// inverse of the layout above); B[k][col] in lane col·4 + (k % 8) / 2, register k / 8, half k % 2.
 struct MmaOperands {
   uint32_t a[4];
   uint32_t b[2];
@@ -122,33 +152,9 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float c[4], const uint32_t 
 
 #else
 
-// Before sm_80: every lane fetches the registers holding its rows of A and columns of B with
-// shuffles (uniform register indices, per-lane source lanes) and sums in k order.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-  const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
-  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int kp = 0; kp < 8; ++kp) {  // k = 2kp, 2kp + 1
-    const int reg_hi = kp / 4, src = kp % 4;
-    // A rows g (register 2·reg_hi) and g + 8 (register 2·reg_hi + 1), from lane g·4 + src.
-    const uint32_t a0 = __shfl_sync(0xffffffffu, a[2 * reg_hi], g * 4 + src);
-    const uint32_t a1 = __shfl_sync(0xffffffffu, a[2 * reg_hi + 1], g * 4 + src);
-    // B columns 2t and 2t + 1, from lanes (2t)·4 + src and (2t + 1)·4 + src.
-    const uint32_t b0 = __shfl_sync(0xffffffffu, b[reg_hi], (2 * t) * 4 + src);
-    const uint32_t b1 = __shfl_sync(0xffffffffu, b[reg_hi], (2 * t + 1) * 4 + src);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float x0 = mma_unpack<T>(a0, h), x1 = mma_unpack<T>(a1, h);
-      const float y0 = mma_unpack<T>(b0, h), y1 = mma_unpack<T>(b1, h);
-      sum[0] += x0 * y0;
-      sum[1] += x0 * y1;
-      sum[2] += x1 * y0;
-      sum[3] += x1 * y1;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] += sum[i];
+  mma_m16n8k16_shuffled<T>(c, a, b);
 }
 
 #endif

@@ -336,3 +336,50 @@ fn flash_attention_simple_every_dtype() {
     check::<half::bf16>(simple_case(), false, 9);
     check::<half::f16>(simple_case(), false, 10);
 }
+
+/// mma.cuh's product (the emulated `mma.sync` and the shuffle variant for GPUs before sm_80) on
+/// fragments loaded by the PTX ISA's layout formulas (`tests/cuda/mma_tests.cu`), against
+/// `D = A·B + C` in f64. Both sum 16 exact products (bf16 and f16 products fit f32) in f32.
+fn check_mma<T: Dt>(kernel: &str) {
+    let a = Input::<T>::random(&[16, 16], 31, -2.0, 2.0);
+    let b = Input::<T>::random(&[16, 8], 32, -2.0, 2.0);
+    let c = Input::<f32>::random(&[16, 8], 33, -1.0, 1.0);
+    let (af, bf, cf) = (a.f64s(), b.f64s(), c.f64s());
+    let mut want = vec![0.0; 128];
+    let mut size = vec![0.0; 128];
+    for i in 0..16 {
+        for j in 0..8 {
+            want[i * 8 + j] = cf[i * 8 + j];
+            size[i * 8 + j] = cf[i * 8 + j].abs();
+            for k in 0..16 {
+                want[i * 8 + j] += af[i * 16 + k] * bf[k * 8 + j];
+                size[i * 8 + j] += (af[i * 16 + k] * bf[k * 8 + j]).abs();
+            }
+        }
+    }
+    let got = in_both_orders(kernel, |order| {
+        let (ab, bb, cb) = (a.buffer(), b.buffer(), c.buffer());
+        let mut d = Buffer::<f32>::poisoned(128).unwrap();
+        let mut d2 = Buffer::<f32>::poisoned(128).unwrap();
+        let args = [
+            Arg::ptr(&ab),
+            Arg::ptr(&bb),
+            Arg::ptr(&cb),
+            Arg::ptr_mut(&mut d),
+            Arg::ptr_mut(&mut d2),
+        ];
+        run_with(kernel, (1, 1), 32, 0, &args, order);
+        vec![read(&d), read(&d2)]
+    });
+    let rtol = 17.0 * f32::EPSILON as f64;
+    assert_close::<f32>(&format!("{kernel}: mma"), &got[0], &want, rtol, |i| size[i]);
+    assert_close::<f32>(&format!("{kernel}: shuffled"), &got[1], &want, rtol, |i| {
+        size[i]
+    });
+}
+
+#[test]
+fn mma_fragments_follow_the_ptx_layouts() {
+    check_mma::<half::bf16>("emu_test_mma_bf16");
+    check_mma::<half::f16>("emu_test_mma_f16");
+}
