@@ -294,6 +294,15 @@ pub(crate) fn flash_backward(
 ) -> Result<Tensor> {
     let dims = check_views(q, k, v, scale)?;
     let o_shape = [dims.batch, dims.tokens, dims.heads, dims.head_dim];
+    for (t, what) in [(o, "o"), (d_o, "d_o"), (lse, "lse")] {
+        if !t.device().same_device(q.tensor.device()) {
+            candle_core::bail!(
+                "flash_attention backward: {what} is on {:?}, q on {:?}; move them to one device",
+                t.device(),
+                q.tensor.device()
+            );
+        }
+    }
     for (t, what) in [(o, "o"), (d_o, "d_o")] {
         if t.dims() != o_shape || t.dtype() != q.tensor.dtype() {
             candle_core::bail!(
