@@ -9,10 +9,14 @@
 //! median CPU time of the process over a step (all threads; Linux, from `/proc/self/stat`), which
 //! stays meaningful on a machine shared with other work. A `path` (`matmul+softmax` or
 //! `flash_attention`) runs that path alone, for a profiler.
+//!
+//! `... --features cuda --example attention cuda [repeats]` times both paths in bf16 on the first
+//! GPU instead (GPT-2's attention shape and the small one), the device synchronized after each
+//! step.
 
 use std::time::Instant;
 
-use candle_core::{Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use fused_kernels::{causal_softmax, flash_attention};
 
 /// `y = attention(qkv)` `[B, T, H·D]` from the packed projection `[B, T, 3·H·D]`, as the `gpt`
@@ -60,7 +64,7 @@ fn cpu_seconds() -> f64 {
     }
 }
 
-/// Wall and CPU seconds of one forward and backward pass.
+/// Wall and CPU seconds of one forward and backward pass (the device synchronized at the end).
 fn step(
     path: Path,
     qkv: &Var,
@@ -73,6 +77,7 @@ fn step(
     // Touch the gradient so that nothing is left lazy.
     let g = grads.get(qkv).expect("a gradient of the projection");
     assert_eq!(g.dims(), qkv.dims());
+    qkv.device().synchronize()?;
     Ok((start.elapsed().as_secs_f64(), cpu_seconds() - cpu))
 }
 
@@ -81,12 +86,47 @@ fn median(mut x: Vec<f64>) -> f64 {
     x[x.len() / 2]
 }
 
+/// Both paths in bf16 on the first CUDA device.
+fn on_cuda(repeats: usize) -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    println!("config (B, T, H, D)      path              bf16 on {dev:?}: wall fwd+bwd");
+    for dims in [(8, 1024, 12, 64), (32, 256, 4, 64)] {
+        let (b, t, h, d) = dims;
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, 3 * h * d), &dev)?.to_dtype(DType::BF16)?;
+        let qkv = Var::from_tensor(&qkv)?;
+        let r = Tensor::randn(0f32, 1.0, (b, t, h * d), &dev)?.to_dtype(DType::BF16)?;
+        for (name, path) in [
+            ("matmul+softmax", current as Path),
+            ("flash_attention", flash),
+        ] {
+            step(path, &qkv, &r, dims)?; // warm-up (and the kernels' first load)
+            let times = (0..repeats)
+                .map(|_| step(path, &qkv, &r, dims).map(|t| t.0))
+                .collect::<Result<Vec<f64>>>()?;
+            println!(
+                "{:<24} {name:<17} {:>9.2} ms",
+                format!("{dims:?}"),
+                median(times) * 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
-    let repeats: usize = std::env::args()
-        .nth(1)
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let cuda = args.first().is_some_and(|a| a == "cuda");
+    if cuda {
+        args.remove(0);
+    }
+    let repeats: usize = args
+        .first()
         .map(|s| s.parse().expect("repeats: a number"))
         .unwrap_or(3);
-    let only = std::env::args().nth(2);
+    if cuda {
+        return on_cuda(repeats.max(1));
+    }
+    let only = args.get(1).cloned();
     println!("config (B, T, H, D)      path              threads  wall fwd+bwd   CPU fwd+bwd");
     for dims in [(32, 256, 4, 64), (8, 1024, 12, 64)] {
         let (b, t, h, d) = dims;
