@@ -50,6 +50,7 @@ module!(RESIDUAL, "residual");
 module!(BLOCK_KERNELS, "block_kernels");
 module!(EMBEDDING, "embedding");
 module!(LINEAR_CROSS_ENTROPY, "linear_cross_entropy");
+module!(FLASH_ATTENTION, "flash_attention");
 
 /// Modules loaded per device, and kernels looked up per device (candle's own loader takes PTX text
 /// only, and looks a kernel up again at every launch).

@@ -10,6 +10,7 @@
 //! | [`layer_norm`] | LayerNorm over the last dimension |
 //! | [`rms_norm`] | RMSNorm over the last dimension (Llama's) |
 //! | [`causal_softmax`] | softmax of scaled attention scores under a causal mask |
+//! | [`flash_attention`] | causal attention without the `T × T` scores (FlashAttention-2), grouped-query heads |
 //! | [`cross_entropy`] | weighted, summed cross-entropy from logits |
 //! | [`gelu`], [`silu`], [`swiglu`] | activations (GELU's tanh approximation) |
 //! | [`rotary`] | rotary position embeddings (Hugging Face's `rotate_half` convention) |
@@ -42,6 +43,7 @@ mod element;
 mod elementwise;
 mod embedding;
 mod fallback;
+mod flash_attention;
 mod gelu;
 mod layer_norm;
 mod linear;
@@ -65,6 +67,7 @@ pub use attention_block::{attention_block, Attention, Qkv, Rotary};
 pub use causal_softmax::causal_softmax;
 pub use cross_entropy::cross_entropy;
 pub use embedding::embedding;
+pub use flash_attention::flash_attention;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
 pub use linear::linear;

@@ -501,3 +501,49 @@ fn the_bias_gradient_is_the_same_on_every_cuda_run() {
         assert!(run() == run(), "{dtype:?}");
     }
 }
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn flash_attention_on_cuda_equals_the_cpu_kernel() {
+    // (B, T, H, Hkv, D): head dims 64 and 128 (tensor cores in bf16/f16, the simple kernel in
+    // f32/f64) with grouped-query heads and T no multiple of the 64-row tiles; head dim 24 (the
+    // simple kernel in every dtype); one token.
+    for (b, t, h, hkv, d) in [
+        (2, 200, 4, 2, 64),
+        (1, 130, 2, 1, 128),
+        (2, 37, 3, 1, 24),
+        (1, 1, 2, 2, 64),
+    ] {
+        let q = tensor(&[b, t, h, d], 21, 1.0);
+        let k = tensor(&[b, t, hkv, d], 22, 2.0);
+        let v = tensor(&[b, t, hkv, d], 23, 1.0);
+        let scale = 1.0 / (d as f64).sqrt();
+        check(
+            &format!("flash_attention [{b}, {t}, {h}/{hkv}, {d}]"),
+            &[q, k, v],
+            &[],
+            &|x, _| fused_kernels::flash_attention(&x[0], &x[1], &x[2], scale),
+        );
+    }
+    // The heads of one packed [B, T, H + 2·Hkv, D] projection, read in place (the gradient
+    // reaches the packed tensor through the three views), at head dims 64 and 128.
+    for d in [64, 128] {
+        let packed = tensor(&[2, 100, 8, d], 24, 1.5);
+        check(
+            &format!("flash_attention packed, D = {d}"),
+            &[packed],
+            &[],
+            &|x, _| {
+                let p = &x[0];
+                let (q, k, v) = (p.narrow(2, 0, 4)?, p.narrow(2, 4, 2)?, p.narrow(2, 6, 2)?);
+                fused_kernels::flash_attention(&q, &k, &v, 0.125)
+            },
+        );
+    }
+    // A head-major [B, H, T, D] query transposed (token stride D, head stride T·D).
+    let q = tensor(&[2, 4, 90, 64], 25, 1.0);
+    let kv = tensor(&[2, 90, 4, 64], 26, 1.0);
+    check("flash_attention transposed q", &[q, kv], &[], &|x, _| {
+        fused_kernels::flash_attention(&x[0].transpose(1, 2)?, &x[1], &x[1], 0.125)
+    });
+}

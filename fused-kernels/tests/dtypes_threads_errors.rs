@@ -222,3 +222,64 @@ fn wrong_shapes_are_refused_with_the_op_and_both_shapes() {
     ));
     assert!(e.contains("gelu") && e.contains("U32"), "{e}");
 }
+
+#[test]
+fn flash_attention_refuses_bad_shapes_dtypes_and_scales() {
+    let z = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, &Device::Cpu).unwrap();
+    let f32s = |shape: &[usize]| z(shape, DType::F32);
+    let (q, kv) = (f32s(&[2, 5, 4, 8]), f32s(&[2, 5, 2, 8]));
+    let e = error_of(fused_kernels::flash_attention(
+        &f32s(&[5, 4, 8]),
+        &kv,
+        &kv,
+        1.0,
+    ));
+    assert!(
+        e.contains("flash_attention") && e.contains("q must have shape [B, T, H, D]"),
+        "{e}"
+    );
+    let e = error_of(fused_kernels::flash_attention(
+        &q,
+        &f32s(&[2, 5, 2, 7]),
+        &kv,
+        1.0,
+    ));
+    assert!(e.contains("[2, 5, 2, 7]") && e.contains("D = 8"), "{e}");
+    let e = error_of(fused_kernels::flash_attention(
+        &q,
+        &kv,
+        &f32s(&[2, 6, 2, 8]),
+        1.0,
+    ));
+    assert!(e.contains("[2, 6, 2, 8]") && e.contains("T = 5"), "{e}");
+    let k3 = f32s(&[2, 5, 3, 8]);
+    let e = error_of(fused_kernels::flash_attention(&q, &k3, &k3, 1.0));
+    assert!(
+        e.contains("4 query heads") && e.contains("3 key/value heads"),
+        "{e}"
+    );
+    let e = error_of(fused_kernels::flash_attention(
+        &q,
+        &z(&[2, 5, 2, 8], DType::BF16),
+        &kv,
+        1.0,
+    ));
+    assert!(e.contains("one dtype") && e.contains("BF16"), "{e}");
+    let u = z(&[2, 5, 2, 8], DType::U32);
+    let e = error_of(fused_kernels::flash_attention(
+        &z(&[2, 5, 4, 8], DType::U32),
+        &u,
+        &u,
+        1.0,
+    ));
+    assert!(e.contains("U32") && e.contains("not supported"), "{e}");
+    let e = error_of(fused_kernels::flash_attention(&q, &kv, &kv, f64::NAN));
+    assert!(e.contains("softmax_scale must be finite"), "{e}");
+    let e = error_of(fused_kernels::flash_attention(
+        &f32s(&[2, 5, 4, 0]),
+        &f32s(&[2, 5, 2, 0]),
+        &f32s(&[2, 5, 2, 0]),
+        1.0,
+    ));
+    assert!(e.contains("head dimension D is 0"), "{e}");
+}

@@ -128,3 +128,27 @@ fn non_contiguous_inputs_give_the_gradients_of_their_contiguous_copies() {
         fused_kernels::causal_softmax(&x[0].transpose(0, 2)?.to_dtype(DType::F64)?, 1.0)
     });
 }
+
+#[test]
+fn flash_attention_grouped_query_heads_and_a_packed_projection() {
+    // B = 2, T = 5, H = 4 query heads sharing Hkv = 2 key/value heads, D = 3.
+    let inputs = [
+        tensor(&[2, 5, 4, 3], 22, 1.0),
+        tensor(&[2, 5, 2, 3], 23, 2.0),
+        tensor(&[2, 5, 2, 3], 24, 1.0),
+    ];
+    check_gradients("flash_attention", &inputs, &[0, 1, 2], |x| {
+        fused_kernels::flash_attention(&x[0], &x[1], &x[2], 0.8)
+    });
+    // q, k, v as views of one packed [B, T, H + 2·Hkv, D] projection, read in place.
+    let packed = [tensor(&[1, 4, 4, 2], 25, 1.5)];
+    check_gradients("flash_attention (packed views)", &packed, &[0], |x| {
+        let (q, k, v) = (
+            x[0].narrow(2, 0, 2)?,
+            x[0].narrow(2, 2, 1)?,
+            x[0].narrow(2, 3, 1)?,
+        );
+        assert!(!q.is_contiguous());
+        fused_kernels::flash_attention(&q, &k, &v, 1.0)
+    });
+}

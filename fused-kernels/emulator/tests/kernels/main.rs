@@ -11,6 +11,7 @@ mod common;
 mod cross_entropy;
 mod embedding;
 mod emulator;
+mod flash_attention;
 mod linear_cross_entropy;
 mod norms;
 mod rotary;
