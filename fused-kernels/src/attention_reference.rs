@@ -1,6 +1,7 @@
 //! Causal attention over packed projections with candle's ops, materializing the `T × T` scores
-//! in f32: the stand-in the fused attention layer uses until the flash attention kernels replace
-//! it (same inputs and outputs).
+//! in f32: what the fused attention layer computes on a GPU where flash attention has no
+//! tensor-core kernel (f32, f64, head dims other than 64 and 128), through cuBLAS products. The same
+//! inputs and outputs as flash attention's.
 
 use candle_core::{DType, Result, Tensor, D};
 

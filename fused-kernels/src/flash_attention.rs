@@ -32,12 +32,17 @@ use std::sync::Mutex;
 /// per-row log-sum-exp, deterministically (the same bits on any number of threads).
 ///
 /// f32, f64, and bf16/f16 (computed in f32). On CUDA (the `cuda` feature), bf16 and f16 with
-/// `D` 64 or 128 run on tensor cores; other dtypes and head dims run a simple, much slower
-/// kernel. On other devices the formula is computed with candle's ops (`T × T` scores).
+/// `D` 64 or 128 run on tensor cores; other dtypes and head dims are computed with candle's ops
+/// (`T × T` scores through cuBLAS, faster there than a kernel without tensor cores), as on devices
+/// without the kernels.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f64) -> Result<Tensor> {
     let dims = check_tensors(q, k, v, softmax_scale)?;
     let (q, k, v) = (unit_last(q)?, unit_last(k)?, unit_last(v)?);
-    if q.elem_count() == 0 || k.elem_count() == 0 || !crate::element::has_kernel(&q) {
+    if q.elem_count() == 0
+        || k.elem_count() == 0
+        || !crate::element::has_kernel(&q)
+        || !fast_on(&q, dims.head_dim)
+    {
         return fallback(&q, &k, &v, dims, softmax_scale);
     }
     q.apply_op3(
@@ -48,6 +53,21 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f64) -
             lse: Mutex::new(None),
         },
     )
+}
+
+/// Whether the flash kernels are the fast way to compute attention of `q`'s dtype and device and
+/// `head_dim`: always on the CPU; on CUDA for the tensor-core kernels (bf16/f16, head dim 64 or
+/// 128). Elsewhere materialized scores through cuBLAS beat the simple kernel by far.
+pub(crate) fn fast_on(q: &Tensor, head_dim: usize) -> bool {
+    match q.device() {
+        candle_core::Device::Cpu => true,
+        _ => has_tensor_core_kernel(q.dtype(), head_dim),
+    }
+}
+
+/// Whether the CUDA kernels have a tensor-core version for `dtype` and `head_dim`.
+pub(crate) fn has_tensor_core_kernel(dtype: DType, head_dim: usize) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
 }
 
 /// The sizes of one attention call.
@@ -224,8 +244,6 @@ impl HeadsView {
 /// The forward pass on heads read in place: the attention output `[B, T, H, D]` (contiguous, in
 /// the dtype of `q`) and the log-sum-exp of every query row's scaled scores, `[B, H, T]` (f32;
 /// f64 for f64 inputs, so that the backward pass keeps f64's precision). Records no gradient.
-// The entry point of the crate's fused attention blocks; until they call it, only the tests do.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn flash_forward(
     q: &HeadsView,
     k: &HeadsView,

@@ -35,7 +35,7 @@ pub(super) fn storage_len(s: &CudaStorage) -> Result<usize> {
 
 /// Whether `T` at `head_dim` runs on tensor cores.
 fn tensor_cores<T: CudaElement>(head_dim: usize) -> bool {
-    matches!(T::DTYPE, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+    super::has_tensor_core_kernel(T::DTYPE, head_dim)
 }
 
 /// A view of `s`'s elements from `offset`.
