@@ -196,14 +196,15 @@ impl CudaBatch {
             }
         }
         for (device, slots) in by_device {
-            let tables = cache.tables_of(&device);
             for (i, plan) in plan_launches(&slots).iter().enumerate() {
+                let tables = cache.tables_of(&device);
                 if tables.len() == i {
                     tables.push(DeviceTable::upload(&device, plan)?);
                 } else {
                     tables[i].refresh(&device, plan)?;
                 }
-                launch_plan(&device, kernel, &tables[i].table, plan)?;
+                launch_plan(&device, kernel, &cache.tables_of(&device)[i].table, plan)?;
+                cache.launches += 1;
             }
         }
         Ok(())
@@ -240,6 +241,8 @@ fn launch_plan(
 #[derive(Debug, Default)]
 pub(crate) struct MultiTensorCache {
     devices: Vec<(CudaDevice, Vec<DeviceTable>)>,
+    /// Kernel launches so far (tests check that a step is one launch).
+    launches: u64,
 }
 
 impl MultiTensorCache {
@@ -252,6 +255,12 @@ impl MultiTensorCache {
             }
         };
         &mut self.devices[i].1
+    }
+
+    /// Kernel launches so far.
+    #[cfg(test)]
+    pub fn launches(&self) -> u64 {
+        self.launches
     }
 
     /// Tables uploaded so far (tests check that an unchanged table is not uploaded again).

@@ -67,7 +67,7 @@ pub struct ElementwiseOptimizer<R: UpdateRule> {
     copies_written: Vec<bool>,
     /// The tensor tables of the multi-tensor CUDA launches, kept on the devices between steps.
     #[cfg(feature = "cuda")]
-    cuda: super::cuda_kernels::MultiTensorCache,
+    pub(crate) cuda: super::cuda_kernels::MultiTensorCache,
 }
 
 impl<R: UpdateRule> ElementwiseOptimizer<R> {
