@@ -213,7 +213,9 @@ mod tests {
     #[test]
     fn tensors_share_scalar_sets_and_a_ninth_set_starts_a_second_launch() {
         // Two groups stepping together: two sets, one launch.
-        let slots: Vec<_> = (0..6).map(|i| slot(10, (i % 2) as f32, 10 * i)).collect();
+        let mut slots: Vec<_> = (0..6).map(|i| slot(10, (i % 2) as f32, 10 * i)).collect();
+        slots[1].copy_kind = CopyKind::F16;
+        slots[2].copy_kind = CopyKind::None;
         let plans = plan_launches(&slots);
         assert_eq!(plans.len(), 1);
         let set_of = |plan: &LaunchPlan, t: usize| plan.table[t * WORDS + 7] >> 8;
@@ -223,7 +225,12 @@ mod tests {
         );
         assert_eq!(plans[0].sets[..SCALARS], [0.0; SCALARS]);
         assert_eq!(plans[0].sets[SCALARS..2 * SCALARS], [1.0; SCALARS]);
-        assert_eq!(plans[0].table[7] & 0xff, CopyKind::Bf16 as u64);
+        let kind_of = |t: usize| plans[0].table[t * WORDS + 7] & 0xff;
+        assert_eq!(
+            (kind_of(0), kind_of(1), kind_of(2)),
+            (1, 2, 0),
+            "bf16, f16, none"
+        );
 
         // Ten different sets: the ninth tensor opens a second launch.
         let slots: Vec<_> = (0..10).map(|i| slot(10, i as f32, 10 * i)).collect();
