@@ -316,3 +316,95 @@ impl DeviceTable {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use crate::grads::GradientBuffers;
+    use crate::optim::conformance::bits;
+    use crate::optim::{Optimizer, Sgd, SgdConfig};
+
+    /// f32 values at the edges of bf16 and f16 rounding: ties to even each way, the largest finite
+    /// values and what rounds past them, subnormals, the smallest magnitudes, zeros of both signs,
+    /// infinities and NaN.
+    fn edge_values() -> Vec<f32> {
+        let mut v = vec![
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 2f32.powi(-8),       // bf16 tie, to even: 1
+            1.0 + 3.0 * 2f32.powi(-8), // bf16 tie, to even: up
+            1.0 + 2f32.powi(-11),      // f16 tie, to even: 1
+            1.0 + 3.0 * 2f32.powi(-11),
+            65504.0,
+            65519.996,
+            65520.0, // f16: ties to inf
+            -1e6,
+            f32::MAX,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-45,
+            2f32.powi(-25), // f16: half the smallest subnormal, to even: 0
+            1.5 * 2f32.powi(-25),
+            2f32.powi(-24),
+            6.0e-5, // f16 subnormal
+            6.1035156e-5,
+            3.0e-38,
+        ];
+        // And ordinary values over every exponent.
+        let mut x = 0x1234_5678u32;
+        for e in -30..30 {
+            x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+            let m = 1.0 + (x >> 9) as f32 / (1u32 << 23) as f32;
+            v.push(m * 2f32.powi(e) * if x & 1 == 0 { 1.0 } else { -1.0 });
+        }
+        v
+    }
+
+    /// The compute copies the kernel writes are bitwise what candle's CUDA cast of the updated
+    /// master gives (`cast_f32_bf16`, `cast_f32_f16`: the refresh the kernel replaces). An SGD step
+    /// at learning rate 0 with a zero gradient leaves the masters as they are (NaN aside, which
+    /// the GPU's arithmetic makes canonical before both roundings), so the edge values reach the
+    /// rounding.
+    #[test]
+    #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
+    fn the_compute_copies_round_as_candles_cuda_cast() {
+        let cuda = Device::new_cuda(0).expect("a GPU (this test is ignored without one)");
+        let values = edge_values();
+        let n = values.len();
+        for dtype in [candle_core::DType::BF16, candle_core::DType::F16] {
+            let master = Var::from_tensor(&Tensor::new(values.as_slice(), &cuda).unwrap()).unwrap();
+            let params = vec![("w".to_string(), master.clone())];
+            let copy = Var::zeros(n, dtype, &cuda).unwrap();
+            let config = SgdConfig {
+                lr: 0.0,
+                ..SgdConfig::default()
+            };
+            let mut opt = Sgd::new(params.clone(), config).unwrap();
+            opt.set_compute_copies(&[("w".to_string(), copy.clone())])
+                .unwrap();
+            let mut grads = GradientBuffers::new(&params, 1 << 20).unwrap();
+            grads
+                .accumulate_one(
+                    "w",
+                    &Tensor::zeros(n, candle_core::DType::F32, &cuda).unwrap(),
+                    1.0,
+                )
+                .unwrap();
+            opt.step(&grads).unwrap();
+            assert_eq!(opt.fallback_updates, 0);
+            assert!(opt.wrote_compute_copy("w"));
+            let cast = master.as_tensor().to_dtype(dtype).unwrap();
+            let (got, want) = (bits(&copy), bits(&cast));
+            for (i, v) in values.iter().enumerate() {
+                assert_eq!(got[i], want[i], "{dtype:?}: {v:e} ({:#010x})", v.to_bits());
+            }
+        }
+    }
+}
