@@ -1,8 +1,9 @@
-//! Device addresses of CUDA tensors, for the multi-tensor optimizer kernels, which read tables of
-//! pointers: the GPU counterpart of [`cpu_slices`](crate::cpu_slices).
+//! Device addresses of CUDA tensors, for our own kernels (the multi-tensor optimizer kernels read
+//! tables of pointers): the GPU counterpart of [`cpu_slices`](crate::cpu_slices).
 //!
-//! Both helpers return `Ok(None)` when the tensor is not a CUDA tensor of the asked dtype laid out
-//! contiguously (views with an offset are fine), so callers fall back to tensor ops.
+//! The helpers return `Ok(None)` when the tensor is not a CUDA tensor of the asked dtype (laid out
+//! contiguously, for the first two; views with an offset are fine), so callers fall back to
+//! tensor ops.
 //!
 //! An address outlives the lock under which it was read: the kernel that uses it runs later, on
 //! the device's stream. That is sound for the same reason every candle kernel is: candle runs all
@@ -61,6 +62,40 @@ pub(crate) fn cuda_address<T: CudaDType>(
     let view = cuda.as_cuda_slice::<T>()?.slice(start..end);
     let (address, _recorded) = view.device_ptr(&stream);
     Ok(Some((device, address)))
+}
+
+/// A CUDA tensor's first element and layout, for kernels that read strided views.
+#[derive(Debug)]
+pub(crate) struct StridedAddress {
+    /// The device address of the element at the layout's start offset.
+    pub address: u64,
+    /// The dims, outermost first.
+    pub dims: Vec<usize>,
+    /// The strides, in elements.
+    pub strides: Vec<usize>,
+}
+
+/// The address of the first element of `tensor`, read-only, with its dims and strides, if
+/// `tensor` is a CUDA tensor of element type `T` (`dtype`), laid out in any way.
+pub(crate) fn cuda_strided_address<T: CudaDType>(
+    tensor: &Tensor,
+    dtype: DType,
+) -> Result<Option<StridedAddress>> {
+    if !tensor.device().is_cuda() || tensor.dtype() != dtype {
+        return Ok(None);
+    }
+    let (storage, layout) = tensor.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Ok(None);
+    };
+    let stream = cuda.device().cuda_stream();
+    let view = cuda.as_cuda_slice::<T>()?.slice(layout.start_offset()..);
+    let (address, _recorded) = view.device_ptr(&stream);
+    Ok(Some(StridedAddress {
+        address,
+        dims: layout.dims().to_vec(),
+        strides: layout.stride().to_vec(),
+    }))
 }
 
 struct AddressOp<T> {
