@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::error::Result;
@@ -71,19 +72,13 @@ impl<'a> HalfSliceMut<'a> {
     }
 
     /// Writes `values` (as many as this slice has elements) rounded to nearest-even, with the
-    /// `half` crate's conversions: the ones candle's `to_dtype` applies on the CPU, so the result
-    /// is bitwise what casting the f32 tensor would give.
+    /// `half` crate's conversions: those of `bf16::from_f32` and `f16::from_f32`, which candle's
+    /// `to_dtype` applies on the CPU, so the result is bitwise what casting the f32 tensor would
+    /// give. The slice form converts several elements per instruction where the CPU can (F16C).
     pub fn round_from(&mut self, values: &[f32]) {
-        debug_assert_eq!(values.len(), self.len());
         match self {
-            Self::Bf16(xs) => xs
-                .iter_mut()
-                .zip(values)
-                .for_each(|(x, &v)| *x = bf16::from_f32(v)),
-            Self::F16(xs) => xs
-                .iter_mut()
-                .zip(values)
-                .for_each(|(x, &v)| *x = f16::from_f32(v)),
+            Self::Bf16(xs) => xs.convert_from_f32_slice(values),
+            Self::F16(xs) => xs.convert_from_f32_slice(values),
         }
     }
 }
