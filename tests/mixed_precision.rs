@@ -657,6 +657,17 @@ fn train_copies(
         acc.backward(&loss).unwrap();
         opt.step().unwrap();
         assert_eq!(opt.step_was_skipped(), overflow, "step {s}");
+        if !overflow {
+            // The runtime skipped the cast exactly where the update wrote the copy.
+            let inner = opt.inner();
+            for (name, _) in &params {
+                assert_eq!(
+                    inner.wrote_compute_copy(name),
+                    keep_copies,
+                    "{name}, step {s}"
+                );
+            }
+        }
         opt.zero_grad();
     }
     let masters = params.iter().map(|(_, v)| tensor_bits(v)).collect();
