@@ -263,8 +263,8 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
                 }),
             };
             let step = state.step + 1;
-            if !self.force_fallback {
-                if update_fused(
+            let fused = !self.force_fallback
+                && update_fused(
                     rule,
                     &param,
                     &grad,
@@ -272,20 +272,23 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
                     copy.as_ref(),
                     (lr, step, first),
                     self.parallel_min_elems,
-                )? {
-                    state.step = step;
-                    self.copies_written[i] = whole_copy;
+                )?;
+            if fused {
+                state.step = step;
+                self.copies_written[i] = whole_copy;
+                continue;
+            }
+            #[cfg(feature = "cuda")]
+            if let Some(update) = rule
+                .cuda_update(lr, step, first)
+                .filter(|_| !self.force_fallback)
+            {
+                if batch.push(&update, &param, &grad, &state.tensors, copy.as_ref())? {
+                    queued.push((i, step, whole_copy));
+                    held.extend([param, grad]);
+                    held.extend(state.tensors.iter().cloned());
+                    held.extend(copy);
                     continue;
-                }
-                #[cfg(feature = "cuda")]
-                if let Some(update) = rule.cuda_update(lr, step, first) {
-                    if batch.push(&update, &param, &grad, &state.tensors, copy.as_ref())? {
-                        queued.push((i, step, whole_copy));
-                        held.extend([param, grad]);
-                        held.extend(state.tensors.iter().cloned());
-                        held.extend(copy);
-                        continue;
-                    }
                 }
             }
             let dtype = state_dtype(var.dtype());
