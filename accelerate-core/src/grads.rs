@@ -925,33 +925,29 @@ mod tests {
                 .collect()
         };
         // A [4, 6] gradient in four layouts: contiguous, transposed, a narrowed view (an offset
-        // and a row stride), a permuted 3-D tensor.
-        let layouts: [(&str, &dyn Fn(&Tensor) -> Tensor, Vec<usize>); 4] = [
-            ("contiguous", &|t| t.reshape((4, 6)).unwrap(), vec![24]),
-            (
-                "transposed",
-                &|t| t.reshape((6, 4)).unwrap().t().unwrap(),
-                vec![24],
-            ),
-            (
-                "narrowed",
-                &|t| t.reshape((4, 8)).unwrap().narrow(1, 2, 6).unwrap(),
-                vec![32],
-            ),
-            (
-                "permuted",
-                &|t| t.reshape((2, 3, 4)).unwrap().permute((2, 0, 1)).unwrap(),
-                vec![24],
-            ),
+        // and a row stride), a permuted 3-D tensor; each made from a flat base of `len` elements.
+        let view = |what: &str, t: &Tensor| -> Tensor {
+            match what {
+                "contiguous" => t.reshape((4, 6)).unwrap(),
+                "transposed" => t.reshape((6, 4)).unwrap().t().unwrap(),
+                "narrowed" => t.reshape((4, 8)).unwrap().narrow(1, 2, 6).unwrap(),
+                _ => t.reshape((2, 3, 4)).unwrap().permute((2, 0, 1)).unwrap(),
+            }
+        };
+        let layouts = [
+            ("contiguous", 24),
+            ("transposed", 24),
+            ("narrowed", 32),
+            ("permuted", 24),
         ];
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for (what, view, base) in &layouts {
+            for (what, len) in layouts {
                 let make = |seed| {
-                    let base = Tensor::from_vec(values(base[0], seed), base[0], &Device::Cpu)
+                    let base = Tensor::from_vec(values(len, seed), len, &Device::Cpu)
                         .unwrap()
                         .to_dtype(dtype)
                         .unwrap();
-                    view(&base.to_device(&cuda).unwrap())
+                    view(what, &base.to_device(&cuda).unwrap())
                 };
                 let (g1, g2) = (make(1), make(2));
                 let shape = g1.shape().clone();

@@ -20,7 +20,7 @@
 use std::sync::OnceLock;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg,
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
