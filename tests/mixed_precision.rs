@@ -2,14 +2,21 @@
 //! step matches an update computed by hand; bf16 gradient buffers equal the sum of independently
 //! computed bf16 gradients; the scaler and the masters survive a checkpoint; bf16 training of the
 //! `mlp` workload converges like f32; two ranks under `accelerate-launch --mixed-precision bf16`
-//! end with identical parameters.
+//! end with identical parameters; the compute copies the optimizers write in their update's pass
+//! are bitwise the cast of the masters the runtime made after every step.
 
 use std::path::Path;
 use std::time::Duration;
 
-use accelerate_core::optim::{LrScheduler, Schedule, Sgd, SgdConfig};
+use accelerate_core::optim::{
+    split_decay, AdamW, AdamWConfig, Lion, LionConfig, LrScheduler, Optimizer, ParamGroup,
+    Schedule, Sgd, SgdConfig,
+};
 use accelerate_core::{Accelerator, LossScalerConfig, MixedPrecision, ProcessState};
-use accelerate_tests::{metric_losses, named_vars, output_text as text, ranks_as_threads, Job};
+use accelerate_tests::{
+    metric_losses, named_vars, output_text as text, ranks_as_threads, tensor_bits, CopiesOrCast,
+    Job,
+};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 
@@ -553,4 +560,161 @@ fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
     // The bucket carries one more element: the flag of missing gradients.
     assert_eq!(exact[0].1, 301 * 4);
     assert_eq!(compressed[0].1, 301 * 2);
+}
+
+/// The optimizers of the copy test: AdamW in two groups (weights with decay, biases without), SGD
+/// with Nesterov momentum and weight decay, Lion with weight decay.
+fn copy_test_optimizer(
+    which: usize,
+    params: Vec<(String, candle_core::Var)>,
+) -> Box<dyn Optimizer + Send> {
+    match which {
+        0 => {
+            let split = split_decay(params);
+            let decay = AdamWConfig {
+                lr: 0.02,
+                weight_decay: 0.1,
+                ..AdamWConfig::default()
+            };
+            let no_decay = AdamWConfig {
+                lr: 0.01,
+                weight_decay: 0.0,
+                ..decay
+            };
+            Box::new(
+                AdamW::with_groups(vec![
+                    ParamGroup::new(split.decay, decay),
+                    ParamGroup::new(split.no_decay, no_decay),
+                ])
+                .unwrap(),
+            )
+        }
+        1 => Box::new(
+            Sgd::new(
+                params,
+                SgdConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    nesterov: true,
+                    weight_decay: 0.01,
+                    ..SgdConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
+        _ => Box::new(
+            Lion::new(
+                params,
+                LionConfig {
+                    lr: 0.01,
+                    weight_decay: 0.1,
+                    ..LionConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
+    }
+}
+
+/// What a run ends with, bit for bit: the masters, the compute copies and the optimizer state.
+type CopyRun = (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<(String, Vec<u32>)>);
+
+/// Six optimizer steps of the small MLP under `mode` with optimizer `which`, its compute copies
+/// written by the update (`keep_copies`) or cast by the runtime after each step. Under fp16 the
+/// second window's loss is scaled to overflow, so that step is skipped. With `resume`, the state
+/// is saved there after three steps and training continues in a new accelerator, model and
+/// optimizer loaded from it.
+fn train_copies(
+    mode: MixedPrecision,
+    which: usize,
+    keep_copies: bool,
+    resume: Option<&Path>,
+) -> CopyRun {
+    let setup = || {
+        let mut acc = accelerator(mode, 1, 2000);
+        let (varmap, forward) = small_mlp(acc.compute_dtype());
+        let params = acc.prepare(&varmap).unwrap();
+        let inner = copy_test_optimizer(which, params.clone());
+        let opt = acc.prepare(CopiesOrCast { inner, keep_copies }).unwrap();
+        (acc, varmap, forward, params, opt)
+    };
+    let (mut acc, mut varmap, mut forward, mut params, mut opt) = setup();
+    for s in 0..6 {
+        if s == 3 {
+            if let Some(dir) = resume {
+                acc.save_state(dir).unwrap();
+                (acc, varmap, forward, params, opt) = setup();
+                acc.load_state(dir).unwrap();
+            }
+        }
+        let (x, y) = micro_batch(s);
+        let _step = acc.accumulate();
+        let mut loss = candle_nn::loss::cross_entropy(&forward(&x), &y).unwrap();
+        let overflow = mode == MixedPrecision::Fp16 && s == 1;
+        if overflow {
+            loss = (loss * 1e30).unwrap();
+        }
+        acc.backward(&loss).unwrap();
+        opt.step().unwrap();
+        assert_eq!(opt.step_was_skipped(), overflow, "step {s}");
+        if !overflow {
+            // The runtime skipped the cast exactly where the update wrote the copy.
+            let inner = opt.inner();
+            for (name, _) in &params {
+                assert_eq!(
+                    inner.wrote_compute_copy(name),
+                    keep_copies,
+                    "{name}, step {s}"
+                );
+            }
+        }
+        opt.zero_grad();
+    }
+    let masters = params.iter().map(|(_, v)| tensor_bits(v)).collect();
+    let compute = named_vars(&varmap)
+        .iter()
+        .map(|(_, v)| {
+            assert_eq!(v.dtype(), mode.compute_dtype());
+            tensor_bits(v)
+        })
+        .collect();
+    let state = opt.state().unwrap();
+    let state = state
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), tensor_bits(t)))
+        .chain(state.scalars.iter().map(|(k, v)| {
+            (
+                k.clone(),
+                vec![v.to_bits() as u32, (v.to_bits() >> 32) as u32],
+            )
+        }))
+        .collect();
+    (masters, compute, state)
+}
+
+#[test]
+fn compute_copies_written_by_the_update_equal_a_cast_after_every_step() {
+    for mode in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+        for which in 0..3 {
+            let label = format!("{mode}, optimizer {which}");
+            let cast = train_copies(mode, which, false, None);
+            let written = train_copies(mode, which, true, None);
+            assert_eq!(written.0, cast.0, "{label}: masters");
+            assert_eq!(written.1, cast.1, "{label}: compute copies");
+            assert_eq!(written.2, cast.2, "{label}: optimizer state");
+            let dir = tempfile::tempdir().unwrap();
+            let resumed = train_copies(mode, which, true, Some(dir.path()));
+            assert_eq!(resumed, cast, "{label}: saved and resumed after 3 steps");
+            // The copies are the masters rounded: the check above compares something that moved.
+            let initial = {
+                let (varmap, _) = small_mlp(mode.compute_dtype());
+                named_vars(&varmap)
+                    .iter()
+                    .map(|(_, v)| tensor_bits(v))
+                    .collect::<Vec<_>>()
+            };
+            assert_ne!(written.1, initial, "{label}: the compute copies moved");
+        }
+    }
 }

@@ -604,3 +604,85 @@ pub fn kill_rank_once_checkpointed(
     };
     send_signal(victim, "KILL");
 }
+
+/// An optimizer that steps `inner` and passes the mixed-precision compute copies on to it only
+/// when `keep_copies` is set. Without them the runtime treats it as any optimizer that keeps no
+/// copies: it casts every master into its compute copy after the step. That cast is the reference
+/// the copies written by an update's own pass are compared with.
+pub struct CopiesOrCast {
+    /// The optimizer that does the work.
+    pub inner: Box<dyn accelerate_core::optim::Optimizer + Send>,
+    /// Whether `inner` gets the compute copies.
+    pub keep_copies: bool,
+}
+
+impl accelerate_core::optim::Optimizer for CopiesOrCast {
+    fn step(&mut self, grads: &accelerate_core::GradientBuffers) -> accelerate_core::Result<()> {
+        self.inner.step(grads)
+    }
+
+    fn learning_rate(&self) -> &accelerate_core::optim::LearningRate {
+        self.inner.learning_rate()
+    }
+
+    fn params(&self) -> &[(String, Var)] {
+        self.inner.params()
+    }
+
+    fn state(&self) -> accelerate_core::Result<accelerate_core::optim::OptimizerState> {
+        self.inner.state()
+    }
+
+    fn load_state(
+        &mut self,
+        state: &accelerate_core::optim::OptimizerState,
+    ) -> accelerate_core::Result<()> {
+        self.inner.load_state(state)
+    }
+
+    fn set_compute_copies(&mut self, copies: &[(String, Var)]) -> accelerate_core::Result<()> {
+        if self.keep_copies {
+            self.inner.set_compute_copies(copies)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn wrote_compute_copy(&self, name: &str) -> bool {
+        self.keep_copies && self.inner.wrote_compute_copy(name)
+    }
+
+    fn shard(
+        &mut self,
+        pieces: &std::collections::BTreeMap<String, std::ops::Range<usize>>,
+    ) -> accelerate_core::Result<()> {
+        self.inner.shard(pieces)
+    }
+}
+
+/// The bits of every element of `t` (f32 as u32, bf16/f16 widened from u16), for comparisons that
+/// must be exact.
+pub fn tensor_bits(t: &Tensor) -> Vec<u32> {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
+        d => panic!("tensor_bits of a {d:?} tensor"),
+    }
+}

@@ -443,3 +443,105 @@ fn stage_two_reduces_in_the_configured_dtype() {
         "as stage 0 rounds"
     );
 }
+
+/// Mixed precision under ZeRO: each rank's optimizer writes the compute copies of its own pieces
+/// in the update's pass, and the runtime casts every copy the step did not write whole after the
+/// all-gather. Stages 1 and 2 on 2 ranks, bf16, AdamW, a bucket per parameter (pieces cut
+/// parameters) and one bucket for all: every rank ends with bitwise the masters and compute
+/// copies of the same run whose runtime cast every master after each step.
+#[test]
+fn under_bf16_the_compute_copies_written_by_the_update_equal_a_cast_after_every_step() {
+    use accelerate_core::optim::Optimizer;
+    use accelerate_core::MixedPrecision;
+    use accelerate_tests::{tensor_bits, CopiesOrCast};
+    use candle_nn::{Module, VarBuilder, VarMap};
+    let run = |stage: u8, cap: usize, keep_copies: bool| {
+        let (x, y) = tiny_data(2 * BATCH * STEPS, 5).unwrap();
+        ranks_as_threads(
+            2,
+            || {
+                Accelerator::builder()
+                    .zero_stage(stage)
+                    .bucket_cap_bytes(cap)
+                    .mixed_precision(MixedPrecision::Bf16)
+            },
+            |mut acc| {
+                // The tiny MLP's seeded weights, rounded into a bf16 model.
+                let (f32_map, _) = tiny_mlp(3).unwrap();
+                let varmap = VarMap::new();
+                let vb = VarBuilder::from_varmap(&varmap, acc.compute_dtype(), &Device::Cpu);
+                let l1 = candle_nn::linear(6, 8, vb.pp("l1")).unwrap();
+                let l2 = candle_nn::linear(8, 3, vb.pp("l2")).unwrap();
+                for ((_, from), (_, to)) in named_vars(&f32_map).iter().zip(named_vars(&varmap)) {
+                    to.set(&from.as_tensor().to_dtype(to.dtype()).unwrap())
+                        .unwrap();
+                }
+                let params = acc.prepare(&varmap).unwrap();
+                let cfg = AdamWConfig {
+                    lr: 0.02,
+                    weight_decay: 0.1,
+                    ..AdamWConfig::default()
+                };
+                let inner = Box::new(AdamW::new(params.clone(), cfg).unwrap());
+                let mut opt = acc.prepare(CopiesOrCast { inner, keep_copies }).unwrap();
+                let rank = acc.process_index();
+                for s in 0..STEPS {
+                    let start = (2 * s + rank) * BATCH;
+                    let _m = acc.accumulate();
+                    let x = x
+                        .narrow(0, start, BATCH)
+                        .unwrap()
+                        .to_dtype(acc.compute_dtype())
+                        .unwrap();
+                    let logits = l2
+                        .forward(&l1.forward(&x).unwrap().tanh().unwrap())
+                        .unwrap();
+                    let logits = logits.to_dtype(candle_core::DType::F32).unwrap();
+                    let loss = candle_nn::loss::cross_entropy(
+                        &logits,
+                        &y.narrow(0, start, BATCH).unwrap(),
+                    )
+                    .unwrap();
+                    acc.backward(&loss).unwrap();
+                    opt.step().unwrap();
+                    opt.zero_grad();
+                }
+                // Where this rank's piece is a whole parameter, the update wrote its copy; the
+                // others were cast after the all-gather. A bucket per parameter cuts each in
+                // two; one bucket of all 83 elements leaves l1.bias whole on rank 0, l2.bias and
+                // l2.weight on rank 1.
+                let wrote = params
+                    .iter()
+                    .filter(|(name, _)| opt.inner().wrote_compute_copy(name))
+                    .count();
+                let whole = match (keep_copies, cap > 64, rank) {
+                    (true, true, 0) => 1,
+                    (true, true, _) => 2,
+                    _ => 0,
+                };
+                assert_eq!(wrote, whole, "rank {rank}: copies written whole");
+                let bits_of = |vars: &[(String, candle_core::Var)]| {
+                    vars.iter().map(|(_, v)| tensor_bits(v)).collect::<Vec<_>>()
+                };
+                (bits_of(&params), bits_of(&named_vars(&varmap)))
+            },
+        )
+    };
+    for stage in [1, 2] {
+        for cap in [64, 1 << 20] {
+            let cast = run(stage, cap, false);
+            let written = run(stage, cap, true);
+            let initial: Vec<Vec<u32>> = named_vars(&tiny_mlp(3).unwrap().0)
+                .iter()
+                .map(|(_, v)| {
+                    tensor_bits(&v.as_tensor().to_dtype(candle_core::DType::BF16).unwrap())
+                })
+                .collect();
+            assert_ne!(written[0].1, initial, "training moved the compute copies");
+            for (rank, (w, c)) in written.iter().zip(&cast).enumerate() {
+                assert_eq!(w, c, "stage {stage}, cap {cap}, rank {rank}");
+                assert_eq!(w, &written[0], "ranks agree");
+            }
+        }
+    }
+}

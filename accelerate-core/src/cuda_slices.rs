@@ -1,68 +1,115 @@
-//! Direct access to the f32 data of CUDA tensors, for the fused optimizer kernels: the GPU
-//! counterpart of [`cpu_slices`](crate::cpu_slices).
+//! Device addresses of CUDA tensors, for our own kernels (the multi-tensor optimizer kernels read
+//! tables of pointers): the GPU counterpart of [`cpu_slices`](crate::cpu_slices).
 //!
-//! candle hands out mutable device storage only inside an in-place custom op, so mutable access
-//! takes a closure, as on the CPU. Both helpers return `Ok(None)` when the tensor is not an f32
-//! CUDA tensor laid out contiguously (views with an offset are fine), so callers fall back to
+//! The helpers return `Ok(None)` when the tensor is not a CUDA tensor of the asked dtype (laid out
+//! contiguously, for the first two; views with an offset are fine), so callers fall back to
 //! tensor ops.
+//!
+//! An address outlives the lock under which it was read: the kernel that uses it runs later, on
+//! the device's stream. That is sound for the same reason every candle kernel is: candle runs all
+//! work of a device on that one stream (and the NCCL communicator is bound to it too), so the
+//! kernel runs after every earlier write of the tensor and before every later use, and a tensor
+//! dropped after the launch is freed in stream order, after the kernel. The caller keeps the
+//! tensors alive until the launch is queued.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::CudaDType;
 use candle_core::{
     CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor,
 };
 
 use crate::error::Result;
 
-/// Runs `f` on the device elements of `tensor` in place, if it is a contiguous f32 CUDA tensor.
-/// `f` also receives the tensor's device, to launch kernels on its stream.
-pub(crate) fn with_cuda_f32_mut<R>(
+/// The device and the address of the first element of `tensor`, taken with write access (under
+/// the storage's write lock, as candle's in-place ops take it), if `tensor` is a contiguous CUDA
+/// tensor of element type `T` (`dtype`).
+pub(crate) fn cuda_address_mut<T: CudaDType>(
     tensor: &Tensor,
-    f: impl FnOnce(&CudaDevice, CudaViewMut<'_, f32>) -> R,
-) -> Result<Option<R>> {
-    if !tensor.device().is_cuda() || tensor.dtype() != DType::F32 {
+    dtype: DType,
+) -> Result<Option<(CudaDevice, u64)>> {
+    if !tensor.device().is_cuda() || tensor.dtype() != dtype {
         return Ok(None);
     }
-    let op = ClosureOp {
-        f: Mutex::new(Some(f)),
+    let op = AddressOp::<T> {
         result: Mutex::new(None),
+        element: std::marker::PhantomData,
     };
     tensor.inplace_op1(&op)?;
     Ok(op.result.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// Runs `f` on the device elements of `tensor`, read-only, if it is a contiguous f32 CUDA tensor.
-pub(crate) fn with_cuda_f32<R>(
+/// The device and the address of the first element of `tensor`, read-only, if `tensor` is a
+/// contiguous CUDA tensor of element type `T` (`dtype`).
+pub(crate) fn cuda_address<T: CudaDType>(
     tensor: &Tensor,
-    f: impl FnOnce(CudaView<'_, f32>) -> R,
-) -> Result<Option<R>> {
-    if !tensor.device().is_cuda() || tensor.dtype() != DType::F32 {
+    dtype: DType,
+) -> Result<Option<(CudaDevice, u64)>> {
+    if !tensor.device().is_cuda() || tensor.dtype() != dtype {
         return Ok(None);
     }
     let (storage, layout) = tensor.storage_and_layout();
     let Some((start, end)) = layout.contiguous_offsets() else {
         return Ok(None);
     };
-    match &*storage {
-        Storage::Cuda(cuda) => Ok(Some(f(cuda.as_cuda_slice::<f32>()?.slice(start..end)))),
-        _ => Ok(None),
+    let Storage::Cuda(cuda) = &*storage else {
+        return Ok(None);
+    };
+    let device = cuda.device().clone();
+    let stream = device.cuda_stream();
+    let view = cuda.as_cuda_slice::<T>()?.slice(start..end);
+    let (address, _recorded) = view.device_ptr(&stream);
+    Ok(Some((device, address)))
+}
+
+/// A CUDA tensor's first element and layout, for kernels that read strided views.
+#[derive(Debug)]
+pub(crate) struct StridedAddress {
+    /// The device address of the element at the layout's start offset.
+    pub address: u64,
+    /// The dims, outermost first.
+    pub dims: Vec<usize>,
+    /// The strides, in elements.
+    pub strides: Vec<usize>,
+}
+
+/// The address of the first element of `tensor`, read-only, with its dims and strides, if
+/// `tensor` is a CUDA tensor of element type `T` (`dtype`), laid out in any way.
+pub(crate) fn cuda_strided_address<T: CudaDType>(
+    tensor: &Tensor,
+    dtype: DType,
+) -> Result<Option<StridedAddress>> {
+    if !tensor.device().is_cuda() || tensor.dtype() != dtype {
+        return Ok(None);
     }
+    let (storage, layout) = tensor.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Ok(None);
+    };
+    let stream = cuda.device().cuda_stream();
+    let view = cuda.as_cuda_slice::<T>()?.slice(layout.start_offset()..);
+    let (address, _recorded) = view.device_ptr(&stream);
+    Ok(Some(StridedAddress {
+        address,
+        dims: layout.dims().to_vec(),
+        strides: layout.stride().to_vec(),
+    }))
 }
 
-struct ClosureOp<F, R> {
-    f: Mutex<Option<F>>,
-    result: Mutex<Option<R>>,
+struct AddressOp<T> {
+    result: Mutex<Option<(CudaDevice, u64)>>,
+    element: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<F: FnOnce(&CudaDevice, CudaViewMut<'_, f32>) -> R, R> InplaceOp1 for ClosureOp<F, R> {
+impl<T: CudaDType> InplaceOp1 for AddressOp<T> {
     fn name(&self) -> &'static str {
-        "accelerate-cuda-slice"
+        "accelerate-cuda-address"
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        // Not reached: the wrappers above only run this op on CUDA tensors.
+        // Not reached: the wrapper above only runs this op on CUDA tensors.
         Ok(())
     }
 
@@ -71,15 +118,10 @@ impl<F: FnOnce(&CudaDevice, CudaViewMut<'_, f32>) -> R, R> InplaceOp1 for Closur
             return Ok(());
         };
         let device = storage.device().clone();
-        let slice = storage.as_cuda_slice_mut::<f32>()?;
-        let f = self
-            .f
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .expect("closure op runs once");
-        let r = f(&device, slice.slice_mut(start..end));
-        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        let stream = device.cuda_stream();
+        let mut view = storage.as_cuda_slice_mut::<T>()?.slice_mut(start..end);
+        let (address, _recorded) = view.device_ptr_mut(&stream);
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some((device, address));
         Ok(())
     }
 }

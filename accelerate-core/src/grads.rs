@@ -757,7 +757,7 @@ fn prepare_bucket(
 }
 
 /// `slot += scale * grad` (or `slot = scale * grad` when the slot is not yet written), in one pass
-/// over the data on the CPU.
+/// over the data on the CPU, and in one kernel on a GPU.
 fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
     if grad.shape() != slot.view.shape() {
         return Err(Error::Parameters(format!(
@@ -767,13 +767,19 @@ fn add_scaled(slot: &mut Slot, grad: &Tensor, scale: f64) -> Result<()> {
             slot.view.shape()
         )));
     }
+    let overwrite = !slot.written;
+    let s = scale as f32;
+    // On a GPU: one kernel reads the gradient in its own dtype and layout.
+    #[cfg(feature = "cuda")]
+    if crate::cuda_accumulate::add_scaled(&slot.view, grad, s, overwrite)? {
+        slot.written = true;
+        return Ok(());
+    }
     let grad = if grad.dtype() != slot.view.dtype() {
         grad.to_dtype(slot.view.dtype())?
     } else {
         grad.clone()
     };
-    let overwrite = !slot.written;
-    let s = scale as f32;
     let mut fused = with_f32(&grad, |g| {
         with_f32_mut(&slot.view, |dst| add_contiguous(dst, g, s, overwrite))
     })?;
@@ -900,6 +906,81 @@ pub(crate) fn sorted_named_vars(mut vars: Vec<(String, Var)>) -> Result<Vec<(Str
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// On a GPU a gradient of any float dtype and layout is added into its f32 buffer by one
+    /// kernel, as the formula says: each element widened exactly to f32, times the scale in f32,
+    /// written on the window's first micro-step and added after.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
+    fn a_gradient_of_any_dtype_and_layout_is_added_on_the_gpu_in_one_kernel() {
+        let cuda = Device::new_cuda(0).expect("a GPU (this test is ignored without one)");
+        let values = |n: usize, seed: u32| -> Vec<f32> {
+            let mut x = seed.wrapping_mul(2654435761);
+            (0..n)
+                .map(|_| {
+                    x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+                    ((x >> 8) as f32 / (1u32 << 23) as f32 - 1.0) * 3.0
+                })
+                .collect()
+        };
+        // A [4, 6] gradient in four layouts: contiguous, transposed, a narrowed view (an offset
+        // and a row stride), a permuted 3-D tensor; each made from a flat base of `len` elements.
+        let view = |what: &str, t: &Tensor| -> Tensor {
+            match what {
+                "contiguous" => t.reshape((4, 6)).unwrap(),
+                "transposed" => t.reshape((6, 4)).unwrap().t().unwrap(),
+                "narrowed" => t.reshape((4, 8)).unwrap().narrow(1, 2, 6).unwrap(),
+                _ => t.reshape((2, 3, 4)).unwrap().permute((2, 0, 1)).unwrap(),
+            }
+        };
+        let layouts = [
+            ("contiguous", 24),
+            ("transposed", 24),
+            ("narrowed", 32),
+            ("permuted", 24),
+        ];
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (what, len) in layouts {
+                let make = |seed| {
+                    let base = Tensor::from_vec(values(len, seed), len, &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap();
+                    view(what, &base.to_device(&cuda).unwrap())
+                };
+                let (g1, g2) = (make(1), make(2));
+                let shape = g1.shape().clone();
+                let param = Var::zeros(&shape, DType::F32, &cuda).unwrap();
+                let mut buffers = GradientBuffers::new(&[("w".into(), param)], 1 << 20).unwrap();
+                let before = crate::cuda_accumulate::launches();
+                buffers.accumulate_one("w", &g1, 0.5).unwrap();
+                buffers.accumulate_one("w", &g2, 0.25).unwrap();
+                assert_eq!(crate::cuda_accumulate::launches() - before, 2, "{what}");
+                // The formula, on the host: exact widening, then f32 arithmetic.
+                let host = |g: &Tensor| -> Vec<f32> {
+                    g.to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap()
+                };
+                let want: Vec<u32> = host(&g1)
+                    .iter()
+                    .zip(host(&g2))
+                    .map(|(a, b)| (a * 0.5f32 + b * 0.25f32).to_bits())
+                    .collect();
+                let got: Vec<u32> = host(buffers.get("w").unwrap())
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{dtype:?}, {what}");
+            }
+        }
+    }
 
     fn vars() -> Vec<(String, Var)> {
         vec![

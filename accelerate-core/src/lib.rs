@@ -94,6 +94,8 @@ mod checkpoint;
 mod comm;
 mod cpu_slices;
 #[cfg(feature = "cuda")]
+mod cuda_accumulate;
+#[cfg(feature = "cuda")]
 mod cuda_slices;
 pub mod data;
 mod device;

@@ -21,6 +21,12 @@ use crate::grads::GradientBuffers;
 /// accumulation over micro-steps and the all-reduce are f32), optimizer state, checkpoints. What is
 /// half: the model's own parameters, activations and the gradients of one backward pass.
 ///
+/// The refresh after a step costs nothing for the optimizers of this crate: `prepare` hands them
+/// the compute copies ([`Optimizer::set_compute_copies`](crate::optim::Optimizer::set_compute_copies))
+/// and their update writes each copy in the same pass over the data as the master. Only the copies
+/// a step did not write whole (another optimizer's, a skipped parameter's, ZeRO pieces of other
+/// ranks) are cast from their masters afterwards.
+///
 /// fp16's range is narrow (largest finite value 65504, smallest normal 6.1e-5), so small gradients
 /// underflow to zero. Under fp16 a [`DynamicLossScaler`] multiplies the loss by a large scale before
 /// the backward pass and divides it out when the gradient is added into the f32 buffers. When the
@@ -328,8 +334,15 @@ impl MasterWeights {
 
     /// Copies the masters into the compute copies (rounded to the compute dtype).
     pub fn refresh_compute(&self) -> Result<()> {
-        for ((_, master), (_, compute)) in self.masters.iter().zip(&self.compute) {
-            if master.as_tensor().id() != compute.as_tensor().id() {
+        self.refresh_compute_except(|_| false)
+    }
+
+    /// Copies the masters into the compute copies, except those of the parameters for which
+    /// `fresh(name)` holds: after an optimizer step, the copies the optimizer already wrote from
+    /// the updated masters ([`Optimizer::wrote_compute_copy`](crate::optim::Optimizer::wrote_compute_copy)).
+    pub fn refresh_compute_except(&self, fresh: impl Fn(&str) -> bool) -> Result<()> {
+        for ((name, master), (_, compute)) in self.masters.iter().zip(&self.compute) {
+            if master.as_tensor().id() != compute.as_tensor().id() && !fresh(name) {
                 compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
             }
         }
@@ -386,10 +399,25 @@ impl MixedPrecisionState {
         scaler.update(overflow)
     }
 
-    /// After a real optimizer step or a load: the compute copies take the masters' values.
+    /// After a load: the compute copies take the masters' values.
     pub fn refresh_compute(&self) -> Result<()> {
+        self.refresh_compute_except(|_| false)
+    }
+
+    /// After a real optimizer step: the compute copies take the masters' values, except those the
+    /// optimizer wrote itself (`fresh(name)`).
+    pub fn refresh_compute_except(&self, fresh: impl Fn(&str) -> bool) -> Result<()> {
         match &self.weights {
-            Some(w) => w.refresh_compute(),
+            Some(w) => w.refresh_compute_except(fresh),
+            None => Ok(()),
+        }
+    }
+
+    /// Hands `optimizer` the compute copies of its parameters, so that its steps write them
+    /// (nothing without mixed precision).
+    pub fn give_compute_copies(&self, optimizer: &mut dyn crate::optim::Optimizer) -> Result<()> {
+        match &self.weights {
+            Some(w) => optimizer.set_compute_copies(w.compute()),
             None => Ok(()),
         }
     }

@@ -384,6 +384,13 @@ impl TrainingState {
         })
     }
 
+    /// Under mixed precision: hands `optimizer` the compute copies of the model's parameters, so
+    /// that its steps write them in the update's own pass (see
+    /// [`Optimizer::set_compute_copies`]).
+    pub fn give_compute_copies(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
+        self.steps().mixed.give_compute_copies(optimizer)
+    }
+
     /// Under ZeRO once the parameters are prepared, the stage and the partition (what
     /// checkpoints record and re-cut the optimizer state to).
     pub fn zero_plan(&self) -> Option<(u8, Arc<ShardPlan>)> {
@@ -564,11 +571,16 @@ impl TrainingState {
             steps.accumulation.record_skipped_step();
             return Ok(());
         }
-        lock(optimizer).step(grads)?;
+        let mut optimizer = lock(optimizer);
+        optimizer.step(grads)?;
         if let Some(zero) = &steps.zero {
             zero.gather_parameters(self.parameters())?;
         }
-        steps.mixed.refresh_compute()?;
+        // The compute copies the update wrote in its own pass are fresh; the others are cast.
+        steps
+            .mixed
+            .refresh_compute_except(|name| optimizer.wrote_compute_copy(name))?;
+        drop(optimizer);
         steps.accumulation.record_optimizer_step();
         Ok(())
     }

@@ -256,6 +256,7 @@ impl Accelerator {
         }
         let mut optimizer = optimizer;
         training.shard_optimizer(&mut optimizer)?;
+        training.give_compute_copies(&mut optimizer)?;
         Ok(PreparedOptimizer::new(optimizer, training))
     }
 

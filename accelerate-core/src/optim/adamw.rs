@@ -167,22 +167,26 @@ impl UpdateRule for AdamWConfig {
     }
 
     #[cfg(feature = "cuda")]
-    fn launch_cuda(
-        &self,
-        device: &candle_core::CudaDevice,
-        p: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>,
-        g: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, f32>,
-        state: &mut [candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>],
-        lr: f64,
-        step: u64,
-        _first: bool,
-    ) -> Result<bool> {
+    fn cuda_update(&self, lr: f64, step: u64, _first: bool) -> Option<super::CudaUpdate> {
         let c = self.coefficients(lr, step);
-        let [exp_avg, exp_avg_sq] = state else {
-            unreachable!("AdamW keeps two state tensors per parameter")
+        let small_weight = if c.one_minus_beta1.abs() < 0.5 {
+            1.0
+        } else {
+            0.0
         };
-        super::cuda_kernels::adamw(device, p, g, exp_avg, exp_avg_sq, &c)?;
-        Ok(true)
+        Some(super::CudaUpdate {
+            kernel: super::cuda_kernels::Kernel::AdamW,
+            scalars: [
+                c.decay,
+                c.one_minus_beta1,
+                c.beta2,
+                c.one_minus_beta2,
+                c.step_size,
+                c.bias_correction2_sqrt,
+                c.eps,
+                small_weight,
+            ],
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::test_util::{assert_close, buffers, named, pseudo_random, values};
 use super::{ElementwiseOptimizer, Optimizer, OptimizerState, ParamGroup, UpdateRule};
@@ -558,27 +558,278 @@ pub(crate) fn mismatched_states_are_refused_and_nothing_is_loaded<R: Conformance
     );
 }
 
-/// The CUDA kernel against the CPU kernel, every configuration, with no tensor-op fallback.
+/// The bits of a tensor of any float dtype, in order (f32 as u32, bf16/f16 as u16 widened), so
+/// that comparisons are exact, NaN and the sign of zero included.
+pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
+        d => panic!("bits of a {d:?} tensor"),
+    }
+}
+
+/// Zeroed compute copies of `params` in `dtype`: a step that writes them leaves no zero behind
+/// (the values are random), one that does not leaves them zero.
+fn zero_copies(params: &[(String, Var)], dtype: DType) -> Vec<(String, Var)> {
+    params
+        .iter()
+        .map(|(n, v)| (n.clone(), Var::zeros(v.shape(), dtype, v.device()).unwrap()))
+        .collect()
+}
+
+/// Two parameter groups (the rule's `config` and its stateful configuration) over "a", "b", a
+/// parameter of several tiles with a partial last one ("big"), and one that gets no gradient
+/// ("idle").
+fn copy_groups<R: Conformance>(config: R, big: &[f64]) -> ElementwiseOptimizer<R> {
+    let f32 = DType::F32;
+    ElementwiseOptimizer::with_groups(vec![
+        ParamGroup::new(named(&[("a", &A0), ("big", big)], f32), config),
+        ParamGroup::new(
+            named(&[("b", &B0), ("idle", &[0.25, -4.0])], f32),
+            R::stateful(),
+        ),
+    ])
+    .unwrap()
+}
+
+/// The gradients of step `s` for [`copy_groups`] ("idle" has none).
+fn two_group_grads(s: usize, big: usize) -> Vec<(&'static str, Vec<f64>)> {
+    let (ga, gb) = grads_at(s);
+    let g_big = pseudo_random(big, 50 + s as u32);
+    vec![("a", ga), ("b", gb), ("big", g_big)]
+}
+
+/// Mixed precision: an optimizer that writes the compute copies in its update's pass ends every
+/// step with bitwise the masters and state of one that does not, and with copies bitwise equal
+/// to casting those masters with candle's `to_dtype` (what the runtime did after every step):
+/// every configuration, two parameter groups, bf16 and f16, the fused path whole and split over
+/// threads, and the tensor-op path.
+pub(crate) fn the_compute_copy_is_the_cast_of_the_updated_master<R: Conformance>() {
+    let big = pseudo_random(2 * super::kernels::TILE + 37, 3);
+    for (what, config) in R::configs() {
+        for dtype in [DType::BF16, DType::F16] {
+            for (fallback, parallel_min) in [(false, usize::MAX), (false, 500), (true, usize::MAX)]
+            {
+                let label = format!("{}, {what}, {dtype:?}, fallback {fallback}", R::NAME);
+                let mut plain = copy_groups(config.clone(), &big);
+                let mut fused = copy_groups(config.clone(), &big);
+                for o in [&mut plain, &mut fused] {
+                    o.force_fallback = fallback;
+                    o.parallel_min_elems = parallel_min;
+                }
+                let copies = zero_copies(fused.params(), dtype);
+                fused.set_compute_copies(&copies).unwrap();
+                for s in 0..4 {
+                    let grads = two_group_grads(s, big.len());
+                    let grads: Vec<(&str, &[f64])> =
+                        grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
+                    plain.step(&buffers(plain.params(), &grads)).unwrap();
+                    fused.step(&buffers(fused.params(), &grads)).unwrap();
+                    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
+                        assert_eq!(bits(got), bits(want), "{label}: master {name}, step {s}");
+                    }
+                    assert_eq!(
+                        contents(&fused.state().unwrap()),
+                        contents(&plain.state().unwrap()),
+                        "{label}: state, step {s}"
+                    );
+                    for ((name, master), (_, copy)) in plain.params().iter().zip(&copies) {
+                        if name == "idle" {
+                            assert!(bits(copy).iter().all(|&b| b == 0), "{label}: idle");
+                            assert!(!fused.wrote_compute_copy(name), "{label}");
+                            continue;
+                        }
+                        let cast = master.as_tensor().to_dtype(dtype).unwrap();
+                        assert_eq!(bits(copy), bits(&cast), "{label}: copy {name}, step {s}");
+                        assert!(fused.wrote_compute_copy(name), "{label}: {name}");
+                    }
+                }
+                let fallbacks = if fallback { 12 } else { 0 };
+                assert_eq!(fused.fallback_updates, fallbacks, "{label}");
+            }
+        }
+    }
+}
+
+/// ZeRO: an optimizer that updates only pieces of its parameters writes only those pieces of the
+/// compute copies (bitwise the cast of the updated masters there, the copy untouched elsewhere),
+/// and reports a copy as written only where its piece is the whole parameter.
+pub(crate) fn a_zero_piece_writes_only_its_piece_of_the_compute_copy<R: Conformance>() {
+    let big = pseudo_random(3000, 5);
+    let params = || named(&[("a", &A0), ("b", &B0), ("big", &big)], DType::F32);
+    let pieces: BTreeMap<String, std::ops::Range<usize>> = [
+        ("a".to_string(), 0..A0.len()),
+        ("big".to_string(), 1000..2500),
+    ]
+    .into();
+    let mut plain = ElementwiseOptimizer::new(params(), R::stateful()).unwrap();
+    let mut fused = ElementwiseOptimizer::new(params(), R::stateful()).unwrap();
+    plain.shard(&pieces).unwrap();
+    fused.shard(&pieces).unwrap();
+    // As MasterWeights makes them: the cast of the initial masters.
+    let copies: Vec<(String, Var)> = fused
+        .params()
+        .iter()
+        .map(|(n, v)| {
+            let c = v.as_tensor().to_dtype(DType::BF16).unwrap();
+            (n.clone(), Var::from_tensor(&c).unwrap())
+        })
+        .collect();
+    let initial: Vec<Vec<u32>> = copies.iter().map(|(_, c)| bits(c)).collect();
+    fused.set_compute_copies(&copies).unwrap();
+    for s in 0..3 {
+        let (ga, gb) = grads_at(s);
+        let g_big = pseudo_random(big.len(), 60 + s as u32);
+        let grads = [("a", &ga[..]), ("b", &gb[..]), ("big", &g_big[..])];
+        plain.step(&buffers(plain.params(), &grads)).unwrap();
+        fused.step(&buffers(fused.params(), &grads)).unwrap();
+    }
+    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
+        assert_eq!(bits(got), bits(want), "master {name}");
+    }
+    assert_eq!(
+        contents(&fused.state().unwrap()),
+        contents(&plain.state().unwrap())
+    );
+    let cast = |i: usize| {
+        bits(
+            &plain.params()[i]
+                .1
+                .as_tensor()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        )
+    };
+    // "a": its piece is the whole parameter.
+    assert_eq!(bits(&copies[0].1), cast(0));
+    assert!(fused.wrote_compute_copy("a"));
+    // "b": no piece on this rank; neither it nor its copy moved.
+    assert_eq!(bits(&copies[1].1), initial[1]);
+    assert!(!fused.wrote_compute_copy("b"));
+    // "big": the piece took the new values, the rest kept the initial ones.
+    let (got, new) = (bits(&copies[2].1), cast(2));
+    assert_eq!(got[1000..2500], new[1000..2500]);
+    assert_eq!(got[..1000], initial[2][..1000]);
+    assert_eq!(got[2500..], initial[2][2500..]);
+    assert_ne!(
+        new[1000..2500],
+        initial[2][1000..2500],
+        "the piece did move"
+    );
+    assert!(!fused.wrote_compute_copy("big"), "only a piece of it");
+}
+
+/// Compute copies that cannot be written from the masters are refused, naming the parameter.
+pub(crate) fn compute_copies_that_do_not_fit_are_refused_by_name<R: Conformance>() {
+    let mut opt = optimizer(R::stateful(), DType::F32);
+    let copy = |shape: usize, dtype| Var::zeros(shape, dtype, &Device::Cpu).unwrap();
+    let cases = [
+        (("c", copy(5, DType::BF16)), vec!["\"c\"", "no parameter"]),
+        (("a", copy(4, DType::BF16)), vec!["\"a\"", "[4]", "[5]"]),
+        (
+            ("b", copy(3, DType::F32)),
+            vec!["\"b\"", "F32", "not BF16 or F16"],
+        ),
+    ];
+    for ((name, var), words) in cases {
+        let err = opt
+            .set_compute_copies(&[(name.to_string(), var)])
+            .unwrap_err()
+            .to_string();
+        for word in words {
+            assert!(err.contains(word), "expected {word:?} in: {err}");
+        }
+    }
+    let mut f64_opt = optimizer(R::stateful(), DType::F64);
+    let err = f64_opt
+        .set_compute_copies(&[("a".to_string(), copy(5, DType::BF16))])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"a\"") && err.contains("F64"), "{err}");
+    // A parameter that is its own compute copy (kept in f32) needs nothing written.
+    let own = opt.params()[0].clone();
+    opt.set_compute_copies(&[own]).unwrap();
+    run(&mut opt, 0..1);
+    assert!(!opt.wrote_compute_copy("a"));
+}
+
+/// The multi-tensor CUDA kernel against the CPU update, bit for bit: every configuration, two
+/// parameter groups, a parameter of several chunks, no compute copy, bf16 and f16 copies; one
+/// launch per step, with no tensor-op fallback, and the tensor table uploaded once.
 #[cfg(feature = "cuda")]
 pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
+    use super::multi_tensor::CHUNK;
     use super::test_util::{cuda_buffers, on_cuda};
+    let big = pseudo_random(2 * CHUNK as usize + 1001, 3);
     for (what, config) in R::configs() {
-        let mut cpu = optimizer(config.clone(), DType::F32);
-        let mut gpu = ElementwiseOptimizer::new(on_cuda(cpu.params()), config).unwrap();
-        for s in 0..5 {
-            let (ga, gb) = grads_at(s);
-            run(&mut cpu, s..s + 1);
-            gpu.step(&cuda_buffers(gpu.params(), &[("a", &ga), ("b", &gb)]))
-                .unwrap();
-        }
-        assert_eq!(
-            gpu.fallback_updates, 0,
-            "{what}: every update took the kernel"
-        );
-        for i in 0..2 {
-            let c = values(&cpu.params()[i].1);
-            let label = format!("{}, {what}: param on the GPU", R::NAME);
-            assert_close(&values(&gpu.params()[i].1), &c, 1e-6, &label);
+        for dtype in [None, Some(DType::BF16), Some(DType::F16)] {
+            let label = format!("{}, {what}, copies {dtype:?}", R::NAME);
+            let mut cpu = copy_groups(config.clone(), &big);
+            let groups: Vec<ParamGroup<R>> = cpu
+                .group_params()
+                .iter()
+                .zip(cpu.group_configs())
+                .map(|(names, config)| {
+                    let params: Vec<_> = cpu
+                        .params()
+                        .iter()
+                        .filter(|(n, _)| names.contains(&n.as_str()))
+                        .cloned()
+                        .collect();
+                    ParamGroup::new(on_cuda(&params), config)
+                })
+                .collect();
+            let mut gpu = ElementwiseOptimizer::with_groups(groups).unwrap();
+            let copies =
+                dtype.map(|d| (zero_copies(cpu.params(), d), zero_copies(gpu.params(), d)));
+            if let Some((cpu_copies, gpu_copies)) = &copies {
+                cpu.set_compute_copies(cpu_copies).unwrap();
+                gpu.set_compute_copies(gpu_copies).unwrap();
+            }
+            for s in 0..5 {
+                let grads = two_group_grads(s, big.len());
+                let grads: Vec<(&str, &[f64])> =
+                    grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
+                cpu.step(&buffers(cpu.params(), &grads)).unwrap();
+                gpu.step(&cuda_buffers(gpu.params(), &grads)).unwrap();
+            }
+            assert_eq!(
+                gpu.fallback_updates, 0,
+                "{label}: every update took the kernel"
+            );
+            assert_eq!(gpu.cuda.launches(), 5, "{label}: one launch per step");
+            assert_eq!(gpu.cuda.uploads(), 1, "{label}: the table was reused");
+            for ((name, c), (_, g)) in cpu.params().iter().zip(gpu.params()) {
+                assert_eq!(bits(g), bits(c), "{label}: master {name}");
+            }
+            assert_eq!(
+                contents(&gpu.state().unwrap()),
+                contents(&cpu.state().unwrap()),
+                "{label}: state"
+            );
+            if let Some((cpu_copies, gpu_copies)) = &copies {
+                for ((name, c), (_, g)) in cpu_copies.iter().zip(gpu_copies) {
+                    assert_eq!(bits(g), bits(c), "{label}: copy {name}");
+                    assert_eq!(gpu.wrote_compute_copy(name), name != "idle", "{label}");
+                }
+            }
         }
     }
 }
@@ -655,10 +906,25 @@ macro_rules! suite {
                 suite::mismatched_states_are_refused_and_nothing_is_loaded::<$rule>();
             }
 
+            #[test]
+            fn the_compute_copy_is_the_cast_of_the_updated_master() {
+                suite::the_compute_copy_is_the_cast_of_the_updated_master::<$rule>();
+            }
+
+            #[test]
+            fn a_zero_piece_writes_only_its_piece_of_the_compute_copy() {
+                suite::a_zero_piece_writes_only_its_piece_of_the_compute_copy::<$rule>();
+            }
+
+            #[test]
+            fn compute_copies_that_do_not_fit_are_refused_by_name() {
+                suite::compute_copies_that_do_not_fit_are_refused_by_name::<$rule>();
+            }
+
             #[cfg(feature = "cuda")]
             #[test]
             #[ignore = "needs a GPU (scripts/gpu-build.sh build, then run on a GPU machine)"]
-            fn the_cuda_kernel_matches_the_cpu_kernel_in_one_launch_per_parameter() {
+            fn the_cuda_kernel_matches_the_cpu_kernel_bitwise_in_one_launch_per_step() {
                 suite::the_cuda_kernel_matches_the_cpu_kernel::<$rule>();
             }
         }

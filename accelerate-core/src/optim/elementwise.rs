@@ -3,13 +3,18 @@
 //!
 //! A parameter is updated by the fused path when it, its gradient and its state are contiguous f32
 //! tensors on the CPU (the rule's slice kernel, several threads for large parameters) or on one
-//! GPU (the rule's CUDA kernel, one launch); everything else (other dtypes, a gradient on another
-//! device) takes the rule's tensor ops.
+//! GPU (the rule's multi-tensor CUDA kernel: the step queues every such parameter and updates them
+//! all in one launch per device); everything else (other dtypes, a gradient on another device)
+//! takes the rule's tensor ops.
+//!
+//! Under mixed precision each parameter may have a half-precision compute copy
+//! ([`Optimizer::set_compute_copies`]); every path writes it from the updated value, the fused ones
+//! in the update's own pass over the data, so that no cast of the whole model follows the step.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::group::ParamGroup;
 use super::kernels;
@@ -17,6 +22,7 @@ use super::rule::UpdateRule;
 use super::state::{key, snapshot, state_dtype, OptimizerState, StateReader};
 use super::{LearningRate, Optimizer};
 use crate::cpu_slices::{with_f32, with_f32_mut};
+use crate::cpu_slices::{with_half_mut, HalfSliceMut};
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 
@@ -55,6 +61,13 @@ pub struct ElementwiseOptimizer<R: UpdateRule> {
     /// Under ZeRO: the piece (a range of its flattened elements) of each parameter that this
     /// optimizer keeps state for and updates; `None` inside for a parameter it has no piece of.
     pieces: Option<Vec<Option<Range<usize>>>>,
+    /// Mixed precision: each parameter's half-precision compute copy, written by every update.
+    copies: Vec<Option<Var>>,
+    /// Which compute copies the last step wrote whole.
+    copies_written: Vec<bool>,
+    /// The tensor tables of the multi-tensor CUDA launches, kept on the devices between steps.
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: super::cuda_kernels::MultiTensorCache,
 }
 
 impl<R: UpdateRule> ElementwiseOptimizer<R> {
@@ -117,6 +130,8 @@ impl<R: UpdateRule> ElementwiseOptimizer<R> {
         let lr = LearningRate::per_group(&rules.iter().map(R::lr).collect::<Vec<_>>());
         let states = group_of.iter().map(|_| None).collect();
         Ok(Self {
+            copies: group_of.iter().map(|_| None).collect(),
+            copies_written: vec![false; group_of.len()],
             params,
             group_of,
             states,
@@ -126,6 +141,8 @@ impl<R: UpdateRule> ElementwiseOptimizer<R> {
             force_fallback: false,
             fallback_updates: 0,
             pieces: None,
+            #[cfg(feature = "cuda")]
+            cuda: Default::default(),
         })
     }
 
@@ -174,13 +191,18 @@ fn membership_key(name: &str) -> String {
 impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
     fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
         let lrs = current_lrs(&self.lr)?;
-        for (i, (((name, var), slot), &g)) in self
-            .params
-            .iter()
-            .zip(self.states.iter_mut())
-            .zip(&self.group_of)
-            .enumerate()
-        {
+        self.copies_written.fill(false);
+        // Parameters queued for the multi-tensor CUDA launch: (index, step, whole copy written).
+        #[cfg(feature = "cuda")]
+        let mut batch = super::cuda_kernels::CudaBatch::default();
+        #[cfg(feature = "cuda")]
+        let mut queued: Vec<(usize, u64, bool)> = Vec::new();
+        // The tensors the queued launch reads, alive until it is queued.
+        #[cfg(feature = "cuda")]
+        let mut held: Vec<Tensor> = Vec::new();
+        for i in 0..self.params.len() {
+            let (name, var) = &self.params[i];
+            let slot = &mut self.states[i];
             let piece = match &self.pieces {
                 None => None,
                 Some(pieces) => {
@@ -217,6 +239,19 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
                     (flat.narrow(0, piece.start, piece.len())?, grad)
                 }
             };
+            // The compute copy, or its piece: what this update writes besides the parameter.
+            let copy = match (&self.copies[i], &piece) {
+                (None, _) => None,
+                (Some(copy), None) => Some(copy.as_tensor().clone()),
+                (Some(copy), Some(piece)) => Some(copy.as_tensor().flatten_all()?.narrow(
+                    0,
+                    piece.start,
+                    piece.len(),
+                )?),
+            };
+            let whole_copy =
+                copy.is_some() && piece.as_ref().is_none_or(|p| p.len() == var.elem_count());
+            let g = self.group_of[i];
             let (rule, lr) = (&self.rules[g], lrs[g]);
             let n_state = rule.state_names().len();
             let first = slot.as_ref().is_none_or(|s| s.tensors.len() != n_state);
@@ -234,28 +269,129 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
                     &param,
                     &grad,
                     &state.tensors,
+                    copy.as_ref(),
                     (lr, step, first),
                     self.parallel_min_elems,
                 )?;
-            if !fused {
-                let dtype = state_dtype(var.dtype());
-                let p = param.detach().to_dtype(dtype)?;
-                let grad = grad.detach().to_device(var.device())?.to_dtype(dtype)?;
-                let value = rule.update_tensors(&p, &grad, &mut state.tensors, lr, step, first)?;
-                let value = value.to_dtype(var.dtype())?;
+            if fused {
+                state.step = step;
+                self.copies_written[i] = whole_copy;
+                continue;
+            }
+            #[cfg(feature = "cuda")]
+            if let Some(update) = rule
+                .cuda_update(lr, step, first)
+                .filter(|_| !self.force_fallback)
+            {
+                if batch.push(&update, &param, &grad, &state.tensors, copy.as_ref())? {
+                    queued.push((i, step, whole_copy));
+                    held.extend([param, grad]);
+                    held.extend(state.tensors.iter().cloned());
+                    held.extend(copy);
+                    continue;
+                }
+            }
+            let dtype = state_dtype(var.dtype());
+            let p = param.detach().to_dtype(dtype)?;
+            let grad = grad.detach().to_device(var.device())?.to_dtype(dtype)?;
+            let value = rule.update_tensors(&p, &grad, &mut state.tensors, lr, step, first)?;
+            let value = value.to_dtype(var.dtype())?;
+            // The compute copy takes the new value rounded as a cast of the master rounds it.
+            let rounded = match &copy {
+                Some(copy) => Some(value.to_dtype(copy.dtype())?),
+                None => None,
+            };
+            match &piece {
+                None => var.set(&value)?,
+                Some(piece) => {
+                    var.as_tensor()
+                        .flatten_all()?
+                        .slice_set(&value, 0, piece.start)?;
+                }
+            }
+            if let (Some(rounded), Some(copy)) = (rounded, &self.copies[i]) {
                 match &piece {
-                    None => var.set(&value)?,
+                    None => copy.set(&rounded)?,
                     Some(piece) => {
-                        var.as_tensor()
+                        copy.as_tensor()
                             .flatten_all()?
-                            .slice_set(&value, 0, piece.start)?;
+                            .slice_set(&rounded, 0, piece.start)?
                     }
                 }
-                self.fallback_updates += 1;
             }
+            self.fallback_updates += 1;
             state.step = step;
+            self.copies_written[i] = whole_copy;
+        }
+        #[cfg(feature = "cuda")]
+        if !batch.is_empty() {
+            batch.launch(&mut self.cuda)?;
+            drop(held);
+            for (i, step, whole_copy) in queued {
+                if let Some(state) = &mut self.states[i] {
+                    state.step = step;
+                }
+                self.copies_written[i] = whole_copy;
+            }
         }
         Ok(())
+    }
+
+    fn set_compute_copies(&mut self, copies: &[(String, Var)]) -> Result<()> {
+        let mut found: Vec<Option<Var>> = self.params.iter().map(|_| None).collect();
+        for (name, copy) in copies {
+            let i = self
+                .params
+                .binary_search_by(|(n, _)| n.as_str().cmp(name))
+                .map_err(|_| {
+                    Error::Optimizer(format!(
+                        "compute copy {name:?} belongs to no parameter of this {} optimizer; give \
+                         it the copies of its own parameters, by the same names",
+                        R::NAME
+                    ))
+                })?;
+            let master = &self.params[i].1;
+            if copy.as_tensor().id() == master.as_tensor().id() {
+                // A parameter kept in f32 is its own compute copy: nothing to write.
+                continue;
+            }
+            let problem = if master.dtype() != DType::F32 {
+                Some(format!("its master is {:?}, not F32", master.dtype()))
+            } else if !matches!(copy.dtype(), DType::BF16 | DType::F16) {
+                Some(format!("the copy is {:?}, not BF16 or F16", copy.dtype()))
+            } else if copy.shape() != master.shape() {
+                Some(format!(
+                    "the copy has shape {:?} but the parameter {:?}",
+                    copy.dims(),
+                    master.dims()
+                ))
+            } else if !copy.device().same_device(master.device()) {
+                Some(format!(
+                    "the copy is on {:?} but the parameter on {:?}",
+                    copy.device(),
+                    master.device()
+                ))
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(Error::Optimizer(format!(
+                    "cannot keep the compute copy of parameter {name:?}: {problem}; compute copies \
+                     are the bf16/f16 Vars of the model, paired with f32 masters of the same \
+                     shape on the same device (MasterWeights does this under mixed precision)"
+                )));
+            }
+            found[i] = Some(copy.clone());
+        }
+        self.copies = found;
+        self.copies_written.fill(false);
+        Ok(())
+    }
+
+    fn wrote_compute_copy(&self, name: &str) -> bool {
+        self.params
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .is_ok_and(|i| self.copies_written[i])
     }
 
     fn shard(&mut self, pieces: &BTreeMap<String, Range<usize>>) -> Result<()> {
@@ -506,33 +642,35 @@ fn nested<T>(r: Result<Option<Result<Option<T>>>>) -> Result<Option<T>> {
     Ok(r?.transpose()?.flatten())
 }
 
-/// The rule's fused update of one parameter, `(lr, step, first)` as in
-/// [`UpdateRule::f32_kernel`]; `Ok(false)` (nothing touched) when some tensor is not a contiguous
-/// f32 tensor on the CPU (or, with CUDA, on the parameter's GPU).
+/// The rule's fused update of one parameter on the CPU, `(lr, step, first)` as in
+/// [`UpdateRule::f32_kernel`], writing `copy` (a bf16/f16 compute copy, or its piece) in the same
+/// pass; `Ok(false)` (nothing touched) when some tensor is not a contiguous CPU tensor of its
+/// dtype.
 fn update_fused<R: UpdateRule>(
     rule: &R,
     var: &Tensor,
     grad: &Tensor,
     state: &[Tensor],
+    copy: Option<&Tensor>,
     (lr, step, first): (f64, u64, bool),
     parallel_min: usize,
 ) -> Result<bool> {
-    let ran = if var.device().is_cpu() {
-        let kernel = rule.f32_kernel(lr, step, first);
-        nested(with_f32(grad, |g| {
-            nested(with_f32_mut(var, |p| {
-                with_all_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {
-                    kernels::apply_split(p, g, s, parallel_min, &kernel)
-                })
-            }))
-        }))?
-    } else {
-        None
-    };
-    #[cfg(feature = "cuda")]
-    if ran.is_none() {
-        return update_fused_cuda(rule, var, grad, state, (lr, step, first));
+    if !var.device().is_cpu() {
+        return Ok(false);
     }
+    let kernel = rule.f32_kernel(lr, step, first);
+    let update = |p: &mut [f32], g: &[f32], copy: Option<HalfSliceMut<'_>>| {
+        let mut copy = copy;
+        with_all_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {
+            kernels::apply_split(p, g, s, copy.take(), parallel_min, &kernel)
+        })
+    };
+    let ran = nested(with_f32(grad, |g| {
+        nested(with_f32_mut(var, |p| match copy {
+            None => update(p, g, None),
+            Some(copy) => nested(with_half_mut(copy, |c| update(p, g, Some(c)))),
+        }))
+    }))?;
     Ok(ran.is_some())
 }
 
@@ -553,54 +691,4 @@ fn with_all_f32_mut<T>(
         held.push(slice);
         with_all_f32_mut(rest, held, f)
     }))
-}
-
-/// [`update_fused`] on the GPU: one kernel launch; `Ok(false)` when some tensor is not a
-/// contiguous f32 CUDA tensor, the gradient is on another GPU, or the rule has no kernel.
-#[cfg(feature = "cuda")]
-fn update_fused_cuda<R: UpdateRule>(
-    rule: &R,
-    var: &Tensor,
-    grad: &Tensor,
-    state: &[Tensor],
-    (lr, step, first): (f64, u64, bool),
-) -> Result<bool> {
-    use crate::cuda_slices::{with_cuda_f32, with_cuda_f32_mut};
-    // A kernel on the parameter's stream cannot read another GPU's memory: a gradient elsewhere
-    // takes the tensor-op path, which moves it.
-    if !grad.device().same_device(var.device()) {
-        return Ok(false);
-    }
-    let ran = nested(with_cuda_f32(grad, |g| {
-        nested(with_cuda_f32_mut(var, |device, mut p| {
-            with_all_cuda_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {
-                rule.launch_cuda(device, &mut p, &g, s, lr, step, first)
-            })
-            .and_then(|launched| launched.transpose())
-        }))
-    }))?;
-    Ok(ran == Some(true))
-}
-
-/// [`with_all_f32_mut`] for CUDA tensors.
-#[cfg(feature = "cuda")]
-fn with_all_cuda_f32_mut<T>(
-    tensors: &[Tensor],
-    held: Vec<candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>>,
-    f: &mut dyn FnMut(&mut [candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>]) -> T,
-) -> Result<Option<T>> {
-    use candle_core::cuda_backend::cudarc::driver::CudaViewMut;
-    let Some((tensor, rest)) = tensors.split_first() else {
-        let mut held = held;
-        return Ok(Some(f(&mut held)));
-    };
-    nested(crate::cuda_slices::with_cuda_f32_mut(
-        tensor,
-        move |_, view| {
-            // Rebound so that the vector holds borrows as short as `view`'s.
-            let mut held: Vec<CudaViewMut<'_, f32>> = held;
-            held.push(view);
-            with_all_cuda_f32_mut(rest, held, f)
-        },
-    ))
 }

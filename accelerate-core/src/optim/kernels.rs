@@ -9,6 +9,10 @@
 //! operation, in f32, with the per-step scalars computed in f64 and rounded once, as PyTorch does when
 //! it passes Python floats to f32 tensor ops.
 
+use std::ops::Range;
+
+use crate::cpu_slices::HalfSliceMut;
+
 /// Parameters with more elements than this are updated by several threads.
 pub(crate) const PARALLEL_MIN_ELEMS: usize = 1 << 20;
 
@@ -156,33 +160,99 @@ pub(crate) fn sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], first: bool, c: &Sg
 /// Runs `kernel` over `(p, g, state)`, on several threads when `p` has more than `parallel_min`
 /// elements. Every slice of `state` has `p`'s length; each call of `kernel` receives matching
 /// chunks of `p`, `g` and every state slice.
+///
+/// With `copy` (a half-precision copy of the parameter, `p`'s length), the updated values are also
+/// written there, rounded to nearest-even ([`HalfSliceMut::round_from`]), in the same pass over
+/// memory: `kernel` runs on tiles of [`TILE`] elements and each tile is rounded into `copy` right
+/// after its update, while it is still in the L1 cache, so the master weights are read from memory
+/// once, not once more by a cast afterwards.
 pub(crate) fn apply_split<F>(
     p: &mut [f32],
     g: &[f32],
     state: &mut [&mut [f32]],
+    copy: Option<HalfSliceMut<'_>>,
     parallel_min: usize,
     kernel: &F,
 ) where
     F: Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync,
 {
     debug_assert!(g.len() == p.len() && state.iter().all(|s| s.len() == p.len()));
+    debug_assert!(copy.as_ref().is_none_or(|c| c.len() == p.len()));
     let n = p.len();
     if n <= parallel_min.max(1) {
-        kernel(p, g, state);
+        update_chunk(p, g, state, copy, kernel);
         return;
     }
     let parts = rayon::current_num_threads().max(2);
     let chunk = n.div_ceil(parts);
     let mut state_chunks: Vec<_> = state.iter_mut().map(|s| s.chunks_mut(chunk)).collect();
+    let mut copy_rest = copy;
     rayon::scope(|scope| {
         for (p, g) in p.chunks_mut(chunk).zip(g.chunks(chunk)) {
             let mut state: Vec<&mut [f32]> = state_chunks
                 .iter_mut()
                 .map(|chunks| chunks.next().unwrap_or_default())
                 .collect();
-            scope.spawn(move |_| kernel(p, g, &mut state));
+            let copy = copy_rest.take().map(|c| {
+                let (head, tail) = c.split_at_mut(p.len());
+                copy_rest = Some(tail);
+                head
+            });
+            scope.spawn(move |_| update_chunk(p, g, &mut state, copy, kernel));
         }
     });
+}
+
+/// Elements per tile of an update that writes a half-precision copy: the tile's parameter,
+/// gradient and two moments (16 KiB in f32) and its copy stay in a 32 KiB L1 data cache.
+pub(crate) const TILE: usize = 1024;
+
+/// One thread's share of [`apply_split`].
+fn update_chunk<F>(
+    p: &mut [f32],
+    g: &[f32],
+    state: &mut [&mut [f32]],
+    copy: Option<HalfSliceMut<'_>>,
+    kernel: &F,
+) where
+    F: Fn(&mut [f32], &[f32], &mut [&mut [f32]]),
+{
+    let Some(mut copy) = copy else {
+        kernel(p, g, state);
+        return;
+    };
+    let mut start = 0;
+    while start < p.len() {
+        let end = (start + TILE).min(p.len());
+        with_tile_of_state(state, start..end, |tile_state| {
+            kernel(&mut p[start..end], &g[start..end], tile_state)
+        });
+        let (_, rest) = copy.reborrow().split_at_mut(start);
+        let (mut tile_copy, _) = rest.split_at_mut(end - start);
+        tile_copy.round_from(&p[start..end]);
+        start = end;
+    }
+}
+
+/// Runs `f` on elements `range` of every slice of `state`, without allocating for the usual one or
+/// two state slices (this runs once per tile).
+fn with_tile_of_state<R>(
+    state: &mut [&mut [f32]],
+    range: Range<usize>,
+    f: impl FnOnce(&mut [&mut [f32]]) -> R,
+) -> R {
+    const INLINE: usize = 4;
+    let count = state.len();
+    if count <= INLINE {
+        let mut tile: [&mut [f32]; INLINE] = Default::default();
+        for (t, s) in tile.iter_mut().zip(state.iter_mut()) {
+            *t = &mut s[range.clone()];
+        }
+        f(&mut tile[..count])
+    } else {
+        let mut tile: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
+        f(&mut tile)
+    }
 }
 
 #[cfg(test)]
@@ -207,8 +277,15 @@ mod tests {
                 [m, v] => adamw(p, g, m, v, &c),
                 _ => unreachable!("two state slices"),
             };
-            apply_split(&mut p1, &g, &mut [&mut m1, &mut v1], usize::MAX, &kernel);
-            apply_split(&mut p2, &g, &mut [&mut m2, &mut v2], 0, &kernel);
+            apply_split(
+                &mut p1,
+                &g,
+                &mut [&mut m1, &mut v1],
+                None,
+                usize::MAX,
+                &kernel,
+            );
+            apply_split(&mut p2, &g, &mut [&mut m2, &mut v2], None, 0, &kernel);
             assert_eq!(p1, p2, "n = {n}");
             assert_eq!(m1, m2, "n = {n}");
             assert_eq!(v1, v2, "n = {n}");
@@ -227,7 +304,7 @@ mod tests {
             weight_decay: 0.0,
             nesterov: false,
         };
-        apply_split(&mut p, &g, &mut [], 0, &|p, g, _| {
+        apply_split(&mut p, &g, &mut [], None, 0, &|p, g, _| {
             sgd(p, g, &mut [], true, &c)
         });
         assert!(

@@ -3,8 +3,7 @@
 //!
 //! Per parameter with a gradient `g`: `c = β1·m + (1-β1)·g; p = p·(1 - lr·wd) - lr·sign(c);
 //! m = β2·m + (1-β2)·g`, with `sign(0) = 0`. The moment `m` starts at zero and is saved as
-//! `"exp_avg.<parameter>"`, as the authors' `lion-pytorch` names it. There is no CUDA kernel: on a
-//! GPU the update runs as tensor ops.
+//! `"exp_avg.<parameter>"`, as the authors' `lion-pytorch` names it.
 
 use candle_core::Tensor;
 
@@ -42,6 +41,31 @@ impl Default for LionConfig {
 /// Lion over named parameters; see the module documentation for the update.
 /// `Lion::new(params, LionConfig { .. })` builds one.
 pub type Lion = ElementwiseOptimizer<LionConfig>;
+
+/// The scalars of one Lion update, computed in f64 and rounded once.
+#[derive(Debug, Clone, Copy)]
+struct LionCoefficients {
+    /// `1 - lr * weight_decay`.
+    decay: f32,
+    lr: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+}
+
+impl LionConfig {
+    fn coefficients(&self, lr: f64) -> LionCoefficients {
+        LionCoefficients {
+            decay: (1.0 - lr * self.weight_decay) as f32,
+            lr: lr as f32,
+            beta1: self.beta1 as f32,
+            one_minus_beta1: (1.0 - self.beta1) as f32,
+            beta2: self.beta2 as f32,
+            one_minus_beta2: (1.0 - self.beta2) as f32,
+        }
+    }
+}
 
 /// `sign(x)` with `sign(0) = 0`, as candle's `sign` computes it (so that both paths agree).
 fn sign(x: f32) -> f32 {
@@ -116,19 +140,15 @@ impl UpdateRule for LionConfig {
         _step: u64,
         _first: bool,
     ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
-        // The scalars in f64, rounded once.
-        let decay = (1.0 - lr * self.weight_decay) as f32;
-        let lr = lr as f32;
-        let (beta1, one_minus_beta1) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
-        let (beta2, one_minus_beta2) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
+        let c = self.coefficients(lr);
         move |p, g, state| {
             let [exp_avg] = state else {
                 unreachable!("Lion keeps one state tensor per parameter")
             };
             for ((p, &g), m) in p.iter_mut().zip(g).zip(exp_avg.iter_mut()) {
-                let c = beta1 * *m + one_minus_beta1 * g;
-                *p = *p * decay - lr * sign(c);
-                *m = beta2 * *m + one_minus_beta2 * g;
+                let direction = c.beta1 * *m + c.one_minus_beta1 * g;
+                *p = *p * c.decay - c.lr * sign(direction);
+                *m = c.beta2 * *m + c.one_minus_beta2 * g;
             }
         }
     }
@@ -149,6 +169,24 @@ impl UpdateRule for LionConfig {
         let p = ((p * (1.0 - lr * self.weight_decay))? - (c.sign()? * lr)?)?;
         *exp_avg = ((&*exp_avg * self.beta2)? + (g * (1.0 - self.beta2))?)?;
         Ok(p)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_update(&self, lr: f64, _step: u64, _first: bool) -> Option<super::CudaUpdate> {
+        let c = self.coefficients(lr);
+        Some(super::CudaUpdate {
+            kernel: super::cuda_kernels::Kernel::Lion,
+            scalars: [
+                c.decay,
+                c.lr,
+                c.beta1,
+                c.one_minus_beta1,
+                c.beta2,
+                c.one_minus_beta2,
+                0.0,
+                0.0,
+            ],
+        })
     }
 }
 

@@ -27,6 +27,9 @@ mod group;
 mod kernels;
 mod lion;
 mod lr;
+// The launch plan is plain data: built and tested on the CPU, used by the CUDA kernels.
+#[cfg(any(feature = "cuda", test))]
+mod multi_tensor;
 mod rule;
 mod scheduler;
 mod sgd;
@@ -38,6 +41,8 @@ pub use elementwise::ElementwiseOptimizer;
 pub use group::{is_no_decay, split_decay, DecaySplit, ParamGroup};
 pub use lion::{Lion, LionConfig};
 pub use lr::LearningRate;
+#[cfg(feature = "cuda")]
+pub use rule::CudaUpdate;
 pub use rule::UpdateRule;
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};
@@ -69,6 +74,30 @@ pub trait Optimizer {
     /// `load_state_dict` does). Kind, parameter names and shapes are checked first: on a mismatch it
     /// returns an error and the optimizer is unchanged.
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// Mixed precision: from now on, every step also writes each parameter it updates into that
+    /// parameter's half-precision compute copy, `copies[name]` (a bf16 or f16 `Var` of the
+    /// parameter's shape, on its device), rounded to nearest-even as candle's `to_dtype` rounds,
+    /// in the same pass over the data as the update itself. Under ZeRO only the parameter's piece
+    /// of the copy is written. Parameters not named in `copies` get no copy; a later call replaces
+    /// the earlier one.
+    ///
+    /// `prepare` calls this under `mixed_precision(bf16)` or `(fp16)`, and after every step casts
+    /// the masters into the compute copies the step did not write whole
+    /// ([`wrote_compute_copy`](Self::wrote_compute_copy)). The default keeps no copies, so that
+    /// any optimizer works: the runtime then casts every compute copy after the step.
+    fn set_compute_copies(&mut self, copies: &[(String, Var)]) -> Result<()> {
+        let _ = copies;
+        Ok(())
+    }
+
+    /// Whether the last [`step`](Self::step) wrote the whole compute copy of parameter `name`
+    /// (one given to [`set_compute_copies`](Self::set_compute_copies)) from its updated value. The
+    /// default, for optimizers that keep no copies: `false`.
+    fn wrote_compute_copy(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
 
     /// ZeRO: from now on keep state for, and update, only `pieces[name]` (a range of the
     /// flattened elements) of each parameter, reading its gradient with

@@ -15,6 +15,10 @@ use crate::error::Result;
 /// path: one pass over the data, no temporary tensors) and once with candle tensor ops (any device
 /// and dtype); the two must compute the same thing. A CUDA kernel is optional.
 ///
+/// Under mixed precision the optimizer also writes each updated parameter's half-precision compute
+/// copy: the fused path runs [`f32_kernel`](Self::f32_kernel) on cache-sized tiles and rounds each
+/// tile into the copy right after, so a rule needs no code of its own for it.
+///
 /// [`SgdConfig`]: super::SgdConfig
 /// [`AdamWConfig`]: super::AdamWConfig
 pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
@@ -76,21 +80,22 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
         first: bool,
     ) -> Result<Tensor>;
 
-    /// The same update as one CUDA kernel launch on `device`'s stream; `Ok(false)` (the default)
-    /// when the rule has no kernel, and the tensor-op path runs instead.
+    /// The same update in the multi-tensor CUDA kernel: which kernel of
+    /// `cuda/multi_tensor.cu`, and the scalars of this parameter's update at learning rate `lr`,
+    /// `step` and `first` as in [`f32_kernel`](Self::f32_kernel); `None` (the default) when the
+    /// rule has no kernel, and the tensor-op path runs on a GPU instead.
     #[cfg(feature = "cuda")]
-    #[allow(clippy::too_many_arguments)]
-    fn launch_cuda(
-        &self,
-        device: &candle_core::CudaDevice,
-        param: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>,
-        grad: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, f32>,
-        state: &mut [candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>],
-        lr: f64,
-        step: u64,
-        first: bool,
-    ) -> Result<bool> {
-        let _ = (device, param, grad, state, lr, step, first);
-        Ok(false)
+    fn cuda_update(&self, lr: f64, step: u64, first: bool) -> Option<CudaUpdate> {
+        let _ = (lr, step, first);
+        None
     }
+}
+
+/// One parameter's update as the multi-tensor CUDA kernel of its rule runs it: the kernel and the
+/// scalars it reads (see [`UpdateRule::cuda_update`]).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CudaUpdate {
+    pub(crate) kernel: super::cuda_kernels::Kernel,
+    pub(crate) scalars: [f32; super::multi_tensor::SCALARS],
 }

@@ -182,19 +182,22 @@ impl UpdateRule for SgdConfig {
     }
 
     #[cfg(feature = "cuda")]
-    fn launch_cuda(
-        &self,
-        device: &candle_core::CudaDevice,
-        p: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>,
-        g: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, f32>,
-        state: &mut [candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>],
-        lr: f64,
-        _step: u64,
-        first: bool,
-    ) -> Result<bool> {
+    fn cuda_update(&self, lr: f64, _step: u64, first: bool) -> Option<super::CudaUpdate> {
         let c = self.coefficients(lr);
-        super::cuda_kernels::sgd(device, p, g, state.first_mut(), first, &c)?;
-        Ok(true)
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        Some(super::CudaUpdate {
+            kernel: super::cuda_kernels::Kernel::Sgd,
+            scalars: [
+                c.lr,
+                c.momentum,
+                c.one_minus_dampening,
+                c.weight_decay,
+                flag(c.nesterov),
+                flag(first),
+                0.0,
+                0.0,
+            ],
+        })
     }
 }
 
