@@ -273,7 +273,9 @@ macro_rules! launch {
     ($device:expr, $module:expr, $kernel:literal, $t:ty, $cfg:expr; $($arg:expr),* $(,)?) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
-        let device: &candle_core::CudaDevice = $device;
+        // `$device` may be a device or a reference to one.
+        let device_ref = &$device;
+        let device: &candle_core::CudaDevice = std::borrow::Borrow::borrow(device_ref);
         let func = $crate::cuda::function(
             device,
             &$module,
