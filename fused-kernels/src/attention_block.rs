@@ -630,6 +630,33 @@ mod tests {
     }
 
     #[test]
+    fn the_materialized_path_equals_flash_attention() {
+        // On a GPU, f32, f64 and head dims without tensor-core kernels take the materialized
+        // path (cuBLAS products); on the CPU both paths run, so they are compared here.
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            let g = Geometry {
+                b: 2,
+                t: 37,
+                width: 72,
+                heads: 3,
+                kv_heads: 1,
+                head_dim: 24,
+            };
+            let packed = r::var(&[2, 37, 5, 24], 91, 1.0, dtype).as_tensor().detach();
+            let d_o = r::var(&[2, 37, 3, 24], 92, 1.0, dtype).as_tensor().detach();
+            let (q, k, v) = heads(&packed, &g).unwrap();
+            let scale = 1.0 / (24f64).sqrt();
+            let (o, lse) = flash_forward(&q, &k, &v, scale).unwrap();
+            let (o_m, lse_m) = crate::attention_reference::forward(&packed, &g).unwrap();
+            assert!(r::rel_diff(&o_m, &o) < tol, "{dtype:?} o");
+            assert!(r::rel_diff(&lse_m, &lse) < tol, "{dtype:?} lse");
+            let d = flash_backward(&q, &k, &v, &o, &d_o, &lse, scale).unwrap();
+            let d_m = crate::attention_reference::backward(&packed, &o, &d_o, &lse, &g).unwrap();
+            assert!(r::rel_diff(&d_m, &d) < tol, "{dtype:?} dqkv");
+        }
+    }
+
+    #[test]
     fn bf16_is_close_to_f32() {
         check(true, false, DType::BF16, 0.05);
         check(false, false, DType::BF16, 0.05);

@@ -1,15 +1,17 @@
 //! Causal attention over packed projections with candle's ops, materializing the `T × T` scores
-//! in f32: what the fused attention layer computes on a GPU where flash attention has no
+//! in f32 (f64 for f64): what the fused attention layer computes on a GPU where flash attention has no
 //! tensor-core kernel (f32, f64, head dims other than 64 and 128), through cuBLAS products. The same
 //! inputs and outputs as flash attention's.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 
 use crate::attention_block::Geometry;
+use crate::flash_attention::lse_dtype;
 
-/// `(q, k, v)` as `[b, heads, t, d]` f32, keys and values repeated for their query heads.
+/// `(q, k, v)` as `[b, heads, t, d]` in the arithmetic type (f32, f64 for f64), keys and values
+/// repeated for their query heads.
 fn split(packed: &Tensor, g: &Geometry) -> Result<(Tensor, Tensor, Tensor)> {
-    let p = packed.to_dtype(DType::F32)?;
+    let p = packed.to_dtype(lse_dtype(packed.dtype()))?;
     let part = |first: usize, n: usize| -> Result<Tensor> {
         p.narrow(2, first, n)?.transpose(1, 2)?.contiguous()
     };
@@ -29,15 +31,21 @@ fn split(packed: &Tensor, g: &Geometry) -> Result<(Tensor, Tensor, Tensor)> {
     ))
 }
 
-/// `(scores · scale masked, scale)`: `[b, heads, t, t]` with `-inf` above the diagonal.
+/// `(scores · scale masked, scale)`: `[b, heads, t, t]` with `-inf` above the diagonal. The mask
+/// is made on the scores' device (no host copy).
 fn masked_scores(q: &Tensor, k: &Tensor, g: &Geometry) -> Result<(Tensor, f64)> {
     let scale = 1.0 / (g.head_dim as f64).sqrt();
     let s = (q.matmul(&k.t()?)? * scale)?;
-    let mask: Vec<f32> = (0..g.t)
-        .flat_map(|i| (0..g.t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    let mask = Tensor::from_vec(mask, (g.t, g.t), q.device())?;
-    Ok((s.broadcast_add(&mask)?, scale))
+    let positions = Tensor::arange(0u32, g.t as u32, q.device())?;
+    // later[i, j] = j > i: the keys query i must not see.
+    let later = positions
+        .unsqueeze(0)?
+        .broadcast_gt(&positions.unsqueeze(1)?)?
+        .broadcast_as(s.shape())?;
+    let minus_inf = Tensor::full(f32::NEG_INFINITY, (), q.device())?
+        .to_dtype(s.dtype())?
+        .broadcast_as(s.shape())?;
+    Ok((later.where_cond(&minus_inf, &s)?, scale))
 }
 
 /// The output `[b, t, heads, d]` (the packed dtype) and the log-sum-exp `[b, heads, t]` (f32).
@@ -71,8 +79,9 @@ pub(crate) fn backward(
     let (q, k, v) = split(packed, g)?;
     let (s, scale) = masked_scores(&q, &k, g)?;
     let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
-    let d_o = d_o.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
-    let o = o.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
+    let acc = lse_dtype(packed.dtype());
+    let d_o = d_o.to_dtype(acc)?.transpose(1, 2)?.contiguous()?;
+    let o = o.to_dtype(acc)?.transpose(1, 2)?.contiguous()?;
     let dv = p.t()?.matmul(&d_o)?;
     let dp = d_o.matmul(&v.t()?)?;
     let delta = (&d_o * &o)?.sum_keepdim(D::Minus1)?;

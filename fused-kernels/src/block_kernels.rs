@@ -315,9 +315,18 @@ pub(crate) fn bias_gelu_backward(f: &Tensor, bias: Option<&Tensor>, dg: &Tensor)
             let mut out = vec![T::from_acc(Zero::zero()); f.len()];
             for_each_row(&mut out, n, |r, y| {
                 let (f, dg) = (&f[r * n..(r + 1) * n], &dg[r * n..(r + 1) * n]);
-                for (j, y) in y.iter_mut().enumerate() {
-                    let x = f[j].to_acc() + b.map_or(Zero::zero(), |b| b[j].to_acc());
-                    *y = T::from_acc(dg[j].to_acc() * gelu_and_slope(x).1);
+                match b {
+                    Some(b) => {
+                        for (((y, f), g), b) in y.iter_mut().zip(f).zip(dg).zip(b) {
+                            let slope = gelu_and_slope(f.to_acc() + b.to_acc()).1;
+                            *y = T::from_acc(g.to_acc() * slope);
+                        }
+                    }
+                    None => {
+                        for ((y, f), g) in y.iter_mut().zip(f).zip(dg) {
+                            *y = T::from_acc(g.to_acc() * gelu_and_slope(f.to_acc()).1);
+                        }
+                    }
                 }
             });
             Ok(T::storage(out))
@@ -489,7 +498,7 @@ pub(crate) fn rotary_heads_inplace(
     sin: &Tensor,
     inverse: bool,
 ) -> Result<()> {
-    let (b, t, heads, d) = x.dims4()?;
+    let (_, t, heads, d) = x.dims4()?;
     if !x.is_contiguous() || d % 2 != 0 || first + count > heads {
         candle_core::bail!(
             "rotary_heads: x {:?} must be contiguous with an even head dimension, heads \
@@ -509,7 +518,6 @@ pub(crate) fn rotary_heads_inplace(
             );
         }
     }
-    let _ = b;
     x.inplace_op3(
         cos,
         sin,

@@ -110,6 +110,17 @@ pub(crate) fn cuda_targets<'a>(
     Ok(s.as_cuda_slice::<u32>()?.slice(start..end))
 }
 
+/// The targets as indices, unchecked.
+pub(crate) fn class_targets<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
+    let CpuStorage::U32(t) = s else {
+        candle_core::bail!("{op}: targets must be u32 (the public function converts them)");
+    };
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: targets are not contiguous");
+    };
+    Ok(&t[start..end])
+}
+
 /// The targets as indices, each checked against `v` classes.
 pub(crate) fn checked_targets<'a>(
     op: &str,
@@ -117,13 +128,7 @@ pub(crate) fn checked_targets<'a>(
     l: &Layout,
     v: usize,
 ) -> Result<&'a [u32]> {
-    let CpuStorage::U32(t) = s else {
-        candle_core::bail!("{op}: targets must be u32 (the public function converts them)");
-    };
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("{op}: targets are not contiguous");
-    };
-    let t = &t[start..end];
+    let t = class_targets(op, s, l)?;
     if let Some((i, bad)) = t.iter().enumerate().find(|(_, &c)| c as usize >= v) {
         candle_core::bail!("{op}: targets[{i}] = {bad} is not a class of the {v} logits per row");
     }

@@ -91,7 +91,7 @@ impl Backward for LinearBackward {
             grads[1] = Some(dy.t()?.matmul(&x)?);
         }
         if wanted.get(2) == Some(&true) {
-            grads[2] = Some(crate::projection::column_sums(&dy)?);
+            grads[2] = Some(crate::add_bias::column_sums(&dy)?);
         }
         Ok(grads)
     }

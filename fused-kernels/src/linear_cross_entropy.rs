@@ -6,7 +6,7 @@
 
 #[cfg(feature = "cuda")]
 use crate::cross_entropy::cuda_targets;
-use crate::cross_entropy::{checked_targets, class_indices, logsumexp, weights_f64};
+use crate::cross_entropy::{class_indices, class_targets, logsumexp, weights_f64};
 #[cfg(feature = "cuda")]
 use crate::cuda::{
     elements_config, input, launch, one_block, output, rows_config, storage, CudaElement,
@@ -44,14 +44,21 @@ const CHUNK_ELEMENTS: usize = 1 << 26;
 /// [`linear_cross_entropy_in_chunks`]). For each chunk, one product gives its logits, one kernel
 /// writes each row's loss and overwrites the logits with `w_i · (softmax(z_i) − onehot(t_i))`
 /// (in the inputs' dtype), and two products add that chunk's part of `d x = d z · weight` and
-/// `d weight = Σ_chunks d zᵀ · x_chunk` (summed over chunks in f32 for bf16/f16). So the
+/// `d weight = Σ_chunks d zᵀ · x_chunk` (each chunk's product rounded to the inputs' dtype, the
+/// chunks summed in f32 for bf16/f16). So the
 /// gradients are computed during the forward pass, and only for the inputs that need one
 /// (`track_op()`: a frozen head costs no `d weight` product). They are kept with the graph until
 /// the backward pass multiplies them by the gradient of the loss (on the device, no
 /// synchronization).
 ///
-/// A target must be `< v`: on the CPU another one is an error naming it; on CUDA it makes the
-/// loss and that row's gradient NaN (see [`crate::cross_entropy()`]).
+/// A target must be `< v` where the weight is not 0: on the CPU another one is an error naming
+/// it; on CUDA it makes the loss and that row's gradient NaN (see [`crate::cross_entropy()`]).
+/// A padding row (weight 0) may hold any target.
+///
+/// In f16 the gradient `w · (softmax − onehot)` is stored at the loss's own scale, before a
+/// loss scaler's factor reaches it: probabilities below f16's subnormal range (6·10⁻⁸) round to
+/// 0, and with small weights (a mean over the rows, `1/n`) whole rows can. Use summed losses
+/// (weights 1, as the examples do) or bf16, whose range is f32's.
 pub fn linear_cross_entropy(
     x: &Tensor,
     weight: &Tensor,
@@ -201,7 +208,10 @@ fn forward(
         let len = rows_per_chunk.min(n - start);
         let x_chunk = x.narrow(0, start, len)?;
         let logits = x_chunk.matmul(&weight_t)?.to_dtype(model)?;
-        let rows = RowsAndGradient::default();
+        let rows = RowsAndGradient {
+            first_row: start,
+            ..Default::default()
+        };
         logits.inplace_op3(
             &targets.narrow(0, start, len)?,
             &weights.narrow(0, start, len)?,
@@ -307,6 +317,8 @@ impl CustomOp3 for LinearCrossEntropy {
 /// `w_i · (softmax(z_i) − onehot(t_i))`.
 #[derive(Default)]
 struct RowsAndGradient {
+    /// The index of the chunk's first row among all rows (for error messages).
+    first_row: usize,
     /// The per-row losses (loss dtype) of the last run.
     losses: Mutex<Option<Storage>>,
 }
@@ -372,8 +384,21 @@ impl InplaceOp3 for RowsAndGradient {
             let Some((start, end)) = l1.contiguous_offsets() else {
                 candle_core::bail!("{name}: logits are not contiguous");
             };
-            let targets = checked_targets(name, s2, l2, v)?;
+            let targets = class_targets(name, s2, l2)?;
             let weights = weights_f64(name, s3, l3)?;
+            // A padding row (weight 0) may hold any target (transformers' -100 included).
+            if let Some((i, bad)) = targets
+                .iter()
+                .zip(&weights)
+                .enumerate()
+                .find(|(_, (&t, &w))| w != 0.0 && t as usize >= v)
+                .map(|(i, (t, _))| (i, t))
+            {
+                candle_core::bail!(
+                    "{name}: targets[{}] = {bad} is not a class of the {v} logits per row",
+                    op.first_row + i
+                );
+            }
             let Some(all) = T::slice_mut(s1) else {
                 candle_core::bail!("{name}: the logits are not {:?}", T::DTYPE);
             };
@@ -1002,6 +1027,26 @@ mod tests {
         assert!(
             e.contains("targets[2] = 5") && e.contains("5 logits"),
             "{e}"
+        );
+        // The index counts all rows, not the chunk's.
+        let e = err(linear_cross_entropy_in_chunks(&x, &w, &bad, &wt, 2));
+        assert!(e.contains("targets[2] = 5"), "{e}");
+        // A padding row may hold any target (transformers' -100, as i64): the loss is the other
+        // rows' alone.
+        let ignore = Tensor::new(&[0i64, 1, -100, 2], &dev).unwrap();
+        let padding = Tensor::new(&[1f32, 1., 0., 1.], &dev).unwrap();
+        let with = linear_cross_entropy(&x, &w, &ignore, &padding).unwrap();
+        let kept = [0usize, 1, 3].map(|i| x.get(i).unwrap());
+        let without = linear_cross_entropy(
+            &Tensor::stack(&kept, 0).unwrap(),
+            &w,
+            &Tensor::new(&[0u32, 1, 2], &dev).unwrap(),
+            &Tensor::ones(3, DType::F32, &dev).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            with.to_scalar::<f32>().unwrap(),
+            without.to_scalar::<f32>().unwrap()
         );
         let e = err(linear_cross_entropy_in_chunks(&x, &w, &t, &wt, 0));
         assert!(e.contains("rows_per_chunk"), "{e}");

@@ -147,22 +147,36 @@ fn lock<'a>(
 
 /// `output` as a plain tensor (no graph).
 fn realize(output: Output) -> Result<Tensor> {
-    match output {
-        Output::Copy(t) => Ok(t),
-        Output::Residual { x, z, bias } => {
-            let y = (x + z)?;
-            match bias {
-                Some(b) => y.broadcast_add(&b),
-                None => Ok(y),
+    // The same kernels as the node's forward, so a result does not depend on whether anything
+    // was tracked.
+    let device = match &output {
+        Output::Copy(t) => return Ok(t.clone()),
+        Output::Residual { x, .. } | Output::Product { x, .. } => x.device().clone(),
+    };
+    let shape = output.shape()?;
+    match device {
+        candle_core::Device::Cpu => Ok(crate::raw::cpu_tensor(cpu_output(output)?.0, shape)),
+        candle_core::Device::Cuda(_) => Ok(crate::raw::wrap(
+            Storage::Cuda(cuda_output(output)?.0),
+            shape,
+        )),
+        candle_core::Device::Metal(_) => match output {
+            Output::Residual { x, z, bias } => {
+                let y = (x + z)?;
+                match bias {
+                    Some(b) => y.broadcast_add(&b),
+                    None => Ok(y),
+                }
             }
-        }
-        Output::Product { x, w, bias } => {
-            let y = x.broadcast_matmul(&w.t()?)?;
-            match bias {
-                Some(b) => y.broadcast_add(&b),
-                None => Ok(y),
+            Output::Product { x, w, bias } => {
+                let y = x.broadcast_matmul(&w.t()?)?;
+                match bias {
+                    Some(b) => y.broadcast_add(&b),
+                    None => Ok(y),
+                }
             }
-        }
+            Output::Copy(t) => Ok(t),
+        },
     }
 }
 

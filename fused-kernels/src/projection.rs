@@ -218,7 +218,7 @@ impl Packed {
         let x = &saved.x;
         // Biases: one column sum over the whole packed gradient.
         if self.parts.iter().any(|p| p.bias.is_some_and(|i| wanted[i])) {
-            let sums = crate::projection::column_sums(dy)?;
+            let sums = crate::add_bias::column_sums(dy)?;
             let mut col = 0;
             for p in &self.parts {
                 if let Some(i) = p.bias.filter(|&i| wanted[i]) {
@@ -289,14 +289,4 @@ impl Packed {
         }
         Ok(dx)
     }
-}
-
-/// `[rows, n] → [n]`, the sum over rows of a contiguous `dy`: the gradient of a bias added to
-/// every row. One matrix product with a row of ones (cuBLAS on the GPU: one launch, f32
-/// accumulation for bf16/f16, deterministic).
-pub(crate) fn column_sums(dy: &Tensor) -> Result<Tensor> {
-    let (rows, _) = dy.dims2()?;
-    Tensor::ones((1, rows), dy.dtype(), dy.device())?
-        .matmul(dy)?
-        .squeeze(0)
 }

@@ -121,6 +121,18 @@ fn assert_close(what: &str, gpu: &[f64], cpu: &[f64], tol: f64) {
 /// CPU tensors, cast to the dtype when `cast` says so for that position (constants such as
 /// class indices keep theirs).
 fn check(name: &str, trainable: &[Tensor], constants: &[(Tensor, bool)], op: Op<'_>) {
+    check_within(name, trainable, constants, op, 1.0);
+}
+
+/// [`check`] with the tolerance multiplied by `factor`: for the fused layers, chains of several
+/// products and kernels, each rounding bf16/f16 results once on either side.
+fn check_within(
+    name: &str,
+    trainable: &[Tensor],
+    constants: &[(Tensor, bool)],
+    op: Op<'_>,
+    factor: f64,
+) {
     let gpu = gpu();
     for dtype in DTYPES {
         let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
@@ -131,7 +143,7 @@ fn check(name: &str, trainable: &[Tensor], constants: &[(Tensor, bool)], op: Op<
             .collect();
         let (cpu_out, cpu_grads) = run_on(&Device::Cpu, &xs, &cs, op);
         let (gpu_out, gpu_grads) = run_on(&gpu, &xs, &cs, op);
-        let tol = tolerance(dtype);
+        let tol = tolerance(dtype) * factor;
         assert_close(&format!("{name} {dtype:?} output"), &gpu_out, &cpu_out, tol);
         for (i, (g, c)) in gpu_grads.iter().zip(&cpu_grads).enumerate() {
             assert_close(&format!("{name} {dtype:?} gradient {i}"), g, c, tol);
@@ -546,4 +558,192 @@ fn flash_attention_on_cuda_equals_the_cpu_kernel() {
     check("flash_attention transposed q", &[q, kv], &[], &|x, _| {
         fused_kernels::flash_attention(&x[0].transpose(1, 2)?, &x[1], &x[1], 0.125)
     });
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn linear_on_cuda_equals_the_cpu_layer() {
+    // A 3-d input with a bias (the product and the bias written by the node's forward), and a
+    // 2-d one without.
+    let x = tensor(&[3, 70, 96], 40, 1.0);
+    let w = tensor(&[200, 96], 41, 0.2);
+    let b = tensor(&[200], 42, 0.5);
+    check("linear with bias", &[x, w, b], &[], &|v, _| {
+        fused_kernels::linear(&v[0], &v[1], Some(&v[2]))
+    });
+    let x = tensor(&[130, 64], 43, 1.0);
+    let w = tensor(&[33, 64], 44, 0.2);
+    check("linear", &[x, w], &[], &|v, _| {
+        fused_kernels::linear(&v[0], &v[1], None)
+    });
+}
+
+/// The rotary tables `[positions, head_dim / 2]` of `head_dim` (θ = 10 000).
+fn rotary_tables(positions: usize, head_dim: usize) -> (Tensor, Tensor) {
+    let half = head_dim / 2;
+    let angles: Vec<f64> = (0..positions)
+        .flat_map(|p| {
+            (0..half).map(move |i| p as f64 / 10_000f64.powf(2.0 * i as f64 / head_dim as f64))
+        })
+        .collect();
+    let a = Tensor::from_vec(angles, (positions, half), &Device::Cpu).unwrap();
+    (a.cos().unwrap(), a.sin().unwrap())
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn the_fused_attention_layers_on_cuda_equal_the_cpu_layers() {
+    use fused_kernels::{attention_block, Attention, Lora, Norm, Projection, Qkv, Rotary};
+    // GPT-2's: LayerNorm, a packed c_attn with a bias, the output bias; head dim 64 (tensor
+    // cores in bf16/f16, cuBLAS products in f32/f64), T no multiple of the 64-row tiles.
+    let (t, w, heads) = (70, 128, 2);
+    let x = tensor(&[2, t, w], 45, 1.0);
+    let ln_w = (tensor(&[w], 46, 0.3) + 1.0).unwrap();
+    let ln_b = tensor(&[w], 47, 0.1);
+    let c_attn = tensor(&[3 * w, w], 48, 0.1);
+    let c_attn_b = tensor(&[3 * w], 49, 0.1);
+    let proj = tensor(&[w, w], 50, 0.1);
+    let proj_b = tensor(&[w], 51, 0.1);
+    check_within(
+        "attention_block (GPT-2)",
+        &[x, ln_w, ln_b, c_attn, c_attn_b, proj, proj_b],
+        &[],
+        &|v, _| {
+            let layer = Attention {
+                norm: Norm::Layer {
+                    weight: v[1].clone(),
+                    bias: v[2].clone(),
+                    eps: 1e-5,
+                },
+                qkv: Qkv::Packed(Projection::new(v[3].clone(), Some(v[4].clone()))),
+                out: Projection::new(v[5].clone(), Some(v[6].clone())),
+                heads,
+                kv_heads: heads,
+                rotary: None,
+            };
+            attention_block(&v[0], &layer)
+        },
+        2.0,
+    );
+    // Llama's: RMSNorm, q/k/v of 3 query heads over 1 key/value head of 64, rotary embeddings,
+    // LoRA adapters on q and v over frozen (constant) weights.
+    let (heads, kv, d) = (3, 1, 64);
+    let w = heads * d;
+    let x = tensor(&[2, t, w], 52, 1.0);
+    let rms_w = (tensor(&[w], 53, 0.3) + 1.0).unwrap();
+    let (cos, sin) = rotary_tables(96, d);
+    let frozen = [
+        tensor(&[heads * d, w], 54, 0.1),
+        tensor(&[kv * d, w], 55, 0.1),
+        tensor(&[kv * d, w], 56, 0.1),
+        tensor(&[w, heads * d], 57, 0.1),
+    ];
+    let adapters = [
+        tensor(&[4, w], 58, 0.2),
+        tensor(&[heads * d, 4], 59, 0.2),
+        tensor(&[4, w], 60, 0.2),
+        tensor(&[kv * d, 4], 61, 0.2),
+    ];
+    let mut constants: Vec<(Tensor, bool)> = frozen.into_iter().map(|t| (t, true)).collect();
+    constants.push((cos, true));
+    constants.push((sin, true));
+    let mut trainable = vec![x, rms_w];
+    trainable.extend(adapters);
+    check_within(
+        "attention_block (Llama, LoRA on q and v)",
+        &trainable,
+        &constants,
+        &|v, c| {
+            let lora = |a: &Tensor, b: &Tensor| Lora {
+                a: a.clone(),
+                b: b.clone(),
+                scale: 2.0,
+            };
+            let layer = Attention {
+                norm: Norm::Rms {
+                    weight: v[1].clone(),
+                    eps: 1e-5,
+                },
+                qkv: Qkv::Separate {
+                    q: Projection {
+                        weight: c[0].clone(),
+                        bias: None,
+                        lora: Some(lora(&v[2], &v[3])),
+                    },
+                    k: Projection::new(c[1].clone(), None),
+                    v: Projection {
+                        weight: c[2].clone(),
+                        bias: None,
+                        lora: Some(lora(&v[4], &v[5])),
+                    },
+                },
+                out: Projection::new(c[3].clone(), None),
+                heads,
+                kv_heads: kv,
+                rotary: Some(Rotary {
+                    cos: c[4].clone(),
+                    sin: c[5].clone(),
+                }),
+            };
+            attention_block(&v[0], &layer)
+        },
+        2.0,
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU and --features cuda"]
+fn the_fused_mlp_layers_on_cuda_equal_the_cpu_layers() {
+    use fused_kernels::{mlp_block, Mlp, MlpKind, Norm, Projection};
+    let (t, w, inner) = (70, 96, 300);
+    let x = tensor(&[2, t, w], 62, 1.0);
+    let norm_w = (tensor(&[w], 63, 0.3) + 1.0).unwrap();
+    let norm_b = tensor(&[w], 64, 0.1);
+    let fc = tensor(&[inner, w], 65, 0.1);
+    let fc_b = tensor(&[inner], 66, 0.1);
+    let proj = tensor(&[w, inner], 67, 0.1);
+    let proj_b = tensor(&[w], 68, 0.1);
+    check_within(
+        "mlp_block (GELU)",
+        &[x.clone(), norm_w.clone(), norm_b, fc, fc_b, proj, proj_b],
+        &[],
+        &|v, _| {
+            let layer = Mlp {
+                norm: Norm::Layer {
+                    weight: v[1].clone(),
+                    bias: v[2].clone(),
+                    eps: 1e-5,
+                },
+                kind: MlpKind::Gelu {
+                    fc: Projection::new(v[3].clone(), Some(v[4].clone())),
+                    proj: Projection::new(v[5].clone(), Some(v[6].clone())),
+                },
+            };
+            mlp_block(&v[0], &layer)
+        },
+        2.0,
+    );
+    let gate = tensor(&[inner, w], 69, 0.1);
+    let up = tensor(&[inner, w], 70, 0.1);
+    let down = tensor(&[w, inner], 71, 0.1);
+    check_within(
+        "mlp_block (SwiGLU)",
+        &[x, norm_w, gate, up, down],
+        &[],
+        &|v, _| {
+            let layer = Mlp {
+                norm: Norm::Rms {
+                    weight: v[1].clone(),
+                    eps: 1e-5,
+                },
+                kind: MlpKind::SwiGlu {
+                    gate: Projection::new(v[2].clone(), None),
+                    up: Projection::new(v[3].clone(), None),
+                    down: Projection::new(v[4].clone(), None),
+                },
+            };
+            mlp_block(&v[0], &layer)
+        },
+        2.0,
+    );
 }

@@ -125,7 +125,9 @@ __device__ void embedding_backward(const T* __restrict__ dy, const I* __restrict
                                                               u64 n, u64 v, u64 c) {               \
     embedding<T, I>(table, ids, out, n, v, c);                                                     \
   }                                                                                                \
-  extern "C" __global__ void embedding_backward_##id_suffix##_##suffix(                            \
+  /* 1024 threads a block: at most 64 registers each, also when a driver JITs the PTX */       \
+  extern "C" __global__ void __launch_bounds__(1024)                                               \
+      embedding_backward_##id_suffix##_##suffix(                                                    \
       const T* dy, const I* ids, T* grad, u64 n, u64 v, u64 c, u64 rows_per_block,                 \
       u64 cols_per_block) {                                                                        \
     embedding_backward<T, I>(dy, ids, grad, n, v, c, rows_per_block, cols_per_block);              \

@@ -7,7 +7,7 @@
 // the log-sum-exp lse [B, H, T] (in the arithmetic type), and the packed gradient dqkv
 // [B, T, H + 2·Hkv, D] (query heads, then key heads, then value heads).
 //
-// Two families of kernels:
+// The kernels:
 //   - `*_mma_d{64,128}_{bf16,f16}`: tensor-core kernels (mma.cuh) for bf16/f16 and head dims 64
 //     and 128. Four warps per block; each warp owns 16 rows of the block's 64 (queries in the
 //     forward pass and dq, keys in dk/dv). Products go through m16n8k16 tiles whose accumulators
@@ -17,9 +17,10 @@
 //     values (and in dk/dv the queries and dO) pass through shared memory rows padded by 8
 //     elements, so that the fragment loads of a warp hit 32 different banks. The softmax runs in
 //     base 2 (exp2 of scores scaled by scale·log2(e)).
-//   - `*_simple_{f32,f64,bf16,f16}`: one block per query row (forward, dq) or key row (dk/dv), any
-//     head dim, the arithmetic in f32 (f64 for f64). Correct and slow: the fallback for the other
-//     dtypes and head dims.
+//   - `flash_delta_{f32,f64,bf16,f16}`: Δ of the backward pass.
+// Other dtypes and head dims are computed on CUDA with cuBLAS products over materialized scores
+// (attention_reference.rs, and the public op's fallback), which a kernel without tensor cores
+// does not beat.
 //
 // The backward pass is deterministic: flash_delta computes Δ_i = Σ_d dO_id·O_id per row; dk and
 // dv are summed in registers over the group's query heads and the query tiles in a fixed order by
@@ -471,169 +472,8 @@ FLASH_MMA(f16, __half, 64, 64, 64)
 FLASH_MMA(f16, __half, 128, 32, 16)
 
 // ------------------------------------------------------------------------------------------------
-// Simple kernels (any dtype and head dim) and Δ
+// Δ
 // ------------------------------------------------------------------------------------------------
-
-// Σ_c x[c]·y[c] over one head row of `d` elements, in the arithmetic type.
-template <typename T>
-__device__ __forceinline__ typename AccOf<T>::type flash_dot(const typename AccOf<T>::type* x,
-                                                             const T* y, u64 d) {
-  typename AccOf<T>::type s = 0;
-  for (u64 c = 0; c < d; ++c) s += x[c] * to_acc(y[c]);
-  return s;
-}
-
-// Forward for one query row i of one (batch, head): keys in chunks of blockDim.x, one per thread,
-// with the online softmax over chunks. Dynamic shared memory: q row, output accumulator (d each)
-// and the chunk's probabilities (blockDim.x), in the arithmetic type.
-template <typename T>
-__device__ void flash_forward_simple(FLASH_QKV_PARAMS(T), T* o, typename AccOf<T>::type* lse,
-                                     u64 tokens, u64 heads, u64 kv_heads, u64 d, double scale_) {
-  typedef typename AccOf<T>::type A;
-  DYNAMIC_SHARED(A, sh);
-  A* qs = sh;
-  A* acc = sh + d;
-  A* ps = sh + 2 * d;
-  const A scale = (A)scale_;
-  const u64 i = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  const u64 hk = h / (heads / kv_heads);
-  const T* qrow = q + b * q_sb + i * q_st + h * q_sh;
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    qs[c] = to_acc(qrow[c]);
-    acc[c] = 0;
-  }
-  __syncthreads();
-  A m = acc_neg_inf(A(0)), l = 0;
-  for (u64 j0 = 0; j0 <= i; j0 += blockDim.x) {
-    const u64 j = j0 + threadIdx.x;
-    A s = acc_neg_inf(A(0));
-    if (j <= i) s = scale * flash_dot<T>(qs, k + b * k_sb + j * k_st + hk * k_sh, d);
-    const A m_new = MaxOp()(m, block_max(s));
-    const A corr = m == acc_neg_inf(A(0)) ? A(0) : acc_exp(m - m_new);
-    const A p = j <= i ? acc_exp(s - m_new) : A(0);
-    ps[threadIdx.x] = p;
-    l = l * corr + block_sum(p);  // its barriers also publish ps
-    const u64 n = min((u64)blockDim.x, i + 1 - j0);
-    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-      A a = acc[c] * corr;
-      for (u64 jj = 0; jj < n; ++jj) a += ps[jj] * to_acc(v[b * v_sb + (j0 + jj) * v_st + hk * v_sh + c]);
-      acc[c] = a;
-    }
-    m = m_new;
-    __syncthreads();  // ps is read before the next chunk writes it
-  }
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    o[((b * tokens + i) * heads + h) * d + c] = from_acc<T>(acc[c] / l);
-  }
-  if (threadIdx.x == 0) lse[(b * heads + h) * tokens + i] = m + acc_log(l);
-}
-
-// dq for one query row. Dynamic shared memory: q row, dO row, dq (d each), the chunk's ds.
-template <typename T>
-__device__ void flash_dq_simple(FLASH_QKV_PARAMS(T), const T* d_o,
-                                const typename AccOf<T>::type* lse,
-                                const typename AccOf<T>::type* delta, T* dqkv, u64 tokens,
-                                u64 heads, u64 kv_heads, u64 d, double scale_) {
-  typedef typename AccOf<T>::type A;
-  DYNAMIC_SHARED(A, sh);
-  A* qs = sh;
-  A* gs = sh + d;
-  A* dq = sh + 2 * d;
-  A* ds = sh + 3 * d;
-  const A scale = (A)scale_;
-  const u64 i = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  const u64 hk = h / (heads / kv_heads);
-  const T* qrow = q + b * q_sb + i * q_st + h * q_sh;
-  const T* grow = d_o + ((b * tokens + i) * heads + h) * d;
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    qs[c] = to_acc(qrow[c]);
-    gs[c] = to_acc(grow[c]);
-    dq[c] = 0;
-  }
-  const A lse_i = lse[bh * tokens + i], delta_i = delta[bh * tokens + i];
-  __syncthreads();
-  for (u64 j0 = 0; j0 <= i; j0 += blockDim.x) {
-    const u64 j = j0 + threadIdx.x;
-    A g = 0;
-    if (j <= i) {
-      const A p = acc_exp(scale * flash_dot<T>(qs, k + b * k_sb + j * k_st + hk * k_sh, d) - lse_i);
-      const A dp = flash_dot<T>(gs, v + b * v_sb + j * v_st + hk * v_sh, d);
-      g = p * (dp - delta_i);
-    }
-    ds[threadIdx.x] = g;
-    __syncthreads();
-    const u64 n = min((u64)blockDim.x, i + 1 - j0);
-    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-      A a = dq[c];
-      for (u64 jj = 0; jj < n; ++jj) a += ds[jj] * to_acc(k[b * k_sb + (j0 + jj) * k_st + hk * k_sh + c]);
-      dq[c] = a;
-    }
-    __syncthreads();
-  }
-  const u64 width = heads + 2 * kv_heads;
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    dqkv[((b * tokens + i) * width + h) * d + c] = from_acc<T>(scale * dq[c]);
-  }
-}
-
-// dk and dv for one key row j of one (batch, key/value head), over the group's query heads and
-// the queries i ≥ j in chunks of blockDim.x. Dynamic shared memory: k row, v row, dk, dv (d
-// each), the chunk's p and ds.
-template <typename T>
-__device__ void flash_dkv_simple(FLASH_QKV_PARAMS(T), const T* d_o,
-                                 const typename AccOf<T>::type* lse,
-                                 const typename AccOf<T>::type* delta, T* dqkv, u64 tokens,
-                                 u64 heads, u64 kv_heads, u64 d, double scale_) {
-  typedef typename AccOf<T>::type A;
-  DYNAMIC_SHARED(A, sh);
-  A* ks = sh;
-  A* vs = sh + d;
-  A* dk = sh + 2 * d;
-  A* dv = sh + 3 * d;
-  A* ps = sh + 4 * d;
-  A* ds = ps + blockDim.x;
-  const A scale = (A)scale_;
-  const u64 j = blockIdx.x, bh = blockIdx.y, b = bh / kv_heads, hk = bh % kv_heads;
-  const u64 group = heads / kv_heads;
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    ks[c] = to_acc(k[b * k_sb + j * k_st + hk * k_sh + c]);
-    vs[c] = to_acc(v[b * v_sb + j * v_st + hk * v_sh + c]);
-    dk[c] = 0;
-    dv[c] = 0;
-  }
-  __syncthreads();
-  for (u64 h = hk * group; h < (hk + 1) * group; ++h) {
-    const u64 rows = (b * heads + h) * tokens;
-    for (u64 i0 = j; i0 < tokens; i0 += blockDim.x) {
-      const u64 i = i0 + threadIdx.x;
-      A p = 0, g = 0;
-      if (i < tokens) {
-        p = acc_exp(scale * flash_dot<T>(ks, q + b * q_sb + i * q_st + h * q_sh, d) - lse[rows + i]);
-        const A dp = flash_dot<T>(vs, d_o + ((b * tokens + i) * heads + h) * d, d);
-        g = p * (dp - delta[rows + i]);
-      }
-      ps[threadIdx.x] = p;
-      ds[threadIdx.x] = g;
-      __syncthreads();
-      const u64 n = min((u64)blockDim.x, tokens - i0);
-      for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-        A av = dv[c], ak = dk[c];
-        for (u64 ii = 0; ii < n; ++ii) {
-          av += ps[ii] * to_acc(d_o[((b * tokens + i0 + ii) * heads + h) * d + c]);
-          ak += ds[ii] * to_acc(q[b * q_sb + (i0 + ii) * q_st + h * q_sh + c]);
-        }
-        dv[c] = av;
-        dk[c] = ak;
-      }
-      __syncthreads();
-    }
-  }
-  const u64 width = heads + 2 * kv_heads;
-  for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
-    dqkv[((b * tokens + j) * width + heads + hk) * d + c] = from_acc<T>(scale * dk[c]);
-    dqkv[((b * tokens + j) * width + heads + kv_heads + hk) * d + c] = from_acc<T>(dv[c]);
-  }
-}
 
 // Δ for every row of the contiguous o and dO [B, T, H, D] into [B, H, T]: one warp per row (row r
 // is token (r / H) mod T, head r mod H of batch entry r / (T·H)), rows in a grid-stride loop.
@@ -651,26 +491,10 @@ __device__ void flash_delta(const T* o, const T* d_o, typename AccOf<T>::type* d
   }
 }
 
-#define FLASH_SIMPLE(suffix, T)                                                                   \
-  extern "C" __global__ void flash_forward_simple_##suffix(                                       \
-      FLASH_QKV_PARAMS(T), T* o, AccOf<T>::type* lse, u64 tokens, u64 heads, u64 kv_heads, u64 d, \
-      double scale) {                                                                             \
-    flash_forward_simple<T>(FLASH_QKV_ARGS, o, lse, tokens, heads, kv_heads, d, scale);           \
-  }                                                                                               \
-  extern "C" __global__ void flash_dq_simple_##suffix(                                            \
-      FLASH_QKV_PARAMS(T), const T* d_o, const AccOf<T>::type* lse, const AccOf<T>::type* delta,   \
-      T* dqkv, u64 tokens, u64 heads, u64 kv_heads, u64 d, double scale) {                        \
-    flash_dq_simple<T>(FLASH_QKV_ARGS, d_o, lse, delta, dqkv, tokens, heads, kv_heads, d, scale); \
-  }                                                                                               \
-  extern "C" __global__ void flash_dkv_simple_##suffix(                                           \
-      FLASH_QKV_PARAMS(T), const T* d_o, const AccOf<T>::type* lse, const AccOf<T>::type* delta,   \
-      T* dqkv, u64 tokens, u64 heads, u64 kv_heads, u64 d, double scale) {                        \
-    flash_dkv_simple<T>(FLASH_QKV_ARGS, d_o, lse, delta, dqkv, tokens, heads, kv_heads, d,        \
-                        scale);                                                                   \
-  }                                                                                               \
+#define FLASH_DELTA(suffix, T)                                                                    \
   extern "C" __global__ void flash_delta_##suffix(const T* o, const T* d_o,                       \
                                                   AccOf<T>::type* delta, u64 rows, u64 tokens,    \
                                                   u64 heads, u64 d) {                             \
     flash_delta<T>(o, d_o, delta, rows, tokens, heads, d);                                        \
   }
-FOR_EACH_DTYPE(FLASH_SIMPLE)
+FOR_EACH_DTYPE(FLASH_DELTA)

@@ -1,6 +1,6 @@
 //! The CUDA launches of `src/cuda/flash_attention.cu`: the tensor-core kernels for bf16/f16 at
-//! head dims 64 and 128, the simple kernels (one block per row, much slower) for every other
-//! dtype and head dim.
+//! head dims 64 and 128 (the only CUDA cases the crate sends here: see
+//! [`super::fast_on`]).
 
 use super::{Dims, Strides};
 use crate::cuda::{cuda_dispatch, launch, output, CudaElement, FLASH_ATTENTION};
@@ -13,11 +13,6 @@ const THREADS: u32 = 128;
 
 /// Rows per block of the tensor-core kernels (`FLASH_ROWS`).
 const ROWS: usize = 64;
-
-/// Largest head dim of the simple kernels: their rows of the arithmetic type live in shared
-/// memory (four rows of `D` plus 256 scalars in dk/dv: 34 KiB in f64, under the 48 KiB a launch
-/// gets without opting in).
-const MAX_SIMPLE_HEAD_DIM: usize = 1024;
 
 /// Largest grid `y` (the batch × heads of a launch).
 const MAX_GRID_Y: usize = 65_535;
@@ -44,7 +39,7 @@ fn view<T: CudaElement>(s: &CudaStorage, offset: usize) -> Result<CudaView<'_, T
     Ok(slice.slice(offset..))
 }
 
-/// An error unless the shape fits the launch grids (and the simple kernels' shared memory).
+/// An error unless the dtype and head dim have tensor-core kernels and the shape fits the grids.
 fn check_launch<T: CudaElement>(dims: Dims) -> Result<()> {
     if dims.batch * dims.tokens == 0 {
         candle_core::bail!(
@@ -61,10 +56,11 @@ fn check_launch<T: CudaElement>(dims: Dims) -> Result<()> {
             dims.batch * dims.heads
         );
     }
-    if !tensor_cores::<T>(dims.head_dim) && dims.head_dim > MAX_SIMPLE_HEAD_DIM {
+    if !tensor_cores::<T>(dims.head_dim) {
         candle_core::bail!(
-            "flash_attention on CUDA: head dim {} in {:?} exceeds the {MAX_SIMPLE_HEAD_DIM} of the \
-             simple kernel (the tensor-core kernels take bf16/f16 at head dims 64 and 128)",
+            "flash_attention on CUDA: no kernel for head dim {} in {:?} (the tensor-core kernels \
+             take bf16/f16 at head dims 64 and 128; the public flash_attention and the fused \
+             layers compute other cases with candle's products)",
             dims.head_dim,
             T::DTYPE
         );
@@ -116,26 +112,18 @@ pub(super) fn forward(
         let (t64, h64, hkv64, d64) = (tokens as u64, heads as u64, kv_heads as u64, d as u64);
         let mut o = output::<T>(dev, batch * tokens * heads * d)?;
         let mut lse = output::<T::Acc>(dev, batch * heads * tokens)?;
-        if tensor_cores::<T>(d) {
-            let cfg = grid(tokens.div_ceil(ROWS), batch * heads, 0);
-            macro_rules! forward_mma {
-                ($name:literal) => {
-                    launch!(dev, FLASH_ATTENTION, $name, T, cfg;
-                        &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
-                        &v_sh, &mut o, &mut lse, &t64, &h64, &hkv64, &scale)
-                };
-            }
-            if d == 64 {
-                forward_mma!("flash_forward_mma_d64");
-            } else {
-                forward_mma!("flash_forward_mma_d128");
-            }
+        let cfg = grid(tokens.div_ceil(ROWS), batch * heads, 0);
+        macro_rules! forward_mma {
+            ($name:literal) => {
+                launch!(dev, FLASH_ATTENTION, $name, T, cfg;
+                    &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
+                    &v_sh, &mut o, &mut lse, &t64, &h64, &hkv64, &scale)
+            };
+        }
+        if d == 64 {
+            forward_mma!("flash_forward_mma_d64");
         } else {
-            let acc = std::mem::size_of::<T::Acc>();
-            let cfg = grid(tokens, batch * heads, (2 * d + THREADS as usize) * acc);
-            launch!(dev, FLASH_ATTENTION, "flash_forward_simple", T, cfg;
-                &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st, &v_sh,
-                &mut o, &mut lse, &t64, &h64, &hkv64, &d64, &scale);
+            forward_mma!("flash_forward_mma_d128");
         }
         Ok((
             CudaStorage::wrap_cuda_slice(o, dev.clone()),
@@ -197,35 +185,22 @@ pub(super) fn backward(
         // Every element is written: dq by the blocks of every query row, dk/dv by those of every
         // key row.
         let mut dqkv = output::<T>(dev, batch * tokens * (heads + 2 * kv_heads) * d)?;
-        if tensor_cores::<T>(d) {
-            let q_cfg = grid(tokens.div_ceil(ROWS), batch * heads, 0);
-            let kv_cfg = grid(tokens.div_ceil(ROWS), batch * kv_heads, 0);
-            macro_rules! backward_mma {
-                ($dq:literal, $dkv:literal) => {
-                    launch!(dev, FLASH_ATTENTION, $dq, T, q_cfg;
-                        &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
-                        &v_sh, &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &scale);
-                    launch!(dev, FLASH_ATTENTION, $dkv, T, kv_cfg;
-                        &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
-                        &v_sh, &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &scale);
-                };
-            }
-            if d == 64 {
-                backward_mma!("flash_dq_mma_d64", "flash_dkv_mma_d64");
-            } else {
-                backward_mma!("flash_dq_mma_d128", "flash_dkv_mma_d128");
-            }
+        let q_cfg = grid(tokens.div_ceil(ROWS), batch * heads, 0);
+        let kv_cfg = grid(tokens.div_ceil(ROWS), batch * kv_heads, 0);
+        macro_rules! backward_mma {
+            ($dq:literal, $dkv:literal) => {
+                launch!(dev, FLASH_ATTENTION, $dq, T, q_cfg;
+                    &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
+                    &v_sh, &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &scale);
+                launch!(dev, FLASH_ATTENTION, $dkv, T, kv_cfg;
+                    &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st,
+                    &v_sh, &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &scale);
+            };
+        }
+        if d == 64 {
+            backward_mma!("flash_dq_mma_d64", "flash_dkv_mma_d64");
         } else {
-            let acc = std::mem::size_of::<T::Acc>();
-            let threads = THREADS as usize;
-            let q_cfg = grid(tokens, batch * heads, (3 * d + threads) * acc);
-            let kv_cfg = grid(tokens, batch * kv_heads, (4 * d + 2 * threads) * acc);
-            launch!(dev, FLASH_ATTENTION, "flash_dq_simple", T, q_cfg;
-                &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st, &v_sh,
-                &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &d64, &scale);
-            launch!(dev, FLASH_ATTENTION, "flash_dkv_simple", T, kv_cfg;
-                &qv, &q_sb, &q_st, &q_sh, &kv, &k_sb, &k_st, &k_sh, &vv, &v_sb, &v_st, &v_sh,
-                &d_o, &lse, &delta, &mut dqkv, &t64, &h64, &hkv64, &d64, &scale);
+            backward_mma!("flash_dq_mma_d128", "flash_dkv_mma_d128");
         }
         Ok(CudaStorage::wrap_cuda_slice(dqkv, dev.clone()))
     }

@@ -1,5 +1,5 @@
 //! Flash attention (`flash_attention.cu`): the tensor-core kernels (bf16/f16, head dims 64 and
-//! 128) and the simple kernels (every dtype, any head dim), forward and backward, against
+//! 128) with the Δ kernel, forward and backward, against
 //! `fused_kernels::flash_attention` on the CPU and its gradients through candle's `backward()`.
 //! The launches restate `fused-kernels/src/flash_attention/cuda.rs`.
 //!
@@ -13,8 +13,6 @@
 //! own): the tensor-core kernels round the probabilities and the score gradients to bf16/f16 as
 //! the A operand of the second product (a relative error of the type's unit roundoff `u_T` per
 //! term, ~`2·u_T` after the sums) and read the rounded output `o` in `Δ`; `4·u_T·M` covers both.
-//! The simple kernels compute in the arithmetic type like the CPU, in another order: `2e-5·M` in
-//! f32, `1e-12·M` in f64, plus one rounding step of bf16/f16 outputs.
 
 use crate::common::{assert_close, flat, in_both_orders, name, read, Dt, Input};
 use candle_core::{Tensor, Var};
@@ -132,17 +130,13 @@ fn run_with(
     }
 }
 
-/// Runs the forward and backward kernels as `cuda.rs` launches them (`mma`: the tensor-core
-/// kernels) and compares `o`, `lse` and `dqkv` with the CPU.
-fn check<T: Dt>(c: Case, mma: bool, seed: u64) {
+/// Runs the forward and backward kernels as `cuda.rs` launches them and compares `o`, `lse` and
+/// `dqkv` with the CPU.
+fn check<T: Dt>(c: Case, seed: u64) {
     let r = reference::<T>(c, seed);
     let (b, t, h, hkv, d) = (c.batch, c.tokens, c.heads, c.kv_heads, c.dim);
-    let acc = std::mem::size_of::<T::Acc>();
     let (t64, h64, hkv64, d64) = (t as u64, h as u64, hkv as u64, d as u64);
-    let what = format!(
-        "flash_attention {c:?} {}",
-        if mma { "mma" } else { "simple" }
-    );
+    let what = format!("flash_attention {c:?}");
     let got = in_both_orders(&what, |order| {
         let packed = Buffer::from_slice(&r.packed).unwrap();
         // Forward.
@@ -152,21 +146,9 @@ fn check<T: Dt>(c: Case, mma: bool, seed: u64) {
             let mut args = qkv_args(c, &packed);
             args.extend([Arg::ptr_mut(&mut o), Arg::ptr_mut(&mut lse)]);
             args.extend([Arg::U64(t64), Arg::U64(h64), Arg::U64(hkv64)]);
-            if mma {
-                args.push(Arg::F64(c.scale));
-                let kernel = name::<T>(&format!("flash_forward_mma_d{d}"));
-                run(&kernel, (t.div_ceil(ROWS), b * h), 0, &args, order);
-            } else {
-                args.extend([Arg::U64(d64), Arg::F64(c.scale)]);
-                let shared = (2 * d + THREADS as usize) * acc;
-                run(
-                    &name::<T>("flash_forward_simple"),
-                    (t, b * h),
-                    shared,
-                    &args,
-                    order,
-                );
-            }
+            args.push(Arg::F64(c.scale));
+            let kernel = name::<T>(&format!("flash_forward_mma_d{d}"));
+            run(&kernel, (t.div_ceil(ROWS), b * h), 0, &args, order);
         }
         // Backward, from the CPU's o (candle passes the forward's output) and the exact lse.
         let o_cpu = Buffer::from_slice(&r.o_data).unwrap();
@@ -193,30 +175,10 @@ fn check<T: Dt>(c: Case, mma: bool, seed: u64) {
             order,
         );
         let mut dqkv = Buffer::<T>::poisoned(b * t * c.width() * d).unwrap();
-        for (kernel, grid, shared) in if mma {
-            [
-                (format!("flash_dq_mma_d{d}"), (t.div_ceil(ROWS), b * h), 0),
-                (
-                    format!("flash_dkv_mma_d{d}"),
-                    (t.div_ceil(ROWS), b * hkv),
-                    0,
-                ),
-            ]
-        } else {
-            let threads = THREADS as usize;
-            [
-                (
-                    "flash_dq_simple".to_string(),
-                    (t, b * h),
-                    (3 * d + threads) * acc,
-                ),
-                (
-                    "flash_dkv_simple".to_string(),
-                    (t, b * hkv),
-                    (4 * d + 2 * threads) * acc,
-                ),
-            ]
-        } {
+        for (kernel, grid) in [
+            (format!("flash_dq_mma_d{d}"), (t.div_ceil(ROWS), b * h)),
+            (format!("flash_dkv_mma_d{d}"), (t.div_ceil(ROWS), b * hkv)),
+        ] {
             let mut args = qkv_args(c, &packed);
             args.extend([
                 Arg::ptr(&g),
@@ -227,11 +189,8 @@ fn check<T: Dt>(c: Case, mma: bool, seed: u64) {
                 Arg::U64(h64),
                 Arg::U64(hkv64),
             ]);
-            if !mma {
-                args.push(Arg::U64(d64));
-            }
             args.push(Arg::F64(c.scale));
-            run(&name::<T>(&kernel), grid, shared, &args, order);
+            run(&name::<T>(&kernel), grid, 0, &args, order);
         }
         vec![read(&o), read(&lse), read(&dqkv)]
     });
@@ -240,13 +199,7 @@ fn check<T: Dt>(c: Case, mma: bool, seed: u64) {
     } else {
         T::U
     };
-    let rtol = if mma {
-        4.0 * u
-    } else if T::U < 1e-10 {
-        1e-12
-    } else {
-        2e-5
-    };
+    let rtol = 4.0 * u;
     let magnitude = |x: &[f64]| x.iter().fold(0f64, |m, v| m.max(v.abs()));
     let (mo, md) = (magnitude(&r.o), magnitude(&r.dqkv));
     assert_close::<T>(&format!("{what}: o"), &got[0], &r.o, rtol, |_| mo);
@@ -293,48 +246,83 @@ fn aligned_case() -> Case {
     }
 }
 
-/// The simple kernels: groups of 3, a head dim that is no power of two, T past one chunk of
-/// 128 threads in dk/dv's query loop for the first keys.
-fn simple_case() -> Case {
-    Case {
-        batch: 2,
-        tokens: 133,
-        heads: 3,
-        kv_heads: 1,
-        dim: 24,
-        scale: 0.3,
-        pad: 5,
-    }
-}
-
 #[test]
 fn flash_attention_mma_bf16_d64() {
-    check::<half::bf16>(mma_case(64), true, 1);
-    check::<half::bf16>(aligned_case(), true, 2);
+    check::<half::bf16>(mma_case(64), 1);
+    check::<half::bf16>(aligned_case(), 2);
 }
 
 #[test]
 fn flash_attention_mma_f16_d64() {
-    check::<half::f16>(mma_case(64), true, 3);
-    check::<half::f16>(aligned_case(), true, 4);
+    check::<half::f16>(mma_case(64), 3);
+    check::<half::f16>(aligned_case(), 4);
 }
 
 #[test]
 fn flash_attention_mma_bf16_d128() {
-    check::<half::bf16>(mma_case(128), true, 5);
+    check::<half::bf16>(mma_case(128), 5);
 }
 
 #[test]
 fn flash_attention_mma_f16_d128() {
-    check::<half::f16>(mma_case(128), true, 6);
+    check::<half::f16>(mma_case(128), 6);
+}
+
+/// Δ = Σ_d dO·O per row of the contiguous `[B, T, H, D]` o and dO, into `[B, H, T]`: in every
+/// dtype (the tensor-core kernels use it in bf16/f16; it is instantiated for all four), against
+/// the sum in f64. A head dim wider than a warp and one narrower.
+fn check_delta<T: Dt>(seed: u64) {
+    for (b, t, h, d) in [(2, 5, 3, 40), (1, 70, 2, 24)] {
+        let o = Input::<T>::random(&[b, t, h, d], seed, -2.0, 2.0);
+        let g = Input::<T>::random(&[b, t, h, d], seed + 1, -1.0, 1.0);
+        let (os, gs) = (o.f64s(), g.f64s());
+        let rows = b * t * h;
+        let mut want = vec![0.0; rows];
+        let mut size = vec![0.0; rows];
+        for r in 0..rows {
+            let (bb, tt, hh) = (r / (t * h), (r / h) % t, r % h);
+            let at = (bb * h + hh) * t + tt;
+            for k in 0..d {
+                want[at] += os[r * d + k] * gs[r * d + k];
+                size[at] += (os[r * d + k] * gs[r * d + k]).abs();
+            }
+        }
+        let what = format!("flash_delta [{b}, {t}, {h}, {d}]");
+        let got = in_both_orders(&what, |order| {
+            let (ob, gb) = (o.buffer(), g.buffer());
+            // As cuda.rs launches it (one warp per row, 8 warps per block), and in 2 blocks of
+            // 2 warps (a grid-stride loop over the rows).
+            [((rows.div_ceil(8), 1), 256), ((2, 1), 64)]
+                .into_iter()
+                .map(|(grid, threads)| {
+                    let mut delta = Buffer::<T::Acc>::poisoned(rows).unwrap();
+                    let args = [
+                        Arg::ptr(&ob),
+                        Arg::ptr(&gb),
+                        Arg::ptr_mut(&mut delta),
+                        Arg::U64(rows as u64),
+                        Arg::U64(t as u64),
+                        Arg::U64(h as u64),
+                        Arg::U64(d as u64),
+                    ];
+                    run_with(&name::<T>("flash_delta"), grid, threads, 0, &args, order);
+                    read(&delta)
+                })
+                .collect()
+        });
+        let rtol = 4.0 * d as f64 * T::Acc::U;
+        for out in &got {
+            assert_close::<T::Acc>(&what, out, &want, rtol, |i| size[i]);
+        }
+    }
 }
 
 #[test]
-fn flash_attention_simple_every_dtype() {
-    check::<f32>(simple_case(), false, 7);
-    check::<f64>(simple_case(), false, 8);
-    check::<half::bf16>(simple_case(), false, 9);
-    check::<half::f16>(simple_case(), false, 10);
+fn flash_delta_every_dtype() {
+    check_delta::<f32>(7);
+    check_delta::<f64>(8);
+    check_delta::<half::bf16>(9);
+    check_delta::<half::f16>(10);
 }
 
 /// mma.cuh's product (the emulated `mma.sync` and the shuffle variant for GPUs before sm_80) on
