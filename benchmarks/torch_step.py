@@ -377,7 +377,7 @@ def main():
                   "weight_decay": adamw["weight_decay"]},
         "versions": {"torch": torch.__version__, "accelerate": __import__("accelerate").__version__},
     }
-    print(json.dumps(line), flush=True)
+    print(json.dumps(json_safe(line), allow_nan=False), flush=True)
     memory_text = (f"peak device memory {mib(mem_peak):.0f} MiB (torch allocated "
                    f"{mib(framework_peak):.0f})" if cuda else f"peak RSS {line['rss_peak_mib']:.0f} MiB")
     print(f"torch_step: {args.model} {args.mixed_precision} torch {args.mode}, {world} rank(s) x "
@@ -386,6 +386,19 @@ def main():
           f"{peak_tflops:.{3 if peak_tflops < 10 else 1}f} TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, "
           f"loss {final_loss:.4f}", flush=True)
     finish(acc)
+
+
+def json_safe(x):
+    """x with every non-finite float written as "NaN", "inf" or "-inf", as bench_step writes them
+    (benchmarks/src/json_float.rs): strict JSON has no such numbers, and report.py reads these
+    strings back as the floats."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def barrier(acc):

@@ -17,6 +17,9 @@ ratios, consistency checks).
     report.py compare --results R
         interleaved rounds of ours and PyTorch (run names NAME-roundK, see cpu_rounds.sh):
         medians over the rounds and the per-round ratios, as markdown
+    report.py self-test
+        the table and the checks over made-up rows with the awkward cases (a non-finite loss,
+        ...), asserting what they show (run.sh selftest runs it)
 """
 
 import argparse
@@ -24,6 +27,7 @@ import json
 import math
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,6 +37,9 @@ RANK_PREFIX = re.compile(r"^\[rank \d+\]\s*")
 STEP_FIELDS = ["impl", "mode", "model", "mixed_precision", "world_size", "batch_size", "context",
                "n_params", "n_params_matmul", "flops_per_token", "step_ms_median",
                "step_ms_mean", "tokens_per_s", "peak_tflops", "mfu", "final_loss", "data_first"]
+# The numbers every result line has: each is finite in a sound run.
+REQUIRED_NUMBERS = ["step_ms_median", "step_ms_mean", "tokens_per_s", "peak_tflops", "mfu",
+                    "final_loss"]
 
 
 def step_line(log_text):
@@ -89,12 +96,42 @@ def _number(x):
         return False
 
 
+def number(x):
+    """A field's value as read from a result line: the strings that bench_step and
+    torch_step.py write for non-finite floats ("NaN", "inf", "-inf"; JSON has no such numbers)
+    become those floats; anything else is returned as it is."""
+    if isinstance(x, str) and x.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return float(x.strip().lower().replace("infinity", "inf"))
+    if isinstance(x, list):
+        return [number(v) for v in x]
+    return x
+
+
+def normalize(row):
+    """A step record with its non-finite values as floats: the strings of `number`, and None in a
+    field that every result line has a number in (REQUIRED_NUMBERS: serde_json writes a
+    non-finite float as null, Python's json as NaN)."""
+    if row.get("bench") != "step" or "error" in row:
+        return row
+    row = {k: number(v) for k, v in row.items()}
+    for k in REQUIRED_NUMBERS:
+        if k in row and row[k] is None:
+            row[k] = math.nan
+    return row
+
+
+def nonfinite_fields(r):
+    """The fields of REQUIRED_NUMBERS in which a step record holds NaN or an infinity."""
+    return [k for k in REQUIRED_NUMBERS
+            if isinstance(r.get(k), float) and not math.isfinite(r[k])]
+
+
 def load(path):
     rows = []
     if Path(path).exists():
         for line in Path(path).read_text().splitlines():
             if line.strip():
-                rows.append(json.loads(line))
+                rows.append(normalize(json.loads(line)))
     return rows
 
 
@@ -110,7 +147,27 @@ def load_status(path):
 
 
 def fmt(x, spec):
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    """x formatted by spec; "–" for a value that is not there, "non-finite (nan)" and the like
+    for a NaN or an infinity (say, the loss of a broken kernel)."""
+    if x is None:
+        return "–"
+    if isinstance(x, float) and not math.isfinite(x):
+        return f"non-finite ({x})"
+    return format(x, spec)
+
+
+def pct(x):
+    """A fraction as a percentage (fmt's rules)."""
+    if x is None or not math.isfinite(x):
+        return fmt(x, "")
+    return fmt(100 * x, ".1f") + " %"
+
+
+def ratio(a, b):
+    """a / b; NaN when either is not finite, None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b if math.isfinite(a) and math.isfinite(b) else math.nan
 
 
 def config_key(r):
@@ -164,13 +221,15 @@ def table(a):
         impl = "ours" if r["impl"] == "ours" else f"torch {r['mode']}"
         device = r.get("device")
         mem = r.get("mem_used_peak_mib") if device == "cuda" else r.get("rss_peak_mib")
+        peak = r.get("peak_tflops")
+        peak_spec = ".1f" if isinstance(peak, (int, float)) and peak >= 10 else ".3f"
         out.append(
-            f"| {label(r)} | {impl} | {fmt(r['step_ms_median'], '.1f')} "
-            f"({fmt(r['step_ms_mean'], '.1f')}) | {fmt(r['tokens_per_s'], ',.0f')} "
-            f"| {fmt(100 * r['mfu'], '.1f')} % | {fmt(r['peak_tflops'], '.1f' if r['peak_tflops'] >= 10 else '.3f')} "
+            f"| {label(r)} | {impl} | {fmt(r.get('step_ms_median'), '.1f')} "
+            f"({fmt(r.get('step_ms_mean'), '.1f')}) | {fmt(r.get('tokens_per_s'), ',.0f')} "
+            f"| {pct(r.get('mfu'))} | {fmt(peak, peak_spec)} "
             f"| {fmt(mem, ',.0f')}{'' if device == 'cuda' else ' (RSS)'} | {fmt(smi, ',.0f')} "
             f"| {fmt(r.get('framework_peak_mib'), ',.0f')} | {fmt(launches, ',.0f')} "
-            f"| {fmt(r['final_loss'], '.3f')} | {fmt(r.get('compile_s'), '.1f')} |")
+            f"| {fmt(r.get('final_loss'), '.3f')} | {fmt(r.get('compile_s'), '.1f')} |")
     for r in failed:
         why = ", no result line" if "error" in r else ""
         out.append(f"| {r.get('run')} | failed (exit {r.get('rc')}{why}) | | | | | | | | | | |")
@@ -191,11 +250,12 @@ def table(a):
         for mode in ("eager", "compile"):
             theirs = runs.get(("torch", mode))
             if theirs:
-                cells.append(fmt(ours["tokens_per_s"] / theirs["tokens_per_s"], ".2f"))
+                cells.append(fmt(ratio(ours.get("tokens_per_s"), theirs.get("tokens_per_s")),
+                                 ".2f"))
                 mo, mt = ours.get("mem_used_peak_mib"), theirs.get("mem_used_peak_mib")
                 if mo is None or mt is None:
                     mo, mt = ours.get("rss_peak_mib"), theirs.get("rss_peak_mib")
-                cells.append(fmt(mo / mt if mo and mt else None, ".2f"))
+                cells.append(fmt(ratio(mo, mt), ".2f"))
             else:
                 cells += ["–", "–"]
         out.append(f"| {label(ours)} | " + " | ".join(cells) + " |")
@@ -219,16 +279,24 @@ def checks(steps):
         same = len(counts) == 1
         lines.append(f"{model} {layers}x{width}: parameter counts "
                      f"{'equal on both sides' if same else 'DIFFER'}: {sorted(counts)}")
-    firsts = {tuple(r["data_first"]) for r in steps}
+    firsts = {tuple(r.get("data_first") or ()) for r in steps}
     lines.append(f"first tokens of the data stream: {'the same in every run' if len(firsts) <= 1 else 'DIFFER'}"
                  f" {sorted(firsts)[:3]}")
     for r in steps:
+        bad = nonfinite_fields(r)
+        if bad:
+            # A broken kernel's signature: flagged before anything is read into its numbers.
+            lines.append(f"{r['run']}: NON-FINITE " +
+                         ", ".join(f"{k} ({r[k]})" for k in bad))
+    for r in steps:
         # Uniform random tokens cannot be predicted: a sound model stays near ln(vocab).
         ln_v = math.log(r["vocab"])
-        if not abs(r["final_loss"] - ln_v) < 1.0:
-            lines.append(f"{r['run']}: final loss {r['final_loss']:.3f} is far from ln(vocab) = "
+        loss = r.get("final_loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss) and not abs(loss - ln_v) < 1.0:
+            lines.append(f"{r['run']}: final loss {loss:.3f} is far from ln(vocab) = "
                          f"{ln_v:.3f}")
-    lines.append("final losses within 1.0 of ln(vocab) (uniform random tokens) unless listed above")
+    lines.append("final losses within 1.0 of ln(vocab) (uniform random tokens) unless listed above"
+                 " (a non-finite one is listed as NON-FINITE)")
     return lines
 
 
@@ -245,7 +313,7 @@ def check(a):
         assert r["step_ms_median"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"], r
         assert len(r["step_ms"]) == r["steps"], r
     for line in checks(steps):
-        assert "DIFFER" not in line, line
+        assert "DIFFER" not in line and "NON-FINITE" not in line, line
     got = [s["status"] for s in load_status(a.status)]
     want = a.expect_statuses.split(",")
     assert got == want, f"statuses {got}, expected {want}"
@@ -295,6 +363,63 @@ def compare(a):
     print("\n".join(out))
 
 
+def _self_test_row(**fields):
+    """A result line as bench_step or torch_step.py prints it, with `fields` changed."""
+    row = {"bench": "step", "impl": "ours", "mode": "candle", "model": "gpt2",
+           "mixed_precision": "bf16", "device": "cuda", "gpu": "Test GPU", "world_size": 1,
+           "batch_size": 8, "context": 1024, "layers": 12, "width": 768, "heads": 12,
+           "vocab": 50257, "n_params": 124_000_000, "n_params_matmul": 85_000_000,
+           "flops_per_token": 6.0e8, "warmup": 5, "steps": 3, "profile_steps": 0,
+           "step_ms_median": 100.0, "step_ms_mean": 100.0, "step_ms_min": 99.0,
+           "step_ms": [100.0, 99.0, 101.0], "tokens_per_s": 81920.0, "peak_tflops": 700.0,
+           "peak_dtype": "bf16", "peak_size": 8192, "mfu": 6.0e8 * 81920.0 / 700e12,
+           "mem_used_before_mib": 500.0, "mem_used_peak_mib": 20000.0,
+           "framework_peak_mib": None, "rss_peak_mib": 900.0, "final_loss": 10.9,
+           "data_first": [1, 2, 3, 4], "compile_s": None, "launches_per_step": None,
+           "run": "ours-gpt2-bf16", "rc": 0, "run_wall_s": 12.0}
+    row.update(fields)
+    return row
+
+
+def self_test(_a=None):
+    """The table and the checks over made-up rows, asserting what they show."""
+    torch_row = dict(impl="torch", mode="eager", run="torch-eager-gpt2-bf16",
+                     framework_peak_mib=18000.0)
+    rows = [
+        _self_test_row(),
+        _self_test_row(**torch_row),
+        # A broken kernel: bench_step writes non-finite floats as strings, serde's default
+        # (null) and Python's json (NaN) must read the same.
+        _self_test_row(mixed_precision="no", run="ours-gpt2-f32", final_loss="NaN",
+                       mfu="inf", tokens_per_s=None),
+        _self_test_row(mixed_precision="no", run="torch-eager-gpt2-f32", impl="torch",
+                       mode="eager", final_loss=float("nan")),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        results, status, out = (Path(tmp) / n for n in ("r.jsonl", "s.tsv", "r.md"))
+        results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        status.write_text("".join(f"{r['run']}\tpassed\t0\t1.0\t\n" for r in rows))
+        table(argparse.Namespace(results=results, status=status, machine=None, out=out))
+        text = out.read_text()
+    lines = text.splitlines()
+
+    def row_of(run_config, impl):
+        found = [ln for ln in lines if ln.startswith(f"| {run_config} | {impl}")]
+        assert len(found) == 1, (run_config, impl, found)
+        return found[0]
+
+    f32 = "gpt2 (12x768) f32, 1 rank(s), batch 8 x 1024"
+    ours_f32 = row_of(f32, "ours")
+    assert "non-finite" in ours_f32 and ours_f32.count("non-finite") >= 3, ours_f32
+    assert "non-finite" in row_of(f32, "torch eager"), row_of(f32, "torch eager")
+    for run, what in (("ours-gpt2-f32", "final_loss"), ("ours-gpt2-f32", "tokens_per_s"),
+                      ("ours-gpt2-f32", "mfu"), ("torch-eager-gpt2-f32", "final_loss")):
+        assert any(run in ln and "NON-FINITE" in ln and what in ln for ln in lines), (run, what)
+    bf16 = "gpt2 (12x768) bf16, 1 rank(s), batch 8 x 1024"
+    assert "non-finite" not in row_of(bf16, "ours") + row_of(bf16, "torch eager")
+    print("report self-test: non-finite fields shown and flagged: ok")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -323,8 +448,11 @@ def main():
     c.add_argument("--expect-launches", type=float)
     m = sub.add_parser("compare")
     m.add_argument("--results", required=True)
+    sub.add_parser("self-test")
     a = ap.parse_args()
-    if a.cmd == "compare":
+    if a.cmd == "self-test":
+        self_test(a)
+    elif a.cmd == "compare":
         compare(a)
     elif a.cmd == "record":
         record(a)
