@@ -183,8 +183,10 @@ def label(r):
 
 def table(a):
     results = load(a.results)
-    steps = [r for r in results if r.get("bench") == "step" and "error" not in r and r.get("rc") == 0]
-    failed = [r for r in results if r.get("bench") == "step" and ("error" in r or r.get("rc") != 0)]
+    # A run that printed its result line counts even if it then failed or overran its limit
+    # (2 ranks tearing down NCCL, say): its numbers are the timed steps', and its row is marked.
+    steps = [r for r in results if r.get("bench") == "step" and "error" not in r]
+    failed = [r for r in results if r.get("bench") == "step" and "error" in r]
     ncu = [r for r in results if r.get("bench") == "ncu"]
     status = load_status(a.status)
     machine = Path(a.machine).read_text() if a.machine and Path(a.machine).exists() else ""
@@ -219,6 +221,8 @@ def table(a):
         if r["impl"] == "ours":
             launches = ours_launches.get(tuple(config_key(r)))
         impl = "ours" if r["impl"] == "ours" else f"torch {r['mode']}"
+        if r.get("rc") not in (0, None):
+            impl += f" (exit {r['rc']} after its result)"
         device = r.get("device")
         mem = r.get("mem_used_peak_mib") if device == "cuda" else r.get("rss_peak_mib")
         peak = r.get("peak_tflops")
@@ -282,6 +286,11 @@ def checks(steps):
     firsts = {tuple(r.get("data_first") or ()) for r in steps}
     lines.append(f"first tokens of the data stream: {'the same in every run' if len(firsts) <= 1 else 'DIFFER'}"
                  f" {sorted(firsts)[:3]}")
+    for r in steps:
+        if r.get("rc") not in (0, None):
+            why = "overran its time limit" if r["rc"] in (124, 137) else f"exited with {r['rc']}"
+            lines.append(f"{r['run']}: printed its result, then {why} (exit {r['rc']}; at "
+                         "teardown): its numbers are kept, its row marked")
     for r in steps:
         bad = nonfinite_fields(r)
         if bad:
@@ -394,6 +403,12 @@ def self_test(_a=None):
                        mfu="inf", tokens_per_s=None),
         _self_test_row(mixed_precision="no", run="torch-eager-gpt2-f32", impl="torch",
                        mode="eager", final_loss=float("nan")),
+        # Two ranks that printed their result, then overran the time limit at teardown.
+        _self_test_row(run="ours-gpt2-bf16-2ranks", world_size=2, rc=124,
+                       tokens_per_s=2 * 81920.0),
+        # A run that printed nothing stays a failure.
+        {"bench": "step", "error": "no result line", "tail": [], "run": "torch-eager-gpt2-bf16-2ranks",
+         "rc": 1, "run_wall_s": 3},
     ]
     with tempfile.TemporaryDirectory() as tmp:
         results, status, out = (Path(tmp) / n for n in ("r.jsonl", "s.tsv", "r.md"))
@@ -417,7 +432,14 @@ def self_test(_a=None):
         assert any(run in ln and "NON-FINITE" in ln and what in ln for ln in lines), (run, what)
     bf16 = "gpt2 (12x768) bf16, 1 rank(s), batch 8 x 1024"
     assert "non-finite" not in row_of(bf16, "ours") + row_of(bf16, "torch eager")
-    print("report self-test: non-finite fields shown and flagged: ok")
+    two = row_of("gpt2 (12x768) bf16, 2 rank(s), batch 8 x 1024", "ours")
+    assert "163,840" in two and "exit 124 after its result" in two, two
+    assert any("ours-gpt2-bf16-2ranks" in ln and "exit 124" in ln and "kept" in ln
+               for ln in lines), "the teardown failure is listed in the checks"
+    assert any(ln.startswith("| torch-eager-gpt2-bf16-2ranks | failed (exit 1, no result line)")
+               for ln in lines), "a run without a result line is a failure"
+    print("report self-test: non-finite fields shown and flagged, a result before a failed "
+          "teardown kept and marked: ok")
 
 
 def main():
