@@ -5,9 +5,10 @@
 #   scripts/gpu-build.sh check   type-checks (clippy, -D warnings) every target with `--features nccl`
 #                                (what CI runs; it turns on fused-kernels/cuda, whose build script
 #                                compiles the CUDA C of fused-kernels/src/cuda with nvcc)
-#   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests, the
-#                                launcher) against a stub libcuda; copy them to a GPU machine and
-#                                run them there (see README, "GPU tests")
+#   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests:
+#                                tests/gpu.rs, the integration suite, fused-kernels' and
+#                                accelerate-core's; the launcher) against a stub libcuda; copy them
+#                                to a GPU machine and run them there (see README, "GPU tests")
 #
 # Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
 # target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper).
@@ -61,10 +62,11 @@ case "$mode" in
     export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
     cargo build --release -p accelerate-examples --features nccl --examples
     cargo build --release -p accelerate-benchmarks --features nccl --bins
-    # fused-kernels' GPU tests (tests/cuda.rs) come with the suite's; one feature set for both, so
-    # candle is built once.
-    cargo build --release -p accelerate-tests -p fused-kernels \
-      --features accelerate-tests/nccl,fused-kernels/cuda --tests --bins
+    # fused-kernels' GPU tests (tests/cuda.rs) and accelerate-core's (its lib tests: the optimizer
+    # and gradient kernels) come with the suite's; one feature set for all three, so candle and
+    # cudarc are built once.
+    cargo build --release -p accelerate-tests -p fused-kernels -p accelerate-core \
+      --features accelerate-tests/nccl,fused-kernels/cuda,accelerate-core/nccl --tests --bins
     # With nccl, `accelerate env` and `accelerate test` see the GPUs.
     cargo build --release -p accelerate-launch --features nccl
     echo "gpu-build: binaries in $CARGO_TARGET_DIR/release"

@@ -12,6 +12,8 @@
 #   benchmarks/gpu/run.sh selftest   here, without a GPU: the device phase end to end on the CPU
 #                                    with tiny models, nvidia-smi and ncu stubbed, then checks the
 #                                    report and $OUT's limits
+#   benchmarks/gpu/run.sh selftest-core-cuda   the part of selftest that checks the core-cuda
+#                                    step's script against stand-in test binaries (seconds)
 #
 # See benchmarks/gpu/README.md for the exact device-tool call and the time each step takes.
 #
@@ -34,10 +36,16 @@ log() { echo "run.sh: $*" >&2; }
 
 # The binaries the GPU machine runs: the benchmark, the launcher, and everything the GPU
 # correctness suite runs (tests/gpu.rs launches the test worker and the examples from the folder
-# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary).
+# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary;
+# accelerate-core's lib tests, whose CUDA ones check the optimizer and gradient kernels).
 BINARIES=(bench_step accelerate-launch accelerate accelerate-test-worker examples/mlp
   examples/gpt examples/llama)
-TEST_PREFIXES=(gpu integration cuda)
+TEST_PREFIXES=(gpu integration cuda accelerate_core)
+# accelerate-core's GPU tests (ignored without a GPU), selected by these name filters, and how
+# many of them there are: the multi-tensor conformance test of AdamW, SGD and Lion, the compute
+# copies' rounding, the gradient kernel. Fewer passing means the filters missed some.
+CORE_CUDA_FILTERS=(cuda gpu)
+CORE_CUDA_TESTS=5
 
 # pack RELEASE_DIR OUT_FILE strict|lenient: stages the binaries (debug info stripped) under
 # release/ and compresses them with one xz dictionary; `lenient` skips missing ones (selftest).
@@ -259,6 +267,7 @@ device() {
   else
     step fused-kernels-cuda 90 20 "$OUT/suite.log" "${ours_env[@]}" \
       "$(find "$BIN/deps" -name 'cuda-*' | head -1)" --ignored --test-threads=1
+    step core-cuda 60 15 "$OUT/suite.log" "${ours_env[@]}" bash -c "$(core_cuda_script)"
     step gpu-suite 150 40 "$OUT/suite.log" "${ours_env[@]}" \
       "$(find "$BIN/deps" -name 'gpu-*' | head -1)" --test-threads=1 --nocapture
     step nccl-conformance 90 20 "$OUT/suite.log" "${ours_env[@]}" \
@@ -312,6 +321,24 @@ device() {
   cat "$OUT/results.md"
 }
 
+# The core-cuda step's script: accelerate-core's lib test binary, its ignored (GPU) tests of the
+# CUDA kernels one at a time, failing also when fewer than CORE_CUDA_TESTS of them passed (a
+# filter that matches nothing passes 0 tests and exits 0).
+core_cuda_script() {
+  local bin
+  bin=$(find "$BIN/deps" -maxdepth 1 -name 'accelerate_core-*' -type f | head -1)
+  cat <<EOF
+set -o pipefail
+[ -x '$bin' ] || { echo "core-cuda: no accelerate_core-<hash> test binary in the pack"; exit 2; }
+'$bin' --ignored --test-threads=1 ${CORE_CUDA_FILTERS[*]} 2>&1 | tee '$WORK/core-cuda.out' || exit \$?
+passed=\$(sed -nE 's/^test result: ok\. ([0-9]+) passed.*/\1/p' '$WORK/core-cuda.out' | tail -1)
+[ "\${passed:-0}" -ge $CORE_CUDA_TESTS ] || {
+  echo "core-cuda: \${passed:-0} tests passed, $CORE_CUDA_TESTS expected (the filters ${CORE_CUDA_FILTERS[*]} missed some)"
+  exit 3
+}
+EOF
+}
+
 # ncu_profile NAME CAP MIN MODEL_ARGS...: ours under ncu, --profile-steps 2 after 2 warm-up
 # steps and 1 timed one; the parsed per-kernel table and ncu's raw output go to profile.txt.
 ncu_profile() {
@@ -360,7 +387,40 @@ limit_out() {
 # ---------------------------------------------------------------------------------------------
 # The selftest: the device phase on the CPU.
 
+# The core-cuda step's script against stand-ins of the test binary: all tests passing, a filter
+# that matched nothing (0 passed, exit 0), a failing test, no binary.
+selftest_core_cuda() {
+  local tmp rc want name out
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/deps"
+  for want in "5 0" "0 3" "fail 101" "none 2"; do
+    read -r name rc <<<"$want"
+    rm -f "$tmp/deps/"*
+    case $name in
+      fail) printf '#!/bin/sh\necho "test x ... FAILED"; echo "test result: FAILED. 4 passed; 1 failed"; exit 101\n' ;;
+      none) ;;
+      *) printf '#!/bin/sh\necho "args: $*"; echo "test result: ok. %s passed; 0 failed; 0 ignored"\n' "$name" ;;
+    esac >"$tmp/script"
+    [ "$name" = none ] || install -m 755 "$tmp/script" "$tmp/deps/accelerate_core-0123456789abcdef"
+    out=$(BIN=$tmp WORK=$tmp bash -c "$(BIN=$tmp WORK=$tmp core_cuda_script)" 2>&1)
+    local got=$?
+    if [ "$got" != "$rc" ]; then
+      log "selftest: core-cuda with a binary passing '$name' exited $got, expected $rc: $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+    if [ "$name" = 5 ] && ! grep -qF -- "args: --ignored --test-threads=1 ${CORE_CUDA_FILTERS[*]}" <<<"$out"; then
+      log "selftest: core-cuda ran the binary with other arguments: $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+  done
+  rm -rf "$tmp"
+  log "selftest: the core-cuda step passes 5 tests, fails on 0, a failure or no binary: ok"
+}
+
 selftest() {
+  selftest_core_cuda || return 1
   local target=${CARGO_TARGET_DIR:-$ROOT/target}
   cargo build --release -p accelerate-benchmarks --bin bench_step -p accelerate-launch || return 1
   local venv=$ROOT/target/torch-venv
@@ -453,11 +513,12 @@ EOF
 }
 
 case "${1:-}" in
+  selftest-core-cuda) selftest_core_cuda ;;
   prepare) prepare ;;
   device) device ;;
   selftest) selftest ;;
   *)
-    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest" >&2
+    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest|selftest-core-cuda" >&2
     exit 2
     ;;
 esac
