@@ -227,6 +227,23 @@ def peak_lines(peaks):
     return [line]
 
 
+def provenance_banner(machine):
+    """The report's first lines on which source the binaries were built from (run.sh's
+    check_provenance writes its verdict into machine.txt): a loud warning when it is not this
+    working tree, or when nothing says."""
+    verdicts = [ln for ln in machine.splitlines()
+                if ln.startswith(("PACK MISMATCH", "PACK UNKNOWN", "pack matches"))]
+    sources = [ln for ln in machine.splitlines() if ln.startswith("pack source: commit")]
+    where = f" ({sources[0].removeprefix('pack source: ')})" if sources else ""
+    if any(v.startswith("PACK MISMATCH") for v in verdicts):
+        return [f"**WARNING: THE BINARIES DO NOT MATCH THIS WORKING TREE.** {v}" for v in verdicts
+                if v.startswith("PACK MISMATCH")] + [""]
+    if not verdicts or verdicts[-1].startswith("PACK UNKNOWN"):
+        why = verdicts[-1] if verdicts else "no provenance in machine.txt (was the pack unpacked?)"
+        return [f"**WARNING: unknown which source the binaries were built from.** {why}", ""]
+    return [f"Binaries built from this working tree{where}: {verdicts[-1]}.", ""]
+
+
 def table(a):
     results = load(a.results)
     # A run that printed its result line counts even if it then failed or overran its limit
@@ -236,7 +253,7 @@ def table(a):
     ncu = [r for r in results if r.get("bench") == "ncu"]
     status = load_status(a.status)
     machine = Path(a.machine).read_text() if a.machine and Path(a.machine).exists() else ""
-    out = ["# GPU step vs PyTorch (issue 29)", ""]
+    out = ["# GPU step vs PyTorch (issue 29)", ""] + provenance_banner(machine)
     gpu = next((r.get("gpu") for r in steps if r.get("gpu")), None)
     out.append(f"Device: {gpu or steps[0]['device'] if steps else 'no results'}.")
     if machine:
@@ -470,9 +487,21 @@ def self_test(_a=None):
         results, status, out = (Path(tmp) / n for n in ("r.jsonl", "s.tsv", "r.md"))
         results.write_text("".join(json.dumps(r) + "\n" for r in rows))
         status.write_text("".join(f"{r['run']}\tpassed\t0\t1.0\t\n" for r in rows))
+        machine = Path(tmp) / "machine.txt"
+        machine.write_text("pack source: commit: 0123abc\nPACK MISMATCH: built from other "
+                           "sources\n")
+        table(argparse.Namespace(results=results, status=status, machine=machine, out=out))
+        mismatch = out.read_text()
+        machine.write_text("pack source: commit: 0123abc\npack matches the working tree\n")
+        table(argparse.Namespace(results=results, status=status, machine=machine, out=out))
+        matching = out.read_text()
         table(argparse.Namespace(results=results, status=status, machine=None, out=out))
         text = out.read_text()
     lines = text.splitlines()
+    assert mismatch.splitlines()[2].startswith("**WARNING: THE BINARIES DO NOT MATCH"), mismatch
+    assert matching.splitlines()[2].startswith("Binaries built from this working tree (commit: "
+                                               "0123abc)"), matching
+    assert lines[2].startswith("**WARNING: unknown which source"), text
 
     def row_of(run_config, impl):
         found = [ln for ln in lines if ln.startswith(f"| {run_config} | {impl}")]
@@ -502,7 +531,8 @@ def self_test(_a=None):
     assert any(ln.startswith("| torch-eager-gpt2-bf16-2ranks | failed (exit 1, no result line)")
                for ln in lines), "a run without a result line is a failure"
     print("report self-test: non-finite fields shown and flagged, a result before a failed "
-          "teardown kept and marked, MFU against one peak with the gap flagged: ok")
+          "teardown kept and marked, MFU against one peak with the gap flagged, the pack's "
+          "provenance at the top: ok")
 
 
 def main():

@@ -12,8 +12,9 @@
 #   benchmarks/gpu/run.sh selftest   here, without a GPU: the device phase end to end on the CPU
 #                                    with tiny models, nvidia-smi and ncu stubbed, then checks the
 #                                    report and $OUT's limits
-#   benchmarks/gpu/run.sh selftest-core-cuda   the part of selftest that checks the core-cuda
-#                                    step's script against stand-in test binaries (seconds)
+#   benchmarks/gpu/run.sh selftest-quick   the parts of selftest that take seconds: the
+#                                    core-cuda step's script against stand-in test binaries,
+#                                    and the pack's provenance check
 #
 # See benchmarks/gpu/README.md for the exact device-tool call and the time each step takes.
 #
@@ -47,12 +48,63 @@ TEST_PREFIXES=(gpu integration cuda accelerate_core)
 CORE_CUDA_FILTERS=(cuda gpu)
 CORE_CUDA_TESTS=5
 
+# source_hash [DIR]: one SHA-256 over the files the binaries are built from (Rust, CUDA C,
+# headers, manifests, the lock file) under DIR (default .), in a fixed order: computable where
+# there is no git, as on the GPU machine, whose working tree is a copy without .git.
+source_hash() {
+  (cd "${1:-.}" && find . \( -name target -o -name .git -o -name shared -o -name fuzz \) -prune \
+    -o -type f \( -name '*.rs' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
+    -o -name Cargo.toml -o -name Cargo.lock \) -print0 | LC_ALL=C sort -z \
+    | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+# source_info: what the pack was built from, for source.txt in the pack: the commit, whether the
+# tree differed from it (and a hash of that difference), and source_hash of the tree.
+source_info() {
+  local dirty=no
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && dirty=yes
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "dirty: $dirty"
+  echo "diff-sha256: $(git diff HEAD 2>/dev/null | sha256sum | cut -d' ' -f1)"
+  echo "untracked: $(git status --porcelain 2>/dev/null | grep -c '^??')"
+  echo "source-sha256: $(source_hash)"
+  echo "packed: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+}
+
+# check_provenance SOURCE_TXT: lines for machine.txt comparing the pack's source.txt with this
+# working tree; the last one starts with "pack matches", "PACK MISMATCH" or "PACK UNKNOWN".
+# Returns 0, 1 or 2 accordingly.
+check_provenance() {
+  local src=$1 here_hash here_commit pack_hash pack_commit
+  if [ ! -f "$src" ]; then
+    echo "PACK UNKNOWN: no source.txt in the pack (built by an older run.sh?): nothing says which source its binaries are"
+    return 2
+  fi
+  sed 's/^/pack source: /' "$src"
+  here_hash=$(source_hash)
+  here_commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  echo "working tree: commit $here_commit, source-sha256 $here_hash"
+  pack_hash=$(sed -n 's/^source-sha256: //p' "$src")
+  pack_commit=$(sed -n 's/^commit: //p' "$src")
+  if [ "$pack_hash" != "$here_hash" ]; then
+    echo "PACK MISMATCH: the binaries were built from other sources (source-sha256 $pack_hash, commit $pack_commit) than this working tree's ($here_hash, commit $here_commit): run benchmarks/gpu/run.sh prepare again"
+    return 1
+  fi
+  if [ "$here_commit" != unknown ] && [ "$pack_commit" != unknown ] && [ "$pack_commit" != "$here_commit" ]; then
+    echo "PACK MISMATCH: same sources, but packed at commit $pack_commit and run at $here_commit"
+    return 1
+  fi
+  echo "pack matches the working tree (source-sha256 $here_hash)"
+}
+
 # pack RELEASE_DIR OUT_FILE strict|lenient: stages the binaries (debug info stripped) under
-# release/ and compresses them with one xz dictionary; `lenient` skips missing ones (selftest).
+# release/ and what they were built from in source.txt, and compresses them with one xz
+# dictionary; `lenient` skips missing ones (selftest).
 pack() {
   local release=$1 out=$2 mode=$3 stage missing=0
   stage=$(mktemp -d)
   mkdir -p "$stage/release/examples" "$stage/release/deps"
+  source_info >"$stage/source.txt"
   for b in "${BINARIES[@]}"; do
     if [ -x "$release/$b" ]; then
       cp "$release/$b" "$stage/release/$b"
@@ -81,7 +133,7 @@ pack() {
   find "$stage/release" -type f -exec strip --strip-debug {} + 2>/dev/null || true
   mkdir -p "$(dirname "$out")"
   # One dictionary over all of them: each embeds the same PTX of candle's kernels.
-  tar -C "$stage" -cf - release | xz -T1 "--lzma2=preset=6,dict=${XZ_DICT:-512MiB}" > "$out.tmp" \
+  tar -C "$stage" -cf - source.txt release | xz -T1 "--lzma2=preset=6,dict=${XZ_DICT:-512MiB}" > "$out.tmp" \
     && mv "$out.tmp" "$out"
   local rc=$?
   du -sh "$stage/release" | sed 's/^/pack: staged /' >&2
@@ -97,9 +149,16 @@ pack() {
 }
 
 prepare() {
-  local target=${CUDA_TARGET_DIR:-$ROOT/target/cuda}
+  local target=${CUDA_TARGET_DIR:-$ROOT/target/cuda} before
+  before=$(source_hash)
   CUDA_TARGET_DIR=$target scripts/gpu-build.sh build || return 1
   pack "$target/release" "$PACK" strict || return 1
+  # source.txt describes the tree as it was when packing: it must be the one that was built.
+  if [ "$(source_hash)" != "$before" ]; then
+    log "prepare: the sources changed while building or packing; run prepare again"
+    return 1
+  fi
+  source_info | sed 's/^/prepare: pack source: /' >&2
   git check-ignore -q "$PACK" || { log "$PACK is not ignored by git"; return 1; }
   log "prepare: done; carry $(dirname "${PACK#"$ROOT"/}") in the device tool's call"
 }
@@ -235,6 +294,10 @@ device() {
     tabulate
     return 1
   }
+  # Which source the binaries were built from, against this working tree (results.md warns at
+  # its top when they differ).
+  check_provenance "$WORK/source.txt" >>"$OUT/machine.txt" || log "$(tail -1 "$OUT/machine.txt")"
+  tabulate
 
   # Sizes: GPT-2 124M and SmolLM-135M, or the selftest's tiny ones.
   local batch=${BATCH:-8} context=${CONTEXT:-1024}
@@ -419,8 +482,28 @@ selftest_core_cuda() {
   log "selftest: the core-cuda step passes 5 tests, fails on 0, a failure or no binary: ok"
 }
 
+# check_provenance against source.txt files: this tree's own, one of other sources, and none.
+selftest_provenance() {
+  local tmp out rc
+  tmp=$(mktemp -d)
+  source_info >"$tmp/same.txt"
+  sed 's/^source-sha256: .*/source-sha256: 0000/' "$tmp/same.txt" >"$tmp/other.txt"
+  for want in "same 0 pack matches" "other 1 PACK MISMATCH" "none 2 PACK UNKNOWN"; do
+    read -r name rc verdict <<<"$want"
+    out=$(check_provenance "$tmp/$name.txt")
+    local got=$?
+    if [ "$got" != "$rc" ] || [[ "$(tail -1 <<<"$out")" != "$verdict"* ]]; then
+      log "selftest: check_provenance of the '$name' source.txt exited $got, expected $rc ($verdict): $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+  done
+  rm -rf "$tmp"
+  log "selftest: check_provenance tells this tree's pack, another's, and none: ok"
+}
+
 selftest() {
-  selftest_core_cuda || return 1
+  selftest_core_cuda && selftest_provenance || return 1
   local target=${CARGO_TARGET_DIR:-$ROOT/target}
   cargo build --release -p accelerate-benchmarks --bin bench_step -p accelerate-launch || return 1
   local venv=$ROOT/target/torch-venv
@@ -499,6 +582,10 @@ EOF
     log "selftest: names the device tool would not bring back"
     return 1
   }
+  grep -q "^Binaries built from this working tree" "$tmp/out/results.md" || {
+    log "selftest: results.md does not say that the pack matches the working tree"
+    return 1
+  }
   local row
   for row in "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours" \
     "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
@@ -513,12 +600,12 @@ EOF
 }
 
 case "${1:-}" in
-  selftest-core-cuda) selftest_core_cuda ;;
+  selftest-quick) selftest_core_cuda && selftest_provenance ;;
   prepare) prepare ;;
   device) device ;;
   selftest) selftest ;;
   *)
-    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest|selftest-core-cuda" >&2
+    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest|selftest-quick" >&2
     exit 2
     ;;
 esac
