@@ -34,7 +34,9 @@ use super::rule::CudaUpdate;
 use crate::cuda_slices::{cuda_address, cuda_address_mut};
 use crate::error::{Error, Result};
 
-/// The kernels' source, also compiled by the tests of a CPU emulator of our CUDA kernels.
+/// The kernels' source. Only NVRTC compiles it, on a GPU machine: fused-kernels' CPU emulator
+/// builds the `.cu` files of fused-kernels alone, so on a machine without a GPU nothing runs it;
+/// the GPU conformance test compares it with the CPU kernels bit for bit.
 const SOURCE: &str = include_str!("cuda/multi_tensor.cu");
 
 /// The name candle's device caches the compiled module under.
