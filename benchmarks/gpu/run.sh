@@ -360,6 +360,10 @@ device() {
     --nproc-per-node 2 benchmarks/torch_step.py "${torch_cpu[@]}" "${gpt[@]}" "${common[@]}" \
     "${bf16[@]}" --mode eager
 
+  # PyTorch's own fused AdamW (one kernel per step, as ours) beside its default foreach one.
+  bench torch-eager-gpt2-bf16-fused-adamw 120 30 "${torch[@]}" "${gpt[@]}" "${common[@]}" \
+    "${bf16[@]}" --mode eager --fused-adamw
+
   # (4) ncu over 2 steady-state steps of ours (kernel launches per step, the per-kernel table).
   ncu_profile ncu-ours-gpt2-bf16 150 40 "${gpt[@]}" --mixed-precision bf16
 
@@ -565,10 +569,10 @@ EOF
     CAP_SCALE=${SELFTEST_CAP_SCALE:-10} OPTIONAL_MIN_S=1000000 BATCH=4 CONTEXT=32 GPT_SIZE="$tiny" SMOL_SIZE="$tiny --kv-heads 2" \
     WARMUP_BF16=1 STEPS_BF16=3 WARMUP_F32=1 STEPS_F32=3 device || return 1
   local expect="passed,passed,passed,failed,timeout"
-  expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
+  expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
   expect+=",passed,passed,passed,skipped,skipped,skipped"
   "$venv/bin/python" benchmarks/gpu/report.py check --results "$tmp/out/results.jsonl" \
-    --status "$tmp/out/status.tsv" --expect-runs 12 --expect-statuses "$expect" \
+    --status "$tmp/out/status.tsv" --expect-runs 13 --expect-statuses "$expect" \
     --expect-launches 7 || return 1
   "$venv/bin/python" benchmarks/gpu/ncu_summary.py --self-test || return 1
   # The report's awkward rows (a non-finite loss, ...), which the tiny runs above do not produce.
@@ -590,7 +594,8 @@ EOF
   for row in "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours" \
     "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
     "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours" \
-    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile"; do
+    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile" \
+    "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | torch eager, fused AdamW"; do
     grep -qF "| $row |" "$tmp/out/results.md" || {
       log "selftest: results.md lacks the row '$row'"
       return 1
