@@ -11,7 +11,9 @@
 #                                to a GPU machine and run them there (see README, "GPU tests")
 #
 # Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
-# target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper).
+# target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper);
+# CHECK_RELEASE=1 type-checks with --release, which reuses the dependencies (and candle's nvcc
+# build of its kernels) of a target dir that only `build` has filled.
 #
 # The wheel versions must agree with each other (a newer nvvm than nvcc fails with "Unsupported
 # .version"), and the toolkit must not be newer than the driver of the machine that runs the
@@ -42,7 +44,9 @@ nvcc --version | tail -2
 
 case "$mode" in
   check)
-    cargo clippy --workspace --all-targets --features nccl -- -D warnings
+    profile=()
+    [ "${CHECK_RELEASE:-0}" = 1 ] && profile=(--release)
+    cargo clippy "${profile[@]}" --workspace --all-targets --features nccl -- -D warnings
     echo "gpu-build: --features nccl type-checks, clippy clean"
     ;;
   build)
