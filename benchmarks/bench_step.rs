@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use accelerate_benchmarks::gpu_probe::{self, MemoryWatch};
+use accelerate_benchmarks::json_float::{float, floats, optional};
 use accelerate_benchmarks::{median, mfu, peak_resident_kib, synthetic};
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
@@ -362,7 +363,8 @@ fn run(args: Args) -> Result<()> {
         ModelKind::Gpt2 => "gpt2",
         ModelKind::Smollm => "smollm",
     };
-    // The fields torch_step.py prints too (benchmarks/gpu/report.py reads both).
+    // The fields torch_step.py prints too (benchmarks/gpu/report.py reads both); a float that
+    // may not be finite goes through `float`, so that a NaN loss reads as NaN, not as missing.
     let fields: Vec<(&str, Value)> = vec![
         ("bench", json!("step")),
         ("impl", json!("ours")),
@@ -387,20 +389,20 @@ fn run(args: Args) -> Result<()> {
         ("warmup", json!(args.warmup)),
         ("steps", json!(args.steps)),
         ("profile_steps", json!(args.profile_steps)),
-        ("step_ms_median", json!(step_median)),
-        ("step_ms_mean", json!(step_mean)),
-        ("step_ms_min", json!(step_min)),
-        ("step_ms", json!(timings.step_ms)),
-        ("tokens_per_s", json!(tokens_per_s)),
-        ("peak_tflops", json!(peak_tflops)),
+        ("step_ms_median", float(step_median)),
+        ("step_ms_mean", float(step_mean)),
+        ("step_ms_min", float(step_min)),
+        ("step_ms", floats(&timings.step_ms)),
+        ("tokens_per_s", float(tokens_per_s)),
+        ("peak_tflops", float(peak_tflops)),
         ("peak_dtype", json!(peak_dtype)),
         ("peak_size", json!(peak_size)),
-        ("mfu", json!(utilization)),
-        ("mem_used_before_mib", json!(mem_before.map(mib))),
-        ("mem_used_peak_mib", json!(mem_peak.map(mib))),
+        ("mfu", float(utilization)),
+        ("mem_used_before_mib", optional(mem_before.map(mib))),
+        ("mem_used_peak_mib", optional(mem_peak.map(mib))),
         ("framework_peak_mib", Value::Null),
-        ("rss_peak_mib", json!(rss_peak_kib.map(|k| k / 1024.0))),
-        ("final_loss", json!(timings.final_loss)),
+        ("rss_peak_mib", optional(rss_peak_kib.map(|k| k / 1024.0))),
+        ("final_loss", float(timings.final_loss)),
         ("data_first", json!(data_first)),
         ("compile_s", Value::Null),
         ("launches_per_step", Value::Null),

@@ -11,7 +11,9 @@ readable line on the main process.
   tie_word_embeddings=False), attn_implementation="sdpa"), loss from labels=input_ids.
 
 Trained with `Accelerator(mixed_precision=...)`, `prepare` (model, AdamW, data loader),
-`accelerator.backward`, torch.optim.AdamW with bench_step's hyper-parameters. `--mode compile`
+`accelerator.backward`, torch.optim.AdamW with bench_step's hyper-parameters (PyTorch's default
+implementation, foreach: a handful of multi-tensor kernels per step; `--fused-adamw` takes its
+fused one, a single kernel per step as ours). `--mode compile`
 compiles the model through Accelerate (`dynamo_backend="inductor"`, i.e. torch.compile of the
 prepared model); shapes never change, so it compiles once, in the first warm-up step, whose time
 is reported as compile_s and excluded like every warm-up step.
@@ -259,6 +261,8 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs)")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="torch.optim.AdamW(fused=True) instead of the default (foreach)")
     for flag in ("layers", "width", "heads", "kv-heads", "intermediate", "vocab", "peak-size"):
         ap.add_argument(f"--{flag}", type=int)
     args = ap.parse_args()
@@ -302,7 +306,10 @@ def main():
     data = torch.from_numpy(stream.reshape(rows, row_len))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=False)
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    # What AdamW runs: the fused kernel when asked; by default foreach on a GPU, a loop over the
+    # parameters on the CPU (torch's own choice).
+    optimizer = "fused" if args.fused_adamw else ("foreach" if cuda else "for-loop")
+    opt = torch.optim.AdamW(model.parameters(), **adamw, **({"fused": True} if args.fused_adamw else {}))
     model, opt, loader = acc.prepare(model, opt, loader)
     if len(loader) != total_steps:
         sys.exit(f"error: the prepared loader holds {len(loader)} batches, not {total_steps}")
@@ -375,9 +382,10 @@ def main():
         "wall_s": time.perf_counter() - started, "threads": torch.get_num_threads(),
         "adamw": {"lr": adamw["lr"], "betas": list(adamw["betas"]), "eps": adamw["eps"],
                   "weight_decay": adamw["weight_decay"]},
+        "optimizer": optimizer,
         "versions": {"torch": torch.__version__, "accelerate": __import__("accelerate").__version__},
     }
-    print(json.dumps(line), flush=True)
+    print(json.dumps(json_safe(line), allow_nan=False), flush=True)
     memory_text = (f"peak device memory {mib(mem_peak):.0f} MiB (torch allocated "
                    f"{mib(framework_peak):.0f})" if cuda else f"peak RSS {line['rss_peak_mib']:.0f} MiB")
     print(f"torch_step: {args.model} {args.mixed_precision} torch {args.mode}, {world} rank(s) x "
@@ -386,6 +394,19 @@ def main():
           f"{peak_tflops:.{3 if peak_tflops < 10 else 1}f} TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, "
           f"loss {final_loss:.4f}", flush=True)
     finish(acc)
+
+
+def json_safe(x):
+    """x with every non-finite float written as "NaN", "inf" or "-inf", as bench_step writes them
+    (benchmarks/src/json_float.rs): strict JSON has no such numbers, and report.py reads these
+    strings back as the floats."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def barrier(acc):

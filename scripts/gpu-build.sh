@@ -5,12 +5,15 @@
 #   scripts/gpu-build.sh check   type-checks (clippy, -D warnings) every target with `--features nccl`
 #                                (what CI runs; it turns on fused-kernels/cuda, whose build script
 #                                compiles the CUDA C of fused-kernels/src/cuda with nvcc)
-#   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests, the
-#                                launcher) against a stub libcuda; copy them to a GPU machine and
-#                                run them there (see README, "GPU tests")
+#   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests:
+#                                tests/gpu.rs, the integration suite, fused-kernels' and
+#                                accelerate-core's; the launcher) against a stub libcuda; copy them
+#                                to a GPU machine and run them there (see README, "GPU tests")
 #
 # Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
-# target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper).
+# target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper);
+# CHECK_RELEASE=1 type-checks with --release, which reuses the dependencies (and candle's nvcc
+# build of its kernels) of a target dir that only `build` has filled.
 #
 # The wheel versions must agree with each other (a newer nvvm than nvcc fails with "Unsupported
 # .version"), and the toolkit must not be newer than the driver of the machine that runs the
@@ -41,7 +44,9 @@ nvcc --version | tail -2
 
 case "$mode" in
   check)
-    cargo clippy --workspace --all-targets --features nccl -- -D warnings
+    profile=()
+    [ "${CHECK_RELEASE:-0}" = 1 ] && profile=(--release)
+    cargo clippy "${profile[@]}" --workspace --all-targets --features nccl -- -D warnings
     echo "gpu-build: --features nccl type-checks, clippy clean"
     ;;
   build)
@@ -61,10 +66,11 @@ case "$mode" in
     export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
     cargo build --release -p accelerate-examples --features nccl --examples
     cargo build --release -p accelerate-benchmarks --features nccl --bins
-    # fused-kernels' GPU tests (tests/cuda.rs) come with the suite's; one feature set for both, so
-    # candle is built once.
-    cargo build --release -p accelerate-tests -p fused-kernels \
-      --features accelerate-tests/nccl,fused-kernels/cuda --tests --bins
+    # fused-kernels' GPU tests (tests/cuda.rs) and accelerate-core's (its lib tests: the optimizer
+    # and gradient kernels) come with the suite's; one feature set for all three, so candle and
+    # cudarc are built once.
+    cargo build --release -p accelerate-tests -p fused-kernels -p accelerate-core \
+      --features accelerate-tests/nccl,fused-kernels/cuda,accelerate-core/nccl --tests --bins
     # With nccl, `accelerate env` and `accelerate test` see the GPUs.
     cargo build --release -p accelerate-launch --features nccl
     echo "gpu-build: binaries in $CARGO_TARGET_DIR/release"

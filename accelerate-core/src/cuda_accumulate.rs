@@ -7,18 +7,18 @@
 //! The result is the CPU path's (`grads::add_contiguous`, `add_transposed`) bit for bit: each
 //! element is widened exactly to f32, multiplied by the scale, and written or added, with
 //! floating-point contraction off. (The three-kernel path turned a product of -0 into +0: candle's
-//! scaling adds 0.)
-
-use std::sync::OnceLock;
+//! scaling adds 0.) Where NVRTC cannot compile the kernel, the tensor-op path runs instead, with
+//! one warning ([`runtime_kernels`](crate::runtime_kernels)).
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Tensor};
+use candle_core::{CudaDevice, DType, Tensor};
 use half::{bf16, f16};
 
-use crate::cuda_slices::{cuda_address_mut, cuda_strided_address, StridedAddress};
-use crate::error::{Error, Result};
+use crate::cuda_slices::{with_dst_and_strided_src, StridedAddress};
+use crate::error::Result;
+use crate::merged_layout::{is_linear, merged_layout};
+use crate::runtime_kernels::RuntimeKernels;
 
 /// The kernel's source.
 const SOURCE: &str = include_str!("cuda/accumulate.cu");
@@ -26,8 +26,19 @@ const SOURCE: &str = include_str!("cuda/accumulate.cu");
 /// The name candle's device caches the compiled module under.
 const MODULE: &str = "accelerate_core_accumulate";
 
-/// Dimensions the kernel's layout holds (`MAX_DIMS` in the source).
+/// The compiled kernel, or the tensor-op path when NVRTC cannot compile it.
+static KERNELS: RuntimeKernels =
+    RuntimeKernels::new("the gradient accumulation kernel", MODULE, SOURCE);
+
+/// Dimensions the kernel's layout holds (`MAX_DIMS` in the source), after merging.
 const MAX_DIMS: usize = 6;
+
+/// The gradient's element type, as the kernel's `src_kind` (`SRC_*` in the source).
+const SRC_F32: u32 = 0;
+/// bf16, widened exactly.
+const SRC_BF16: u32 = 1;
+/// IEEE f16, widened exactly.
+const SRC_F16: u32 = 2;
 
 /// Threads per block; each thread strides over the gradient.
 const BLOCK: u32 = 256;
@@ -47,89 +58,86 @@ struct KernelLayout {
 // SAFETY: plain integers, laid out as the kernel's `struct Layout`.
 unsafe impl DeviceRepr for KernelLayout {}
 
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            fmad: Some(false),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(SOURCE, options)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| e.to_string())
-    });
-    compiled.as_deref().map_err(|e| {
-        Error::Parameters(format!(
-            "NVRTC could not compile the gradient accumulation kernel: {e} (NVRTC comes with the \
-             CUDA toolkit; put its libnvrtc on LD_LIBRARY_PATH)"
-        ))
-    })
-}
-
 /// `dst = scale * grad` (`overwrite`) or `dst += scale * grad`, in one launch, if `dst` is a
 /// contiguous f32 CUDA tensor and `grad` an f32, bf16 or f16 tensor of the same shape on the same
-/// GPU, of rank at most 6; `Ok(false)`, with nothing done, otherwise.
+/// GPU whose layout merges to at most 6 dimensions, and the kernel could be compiled and loaded;
+/// `Ok(false)`, with nothing done, otherwise.
 pub(crate) fn add_scaled(dst: &Tensor, grad: &Tensor, scale: f32, overwrite: bool) -> Result<bool> {
     if !dst.device().is_cuda()
         || !grad.device().same_device(dst.device())
         || grad.shape() != dst.shape()
-        || grad.rank() > MAX_DIMS
     {
         return Ok(false);
     }
-    let (kind, src) = match grad.dtype() {
-        DType::F32 => (0u32, cuda_strided_address::<f32>(grad, DType::F32)?),
-        DType::BF16 => (1, cuda_strided_address::<bf16>(grad, DType::BF16)?),
-        DType::F16 => (2, cuda_strided_address::<f16>(grad, DType::F16)?),
+    let kind = match grad.dtype() {
+        DType::F32 => SRC_F32,
+        DType::BF16 => SRC_BF16,
+        DType::F16 => SRC_F16,
         _ => return Ok(false),
     };
-    let Some(StridedAddress {
-        address: src,
-        dims,
-        strides,
-    }) = src
-    else {
-        return Ok(false);
-    };
-    let Some((device, dst)) = cuda_address_mut::<f32>(dst, DType::F32)? else {
-        return Ok(false);
-    };
     let n = grad.elem_count();
-    if n == 0 {
-        return Ok(true);
-    }
-    let mut layout = KernelLayout {
-        dims: [1; MAX_DIMS],
-        strides: [0; MAX_DIMS],
-        rank: dims.len() as u64,
+    let launch = |device: &CudaDevice, dst: u64, src: &StridedAddress| -> Result<bool> {
+        if n == 0 {
+            return Ok(true);
+        }
+        // A contiguous gradient (most are: all but the transposed weights') merges to one run,
+        // indexed linearly; others keep as few dimensions as their layout allows.
+        let (dims, strides) = merged_layout(&src.dims, &src.strides);
+        let linear = is_linear(&dims, &strides);
+        if dims.len() > MAX_DIMS {
+            return Ok(false);
+        }
+        let name = if linear {
+            "add_scaled_linear_into_f32"
+        } else {
+            "add_scaled_into_f32"
+        };
+        let Some(func) = KERNELS.function(device, name) else {
+            return Ok(false);
+        };
+        let mut layout = KernelLayout {
+            dims: [1; MAX_DIMS],
+            strides: [0; MAX_DIMS],
+            rank: dims.len() as u64,
+        };
+        for (d, (&dim, &stride)) in dims.iter().zip(&strides).enumerate() {
+            layout.dims[d] = dim as u64;
+            layout.strides[d] = stride as i64;
+        }
+        let (n64, overwrite) = (n as u64, i32::from(overwrite));
+        let stream = device.cuda_stream();
+        let mut args = stream.launch_builder(&func);
+        args.arg(&dst).arg(&src.address).arg(&kind).arg(&n64);
+        if !linear {
+            args.arg(&layout);
+        }
+        args.arg(&scale).arg(&overwrite);
+        let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS as usize) as u32;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the signature in SOURCE of the kernel `name` (the layout
+        // only for the general one); `dst` holds `n` contiguous f32 elements and `src` the `n`
+        // elements its layout (the tensor's own, merged without changing an offset) reaches,
+        // both of tensors whose storages stay locked, with cudarc's access guards held, until
+        // this launch is queued (see cuda_slices).
+        unsafe { args.launch(config) }.w()?;
+        #[cfg(test)]
+        LAUNCHES.with(|n| n.set(n.get() + 1));
+        #[cfg(test)]
+        if linear {
+            LINEAR_LAUNCHES.with(|n| n.set(n.get() + 1));
+        }
+        Ok(true)
     };
-    for (d, (&dim, &stride)) in dims.iter().zip(&strides).enumerate() {
-        layout.dims[d] = dim as u64;
-        layout.strides[d] = stride as i64;
-    }
-    let func = device.get_or_load_custom_func("add_scaled_into_f32", MODULE, ptx()?)?;
-    let (n64, overwrite) = (n as u64, i32::from(overwrite));
-    let mut args = func.builder();
-    args.arg(&dst)
-        .arg(&src)
-        .arg(&kind)
-        .arg(&n64)
-        .arg(&layout)
-        .arg(&scale)
-        .arg(&overwrite);
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS as usize) as u32;
-    let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+    let done = match kind {
+        SRC_F32 => with_dst_and_strided_src::<f32, _>(dst, grad, DType::F32, launch)?,
+        SRC_BF16 => with_dst_and_strided_src::<bf16, _>(dst, grad, DType::BF16, launch)?,
+        _ => with_dst_and_strided_src::<f16, _>(dst, grad, DType::F16, launch)?,
     };
-    // SAFETY: the arguments match the kernel's signature in SOURCE; `dst` holds `n` contiguous
-    // f32 elements and `src` the `n` elements its layout (from the tensor's own) reaches, both
-    // taken from live tensors that the caller holds until the launch is queued (see cuda_slices).
-    unsafe { args.launch(config) }.w()?;
-    #[cfg(test)]
-    LAUNCHES.with(|n| n.set(n.get() + 1));
-    Ok(true)
+    Ok(done.unwrap_or(false))
 }
 
 #[cfg(test)]
@@ -139,8 +147,20 @@ thread_local! {
     static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Launches of the linear kernel (a contiguous gradient) so far on this thread.
+    static LINEAR_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Launches of the kernel so far on this thread.
 #[cfg(test)]
 pub(crate) fn launches() -> u64 {
     LAUNCHES.with(|n| n.get())
+}
+
+/// Launches of the linear kernel so far on this thread.
+#[cfg(test)]
+pub(crate) fn linear_launches() -> u64 {
+    LINEAR_LAUNCHES.with(|n| n.get())
 }

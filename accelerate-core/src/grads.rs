@@ -954,9 +954,14 @@ mod tests {
                 let param = Var::zeros(&shape, DType::F32, &cuda).unwrap();
                 let mut buffers = GradientBuffers::new(&[("w".into(), param)], 1 << 20).unwrap();
                 let before = crate::cuda_accumulate::launches();
+                let linear_before = crate::cuda_accumulate::linear_launches();
                 buffers.accumulate_one("w", &g1, 0.5).unwrap();
                 buffers.accumulate_one("w", &g2, 0.25).unwrap();
                 assert_eq!(crate::cuda_accumulate::launches() - before, 2, "{what}");
+                // Only the contiguous gradient is one linear run (the permuted one merges to
+                // two dimensions, the others stay two).
+                let linear = crate::cuda_accumulate::linear_launches() - linear_before;
+                assert_eq!(linear, if what == "contiguous" { 2 } else { 0 }, "{what}");
                 // The formula, on the host: exact widening, then f32 arithmetic.
                 let host = |g: &Tensor| -> Vec<f32> {
                     g.to_device(&Device::Cpu)

@@ -108,12 +108,19 @@ pub mod fuzzing;
 mod fuzzing;
 mod grads;
 mod malloc;
+// Plain data: tested on the CPU, used by the CUDA gradient kernel.
+#[cfg(any(feature = "cuda", test))]
+mod merged_layout;
 mod mixed_precision;
 mod model;
 mod no_sync;
 pub mod optim;
 mod prepared;
 mod rng;
+// Used by the CUDA kernels; built without `cuda` too, so that its fallback logic is tested on any
+// machine.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod runtime_kernels;
 mod state;
 mod sync;
 mod threads;

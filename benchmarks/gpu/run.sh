@@ -12,6 +12,9 @@
 #   benchmarks/gpu/run.sh selftest   here, without a GPU: the device phase end to end on the CPU
 #                                    with tiny models, nvidia-smi and ncu stubbed, then checks the
 #                                    report and $OUT's limits
+#   benchmarks/gpu/run.sh selftest-quick   the parts of selftest that take seconds: the
+#                                    core-cuda step's script against stand-in test binaries,
+#                                    and the pack's provenance check
 #
 # See benchmarks/gpu/README.md for the exact device-tool call and the time each step takes.
 #
@@ -34,17 +37,74 @@ log() { echo "run.sh: $*" >&2; }
 
 # The binaries the GPU machine runs: the benchmark, the launcher, and everything the GPU
 # correctness suite runs (tests/gpu.rs launches the test worker and the examples from the folder
-# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary).
+# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary;
+# accelerate-core's lib tests, whose CUDA ones check the optimizer and gradient kernels).
 BINARIES=(bench_step accelerate-launch accelerate accelerate-test-worker examples/mlp
   examples/gpt examples/llama)
-TEST_PREFIXES=(gpu integration cuda)
+TEST_PREFIXES=(gpu integration cuda accelerate_core)
+# accelerate-core's GPU tests (ignored without a GPU), selected by these name filters, and how
+# many of them there are: the multi-tensor conformance test of AdamW, SGD and Lion, the compute
+# copies' rounding, the gradient kernel. Fewer passing means the filters missed some.
+CORE_CUDA_FILTERS=(cuda gpu)
+CORE_CUDA_TESTS=5
+
+# source_hash [DIR]: one SHA-256 over the files the binaries are built from (Rust, CUDA C,
+# headers, manifests, the lock file) under DIR (default .), in a fixed order: computable where
+# there is no git, as on the GPU machine, whose working tree is a copy without .git.
+source_hash() {
+  (cd "${1:-.}" && find . \( -name target -o -name .git -o -name shared -o -name fuzz \) -prune \
+    -o -type f \( -name '*.rs' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
+    -o -name Cargo.toml -o -name Cargo.lock \) -print0 | LC_ALL=C sort -z \
+    | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+# source_info: what the pack was built from, for source.txt in the pack: the commit, whether the
+# tree differed from it (and a hash of that difference), and source_hash of the tree.
+source_info() {
+  local dirty=no
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && dirty=yes
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "dirty: $dirty"
+  echo "diff-sha256: $(git diff HEAD 2>/dev/null | sha256sum | cut -d' ' -f1)"
+  echo "untracked: $(git status --porcelain 2>/dev/null | grep -c '^??')"
+  echo "source-sha256: $(source_hash)"
+  echo "packed: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+}
+
+# check_provenance SOURCE_TXT: lines for machine.txt comparing the pack's source.txt with this
+# working tree; the last one starts with "pack matches", "PACK MISMATCH" or "PACK UNKNOWN".
+# Returns 0, 1 or 2 accordingly.
+check_provenance() {
+  local src=$1 here_hash here_commit pack_hash pack_commit
+  if [ ! -f "$src" ]; then
+    echo "PACK UNKNOWN: no source.txt in the pack (built by an older run.sh?): nothing says which source its binaries are"
+    return 2
+  fi
+  sed 's/^/pack source: /' "$src"
+  here_hash=$(source_hash)
+  here_commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  echo "working tree: commit $here_commit, source-sha256 $here_hash"
+  pack_hash=$(sed -n 's/^source-sha256: //p' "$src")
+  pack_commit=$(sed -n 's/^commit: //p' "$src")
+  if [ "$pack_hash" != "$here_hash" ]; then
+    echo "PACK MISMATCH: the binaries were built from other sources (source-sha256 $pack_hash, commit $pack_commit) than this working tree's ($here_hash, commit $here_commit): run benchmarks/gpu/run.sh prepare again"
+    return 1
+  fi
+  if [ "$here_commit" != unknown ] && [ "$pack_commit" != unknown ] && [ "$pack_commit" != "$here_commit" ]; then
+    echo "PACK MISMATCH: same sources, but packed at commit $pack_commit and run at $here_commit"
+    return 1
+  fi
+  echo "pack matches the working tree (source-sha256 $here_hash)"
+}
 
 # pack RELEASE_DIR OUT_FILE strict|lenient: stages the binaries (debug info stripped) under
-# release/ and compresses them with one xz dictionary; `lenient` skips missing ones (selftest).
+# release/ and what they were built from in source.txt, and compresses them with one xz
+# dictionary; `lenient` skips missing ones (selftest).
 pack() {
   local release=$1 out=$2 mode=$3 stage missing=0
   stage=$(mktemp -d)
   mkdir -p "$stage/release/examples" "$stage/release/deps"
+  source_info >"$stage/source.txt"
   for b in "${BINARIES[@]}"; do
     if [ -x "$release/$b" ]; then
       cp "$release/$b" "$stage/release/$b"
@@ -73,7 +133,7 @@ pack() {
   find "$stage/release" -type f -exec strip --strip-debug {} + 2>/dev/null || true
   mkdir -p "$(dirname "$out")"
   # One dictionary over all of them: each embeds the same PTX of candle's kernels.
-  tar -C "$stage" -cf - release | xz -T1 "--lzma2=preset=6,dict=${XZ_DICT:-512MiB}" > "$out.tmp" \
+  tar -C "$stage" -cf - source.txt release | xz -T1 "--lzma2=preset=6,dict=${XZ_DICT:-512MiB}" > "$out.tmp" \
     && mv "$out.tmp" "$out"
   local rc=$?
   du -sh "$stage/release" | sed 's/^/pack: staged /' >&2
@@ -89,9 +149,16 @@ pack() {
 }
 
 prepare() {
-  local target=${CUDA_TARGET_DIR:-$ROOT/target/cuda}
+  local target=${CUDA_TARGET_DIR:-$ROOT/target/cuda} before
+  before=$(source_hash)
   CUDA_TARGET_DIR=$target scripts/gpu-build.sh build || return 1
   pack "$target/release" "$PACK" strict || return 1
+  # source.txt describes the tree as it was when packing: it must be the one that was built.
+  if [ "$(source_hash)" != "$before" ]; then
+    log "prepare: the sources changed while building or packing; run prepare again"
+    return 1
+  fi
+  source_info | sed 's/^/prepare: pack source: /' >&2
   git check-ignore -q "$PACK" || { log "$PACK is not ignored by git"; return 1; }
   log "prepare: done; carry $(dirname "${PACK#"$ROOT"/}") in the device tool's call"
 }
@@ -227,6 +294,10 @@ device() {
     tabulate
     return 1
   }
+  # Which source the binaries were built from, against this working tree (results.md warns at
+  # its top when they differ).
+  check_provenance "$WORK/source.txt" >>"$OUT/machine.txt" || log "$(tail -1 "$OUT/machine.txt")"
+  tabulate
 
   # Sizes: GPT-2 124M and SmolLM-135M, or the selftest's tiny ones.
   local batch=${BATCH:-8} context=${CONTEXT:-1024}
@@ -259,6 +330,7 @@ device() {
   else
     step fused-kernels-cuda 90 20 "$OUT/suite.log" "${ours_env[@]}" \
       "$(find "$BIN/deps" -name 'cuda-*' | head -1)" --ignored --test-threads=1
+    step core-cuda 60 15 "$OUT/suite.log" "${ours_env[@]}" bash -c "$(core_cuda_script)"
     step gpu-suite 150 40 "$OUT/suite.log" "${ours_env[@]}" \
       "$(find "$BIN/deps" -name 'gpu-*' | head -1)" --test-threads=1 --nocapture
     step nccl-conformance 90 20 "$OUT/suite.log" "${ours_env[@]}" \
@@ -288,6 +360,10 @@ device() {
     --nproc-per-node 2 benchmarks/torch_step.py "${torch_cpu[@]}" "${gpt[@]}" "${common[@]}" \
     "${bf16[@]}" --mode eager
 
+  # PyTorch's own fused AdamW (one kernel per step, as ours) beside its default foreach one.
+  bench torch-eager-gpt2-bf16-fused-adamw 120 30 "${torch[@]}" "${gpt[@]}" "${common[@]}" \
+    "${bf16[@]}" --mode eager --fused-adamw
+
   # (4) ncu over 2 steady-state steps of ours (kernel launches per step, the per-kernel table).
   ncu_profile ncu-ours-gpt2-bf16 150 40 "${gpt[@]}" --mixed-precision bf16
 
@@ -310,6 +386,24 @@ device() {
   limit_out
   log "device: done in $(($(date +%s) - DEADLINE + BUDGET_S)) s; $OUT/results.md"
   cat "$OUT/results.md"
+}
+
+# The core-cuda step's script: accelerate-core's lib test binary, its ignored (GPU) tests of the
+# CUDA kernels one at a time, failing also when fewer than CORE_CUDA_TESTS of them passed (a
+# filter that matches nothing passes 0 tests and exits 0).
+core_cuda_script() {
+  local bin
+  bin=$(find "$BIN/deps" -maxdepth 1 -name 'accelerate_core-*' -type f | head -1)
+  cat <<EOF
+set -o pipefail
+[ -x '$bin' ] || { echo "core-cuda: no accelerate_core-<hash> test binary in the pack"; exit 2; }
+'$bin' --ignored --test-threads=1 ${CORE_CUDA_FILTERS[*]} 2>&1 | tee '$WORK/core-cuda.out' || exit \$?
+passed=\$(sed -nE 's/^test result: ok\. ([0-9]+) passed.*/\1/p' '$WORK/core-cuda.out' | tail -1)
+[ "\${passed:-0}" -ge $CORE_CUDA_TESTS ] || {
+  echo "core-cuda: \${passed:-0} tests passed, $CORE_CUDA_TESTS expected (the filters ${CORE_CUDA_FILTERS[*]} missed some)"
+  exit 3
+}
+EOF
 }
 
 # ncu_profile NAME CAP MIN MODEL_ARGS...: ours under ncu, --profile-steps 2 after 2 warm-up
@@ -360,7 +454,60 @@ limit_out() {
 # ---------------------------------------------------------------------------------------------
 # The selftest: the device phase on the CPU.
 
+# The core-cuda step's script against stand-ins of the test binary: all tests passing, a filter
+# that matched nothing (0 passed, exit 0), a failing test, no binary.
+selftest_core_cuda() {
+  local tmp rc want name out
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/deps"
+  for want in "5 0" "0 3" "fail 101" "none 2"; do
+    read -r name rc <<<"$want"
+    rm -f "$tmp/deps/"*
+    case $name in
+      fail) printf '#!/bin/sh\necho "test x ... FAILED"; echo "test result: FAILED. 4 passed; 1 failed"; exit 101\n' ;;
+      none) ;;
+      *) printf '#!/bin/sh\necho "args: $*"; echo "test result: ok. %s passed; 0 failed; 0 ignored"\n' "$name" ;;
+    esac >"$tmp/script"
+    [ "$name" = none ] || install -m 755 "$tmp/script" "$tmp/deps/accelerate_core-0123456789abcdef"
+    out=$(BIN=$tmp WORK=$tmp bash -c "$(BIN=$tmp WORK=$tmp core_cuda_script)" 2>&1)
+    local got=$?
+    if [ "$got" != "$rc" ]; then
+      log "selftest: core-cuda with a binary passing '$name' exited $got, expected $rc: $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+    if [ "$name" = 5 ] && ! grep -qF -- "args: --ignored --test-threads=1 ${CORE_CUDA_FILTERS[*]}" <<<"$out"; then
+      log "selftest: core-cuda ran the binary with other arguments: $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+  done
+  rm -rf "$tmp"
+  log "selftest: the core-cuda step passes 5 tests, fails on 0, a failure or no binary: ok"
+}
+
+# check_provenance against source.txt files: this tree's own, one of other sources, and none.
+selftest_provenance() {
+  local tmp out rc
+  tmp=$(mktemp -d)
+  source_info >"$tmp/same.txt"
+  sed 's/^source-sha256: .*/source-sha256: 0000/' "$tmp/same.txt" >"$tmp/other.txt"
+  for want in "same 0 pack matches" "other 1 PACK MISMATCH" "none 2 PACK UNKNOWN"; do
+    read -r name rc verdict <<<"$want"
+    out=$(check_provenance "$tmp/$name.txt")
+    local got=$?
+    if [ "$got" != "$rc" ] || [[ "$(tail -1 <<<"$out")" != "$verdict"* ]]; then
+      log "selftest: check_provenance of the '$name' source.txt exited $got, expected $rc ($verdict): $out"
+      rm -rf "$tmp"
+      return 1
+    fi
+  done
+  rm -rf "$tmp"
+  log "selftest: check_provenance tells this tree's pack, another's, and none: ok"
+}
+
 selftest() {
+  selftest_core_cuda && selftest_provenance || return 1
   local target=${CARGO_TARGET_DIR:-$ROOT/target}
   cargo build --release -p accelerate-benchmarks --bin bench_step -p accelerate-launch || return 1
   local venv=$ROOT/target/torch-venv
@@ -422,12 +569,14 @@ EOF
     CAP_SCALE=${SELFTEST_CAP_SCALE:-10} OPTIONAL_MIN_S=1000000 BATCH=4 CONTEXT=32 GPT_SIZE="$tiny" SMOL_SIZE="$tiny --kv-heads 2" \
     WARMUP_BF16=1 STEPS_BF16=3 WARMUP_F32=1 STEPS_F32=3 device || return 1
   local expect="passed,passed,passed,failed,timeout"
-  expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
+  expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
   expect+=",passed,passed,passed,skipped,skipped,skipped"
   "$venv/bin/python" benchmarks/gpu/report.py check --results "$tmp/out/results.jsonl" \
-    --status "$tmp/out/status.tsv" --expect-runs 12 --expect-statuses "$expect" \
+    --status "$tmp/out/status.tsv" --expect-runs 13 --expect-statuses "$expect" \
     --expect-launches 7 || return 1
   "$venv/bin/python" benchmarks/gpu/ncu_summary.py --self-test || return 1
+  # The report's awkward rows (a non-finite loss, ...), which the tiny runs above do not produce.
+  "$venv/bin/python" benchmarks/gpu/report.py self-test || return 1
   # The device tool's limits on what comes back.
   local files bad
   files=$(find "$tmp/out" -type f | wc -l)
@@ -437,11 +586,16 @@ EOF
     log "selftest: names the device tool would not bring back"
     return 1
   }
+  grep -q "^Binaries built from this working tree" "$tmp/out/results.md" || {
+    log "selftest: results.md does not say that the pack matches the working tree"
+    return 1
+  }
   local row
   for row in "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | ours" \
     "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
     "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours" \
-    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile"; do
+    "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile" \
+    "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | torch eager, fused AdamW"; do
     grep -qF "| $row |" "$tmp/out/results.md" || {
       log "selftest: results.md lacks the row '$row'"
       return 1
@@ -451,11 +605,12 @@ EOF
 }
 
 case "${1:-}" in
+  selftest-quick) selftest_core_cuda && selftest_provenance ;;
   prepare) prepare ;;
   device) device ;;
   selftest) selftest ;;
   *)
-    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest" >&2
+    echo "usage: benchmarks/gpu/run.sh prepare|device|selftest|selftest-quick" >&2
     exit 2
     ;;
 esac

@@ -1,8 +1,9 @@
 //! Statistics and child-process plumbing shared by the benchmark programs, the synthetic token
 //! data of the step benchmark ([`synthetic`]), its FLOPs formula ([`mfu`]) and what it reads from
-//! the GPU ([`gpu_probe`]).
+//! the GPU ([`gpu_probe`]), and its result line's non-finite floats ([`json_float`]).
 
 pub mod gpu_probe;
+pub mod json_float;
 pub mod mfu;
 pub mod synthetic;
 

@@ -1,6 +1,6 @@
 // Adding one backward pass's gradient into its f32 gradient buffer on the GPU in one kernel: the
 // gradient of any float dtype (f32, bf16, f16) and any layout (a Linear weight's comes back
-// transposed), scaled, written or added in place. Without it the runtime runs three kernels per
+// transposed), scaled, written or added in place; a contiguous one indexed linearly. Without it the runtime runs three kernels per
 // parameter: a cast to f32 (which also makes the layout contiguous), a scaling, and a copy into
 // the bucket.
 //
@@ -51,9 +51,22 @@ __device__ __forceinline__ float f16_to_f32(const unsigned short h)
     return __uint_as_float(sign | __float_as_uint((float)mantissa * 5.9604644775390625e-8f));
 }
 
+// Element `offset` of src, of kind SRC_*, widened exactly to f32.
+__device__ __forceinline__ float load_f32(const void* src, const unsigned int src_kind,
+                                          const long long offset)
+{
+    if (src_kind == SRC_BF16) {
+        return bf16_to_f32(((const unsigned short*)src)[offset]);
+    }
+    if (src_kind == SRC_F16) {
+        return f16_to_f32(((const unsigned short*)src)[offset]);
+    }
+    return ((const float*)src)[offset];
+}
+
 // dst[i] = scale * src[i] (overwrite) or dst[i] += scale * src[i], for the n elements of the
 // gradient in row-major order; src points at the gradient's first element (its layout's offset
-// already applied), of kind SRC_*.
+// already applied), of kind SRC_*. The general path: one division per dimension per element.
 extern "C" __global__ void add_scaled_into_f32(
     float* dst, const void* src, const unsigned int src_kind, const unsigned long long n,
     const Layout layout, const float scale, const int overwrite)
@@ -67,15 +80,20 @@ extern "C" __global__ void add_scaled_into_f32(
             rest /= layout.dims[d];
             offset += (long long)coordinate * layout.strides[d];
         }
-        float x;
-        if (src_kind == SRC_BF16) {
-            x = bf16_to_f32(((const unsigned short*)src)[offset]);
-        } else if (src_kind == SRC_F16) {
-            x = f16_to_f32(((const unsigned short*)src)[offset]);
-        } else {
-            x = ((const float*)src)[offset];
-        }
-        const float t = x * scale;
+        const float t = load_f32(src, src_kind, offset) * scale;
+        dst[i] = overwrite ? t : dst[i] + t;
+    }
+}
+
+// The same for a gradient whose n elements are consecutive (its layout merged to one dimension of
+// stride 1 on the host, as every contiguous gradient's does): element i is src[i].
+extern "C" __global__ void add_scaled_linear_into_f32(
+    float* dst, const void* src, const unsigned int src_kind, const unsigned long long n,
+    const float scale, const int overwrite)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        const float t = load_f32(src, src_kind, (long long)i) * scale;
         dst[i] = overwrite ? t : dst[i] + t;
     }
 }

@@ -772,11 +772,14 @@ pub(crate) fn compute_copies_that_do_not_fit_are_refused_by_name<R: Conformance>
 
 /// The multi-tensor CUDA kernel against the CPU update, bit for bit: every configuration, two
 /// parameter groups, a parameter of several chunks, no compute copy, bf16 and f16 copies; one
-/// launch per step, with no tensor-op fallback, and the tensor table uploaded once.
+/// launch per step, with no tensor-op fallback, and the tensor table uploaded once. As in the
+/// runtime, every tensor is on one device (one `Device::new_cuda` for the test) and the gradient
+/// buffers are made once and zeroed between steps.
 #[cfg(feature = "cuda")]
 pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
     use super::multi_tensor::CHUNK;
-    use super::test_util::{cuda_buffers, on_cuda};
+    use super::test_util::{cuda_buffers, cuda_device, cuda_refill, on_cuda};
+    let cuda = cuda_device();
     let big = pseudo_random(2 * CHUNK as usize + 1001, 3);
     for (what, config) in R::configs() {
         for dtype in [None, Some(DType::BF16), Some(DType::F16)] {
@@ -793,10 +796,17 @@ pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
                         .filter(|(n, _)| names.contains(&n.as_str()))
                         .cloned()
                         .collect();
-                    ParamGroup::new(on_cuda(&params), config)
+                    ParamGroup::new(on_cuda(&params, &cuda), config)
                 })
                 .collect();
             let mut gpu = ElementwiseOptimizer::with_groups(groups).unwrap();
+            assert!(
+                gpu.params()
+                    .iter()
+                    .all(|(_, v)| v.device().same_device(&cuda)),
+                "{label}: every parameter on the test's one device"
+            );
+            let mut gpu_grads = cuda_buffers(gpu.params());
             let copies =
                 dtype.map(|d| (zero_copies(cpu.params(), d), zero_copies(gpu.params(), d)));
             if let Some((cpu_copies, gpu_copies)) = &copies {
@@ -808,7 +818,8 @@ pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
                 let grads: Vec<(&str, &[f64])> =
                     grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
                 cpu.step(&buffers(cpu.params(), &grads)).unwrap();
-                gpu.step(&cuda_buffers(gpu.params(), &grads)).unwrap();
+                cuda_refill(&mut gpu_grads, gpu.params(), &grads);
+                gpu.step(&gpu_grads).unwrap();
             }
             assert_eq!(
                 gpu.fallback_updates, 0,

@@ -12,17 +12,16 @@
 //! buckets are reallocated.
 //!
 //! The source is compiled once per process with NVRTC (the library candle's CUDA backend already
-//! loads) and cached by candle's device under [`MODULE`]. Floating-point contraction is off
+//! loads) and cached by candle's device under [`MODULE`]; where NVRTC cannot compile it (or the
+//! driver cannot load it), every parameter takes the tensor-op path, with one warning
+//! ([`runtime_kernels`](crate::runtime_kernels)). Floating-point contraction is off
 //! (`--fmad=false`), so each element follows the CPU kernel's operations in the same order and the
 //! two paths agree to the last bit wherever `sqrtf` and division are correctly rounded (they are
 //! with NVRTC's defaults, `--prec-sqrt=true --prec-div=true`).
 
-use std::sync::OnceLock;
-
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Tensor};
 use half::{bf16, f16};
@@ -33,12 +32,18 @@ use super::multi_tensor::{
 use super::rule::CudaUpdate;
 use crate::cuda_slices::{cuda_address, cuda_address_mut};
 use crate::error::{Error, Result};
+use crate::runtime_kernels::RuntimeKernels;
 
-/// The kernels' source, also compiled by the tests of a CPU emulator of our CUDA kernels.
+/// The kernels' source. Only NVRTC compiles it, on a GPU machine: fused-kernels' CPU emulator
+/// builds the `.cu` files of fused-kernels alone, so on a machine without a GPU nothing runs it;
+/// the GPU conformance test compares it with the CPU kernels bit for bit.
 const SOURCE: &str = include_str!("cuda/multi_tensor.cu");
 
 /// The name candle's device caches the compiled module under.
 const MODULE: &str = "accelerate_core_optim_multi_tensor";
+
+/// The compiled kernels, or the tensor-op path when NVRTC cannot compile them.
+static KERNELS: RuntimeKernels = RuntimeKernels::new("the fused optimizer kernels", MODULE, SOURCE);
 
 /// Threads per block; each block updates one chunk of [`CHUNK`] elements of one tensor.
 const BLOCK: u32 = 256;
@@ -72,26 +77,6 @@ struct ScalarSets([f32; MAX_SETS * SCALARS]);
 // SAFETY: a plain array of f32, laid out as the kernels' `struct ScalarSets { float v[64]; }`.
 unsafe impl DeviceRepr for ScalarSets {}
 
-/// The module's PTX, compiled on first use (the error is kept: compiling again would fail again).
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            fmad: Some(false),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(SOURCE, options)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| e.to_string())
-    });
-    compiled.as_deref().map_err(|e| {
-        Error::Optimizer(format!(
-            "NVRTC could not compile the fused optimizer kernels: {e} (NVRTC comes with the CUDA \
-             toolkit; put its libnvrtc on LD_LIBRARY_PATH)"
-        ))
-    })
-}
-
 /// The parameters of one step that run on a GPU, queued to be updated by one launch per device.
 #[derive(Debug, Default)]
 pub(crate) struct CudaBatch {
@@ -102,9 +87,9 @@ pub(crate) struct CudaBatch {
 impl CudaBatch {
     /// Queues the update of `param` (from `grad`, with `state`, writing `copy` if given) by
     /// `update`; `Ok(false)`, with nothing queued, when some tensor is not a contiguous CUDA tensor
-    /// of the right dtype (f32; bf16 or f16 for the copy) on the parameter's GPU, or the rule
-    /// keeps more than two state tensors. The caller keeps the tensors alive until
-    /// [`launch`](Self::launch).
+    /// of the right dtype (f32; bf16 or f16 for the copy) on the parameter's GPU, the rule keeps
+    /// more than two state tensors, or the kernels could not be compiled or loaded. The caller
+    /// keeps the tensors alive until [`launch`](Self::launch).
     pub fn push(
         &mut self,
         update: &CudaUpdate,
@@ -114,6 +99,12 @@ impl CudaBatch {
         copy: Option<&Tensor>,
     ) -> Result<bool> {
         if state.len() > 2 || self.kernel.is_some_and(|k| k != update.kernel) {
+            return Ok(false);
+        }
+        let Ok(cuda) = param.device().as_cuda_device() else {
+            return Ok(false);
+        };
+        if KERNELS.function(cuda, update.kernel.name()).is_none() {
             return Ok(false);
         }
         // A kernel on the parameter's stream cannot read another GPU's memory: a tensor elsewhere
@@ -218,11 +209,18 @@ fn launch_plan(
     table: &CudaSlice<u64>,
     plan: &LaunchPlan,
 ) -> Result<()> {
-    let func = device.get_or_load_custom_func(kernel.name(), MODULE, ptx()?)?;
+    // `push` loaded it on this device before queueing anything.
+    let func = KERNELS.function(device, kernel.name()).ok_or_else(|| {
+        Error::Optimizer(format!(
+            "the fused optimizer kernel {} is not loaded on the GPU (see the warning above)",
+            kernel.name()
+        ))
+    })?;
     let count = plan.tensors() as u32;
     let chunk = CHUNK;
     let sets = ScalarSets(plan.sets);
-    let mut args = func.builder();
+    let stream = device.cuda_stream();
+    let mut args = stream.launch_builder(&func);
     args.arg(table).arg(&count).arg(&chunk).arg(&sets);
     let config = LaunchConfig {
         grid_dim: (plan.blocks, 1, 1),

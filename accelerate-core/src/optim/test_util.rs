@@ -65,27 +65,46 @@ pub(crate) fn assert_close(actual: &[f64], expected: &[f64], tol: f64, what: &st
     }
 }
 
-/// Copies of `params` on the first GPU.
+/// The first GPU, once per test: candle gives every `Device::new_cuda` its own device id, and
+/// tensors made through two of them sit on two devices as far as `same_device` can tell (the
+/// optimizer then batches them into a launch per device, and the gradient kernel refuses them).
 #[cfg(feature = "cuda")]
-pub(crate) fn on_cuda(params: &[(String, Var)]) -> Vec<(String, Var)> {
-    let cuda = Device::new_cuda(0).expect("a GPU (these tests are ignored without one)");
+pub(crate) fn cuda_device() -> Device {
+    Device::new_cuda(0).expect("a GPU (these tests are ignored without one)")
+}
+
+/// Copies of `params` on `device`.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_cuda(params: &[(String, Var)], device: &Device) -> Vec<(String, Var)> {
     params
         .iter()
         .map(|(n, v)| {
-            let t = v.as_tensor().to_device(&cuda).unwrap();
+            let t = v.as_tensor().to_device(device).unwrap();
             (n.clone(), Var::from_tensor(&t).unwrap())
         })
         .collect()
 }
 
-/// [`buffers`] for parameters on a GPU, with the gradients created on that GPU.
+/// Gradient buffers for parameters on a GPU, to be built once and filled by [`cuda_refill`] at
+/// every step, as the runtime keeps its buffers (their addresses stay put, so the optimizer's
+/// tensor table need not be uploaded again).
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda_buffers(params: &[(String, Var)], grads: &[(&str, &[f64])]) -> GradientBuffers {
-    let device = params[0].1.device().clone();
-    let mut b = GradientBuffers::new(params, DEFAULT_BUCKET_CAP_BYTES).unwrap();
+pub(crate) fn cuda_buffers(params: &[(String, Var)]) -> GradientBuffers {
+    GradientBuffers::new(params, DEFAULT_BUCKET_CAP_BYTES).unwrap()
+}
+
+/// Zeroes `buffers` (as the runtime does after a step) and accumulates `grads` into them, made on
+/// the parameters' GPU; parameters not named get no gradient.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_refill(
+    buffers: &mut GradientBuffers,
+    params: &[(String, Var)],
+    grads: &[(&str, &[f64])],
+) {
+    let device = params[0].1.device();
+    buffers.zero();
     for (name, g) in grads {
-        let t = Tensor::new(*g, &device).unwrap();
-        b.accumulate_one(name, &t, 1.0).unwrap();
+        let t = Tensor::new(*g, device).unwrap();
+        buffers.accumulate_one(name, &t, 1.0).unwrap();
     }
-    b
 }
