@@ -80,7 +80,7 @@ pub fn profiler_range(_device: &Device, _start: bool) -> Result<()> {
 }
 
 /// The largest device memory in use seen since the last [`reset`](Self::reset), polled every
-/// [`POLL_EVERY`] on a thread of its own.
+/// 2 ms on a thread of its own.
 pub struct MemoryWatch {
     read: MemReader,
     peak: Arc<AtomicU64>,

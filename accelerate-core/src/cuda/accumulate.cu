@@ -1,8 +1,8 @@
 // Adding one backward pass's gradient into its f32 gradient buffer on the GPU in one kernel: the
 // gradient of any float dtype (f32, bf16, f16) and any layout (a Linear weight's comes back
-// transposed), scaled, written or added in place; a contiguous one indexed linearly. Without it the runtime runs three kernels per
-// parameter: a cast to f32 (which also makes the layout contiguous), a scaling, and a copy into
-// the bucket.
+// transposed), scaled, written or added in place; a contiguous one is indexed linearly. Without it
+// the runtime runs three kernels per parameter: a cast to f32 (which also makes the layout
+// contiguous), a scaling, and a copy into the bucket.
 //
 // Compiled at run time by NVRTC with --fmad=false (see cuda_accumulate.rs), so the scaling and the
 // addition round as the CPU's `dst (+)= x * scale` does. No header is included.
