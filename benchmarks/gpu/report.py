@@ -396,7 +396,7 @@ def checks(steps):
             lines.append(f"{r['run']}: final loss {loss:.3f} is far from ln(vocab) = "
                          f"{ln_v:.3f}")
     lines.append("final losses within 1.0 of ln(vocab) (uniform random tokens) unless listed above"
-                 " (a non-finite one is listed as NON-FINITE)")
+                 " (a non-finite one is listed above, flagged)")
     return lines
 
 
