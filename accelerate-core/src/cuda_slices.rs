@@ -37,7 +37,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOpN, Layout, Storage, Tensor,
+    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor,
 };
 
 use crate::error::Result;
@@ -161,7 +161,7 @@ struct DstSrcOp<S, F, R> {
     element: std::marker::PhantomData<fn() -> S>,
 }
 
-impl<S, F, R> InplaceOpN<1> for DstSrcOp<S, F, R>
+impl<S, F, R> InplaceOp2 for DstSrcOp<S, F, R>
 where
     S: CudaDType,
     F: FnOnce(&CudaDevice, u64, &StridedAddress) -> Result<R>,
@@ -170,11 +170,23 @@ where
         "accelerate-cuda-dst-src"
     }
 
+    /// Never reached: `with_dst_and_strided_src` runs the op on CUDA tensors only.
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Ok(())
+    }
+
     fn cuda_fwd(
         &self,
         dst: &mut CudaStorage,
         dst_l: &Layout,
-        [(src, src_l)]: [(&CudaStorage, &Layout); 1],
+        src: &CudaStorage,
+        src_l: &Layout,
     ) -> candle_core::Result<()> {
         let Some((start, _)) = dst_l.contiguous_offsets() else {
             return Ok(());

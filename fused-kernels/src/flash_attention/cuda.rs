@@ -109,7 +109,7 @@ pub(super) fn forward(
         let [q_sb, q_st, q_sh] = [aq.batch as u64, aq.token as u64, aq.head as u64];
         let [k_sb, k_st, k_sh] = [ak.batch as u64, ak.token as u64, ak.head as u64];
         let [v_sb, v_st, v_sh] = [av.batch as u64, av.token as u64, av.head as u64];
-        let (t64, h64, hkv64, d64) = (tokens as u64, heads as u64, kv_heads as u64, d as u64);
+        let (t64, h64, hkv64) = (tokens as u64, heads as u64, kv_heads as u64);
         let mut o = output::<T>(dev, batch * tokens * heads * d)?;
         let mut lse = output::<T::Acc>(dev, batch * heads * tokens)?;
         let cfg = grid(tokens.div_ceil(ROWS), batch * heads, 0);
