@@ -47,7 +47,13 @@ case "$mode" in
     profile=()
     [ "${CHECK_RELEASE:-0}" = 1 ] && profile=(--release)
     cargo clippy "${profile[@]}" --workspace --all-targets --features nccl -- -D warnings
-    echo "gpu-build: --features nccl type-checks, clippy clean"
+    # accelerate-core's kernels are compiled at run time by NVRTC, which nothing above runs:
+    # compile them here as NVRTC does (device code only, no host headers, contraction off), so an
+    # error in their source fails CI instead of the first GPU run.
+    for source in accelerate-core/src/cuda/accumulate.cu accelerate-core/src/optim/cuda/multi_tensor.cu; do
+      nvcc --ptx -arch=compute_75 --fmad=false -o /dev/null "$source"
+    done
+    echo "gpu-build: --features nccl type-checks, clippy clean, NVRTC's sources compile"
     ;;
   build)
     # The linker needs unversioned names (the wheels ship libcublas.so.13 and the like) and a

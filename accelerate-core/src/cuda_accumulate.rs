@@ -92,7 +92,7 @@ pub(crate) fn add_scaled(dst: &Tensor, grad: &Tensor, scale: f32, overwrite: boo
         } else {
             "add_scaled_into_f32"
         };
-        let Some(func) = KERNELS.function(device, name) else {
+        let Some(func) = KERNELS.function(device, name)? else {
             return Ok(false);
         };
         let mut layout = KernelLayout {

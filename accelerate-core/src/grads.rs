@@ -924,21 +924,27 @@ mod tests {
                 })
                 .collect()
         };
-        // A [4, 6] gradient in four layouts: contiguous, transposed, a narrowed view (an offset
-        // and a row stride), a permuted 3-D tensor; each made from a flat base of `len` elements.
+        // A [4, 6] gradient in six layouts: contiguous, contiguous at an offset (rows 1..5 of a
+        // [5, 6]: the linear kernel with a start offset), transposed, a narrowed view (an offset
+        // and a row stride), a permuted 3-D tensor, and one row broadcast (stride 0); each made
+        // from a flat base of `len` elements.
         let view = |what: &str, t: &Tensor| -> Tensor {
             match what {
                 "contiguous" => t.reshape((4, 6)).unwrap(),
+                "offset" => t.reshape((5, 6)).unwrap().narrow(0, 1, 4).unwrap(),
                 "transposed" => t.reshape((6, 4)).unwrap().t().unwrap(),
                 "narrowed" => t.reshape((4, 8)).unwrap().narrow(1, 2, 6).unwrap(),
+                "broadcast" => t.reshape((1, 6)).unwrap().broadcast_as((4, 6)).unwrap(),
                 _ => t.reshape((2, 3, 4)).unwrap().permute((2, 0, 1)).unwrap(),
             }
         };
         let layouts = [
             ("contiguous", 24),
+            ("offset", 30),
             ("transposed", 24),
             ("narrowed", 32),
             ("permuted", 24),
+            ("broadcast", 6),
         ];
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for (what, len) in layouts {
@@ -958,10 +964,11 @@ mod tests {
                 buffers.accumulate_one("w", &g1, 0.5).unwrap();
                 buffers.accumulate_one("w", &g2, 0.25).unwrap();
                 assert_eq!(crate::cuda_accumulate::launches() - before, 2, "{what}");
-                // Only the contiguous gradient is one linear run (the permuted one merges to
+                // Only the contiguous gradients are one linear run (the permuted one merges to
                 // two dimensions, the others stay two).
                 let linear = crate::cuda_accumulate::linear_launches() - linear_before;
-                assert_eq!(linear, if what == "contiguous" { 2 } else { 0 }, "{what}");
+                let contiguous = what == "contiguous" || what == "offset";
+                assert_eq!(linear, if contiguous { 2 } else { 0 }, "{what}");
                 // The formula, on the host: exact widening, then f32 arithmetic.
                 let host = |g: &Tensor| -> Vec<f32> {
                     g.to_device(&Device::Cpu)

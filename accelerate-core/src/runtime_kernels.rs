@@ -1,16 +1,21 @@
 //! Our CUDA C kernels that NVRTC compiles at run time (the multi-tensor optimizer kernels, the
 //! gradient accumulation kernel), and what happens when it cannot: every caller has a tensor-op
-//! path that candle's own kernels run, so a compile (or module load) failure makes the callers
-//! take it, with one warning per process naming the cause, instead of failing every step where
-//! candle alone would have worked. The usual cause is NVRTC's second library,
+//! path that candle's own kernels run (the same values up to the sign of a zero and the rounding
+//! of candle's kernels), so a failure of the machine's CUDA setup makes the callers take it, with
+//! one warning per process on standard error naming the cause, instead of failing every step
+//! where candle alone would have worked. The usual cause is NVRTC's second library,
 //! `libnvrtc-builtins.so.<version>`, missing from the loader's path: `libnvrtc.so` loads, and
-//! then fails every compilation.
+//! then fails every compilation. An error that NVRTC reports in the source itself
+//! (`NVRTC_ERROR_COMPILATION`) is this crate's bug, not the machine's: it is an error, never a
+//! silent fallback.
 //!
 //! The decision (compile once, remember a failure, warn once) is plain code, tested without a GPU.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
 
 /// One CUDA C source compiled at run time, once per process.
 pub(crate) struct RuntimeKernels {
@@ -20,8 +25,9 @@ pub(crate) struct RuntimeKernels {
     module: &'static str,
     /// The CUDA C source.
     source: &'static str,
-    /// The PTX, or `None` once compiling failed (compiling again would fail again).
-    ptx: OnceLock<Option<String>>,
+    /// The PTX; `Ok(None)` once compiling failed for want of the machine's NVRTC (compiling
+    /// again would fail again), `Err` with NVRTC's log when the source itself did not compile.
+    ptx: OnceLock<std::result::Result<Option<String>, String>>,
     /// Whether loading the PTX into a device failed (the driver refused it).
     load_failed: AtomicBool,
     /// Warnings given so far: one at most per cause (tests check it).
@@ -45,20 +51,36 @@ impl RuntimeKernels {
         }
     }
 
-    /// The PTX of the source, compiled by `compile` on the first call; `None` (with one warning,
-    /// the first time) when `compile` failed or panicked, which cudarc does when it cannot load
-    /// `libnvrtc.so` at all.
+    /// The PTX of the source, compiled by `compile` on the first call; `Ok(None)` (with one
+    /// warning, the first time) when `compile` failed or panicked (cudarc panics when it cannot
+    /// load `libnvrtc.so` at all); an error naming the kernels when NVRTC found an error in the
+    /// source (`NVRTC_ERROR_COMPILATION`).
     pub(crate) fn ptx_with(
         &self,
         compile: impl FnOnce(&str) -> std::result::Result<String, String>,
-    ) -> Option<&str> {
+    ) -> Result<Option<&str>> {
         self.ptx
             .get_or_init(|| {
                 let outcome = catch_unwind(AssertUnwindSafe(|| compile(self.source)))
                     .unwrap_or_else(|panic| Err(panic_text(panic.as_ref())));
-                outcome.map_err(|error| self.warn("compile", &error)).ok()
+                match outcome {
+                    Ok(ptx) => Ok(Some(ptx)),
+                    Err(error) if error.contains("NVRTC_ERROR_COMPILATION") => Err(error),
+                    Err(error) => {
+                        self.warn("compile", &error);
+                        Ok(None)
+                    }
+                }
             })
-            .as_deref()
+            .as_ref()
+            .map(|ptx| ptx.as_deref())
+            .map_err(|log| {
+                Error::Device(format!(
+                    "NVRTC found an error in the source of {} (a bug of accelerate-core, not of \
+                     this machine's CUDA setup; please report it): {log}",
+                    self.what
+                ))
+            })
     }
 
     /// Records that loading the compiled module failed with `error`: later calls take the
@@ -80,9 +102,13 @@ impl RuntimeKernels {
         self.warnings.load(Ordering::Relaxed)
     }
 
+    /// Says, once per cause, that the tensor-op path runs instead: on standard error, where a
+    /// program without a tracing subscriber shows it too, and as a tracing event.
     fn warn(&self, stage: &str, error: &str) {
         self.warnings.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("{}", fallback_message(self.what, stage, error));
+        let message = fallback_message(self.what, stage, error);
+        eprintln!("accelerate: warning: {message}");
+        tracing::warn!("{message}");
     }
 }
 
@@ -90,17 +116,18 @@ impl RuntimeKernels {
 impl RuntimeKernels {
     /// The kernel `name` loaded on `device`, compiling the source with NVRTC (floating-point
     /// contraction off, so that each element rounds as the CPU's arithmetic does) on first use;
-    /// `None` when compiling or loading failed, once warned about, so that the caller takes its
-    /// tensor-op path. Launch it on the device's stream (`cuda_stream().launch_builder`), as
-    /// candle launches its own.
+    /// `Ok(None)` when the machine's NVRTC could not compile it or the driver could not load it,
+    /// once warned about, so that the caller takes its tensor-op path; an error when the source
+    /// itself did not compile. Launch it on the device's stream (`cuda_stream().launch_builder`),
+    /// as candle launches its own.
     pub(crate) fn function(
         &self,
         device: &candle_core::CudaDevice,
         name: &str,
-    ) -> Option<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
+    ) -> Result<Option<candle_core::cuda_backend::cudarc::driver::CudaFunction>> {
         use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
         if self.is_load_failed() {
-            return None;
+            return Ok(None);
         }
         let ptx = self.ptx_with(|source| {
             let options = CompileOptions {
@@ -111,12 +138,15 @@ impl RuntimeKernels {
                 .map(|ptx| ptx.to_src())
                 .map_err(|e| e.to_string())
         })?;
+        let Some(ptx) = ptx else {
+            return Ok(None);
+        };
         match device.get_or_load_custom_func(name, self.module, ptx) {
             // candle's wrapper derefs to cudarc's function (the wrapper's type is not exported).
-            Ok(function) => Some((*function).clone()),
+            Ok(function) => Ok(Some((*function).clone())),
             Err(e) => {
                 self.load_failed(&e.to_string());
-                None
+                Ok(None)
             }
         }
     }
@@ -135,6 +165,7 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 fn library_named_in(error: &str) -> Option<&str> {
     error
         .split(|c: char| !(c.is_ascii_alphanumeric() || "._-+".contains(c)))
+        .map(|word| word.trim_end_matches('.'))
         .find(|word| word.starts_with("lib") && word.contains(".so"))
 }
 
@@ -155,7 +186,8 @@ fn fallback_message(what: &str, stage: &str, error: &str) -> String {
     };
     format!(
         "could not {stage} {what} ({error}); using candle's tensor ops instead, which give the \
-         same results with more kernel launches per step. {fix}"
+         same values (up to the sign of a zero and rounding) with more kernel launches per step. \
+         {fix}"
     )
 }
 
@@ -178,7 +210,7 @@ mod tests {
                 assert_eq!(source, "source text");
                 Err(error.to_string())
             });
-            assert_eq!(ptx, None);
+            assert_eq!(ptx.unwrap(), None);
         }
         assert_eq!(compiles, 1, "a failure is remembered");
         assert_eq!(kernels.warnings(), 1, "and warned about once");
@@ -198,7 +230,7 @@ mod tests {
     fn a_panicking_compiler_falls_back() {
         let kernels = RuntimeKernels::new("the test kernels", "test_module", "");
         let ptx = kernels.ptx_with(|_| panic!("Unable to dynamically load the \"nvrtc\" library"));
-        assert_eq!(ptx, None);
+        assert_eq!(ptx.unwrap(), None);
         assert_eq!(kernels.warnings(), 1);
     }
 
@@ -212,7 +244,29 @@ mod tests {
                 compiles += 1;
                 Ok(format!("ptx of {source}"))
             });
-            assert_eq!(ptx, Some("ptx of src"));
+            assert_eq!(ptx.unwrap(), Some("ptx of src"));
+        }
+        assert_eq!((compiles, kernels.warnings()), (1, 0));
+    }
+
+    /// An error NVRTC finds in the source is our bug: every call is an error naming the kernels
+    /// and NVRTC's log, never a silent fallback, and it is compiled once.
+    #[test]
+    fn an_error_in_the_source_is_an_error_not_a_fallback() {
+        let kernels = RuntimeKernels::new("the test kernels", "test_module", "src");
+        let mut compiles = 0;
+        for _ in 0..2 {
+            let outcome = kernels.ptx_with(|_| {
+                compiles += 1;
+                Err(
+                    "NVRTC_ERROR_COMPILATION: 1 error detected: identifier \"x\" is undefined"
+                        .to_string(),
+                )
+            });
+            let message = outcome.unwrap_err().to_string();
+            for word in ["the test kernels", "identifier \"x\" is undefined", "bug"] {
+                assert!(message.contains(word), "{word:?} in: {message}");
+            }
         }
         assert_eq!((compiles, kernels.warnings()), (1, 0));
     }
@@ -233,6 +287,11 @@ mod tests {
     fn the_message_names_nvrtcs_libraries_when_the_error_does_not() {
         assert_eq!(
             library_named_in("x: libnvrtc-builtins.so.13.0: cannot open"),
+            Some("libnvrtc-builtins.so.13.0")
+        );
+        // cudarc's text ends the library's name with a full stop.
+        assert_eq!(
+            library_named_in("failed to open libnvrtc-builtins.so.13.0."),
             Some("libnvrtc-builtins.so.13.0")
         );
         assert_eq!(library_named_in("NVRTC_ERROR_COMPILATION"), None);

@@ -341,28 +341,9 @@ mod tests {
         let x = built.x.as_tensor();
         let fused = mlp_block(x, &built.layer).unwrap();
         let reference = reference_layer(x, &built.layer);
-        let d = r::rel_diff(&fused, &reference);
-        assert!(
-            d < tol,
-            "values differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
-        );
-        let weights = r::var(fused.dims(), 77, 1.0, dtype);
-        let loss = |y: &Tensor| (y * weights.as_tensor()).unwrap().sum_all().unwrap();
-        let g_fused = loss(&fused).backward().unwrap();
-        let g_ref = loss(&reference).backward().unwrap();
-        for (name, t) in &built.tracked {
-            let a = g_fused
-                .get(t)
-                .unwrap_or_else(|| panic!("no fused gradient for {name}"));
-            let b = g_ref
-                .get(t)
-                .unwrap_or_else(|| panic!("no reference gradient for {name}"));
-            let d = r::rel_diff(a, b);
-            assert!(
-                d < tol,
-                "{name}: gradients differ by {d} (gpt {gpt}, lora {lora}, {dtype:?})"
-            );
-        }
+        let tracked: Vec<(&str, &Tensor)> = built.tracked.iter().map(|(n, t)| (*n, t)).collect();
+        let what = format!("gpt {gpt}, lora {lora}, {dtype:?}");
+        r::assert_same_values_and_gradients(&fused, &reference, &tracked, tol, &what);
     }
 
     #[test]

@@ -53,6 +53,34 @@ pub(crate) fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
         / scale
 }
 
+/// Asserts that `fused` and `reference` (the same layer's output from the fused op and from
+/// the plain-ops reference) agree within `tol` ([`rel_diff`]), and so do the gradients of every
+/// `tracked` tensor under the same weighted-sum loss; `what` names the case in a failure.
+pub(crate) fn assert_same_values_and_gradients(
+    fused: &Tensor,
+    reference: &Tensor,
+    tracked: &[(&str, &Tensor)],
+    tol: f64,
+    what: &str,
+) {
+    let d = rel_diff(fused, reference);
+    assert!(d < tol, "values differ by {d} ({what})");
+    let weights = var(fused.dims(), 77, 1.0, fused.dtype());
+    let loss = |y: &Tensor| (y * weights.as_tensor()).unwrap().sum_all().unwrap();
+    let g_fused = loss(fused).backward().unwrap();
+    let g_ref = loss(reference).backward().unwrap();
+    for (name, t) in tracked {
+        let a = g_fused
+            .get(t)
+            .unwrap_or_else(|| panic!("no fused gradient for {name} ({what})"));
+        let b = g_ref
+            .get(t)
+            .unwrap_or_else(|| panic!("no reference gradient for {name} ({what})"));
+        let d = rel_diff(a, b);
+        assert!(d < tol, "{name}: gradients differ by {d} ({what})");
+    }
+}
+
 /// LayerNorm over the last dimension.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;

@@ -104,7 +104,7 @@ impl CudaBatch {
         let Ok(cuda) = param.device().as_cuda_device() else {
             return Ok(false);
         };
-        if KERNELS.function(cuda, update.kernel.name()).is_none() {
+        if KERNELS.function(cuda, update.kernel.name())?.is_none() {
             return Ok(false);
         }
         // A kernel on the parameter's stream cannot read another GPU's memory: a tensor elsewhere
@@ -210,7 +210,7 @@ fn launch_plan(
     plan: &LaunchPlan,
 ) -> Result<()> {
     // `push` loaded it on this device before queueing anything.
-    let func = KERNELS.function(device, kernel.name()).ok_or_else(|| {
+    let func = KERNELS.function(device, kernel.name())?.ok_or_else(|| {
         Error::Optimizer(format!(
             "the fused optimizer kernel {} is not loaded on the GPU (see the warning above)",
             kernel.name()
