@@ -63,6 +63,17 @@ pub fn rotate(
     written: &Path,
     best: Option<&Path>,
 ) -> Result<Vec<PathBuf>> {
+    rotate_with(output_dir, limit, written, best, &|p| std::fs::remove_dir_all(p))
+}
+
+/// [`rotate`], deleting with `remove` (a test makes it fail).
+fn rotate_with(
+    output_dir: &Path,
+    limit: usize,
+    written: &Path,
+    best: Option<&Path>,
+    remove: &dyn Fn(&Path) -> std::io::Result<()>,
+) -> Result<Vec<PathBuf>> {
     let all = list(output_dir)?;
     let protected = |p: &Path| Some(p) == best || p == written;
     let kept_apart = all.iter().filter(|(_, p)| protected(p)).count();
@@ -75,7 +86,7 @@ pub fn rotate(
     let excess = others.len().saturating_sub(room);
     let mut deleted = Vec::new();
     for path in others.into_iter().take(excess) {
-        std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+        remove(&path).map_err(|e| io(&path, e))?;
         deleted.push(path);
     }
     Ok(deleted)
@@ -85,5 +96,36 @@ fn io(path: &Path, e: std::io::Error) -> Error {
     Error::Io {
         path: path.to_path_buf(),
         source: e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_that_cannot_be_deleted_is_kept_and_rotation_goes_on() {
+        let out = tempfile::tempdir().unwrap();
+        for step in [1, 2, 3, 4] {
+            std::fs::create_dir(checkpoint_path(out.path(), step)).unwrap();
+        }
+        let stuck = checkpoint_path(out.path(), 1);
+        // As on NFS, where a file still open leaves a .nfsXXXX file that stops the deletion.
+        let remove = |p: &Path| {
+            if p == stuck {
+                Err(std::io::Error::other("Directory not empty (.nfs000000000001)"))
+            } else {
+                std::fs::remove_dir_all(p)
+            }
+        };
+        let written = checkpoint_path(out.path(), 4);
+        let deleted = rotate_with(out.path(), 1, &written, None, &remove)
+            .expect("rotation after a committed save failed on a checkpoint it could not delete");
+        assert_eq!(
+            deleted,
+            [checkpoint_path(out.path(), 2), checkpoint_path(out.path(), 3)]
+        );
+        let left: Vec<u64> = list(out.path()).unwrap().into_iter().map(|c| c.0).collect();
+        assert_eq!(left, [1, 4], "the one it could not delete is kept");
     }
 }

@@ -8,6 +8,7 @@ mod load;
 pub mod manifest;
 mod model;
 pub mod naming;
+mod removal;
 mod reshard;
 mod save;
 pub mod staging;

@@ -84,7 +84,7 @@ fn prune(root: &Path, keep: usize, just_written: Option<&Path>) -> Result<Vec<Pa
     let excess = others.len().saturating_sub(room);
     let mut deleted = Vec::new();
     for path in others.into_iter().take(excess) {
-        std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+        super::removal::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
         deleted.push(path);
     }
     Ok(deleted)

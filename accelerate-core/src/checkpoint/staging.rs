@@ -67,7 +67,7 @@ impl Staging {
         let parent = parent_of(&self.target);
         std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
         if self.dir.exists() {
-            std::fs::remove_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+            super::removal::remove_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
         }
         std::fs::create_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))
     }
@@ -86,7 +86,7 @@ impl Staging {
         let had_old = self.target.exists();
         if had_old {
             if replaced.exists() {
-                std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+                super::removal::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
             }
             std::fs::rename(&self.target, &replaced).map_err(|e| Error::io(&self.target, e))?;
         }
@@ -99,14 +99,14 @@ impl Staging {
         }
         sync_dir(&parent_of(&self.target))?;
         if had_old {
-            std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+            super::removal::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
         }
         Ok(())
     }
 
     /// Deletes the staging directory (after a failed save); the target is untouched.
     pub fn abort(&self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = super::removal::remove_dir_all(&self.dir);
     }
 }
 
@@ -145,7 +145,7 @@ pub fn recover_interrupted_replace(
         std::fs::rename(&replaced, target).map_err(|e| Error::io(&replaced, e))?;
         sync_dir(&parent)?;
         if staged.exists() {
-            std::fs::remove_dir_all(&staged).map_err(|e| Error::io(&staged, e))?;
+            super::removal::remove_dir_all(&staged).map_err(|e| Error::io(&staged, e))?;
         }
         return Ok(Some(format!(
             "rolled back a replace of {} interrupted between its renames: the new directory was \
@@ -155,7 +155,7 @@ pub fn recover_interrupted_replace(
         )));
     };
     if replaced.exists() {
-        std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+        super::removal::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
     }
     Ok(Some(done))
 }
