@@ -515,6 +515,46 @@ fn ranks_given_checkpoints_they_resolved_apart_load_nothing_and_name_both() {
     }
 }
 
+#[test]
+fn a_rank_that_finds_no_checkpoint_still_joins_and_every_rank_names_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = roots_seen_apart(dir.path());
+    let empty = dir.path().join("empty");
+    // Rank 1 sees no checkpoint: through resume_latest, and as a caller passing what it found.
+    let through_latest = load_on_two_ranks(|acc, rank| {
+        let root = if rank == 0 { &a } else { &empty };
+        acc.resume_latest(root).map(|p| format!("{p:?}"))
+    });
+    let through_found = load_on_two_ranks(|acc, rank| {
+        let found = match rank {
+            0 => accelerate_core::latest_checkpoint(&a)?,
+            _ => None,
+        };
+        acc.resume_from(found).map(|p| format!("{p:?}"))
+    });
+    for loaded in [through_latest, through_found] {
+        all_refused(
+            &loaded,
+            &[
+                &format!("rank 0: {} (step 0", a.join("checkpoint_7").display()),
+                "rank 1: none found",
+            ],
+        );
+    }
+    // None on every rank: nothing to load, and every rank says so.
+    let none = load_on_two_ranks(|acc, _| acc.resume_latest(&empty).map(|p| format!("{p:?}")));
+    for (rank, (result, counter)) in none.iter().enumerate() {
+        assert_eq!(result.as_deref(), Ok("None"), "rank {rank}");
+        assert_eq!(*counter, 0);
+    }
+    // The same latest on every rank: loaded.
+    let both = load_on_two_ranks(|acc, _| acc.resume_latest(&a).map(|p| format!("{p:?}")));
+    for (rank, (result, counter)) in both.iter().enumerate() {
+        assert!(result.as_ref().unwrap().contains("checkpoint_7"), "rank {rank}: {result:?}");
+        assert_eq!(*counter, 7);
+    }
+}
+
 /// Copies the directory tree `from` to `to`.
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();

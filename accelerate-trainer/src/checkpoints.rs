@@ -1,5 +1,6 @@
 //! The Trainer's checkpoints in `output_dir`: Hugging Face's `checkpoint-<step>` names, the
-//! newest, and rotation under `save_total_limit` that keeps the best.
+//! newest, rotation under `save_total_limit` that keeps the best, and the refusal to save next to
+//! newer checkpoints (whose rotation would delete the past and keep an abandoned future).
 
 use std::path::{Path, PathBuf};
 
@@ -54,9 +55,38 @@ pub fn latest(output_dir: &Path) -> Result<(Option<PathBuf>, Vec<PathBuf>)> {
     Ok((None, incomplete))
 }
 
+/// Refuses a run at `step` that would save into `output_dir` next to complete checkpoints with a
+/// larger step (`what` says what the run does at `step`: "resumes from", "is saving"): they are
+/// the future of a run that went on from an older checkpoint, and rotation, which deletes the
+/// smallest steps, would delete this run's past and keep them, and `latest` would resume them.
+/// (Incomplete ones, without their `trainer_state.json`, are passed over by `latest` and
+/// replaced when their step is saved again.) The message names them and the ways out.
+pub fn check_no_newer(output_dir: &Path, step: u64, what: &str) -> Result<()> {
+    let newer: Vec<u64> = list(output_dir)?
+        .into_iter()
+        .filter(|(n, path)| *n > step && path.join(TRAINER_STATE_NAME).is_file())
+        .map(|(n, _)| n)
+        .collect();
+    let Some(&newest) = newer.last() else {
+        return Ok(());
+    };
+    Err(Error::Args(format!(
+        "output_dir {} holds {} checkpoint(s) newer than the {CHECKPOINT_PREFIX}{step} this run \
+         {what} (up to {CHECKPOINT_PREFIX}{newest}), saved by a run that went on from there; \
+         saving next to them would let save_total_limit delete the older checkpoints and keep \
+         those, and resume_from_checkpoint latest would continue them. Resume from the latest \
+         (--resume-from-checkpoint latest), delete the newer checkpoints to go on from \
+         {CHECKPOINT_PREFIX}{step}, or give another output_dir",
+        output_dir.display(),
+        newer.len()
+    )))
+}
+
 /// Deletes the oldest checkpoints until at most `limit` remain, never `written` (the checkpoint
 /// just saved; a newer one may be an incomplete leftover of a crashed run) and never `best`
-/// (both then count as kept); returns what it deleted.
+/// (both then count as kept); returns what it deleted. It runs after a complete save, which it
+/// must not fail: a checkpoint it cannot delete (on NFS a file still open elsewhere leaves a
+/// `.nfsXXXX` file) is kept with a warning, and the others still go.
 pub fn rotate(
     output_dir: &Path,
     limit: usize,
@@ -86,8 +116,16 @@ fn rotate_with(
     let excess = others.len().saturating_sub(room);
     let mut deleted = Vec::new();
     for path in others.into_iter().take(excess) {
-        remove(&path).map_err(|e| io(&path, e))?;
-        deleted.push(path);
+        match remove(&path) {
+            Ok(()) => deleted.push(path),
+            Err(e) => eprintln!(
+                "accelerate-trainer: warning: save_total_limit: could not delete {} ({e}); the \
+                 new checkpoint is saved and training goes on. Delete it by hand once nothing \
+                 holds its files open (on NFS, a file still open somewhere leaves a .nfsXXXX \
+                 file until it is closed)",
+                path.display()
+            ),
+        }
     }
     Ok(deleted)
 }

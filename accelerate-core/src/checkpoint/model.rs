@@ -3,8 +3,20 @@
 //! (`{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}`). Names and layouts are
 //! PyTorch's (candle's `Linear` weight is `[out, in]` like `nn.Linear`'s), so
 //! `safetensors.torch.load_file` / `transformers` read it unchanged.
+//!
+//! A save replaces the whole set, and a crash at any point leaves a directory from which a reader
+//! loads either the whole previous model or the whole new one, never a mix, whether it opens
+//! `model.safetensors` first (as transformers does) or the index first. The directory itself
+//! cannot be swapped (it holds other files: a Trainer's checkpoints), so the order does it:
+//! - new shards never overwrite a file the current index names (they take the next free name,
+//!   `model-00001-of-00002-1.safetensors`, when the standard one is taken), and the index, written
+//!   atomically after them, switches index-first readers in one rename;
+//! - `model.safetensors`, written atomically, switches readers that open it first;
+//! - only then go the files of the previous set, the other layout's entry point (the single file
+//!   or the index) first, so until it goes a reader that prefers it still finds the whole
+//!   previous set.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use candle_core::{Tensor, Var};
@@ -29,10 +41,48 @@ fn is_model_file(name: &str) -> bool {
         || (name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors"))
 }
 
+/// The files the index in `dir` names now: the previous set, which new shards must not overwrite
+/// before the new index replaces it. None without an index (or with one no reader can use).
+fn indexed_shards(dir: &Path) -> BTreeSet<String> {
+    let Ok(bytes) = std::fs::read(dir.join(MODEL_INDEX_FILE)) else {
+        return BTreeSet::new();
+    };
+    let Ok(index) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return BTreeSet::new();
+    };
+    index["weight_map"]
+        .as_object()
+        .map(|map| {
+            map.values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Names for `count` shards that none of `taken` has: Hugging Face's
+/// `model-0000i-of-0000N.safetensors`, or, where one of those is taken,
+/// `model-0000i-of-0000N-<g>.safetensors` with the first free `g`.
+fn shard_names(count: usize, taken: &BTreeSet<String>) -> Vec<String> {
+    let names = |generation: usize| -> Vec<String> {
+        (1..=count)
+            .map(|i| match generation {
+                0 => format!("model-{i:05}-of-{count:05}.safetensors"),
+                g => format!("model-{i:05}-of-{count:05}-{g}.safetensors"),
+            })
+            .collect()
+    };
+    (0..)
+        .map(names)
+        .find(|names| names.iter().all(|n| !taken.contains(n)))
+        .unwrap_or_default()
+}
+
 /// Writes `params` (sorted by name) into `dir`: one file when their data fits `max_shard_bytes`,
 /// shards of at most that size (a larger tensor gets a shard of its own) plus the index otherwise.
-/// Model files of an earlier save in `dir` that this one does not rewrite are removed, so a reader
-/// never mixes two saves. Returns the files written.
+/// The set is replaced as a whole (see the module documentation): a crash at any point leaves the
+/// previous model or the new one loadable, and once it returns, the model files of an earlier save
+/// are gone. Other files in `dir` are left alone. Returns the files written.
 pub fn save_model(
     params: &[(String, Var)],
     dir: impl AsRef<Path>,
@@ -86,14 +136,13 @@ fn save_model_steps(
         save_safetensors(&path, shards.first().map_or(&[][..], |s| &s[..]))?;
         written.push(path);
     } else {
-        let count = shards.len();
+        let names = shard_names(shards.len(), &indexed_shards(dir));
         let mut weight_map = BTreeMap::new();
-        for (i, shard) in shards.iter().enumerate() {
-            let name = format!("model-{:05}-of-{count:05}.safetensors", i + 1);
+        for (shard, name) in shards.iter().zip(&names) {
             for (n, _) in shard {
                 weight_map.insert(n.clone(), name.clone());
             }
-            let path = dir.join(&name);
+            let path = dir.join(name);
             step()?;
             save_safetensors(&path, shard)?;
             written.push(path);
@@ -105,19 +154,27 @@ fn save_model_steps(
         let path = dir.join(MODEL_INDEX_FILE);
         let bytes = serde_json::to_vec_pretty(&index)
             .map_err(|e| Error::Config(format!("cannot encode the model index: {e}")))?;
-        // The index last: a reader that finds it finds every shard it names.
+        // The index last, in one rename: a reader that finds it finds every shard it names.
         step()?;
         crate::files::write_atomic(&path, &bytes)?;
         written.push(path);
     }
 
+    let mut stale = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let entry = entry.map_err(|e| Error::io(dir, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if is_model_file(&name) && !written.contains(&entry.path()) {
-            step()?;
-            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+            stale.push(name);
         }
+    }
+    // The other layout's entry point first: while it is there, a reader that prefers it still
+    // finds the whole previous set.
+    stale.sort_by_key(|n| (n != MODEL_FILE && n != MODEL_INDEX_FILE, n.clone()));
+    for name in stale {
+        let path = dir.join(&name);
+        step()?;
+        std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
     }
     Ok(written)
 }

@@ -614,6 +614,15 @@ fn a_manifest_naming_a_file_outside_the_checkpoint_is_refused() {
         |d| list_in_manifest(d, "/dev/null", b""),
         &["manifest.json", "\"/dev/null\"", "not a plain file name"],
     );
+    // Read, it would never end.
+    refused(
+        |d| list_in_manifest(d, "/dev/zero", &[0; 64]),
+        &["manifest.json", "\"/dev/zero\"", "not a plain file name"],
+    );
+    refused(
+        |d| list_in_manifest(d, "..", b""),
+        &["manifest.json", "\"..\"", "not a plain file name"],
+    );
     refused(
         |d| {
             std::fs::create_dir(d.join("sub")).unwrap();
