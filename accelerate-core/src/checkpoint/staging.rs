@@ -45,11 +45,15 @@ fn parent_of(path: &Path) -> PathBuf {
 
 /// Clears the way for a sibling at `path` (a leftover `.replaced` or `.staging` directory),
 /// before anything of the new save is committed: deletes it, or if that fails moves it aside to
-/// a name nothing reads, with a warning naming it. An error only if neither works.
+/// a name nothing reads, with a warning naming it. An error if neither works, or if `path` is not
+/// a directory (not something a save left: it is not ours to move).
 fn clear_leftover(path: &Path) -> Result<()> {
     let Err(e) = removal::remove_dir_all(path) else {
         return Ok(());
     };
+    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(Error::io(path, e));
+    }
     static ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let aside = path.with_file_name(format!(
         "{}.stale-{}-{}",
