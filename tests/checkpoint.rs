@@ -482,7 +482,12 @@ fn ranks_that_find_different_latest_checkpoints_load_nothing_and_name_both() {
     });
     all_refused(
         &loaded,
-        &["rank 0: ", "checkpoint_7 (step 0", "rank 1: ", "checkpoint_3 (step 0"],
+        &[
+            "rank 0: ",
+            "checkpoint_7 (step 0",
+            "rank 1: ",
+            "checkpoint_3 (step 0",
+        ],
     );
 }
 
@@ -550,7 +555,10 @@ fn a_rank_that_finds_no_checkpoint_still_joins_and_every_rank_names_both() {
     // The same latest on every rank: loaded.
     let both = load_on_two_ranks(|acc, _| acc.resume_latest(&a).map(|p| format!("{p:?}")));
     for (rank, (result, counter)) in both.iter().enumerate() {
-        assert!(result.as_ref().unwrap().contains("checkpoint_7"), "rank {rank}: {result:?}");
+        assert!(
+            result.as_ref().unwrap().contains("checkpoint_7"),
+            "rank {rank}: {result:?}"
+        );
         assert_eq!(*counter, 7);
     }
 }
@@ -1053,8 +1061,10 @@ mod zero {
                 let copy = dir.with_file_name(format!("copy_for_rank_{r}"));
                 super::copy_dir(dir, &copy);
                 for saved in (0..old).filter(|s| !needs(r).contains(s)) {
-                    std::fs::remove_file(copy.join(format!("optimizer_0.rank_{saved}.safetensors")))
-                        .unwrap();
+                    std::fs::remove_file(
+                        copy.join(format!("optimizer_0.rank_{saved}.safetensors")),
+                    )
+                    .unwrap();
                 }
                 copy
             })
@@ -1107,7 +1117,10 @@ mod zero {
             );
             for (r, (got, want)) in loaded.into_iter().zip(&whole).enumerate() {
                 let got = got.unwrap_or_else(|e| panic!("2 -> {new} ranks, rank {r}: {e}"));
-                assert!(full(&got) == full(want), "2 -> {new}, rank {r}: state differs");
+                assert!(
+                    full(&got) == full(want),
+                    "2 -> {new}, rank {r}: state differs"
+                );
                 assert_eq!(got.params, want.params);
             }
             for copy in copies {

@@ -93,7 +93,9 @@ pub fn rotate(
     written: &Path,
     best: Option<&Path>,
 ) -> Result<Vec<PathBuf>> {
-    rotate_with(output_dir, limit, written, best, &|p| std::fs::remove_dir_all(p))
+    rotate_with(output_dir, limit, written, best, &|p| {
+        std::fs::remove_dir_all(p)
+    })
 }
 
 /// [`rotate`], deleting with `remove` (a test makes it fail).
@@ -151,7 +153,9 @@ mod tests {
         // As on NFS, where a file still open leaves a .nfsXXXX file that stops the deletion.
         let remove = |p: &Path| {
             if p == stuck {
-                Err(std::io::Error::other("Directory not empty (.nfs000000000001)"))
+                Err(std::io::Error::other(
+                    "Directory not empty (.nfs000000000001)",
+                ))
             } else {
                 std::fs::remove_dir_all(p)
             }
@@ -161,7 +165,10 @@ mod tests {
             .expect("rotation after a committed save failed on a checkpoint it could not delete");
         assert_eq!(
             deleted,
-            [checkpoint_path(out.path(), 2), checkpoint_path(out.path(), 3)]
+            [
+                checkpoint_path(out.path(), 2),
+                checkpoint_path(out.path(), 3)
+            ]
         );
         let left: Vec<u64> = list(out.path()).unwrap().into_iter().map(|c| c.0).collect();
         assert_eq!(left, [1, 4], "the one it could not delete is kept");

@@ -181,8 +181,7 @@ impl Trainer {
         };
         // On every rank, with or without a checkpoint: the ranks agree on the one they resolved
         // (or on none) before anything is loaded.
-        self.acc
-            .resume_from(resume.as_ref().map(|(dir, _)| dir))?;
+        self.acc.resume_from(resume.as_ref().map(|(dir, _)| dir))?;
         if let Some((_, saved)) = resume {
             self.state.global_step = saved.global_step;
             self.state.epoch = saved.epoch;

@@ -471,7 +471,10 @@ fn ranks_that_find_different_checkpoints_to_resume_or_none_stop_and_name_both() 
                 )
                 .unwrap()
                 .train(&m, &v, dataset(50, 1), None);
-                (result.map(|o| o.global_step).map_err(|e| e.to_string()), values(&v) == before)
+                (
+                    result.map(|o| o.global_step).map_err(|e| e.to_string()),
+                    values(&v) == before,
+                )
             });
             let _ = tx.send(results);
         });

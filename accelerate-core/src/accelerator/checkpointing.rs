@@ -47,7 +47,7 @@ impl Accelerator {
     /// Every file is written into a temporary sibling directory and fsynced; the directory is then
     /// renamed into place, so a crash or a full disk leaves the previous checkpoint as it
     /// was, and the next save or load finishes or rolls back a replace that a crash interrupted between
-    /// its renames. Loading reads and verifies every file before changing anything.
+    /// its renames. Loading reads and verifies every file it needs before changing anything.
     ///
     /// Saving and loading are collectives: what one rank fails at (rank 0 creating the directory, a
     /// rank writing its part) is agreed on by all ([`Accelerator::agree_across_ranks`](crate::Accelerator::agree_across_ranks)), so every rank returns the
@@ -140,9 +140,9 @@ impl Accelerator {
         let dir = dir.as_ref();
         let loaded = checkpoint::load_state(&self.training_view(), checkpoint::Source::Dir(dir))?
             .ok_or_else(|| crate::Error::Checkpoint {
-                path: dir.to_path_buf(),
-                problem: "no checkpoint to load; pass the directory save_state wrote".into(),
-            })?;
+            path: dir.to_path_buf(),
+            problem: "no checkpoint to load; pass the directory save_state wrote".into(),
+        })?;
         self.resumed_logging();
         Ok(loaded)
     }
@@ -182,7 +182,9 @@ impl Accelerator {
     /// Writes the first model alone into `dir`, its trained and frozen parameters, as safetensors
     /// with PyTorch names and layouts (`model.safetensors`, or shards with a Hugging Face index
     /// above 5 GB). Main process only writes; every rank returns after it finished, with its
-    /// outcome (an error naming rank 0 if it failed).
+    /// outcome (an error naming rank 0 if it failed). A re-save replaces the set as a whole: a
+    /// crash at any point leaves the previous model or the new one loadable, never a mix (see
+    /// [`save_model`](checkpoint::save_model)).
     pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<()> {
         self.save_model_sharded(dir, checkpoint::DEFAULT_MAX_SHARD_BYTES)
     }

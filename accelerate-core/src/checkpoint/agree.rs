@@ -233,12 +233,22 @@ mod tests {
         let agree = |keys: [&'static str; 2]| {
             on_ring(2, move |rank, comm| {
                 let shown = format!("/machine_{rank}/checkpoint_7");
-                agree_on_choice(|t| comm.all_gather(t), 2, path, "checkpoints", keys[rank], &shown)
-                    .map_err(|e| e.to_string())
+                agree_on_choice(
+                    |t| comm.all_gather(t),
+                    2,
+                    path,
+                    "checkpoints",
+                    keys[rank],
+                    &shown,
+                )
+                .map_err(|e| e.to_string())
             })
         };
         // The same checkpoint at each machine's own path: one pick.
-        assert_eq!(agree(["step 7 manifest 0a", "step 7 manifest 0a"]), [Ok(()), Ok(())]);
+        assert_eq!(
+            agree(["step 7 manifest 0a", "step 7 manifest 0a"]),
+            [Ok(()), Ok(())]
+        );
         for e in agree(["step 7 manifest 0a", "none"]) {
             let e = e.unwrap_err();
             assert!(

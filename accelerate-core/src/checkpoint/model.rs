@@ -249,12 +249,18 @@ mod tests {
     /// offset by `offset` so that two saves differ in every element.
     fn three(offset: f32) -> Vec<(String, Var)> {
         vec![
-            ("a.bias".to_string(), var(&[7., 8.].map(|v| v + offset), &[2])),
+            (
+                "a.bias".to_string(),
+                var(&[7., 8.].map(|v| v + offset), &[2]),
+            ),
             (
                 "a.weight".to_string(),
                 var(&[1., 2., 3., 4., 5., 6.].map(|v| v + offset), &[2, 3]),
             ),
-            ("b.weight".to_string(), var(&[9., 10., 11.].map(|v| v + offset), &[1, 3])),
+            (
+                "b.weight".to_string(),
+                var(&[9., 10., 11.].map(|v| v + offset), &[1, 3]),
+            ),
         ]
     }
 
@@ -294,11 +300,18 @@ mod tests {
             map.values().map(|v| v.as_str().unwrap()).collect();
         for shard in shards {
             for (name, v) in load_file(&dir.join(shard)) {
-                assert_eq!(map[&name], shard, "{name} is not in the shard the index names");
+                assert_eq!(
+                    map[&name], shard,
+                    "{name} is not in the shard the index names"
+                );
                 all.insert(name, v);
             }
         }
-        assert_eq!(all.len(), map.len(), "the index names tensors no shard holds");
+        assert_eq!(
+            all.len(),
+            map.len(),
+            "the index names tensors no shard holds"
+        );
         Some(all)
     }
 
