@@ -415,18 +415,20 @@ fn a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrup
     );
 }
 
-#[test]
-fn ranks_that_find_different_latest_checkpoints_load_nothing_and_name_both() {
+/// Rank 0's copy of a checkpoint root holds `checkpoint_3` and `checkpoint_7`, rank 1's (`b`)
+/// only `checkpoint_3`, as on machines that do not share the directory; the two differ in a
+/// registered counter (the step each was saved at), so loading one or the other would train
+/// apart. Returns the roots `(a, b)`.
+fn roots_seen_apart(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     use accelerate_core::Accelerator;
     use accelerate_tests::ranks_as_threads;
-    // Machines that do not share the checkpoint directory: rank 0's copy holds checkpoint_3 and
-    // checkpoint_7, rank 1's only checkpoint_3. Each rank alone would load its own latest.
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (a, b) = (dir.join("a"), dir.join("b"));
     let saved = ranks_as_threads(2, Accelerator::builder, |mut acc| {
         let (varmap, _) = tiny_mlp(1).unwrap();
         acc.prepare(&varmap).unwrap();
+        let counter = acc.register_for_checkpointing(0u64);
         for step in [3, 7] {
+            *counter.lock().unwrap() = step;
             acc.save_state(a.join(format!("checkpoint_{step}")))
                 .unwrap();
         }
@@ -435,20 +437,129 @@ fn ranks_that_find_different_latest_checkpoints_load_nothing_and_name_both() {
     assert_eq!(saved.len(), 2);
     copy_dir(&a, &b);
     std::fs::remove_dir_all(b.join("checkpoint_7")).unwrap();
-    let loaded = ranks_as_threads(2, Accelerator::builder, |mut acc| {
+    (a, b)
+}
+
+/// What each of 2 thread-ranks returns from `load(acc, rank)` after preparing the tiny model and
+/// registering the counter of [`roots_seen_apart`], with the counter's value after it.
+fn load_on_two_ranks(
+    load: impl Fn(&accelerate_core::Accelerator, usize) -> accelerate_core::Result<String> + Sync,
+) -> Vec<(Result<String, String>, u64)> {
+    use accelerate_core::Accelerator;
+    use accelerate_tests::ranks_as_threads;
+    ranks_as_threads(2, Accelerator::builder, |mut acc| {
         let (varmap, _) = tiny_mlp(1).unwrap();
         acc.prepare(&varmap).unwrap();
-        let mine = if acc.process_index() == 0 { &a } else { &b };
-        acc.load_state(mine).map_err(|e| e.to_string())
+        let counter = acc.register_for_checkpointing(0u64);
+        let rank = acc.process_index();
+        let loaded = load(&acc, rank).map_err(|e| e.to_string());
+        let value = *counter.lock().unwrap();
+        (loaded, value)
+    })
+}
+
+/// Every rank failed, nothing was loaded, and each error names `pieces`.
+fn all_refused(results: &[(Result<String, String>, u64)], pieces: &[&str]) {
+    for (rank, (result, counter)) in results.iter().enumerate() {
+        let e = result.as_ref().expect_err(&format!(
+            "rank {rank} loaded {result:?} while the other rank's checkpoint differs"
+        ));
+        for piece in pieces {
+            assert!(e.contains(piece), "rank {rank}: {piece:?} not in: {e}");
+        }
+        assert_eq!(*counter, 0, "rank {rank} loaded something");
+    }
+}
+
+#[test]
+fn ranks_that_find_different_latest_checkpoints_load_nothing_and_name_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = roots_seen_apart(dir.path());
+    // Each rank resolves "the latest" under its own copy of the root.
+    let loaded = load_on_two_ranks(|acc, rank| {
+        let mine = if rank == 0 { &a } else { &b };
+        acc.load_state(mine).map(|p| p.display().to_string())
     });
-    for (rank, result) in loaded.iter().enumerate() {
-        let e = result
-            .as_ref()
-            .expect_err("a rank loaded its own latest checkpoint");
-        assert!(
-            e.contains("rank 0: checkpoint_7") && e.contains("rank 1: checkpoint_3"),
-            "rank {rank}: {e}"
+    all_refused(
+        &loaded,
+        &[
+            "rank 0: ",
+            "checkpoint_7 (step 0",
+            "rank 1: ",
+            "checkpoint_3 (step 0",
+        ],
+    );
+}
+
+#[test]
+fn ranks_given_checkpoints_they_resolved_apart_load_nothing_and_name_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = roots_seen_apart(dir.path());
+    // As a caller that resolves "the latest" itself passes what it found on each rank.
+    let loaded = load_on_two_ranks(|acc, rank| {
+        let root = if rank == 0 { &a } else { &b };
+        let latest = accelerate_core::latest_checkpoint(root)?.unwrap();
+        acc.load_state(latest).map(|p| p.display().to_string())
+    });
+    all_refused(
+        &loaded,
+        &[
+            &format!("rank 0: {}", a.join("checkpoint_7").display()),
+            &format!("rank 1: {}", b.join("checkpoint_3").display()),
+        ],
+    );
+    // The same checkpoint copied to each machine's own path is one checkpoint: both load it.
+    let loaded = load_on_two_ranks(|acc, rank| {
+        let root = if rank == 0 { &a } else { &b };
+        acc.load_state(root.join("checkpoint_3"))
+            .map(|p| p.display().to_string())
+    });
+    for (rank, (result, counter)) in loaded.iter().enumerate() {
+        assert!(result.is_ok(), "rank {rank}: {result:?}");
+        assert_eq!(*counter, 3, "rank {rank}");
+    }
+}
+
+#[test]
+fn a_rank_that_finds_no_checkpoint_still_joins_and_every_rank_names_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = roots_seen_apart(dir.path());
+    let empty = dir.path().join("empty");
+    // Rank 1 sees no checkpoint: through resume_latest, and as a caller passing what it found.
+    let through_latest = load_on_two_ranks(|acc, rank| {
+        let root = if rank == 0 { &a } else { &empty };
+        acc.resume_latest(root).map(|p| format!("{p:?}"))
+    });
+    let through_found = load_on_two_ranks(|acc, rank| {
+        let found = match rank {
+            0 => accelerate_core::latest_checkpoint(&a)?,
+            _ => None,
+        };
+        acc.resume_from(found).map(|p| format!("{p:?}"))
+    });
+    for loaded in [through_latest, through_found] {
+        all_refused(
+            &loaded,
+            &[
+                &format!("rank 0: {} (step 0", a.join("checkpoint_7").display()),
+                "rank 1: none found",
+            ],
         );
+    }
+    // None on every rank: nothing to load, and every rank says so.
+    let none = load_on_two_ranks(|acc, _| acc.resume_latest(&empty).map(|p| format!("{p:?}")));
+    for (rank, (result, counter)) in none.iter().enumerate() {
+        assert_eq!(result.as_deref(), Ok("None"), "rank {rank}");
+        assert_eq!(*counter, 0);
+    }
+    // The same latest on every rank: loaded.
+    let both = load_on_two_ranks(|acc, _| acc.resume_latest(&a).map(|p| format!("{p:?}")));
+    for (rank, (result, counter)) in both.iter().enumerate() {
+        assert!(
+            result.as_ref().unwrap().contains("checkpoint_7"),
+            "rank {rank}: {result:?}"
+        );
+        assert_eq!(*counter, 7);
     }
 }
 
@@ -542,6 +653,8 @@ mod zero {
     struct Plan<'a> {
         /// Load this checkpoint after preparing.
         from: Option<&'a Path>,
+        /// Or rank r loads `from_per_rank[r]` (copies of one checkpoint).
+        from_per_rank: Option<&'a [std::path::PathBuf]>,
         /// Save into this directory after this many micro-steps, and stop there.
         save: Option<(&'a Path, usize)>,
         /// Stop right after loading (the loaded state is the end).
@@ -585,7 +698,10 @@ mod zero {
                         .collect(),
                     state: opt.state().unwrap(),
                 };
-                if let Some(dir) = plan.from {
+                let from = plan
+                    .from
+                    .or_else(|| Some(plan.from_per_rank?[acc.process_index()].as_path()));
+                if let Some(dir) = from {
                     acc.load_state(dir).map_err(|e| e.to_string())?;
                     if plan.stop_after_load {
                         return Ok(end(&opt));
@@ -929,6 +1045,87 @@ mod zero {
                     && e.contains("resume at an epoch boundary or with --num-processes 2"),
                 "{e}"
             );
+        }
+    }
+
+    /// Copies of `dir`, one per rank of `new` ranks, each without the optimizer shards that rank
+    /// does not need: every saved rank's file but those `needs(new_rank)` names.
+    fn copies_without_unneeded_shards(
+        dir: &Path,
+        old: usize,
+        new: usize,
+        needs: impl Fn(usize) -> Vec<usize>,
+    ) -> Vec<std::path::PathBuf> {
+        (0..new)
+            .map(|r| {
+                let copy = dir.with_file_name(format!("copy_for_rank_{r}"));
+                super::copy_dir(dir, &copy);
+                for saved in (0..old).filter(|s| !needs(r).contains(s)) {
+                    std::fs::remove_file(
+                        copy.join(format!("optimizer_0.rank_{saved}.safetensors")),
+                    )
+                    .unwrap();
+                }
+                copy
+            })
+            .collect()
+    }
+
+    /// Each rank reads only the optimizer shards its own pieces come from: with every other
+    /// rank's shard deleted from the copy it loads, the same world size and stage loads each
+    /// rank's own shard alone, and 2 -> 3 ranks (re-cut) reads saved rank 0's for new rank 0,
+    /// both for new rank 1 and saved rank 1's for new rank 2; each ends with the state a load
+    /// of the whole checkpoint gives.
+    #[test]
+    fn each_rank_reads_only_the_shards_it_needs() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ckpt");
+        ok(run(
+            2,
+            1,
+            Plan {
+                save: Some((&dir, 6)),
+                ..Plan::default()
+            },
+        ));
+        for (new, needs) in [
+            (2, &(|r| vec![r]) as &dyn Fn(usize) -> Vec<usize>),
+            (3, &|r| match r {
+                0 => vec![0],
+                1 => vec![0, 1],
+                _ => vec![1],
+            }),
+        ] {
+            let whole = ok(run(
+                new,
+                1,
+                Plan {
+                    from: Some(&dir),
+                    stop_after_load: true,
+                    ..Plan::default()
+                },
+            ));
+            let copies = copies_without_unneeded_shards(&dir, 2, new, needs);
+            let loaded = run(
+                new,
+                1,
+                Plan {
+                    from_per_rank: Some(&copies),
+                    stop_after_load: true,
+                    ..Plan::default()
+                },
+            );
+            for (r, (got, want)) in loaded.into_iter().zip(&whole).enumerate() {
+                let got = got.unwrap_or_else(|e| panic!("2 -> {new} ranks, rank {r}: {e}"));
+                assert!(
+                    full(&got) == full(want),
+                    "2 -> {new}, rank {r}: state differs"
+                );
+                assert_eq!(got.params, want.params);
+            }
+            for copy in copies {
+                std::fs::remove_dir_all(copy).unwrap();
+            }
         }
     }
 }

@@ -166,7 +166,7 @@ impl Trainer {
                 args.eval_strategy
             )));
         }
-        let resume = self.checkpoint_to_resume()?;
+        let resume = self.resume_agreed()?;
         let mut run = self.prepare(params, train, eval)?;
         let (total, steps_per_epoch) = (run.total, run.steps_per_epoch);
         self.state = TrainerState {
@@ -179,11 +179,10 @@ impl Trainer {
             is_world_process_zero: self.acc.is_main_process(),
             ..TrainerState::default()
         };
-        if let Some(dir) = &resume {
-            // Read first: a directory without the Trainer's state is refused before anything
-            // is loaded.
-            let saved = TrainerState::read(dir)?;
-            self.acc.load_state(dir)?;
+        // On every rank, with or without a checkpoint: the ranks agree on the one they resolved
+        // (or on none) before anything is loaded.
+        self.acc.resume_from(resume.as_ref().map(|(dir, _)| dir))?;
+        if let Some((_, saved)) = resume {
             self.state.global_step = saved.global_step;
             self.state.epoch = saved.epoch;
             self.state.log_history = saved.log_history;
@@ -247,6 +246,39 @@ impl Trainer {
         Ok(self
             .evaluate_now(model, &mut loader, &mut progress, false)?
             .0)
+    }
+
+    /// The checkpoint to resume from and its `trainer_state.json` (read first: a directory
+    /// without the Trainer's state is refused before anything is loaded), or none; every rank
+    /// stops if any fails to find or read it, and the main process refuses to resume next to
+    /// newer checkpoints when the run saves (see [`checkpoints::check_no_newer`]). A
+    /// collective: whether each rank found a checkpoint, they join the same agreements.
+    fn resume_agreed(&self) -> Result<Option<(PathBuf, TrainerState)>> {
+        let args = &self.args;
+        let mut found = None;
+        let local = self.checkpoint_to_resume().and_then(|dir| {
+            found = dir
+                .map(|dir| TrainerState::read(&dir).map(|state| (dir, state)))
+                .transpose()?;
+            Ok(())
+        });
+        self.agree(
+            &args.output_dir,
+            "finding the checkpoint to resume from",
+            local,
+        )?;
+        let checked = match (&found, self.acc.is_main_process()) {
+            (Some((_, saved)), true) if args.save_strategy != SaveStrategy::No => {
+                checkpoints::check_no_newer(&args.output_dir, saved.global_step, "resumes from")
+            }
+            _ => Ok(()),
+        };
+        self.agree(
+            &args.output_dir,
+            "checking output_dir for newer checkpoints",
+            checked,
+        )?;
+        Ok(found)
     }
 
     /// The checkpoint `resume_from_checkpoint` names, if any; refuses to start over in an
@@ -639,38 +671,43 @@ impl Trainer {
     }
 
     /// Saves `output_dir/checkpoint-<step>`: the accelerator's state (with `model.safetensors`)
-    /// and `trainer_state.json`; then rotates under `save_total_limit`.
+    /// and `trainer_state.json`; then rotates under `save_total_limit`. Refused, before anything
+    /// is written, next to newer complete checkpoints (see [`checkpoints::check_no_newer`]).
     fn save_checkpoint(&mut self, control: &mut TrainerControl) -> Result<()> {
         let output_dir = self.args.output_dir.clone();
         let step = self.state.global_step;
         let dir = checkpoints::checkpoint_path(&output_dir, step);
+        let checked = match self.acc.is_main_process() {
+            true => checkpoints::check_no_newer(&output_dir, step, "is saving"),
+            false => Ok(()),
+        };
+        self.agree(
+            &output_dir,
+            "checking output_dir for newer checkpoints",
+            checked,
+        )?;
         // save_state writes model.safetensors (listed in its manifest; a second, sharded
         // save_model of a large model would delete it and break the checkpoint).
         self.acc.save_state(&dir)?;
         if self.state.best_global_step == Some(step) {
             self.state.best_model_checkpoint = Some(dir.clone());
         }
-        let written = if self.acc.is_main_process() {
-            self.state
-                .write(&dir)
-                .and_then(|()| match self.args.save_total_limit {
-                    Some(limit) => checkpoints::rotate(
-                        &output_dir,
-                        limit,
-                        &dir,
-                        self.best_checkpoint().as_deref(),
-                    )
-                    .map(|_| ()),
-                    None => Ok(()),
-                })
-        } else {
-            Ok(())
+        let written = match self.acc.is_main_process() {
+            true => self.state.write(&dir),
+            false => Ok(()),
         };
-        self.agree(
-            &dir,
-            "writing trainer_state.json and rotating checkpoints",
-            written,
-        )?;
+        self.agree(&dir, "writing trainer_state.json", written)?;
+        // The checkpoint is complete on every rank: rotation can only warn from here on.
+        if let (Some(limit), true) = (self.args.save_total_limit, self.acc.is_main_process()) {
+            let best = self.best_checkpoint();
+            if let Err(e) = checkpoints::rotate(&output_dir, limit, &dir, best.as_deref()) {
+                eprintln!(
+                    "accelerate-trainer: warning: save_total_limit: {} is saved, but the oldest \
+                     checkpoints were not rotated: {e}",
+                    dir.display()
+                );
+            }
+        }
         for callback in &mut self.callbacks {
             callback.on_save(&self.args, &self.state, control);
         }

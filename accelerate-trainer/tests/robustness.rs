@@ -12,7 +12,10 @@ use accelerate_trainer::{
     TrainerCallback, TrainerControl, TrainerModel, TrainerState, TrainingArguments,
 };
 use candle_core::Tensor;
-use common::{dataset, per_sample_loss, ranks_as_threads, tiny, values, StopAt, Tiny};
+use common::{
+    dataset, per_sample_loss, ranks_as_threads, ranks_as_threads_knowing_rank, tiny, values,
+    StopAt, Tiny,
+};
 
 fn base(out: &Path) -> TrainingArguments {
     TrainingArguments {
@@ -358,4 +361,139 @@ fn under_the_epoch_strategy_a_checkpoint_cut_short_is_saved_again() {
     .unwrap();
     assert!(parts.join("checkpoint-26/trainer_state.json").is_file());
     assert_eq!(values(&v), values(&whole));
+}
+
+/// The `checkpoint-<step>` directories in `out`, sorted by step.
+fn checkpoint_steps(out: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(out)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.strip_prefix("checkpoint-")?.parse().ok()
+        })
+        .collect();
+    steps.sort();
+    steps
+}
+
+#[test]
+fn resuming_from_an_older_checkpoint_while_newer_ones_exist_is_refused_before_anything_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let args = TrainingArguments {
+        max_steps: Some(5),
+        save_steps: 1,
+        ..base(&out)
+    };
+    let (v, m) = tiny(11);
+    Trainer::new(args.clone())
+        .unwrap()
+        .train(&m, &v, dataset(50, 1), None)
+        .unwrap();
+    assert_eq!(checkpoint_steps(&out), [1, 2, 3, 4, 5]);
+    let checkpoint_5 = std::fs::read(out.join("checkpoint-5/model.safetensors")).unwrap();
+    // Resumed from step 1 with a limit of 2: rotation would delete the past (1 to 4) and keep
+    // the abandoned run's checkpoint-5, which a later `latest` would resume.
+    let (v, m) = tiny(11);
+    let before = values(&v);
+    let resumed = Trainer::new(TrainingArguments {
+        resume_from_checkpoint: Some(ResumeFrom::Checkpoint(out.join("checkpoint-1"))),
+        save_total_limit: Some(2),
+        save_steps: 2,
+        ..args
+    })
+    .unwrap()
+    .train(&m, &v, dataset(50, 1), None);
+    let err = match resumed {
+        Ok(o) => panic!(
+            "resumed to step {} next to newer checkpoints; left: {:?}",
+            o.global_step,
+            checkpoint_steps(&out)
+        ),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("checkpoint-1")
+            && err.contains("4 checkpoint(s) newer")
+            && err.contains("checkpoint-5")
+            && err.contains("another output_dir"),
+        "{err}"
+    );
+    assert_eq!(checkpoint_steps(&out), [1, 2, 3, 4, 5], "nothing deleted");
+    assert_eq!(
+        std::fs::read(out.join("checkpoint-5/model.safetensors")).unwrap(),
+        checkpoint_5
+    );
+    assert_eq!(values(&v), before, "nothing loaded");
+}
+
+#[test]
+fn ranks_that_find_different_checkpoints_to_resume_or_none_stop_and_name_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let args = |out: &Path| TrainingArguments {
+        max_steps: Some(4),
+        save_steps: 2,
+        ..base(out)
+    };
+    ranks_as_threads(2, |builder| {
+        let (v, m) = tiny(11);
+        Trainer::with_accelerator(args(&a), builder)
+            .unwrap()
+            .train(&m, &v, dataset(50, 1), None)
+            .unwrap();
+    });
+    // Rank 1's machine sees an output_dir without checkpoints (b), then one with an older one.
+    let resume = |b_has: Option<u64>| {
+        std::fs::create_dir_all(&b).unwrap();
+        if let Some(step) = b_has {
+            let from = a.join(format!("checkpoint-{step}"));
+            let to = b.join(format!("checkpoint-{step}"));
+            std::fs::create_dir_all(&to).unwrap();
+            for f in std::fs::read_dir(&from).unwrap() {
+                let f = f.unwrap();
+                std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (a, b) = (a.clone(), b.clone());
+        std::thread::spawn(move || {
+            let results = ranks_as_threads_knowing_rank(2, |rank, builder| {
+                let out = if rank == 0 { &a } else { &b };
+                let (v, m) = tiny(11);
+                let before = values(&v);
+                let result = Trainer::with_accelerator(
+                    TrainingArguments {
+                        resume_from_checkpoint: Some(ResumeFrom::Latest),
+                        ..args(out)
+                    },
+                    builder,
+                )
+                .unwrap()
+                .train(&m, &v, dataset(50, 1), None);
+                (
+                    result.map(|o| o.global_step).map_err(|e| e.to_string()),
+                    values(&v) == before,
+                )
+            });
+            let _ = tx.send(results);
+        });
+        // A guard against the hang this test is about (one rank waiting in a collective the
+        // other skipped), far above the run's second or two.
+        rx.recv_timeout(std::time::Duration::from_secs(120))
+            .expect("the ranks did not return: one waits in a collective the other skipped")
+    };
+    for (b_has, rank_1) in [(None, "rank 1: none"), (Some(2), "checkpoint-2 (step 2")] {
+        let results = resume(b_has);
+        for (rank, (result, untouched)) in results.iter().enumerate() {
+            let e = result
+                .as_ref()
+                .expect_err(&format!("rank {rank} resumed: {result:?}"));
+            assert!(
+                e.contains("rank 0: ") && e.contains("checkpoint-4 (step 4") && e.contains(rank_1),
+                "rank {rank}: {e}"
+            );
+            assert!(untouched, "rank {rank} loaded something");
+        }
+    }
 }

@@ -47,7 +47,7 @@ impl Accelerator {
     /// Every file is written into a temporary sibling directory and fsynced; the directory is then
     /// renamed into place, so a crash or a full disk leaves the previous checkpoint as it
     /// was, and the next save or load finishes or rolls back a replace that a crash interrupted between
-    /// its renames. Loading reads and verifies every file before changing anything.
+    /// its renames. Loading reads and verifies every file it needs before changing anything.
     ///
     /// Saving and loading are collectives: what one rank fails at (rank 0 creating the directory, a
     /// rank writing its part) is agreed on by all ([`Accelerator::agree_across_ranks`](crate::Accelerator::agree_across_ranks)), so every rank returns the
@@ -61,7 +61,8 @@ impl Accelerator {
     }
 
     /// Saves the state as `<root>/checkpoint_<N>`, N being the optimizer steps taken, then deletes
-    /// the oldest checkpoints beyond `keep` (main process), never the one just written. Refuses
+    /// the oldest checkpoints beyond `keep` (main process), never the one just written; one it
+    /// cannot delete is kept with a warning, since the new checkpoint is complete. Refuses
     /// (on every rank, before writing anything) when `root` holds a checkpoint with a larger N:
     /// another run's, which would otherwise stay the latest (see
     /// [`check_no_newer_checkpoint`](checkpoint::check_no_newer_checkpoint)). Returns the
@@ -82,13 +83,16 @@ impl Accelerator {
         };
         view.agree(root, "checking the checkpoint directory", checked)?;
         checkpoint::save_state(&view, &dir)?;
-        let pruned = match (keep, self.is_main_process()) {
-            (Some(keep), true) => {
-                checkpoint::prune_checkpoints_keeping(root, keep, &dir).map(|_| ())
+        // Every rank agreed that the checkpoint is complete: pruning can only warn now (on NFS a
+        // file still open elsewhere makes a deletion fail), never fail the save.
+        if let (Some(keep), true) = (keep, self.is_main_process()) {
+            if let Err(e) = checkpoint::prune_checkpoints_keeping(root, keep, &dir) {
+                checkpoint::warn(&format!(
+                    "{} is saved, but the oldest checkpoints beyond {keep} were not deleted: {e}",
+                    dir.display()
+                ));
             }
-            _ => Ok(()),
-        };
-        view.agree(root, "deleting the oldest checkpoints", pruned)?;
+        }
         Ok(dir)
     }
 
@@ -120,20 +124,67 @@ impl Accelerator {
     /// the compute copies, and the fp16 loss scaler), with each rank's generator. Prepare the same
     /// parameters, optimizers, schedulers and loaders first, and call it on every rank. A save
     /// that a crash interrupted between its renames is finished or rolled back first (saying so on
-    /// stderr). Every file is verified before anything changes: on an error on any rank nothing is
-    /// loaded on any. Loaders continue from their saved position at their next `iter()`. Returns
-    /// the directory loaded. The first step [`log`](Self::log)ged after it starts the trackers'
-    /// history over from that step (steps at or after it that an earlier run logged are dropped).
+    /// stderr). The ranks first agree that they resolved the same checkpoint (its step and the
+    /// checksum of its manifest: the same checkpoint copied to each machine's own path counts as
+    /// one), and every rank refuses, naming each rank's pick, if they did not. Every file is
+    /// verified before anything changes: on an error on any rank nothing is loaded on any.
+    /// Loaders continue from their saved position at their next `iter()`. Returns the directory
+    /// loaded. The first step [`log`](Self::log)ged after it starts the trackers' history over
+    /// from that step (steps at or after it that an earlier run logged are dropped).
+    ///
+    /// To resume from a checkpoint that may not exist yet, use
+    /// [`resume_latest`](Self::resume_latest) or [`resume_from`](Self::resume_from) rather than
+    /// calling this only where one was found: a rank that found none would skip the collective
+    /// the others wait in.
     pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<PathBuf> {
-        let loaded = checkpoint::load_state(&self.training_view(), dir.as_ref())?;
+        let dir = dir.as_ref();
+        let loaded = checkpoint::load_state(&self.training_view(), checkpoint::Source::Dir(dir))?
+            .ok_or_else(|| crate::Error::Checkpoint {
+            path: dir.to_path_buf(),
+            problem: "no checkpoint to load; pass the directory save_state wrote".into(),
+        })?;
         self.resumed_logging();
+        Ok(loaded)
+    }
+
+    /// Resumes from the latest `checkpoint_<N>` under `root` (as
+    /// [`save_checkpoint`](Self::save_checkpoint) names them), or stays at the start when there is
+    /// none: returns the directory loaded, or `None`. A collective: call it on every rank. The
+    /// ranks agree on what they found, including "none", so ranks that see different latest
+    /// checkpoints (machines that do not share `root`), or one that sees none, all stop with an
+    /// error naming each rank's pick instead of training apart or waiting for each other. Loading
+    /// itself is [`load_state`](Self::load_state)'s.
+    pub fn resume_latest(&self, root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+        let source = checkpoint::Source::Latest(root.as_ref());
+        self.resume(source)
+    }
+
+    /// Resumes from `found`, the checkpoint this rank's caller resolved by its own rules (a
+    /// latest of its own naming, a path from the command line), or stays at the start when it
+    /// is `None` on every rank; returns the directory loaded. A collective: call it on every rank,
+    /// with `None` where nothing was found, never skip it. The ranks agree on the checkpoint
+    /// resolved (its step and manifest checksum) or on "none", and otherwise all stop with an
+    /// error naming each rank's pick. Loading itself is [`load_state`](Self::load_state)'s
+    /// (`found` may also be a directory of `checkpoint_<N>`).
+    pub fn resume_from(&self, found: Option<impl AsRef<Path>>) -> Result<Option<PathBuf>> {
+        let found = found.as_ref().map(|p| p.as_ref());
+        self.resume(checkpoint::Source::Found(found))
+    }
+
+    fn resume(&self, source: checkpoint::Source<'_>) -> Result<Option<PathBuf>> {
+        let loaded = checkpoint::load_state(&self.training_view(), source)?;
+        if loaded.is_some() {
+            self.resumed_logging();
+        }
         Ok(loaded)
     }
 
     /// Writes the first model alone into `dir`, its trained and frozen parameters, as safetensors
     /// with PyTorch names and layouts (`model.safetensors`, or shards with a Hugging Face index
     /// above 5 GB). Main process only writes; every rank returns after it finished, with its
-    /// outcome (an error naming rank 0 if it failed).
+    /// outcome (an error naming rank 0 if it failed). A re-save replaces the set as a whole: a
+    /// crash at any point leaves the previous model or the new one loadable, never a mix (see
+    /// [`save_model`](checkpoint::save_model)).
     pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<()> {
         self.save_model_sharded(dir, checkpoint::DEFAULT_MAX_SHARD_BYTES)
     }

@@ -93,39 +93,46 @@ pub(crate) fn agree_with<T>(
     })
 }
 
-/// Exchanges `choice` (what this rank picked for `what` under `path`, such as the checkpoint it
-/// found latest) with every rank through `all_gather`; `Ok` on every rank only if all picked the
-/// same, otherwise an error on every rank naming each rank's pick. Choices longer than the
-/// exchanged row compare by their first [`REASON_BYTES`] bytes (cut on a character boundary).
+/// Exchanges what this rank picked for `what` under `path` (such as the checkpoint it found
+/// latest) with every rank through `all_gather`: `key`, which must be equal on every rank, and
+/// `shown`, how the pick reads in the error. `Ok` on every rank only if all keys are equal,
+/// otherwise an error on every rank naming each rank's pick. Keys compare in full up to
+/// [`REASON_BYTES`] bytes together with what is shown (keep them short: they travel first).
 pub(crate) fn agree_on_choice(
     all_gather: impl FnOnce(&Tensor) -> Result<Tensor>,
     world_size: usize,
     path: &Path,
     what: &str,
-    choice: &str,
+    key: &str,
+    shown: &str,
 ) -> Result<()> {
     if world_size == 1 {
         return Ok(());
     }
-    let gathered = all_gather(&row(0, choice)?)?;
-    let picks: Vec<String> = gathered
+    // The key cannot hold a newline: it ends at the first one.
+    let gathered = all_gather(&row(0, &format!("{}\n{shown}", key.replace('\n', " ")))?)?;
+    let picks: Vec<(String, String)> = gathered
         .to_vec2::<i64>()?
         .iter()
-        .map(|r| row_text(r))
+        .map(|r| {
+            let text = row_text(r);
+            let (key, shown) = text.split_once('\n').unwrap_or((&text, ""));
+            (key.to_string(), shown.to_string())
+        })
         .collect();
-    if picks.iter().all(|p| p == &picks[0]) {
+    if picks.iter().all(|(k, _)| k == &picks[0].0) {
         return Ok(());
     }
     let named: Vec<String> = picks
         .iter()
         .enumerate()
-        .map(|(rank, pick)| format!("rank {rank}: {pick}"))
+        .map(|(rank, (_, shown))| format!("rank {rank}: {shown}"))
         .collect();
     Err(Error::Checkpoint {
         path: path.to_path_buf(),
         problem: format!(
-            "the ranks found different {what} ({}); every rank must see the same files: put \
-             the directory on a file system that every machine shares, or copy the same \
+            "the ranks found different {what} ({}); every rank must load the same checkpoint: \
+             put the directory on a file system that every machine shares, or copy the same \
              checkpoint to each machine. Nothing was loaded",
             named.join("; ")
         ),
@@ -218,5 +225,37 @@ mod tests {
             e.contains("rank 0 failed: invalid configuration: é") && !e.contains('\u{fffd}'),
             "{e}"
         );
+    }
+
+    #[test]
+    fn picks_compare_by_key_and_are_named_by_what_is_shown() {
+        let path = Path::new("out");
+        let agree = |keys: [&'static str; 2]| {
+            on_ring(2, move |rank, comm| {
+                let shown = format!("/machine_{rank}/checkpoint_7");
+                agree_on_choice(
+                    |t| comm.all_gather(t),
+                    2,
+                    path,
+                    "checkpoints",
+                    keys[rank],
+                    &shown,
+                )
+                .map_err(|e| e.to_string())
+            })
+        };
+        // The same checkpoint at each machine's own path: one pick.
+        assert_eq!(
+            agree(["step 7 manifest 0a", "step 7 manifest 0a"]),
+            [Ok(()), Ok(())]
+        );
+        for e in agree(["step 7 manifest 0a", "none"]) {
+            let e = e.unwrap_err();
+            assert!(
+                e.contains("rank 0: /machine_0/checkpoint_7; rank 1: /machine_1/checkpoint_7")
+                    && !e.contains("manifest 0a"),
+                "{e}"
+            );
+        }
     }
 }

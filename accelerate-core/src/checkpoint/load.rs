@@ -75,33 +75,88 @@ struct Loaded {
     saved_world: usize,
 }
 
-/// Loads the checkpoint at `dir` (or the latest under it); returns the directory loaded. First the
-/// main process finishes or rolls back a save that a crash interrupted between its renames; every
-/// rank then reads and verifies its files, and all agree before anything changes, so either every
-/// rank loads or none does.
-pub(crate) fn load_state(view: &TrainingView<'_>, dir: &Path) -> Result<PathBuf> {
-    let recovered = if view.rank == 0 {
-        staging::recover_interrupted_replaces(dir, is_complete).map(|done| log_recovery(&done))
-    } else {
-        Ok(())
-    };
-    view.agree(dir, "recovering an interrupted save", recovered)?;
-    let resolved = view.agree(dir, "finding the checkpoint", resolve(dir))?;
-    // Each rank resolves "the latest" on its own file system: where machines do not share it,
-    // they could load different steps and train apart without a word.
-    let choice = match resolved.strip_prefix(dir).unwrap_or(&resolved) {
-        inside if inside.as_os_str().is_empty() => "the directory itself".into(),
-        inside => inside.to_string_lossy(),
-    };
-    view.agree_on_choice(dir, "checkpoints to load", &choice)?;
-    let read = read_all(view, &resolved).map(|loaded| (loaded, resolved));
-    let (loaded, dir) = view.agree(dir, "reading the checkpoint", read)?;
-    apply(view, loaded, &dir)?;
-    Ok(dir)
+/// What [`load_state`] is asked to load on this rank.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Source<'a> {
+    /// A checkpoint directory, or the latest `checkpoint_<N>` under it; an error if neither.
+    Dir(&'a Path),
+    /// The latest `checkpoint_<N>` under this root, or none if it holds none.
+    Latest(&'a Path),
+    /// What the caller found on this rank by its own rules: a checkpoint (as [`Source::Dir`]),
+    /// or none.
+    Found(Option<&'a Path>),
 }
 
-fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
-    let manifest = Manifest::read(dir)?;
+/// This rank's pick, as compared across ranks: the key that must be equal everywhere (the
+/// checkpoint's step and manifest checksum, or none) and how the pick is shown in an error.
+fn pick(found: Option<&(PathBuf, Manifest, u32)>) -> (String, String) {
+    match found {
+        None => ("none".into(), "none found".into()),
+        Some((dir, manifest, crc)) => (
+            format!("step {} manifest {crc:08x}", manifest.optimizer_steps),
+            format!(
+                "{} (step {}, manifest CRC-32 {crc:08x})",
+                dir.display(),
+                manifest.optimizer_steps
+            ),
+        ),
+    }
+}
+
+/// Loads what `source` names on this rank; returns the directory loaded, or `None` when every
+/// rank found none. The one path every load takes: first the main process finishes or rolls back
+/// a save that a crash interrupted between its renames; every rank then resolves its checkpoint
+/// and reads its manifest, and all agree that they picked the same one (its step and manifest
+/// checksum), or that none found any, before anything else. A rank that found none still joins
+/// every collective, so ranks that disagree all stop with an error naming each rank's pick,
+/// instead of one waiting in a collective the other skipped. Every rank then reads and verifies
+/// the files it needs, and all agree before anything changes, so either every rank loads or
+/// none does.
+pub(crate) fn load_state(view: &TrainingView<'_>, source: Source<'_>) -> Result<Option<PathBuf>> {
+    let asked = match source {
+        Source::Dir(dir) | Source::Latest(dir) | Source::Found(Some(dir)) => Some(dir),
+        Source::Found(None) => None,
+    };
+    let named = asked.unwrap_or(Path::new("(none found on this rank)"));
+    let recovered = match asked {
+        Some(dir) if view.rank == 0 => {
+            staging::recover_interrupted_replaces(dir, is_complete).map(|done| log_recovery(&done))
+        }
+        _ => Ok(()),
+    };
+    view.agree(named, "recovering an interrupted save", recovered)?;
+    let resolved = match source {
+        Source::Dir(dir) | Source::Found(Some(dir)) => resolve(dir).map(Some),
+        Source::Latest(root) => latest_checkpoint(root),
+        Source::Found(None) => Ok(None),
+    };
+    let found = resolved.and_then(|dir| {
+        dir.map(|dir| {
+            let (manifest, crc) = Manifest::read_with_checksum(&dir)?;
+            Ok((dir, manifest, crc))
+        })
+        .transpose()
+    });
+    let found = view.agree(named, "finding the checkpoint", found)?;
+    // Each rank resolves its checkpoint on its own file system, or is handed one its caller
+    // resolved: where machines do not share it, they could load different steps and train apart
+    // without a word.
+    let (key, shown) = pick(found.as_ref());
+    view.agree_on_choice(named, "checkpoints to load", &key, &shown)?;
+    let Some((dir, manifest, _)) = found else {
+        return Ok(None);
+    };
+    let read = read_all(view, &manifest, &dir);
+    let loaded = view.agree(&dir, "reading the checkpoint", read)?;
+    apply(view, loaded, &dir)?;
+    Ok(Some(dir))
+}
+
+/// Reads and verifies what this rank needs of the checkpoint at `dir`, whose `manifest` was read
+/// already: its own part, the shared files, and under ZeRO only the saved ranks' optimizer
+/// shards its own pieces come from. Another rank's files are that rank's to verify (every rank
+/// agrees on the outcome before anything changes).
+fn read_all(view: &TrainingView<'_>, manifest: &Manifest, dir: &Path) -> Result<Loaded> {
     manifest.check_compatible(dir, view.params())?;
     if manifest.models() != view.models.len() {
         return Err(problem(
@@ -114,20 +169,15 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
             ),
         ));
     }
-    // Every listed file is checked, including other ranks' parts: a corrupt checkpoint is refused
-    // by every rank alike.
-    for name in manifest.files.keys() {
-        manifest.read_verified(dir, name)?;
-    }
 
     let rank = if manifest.world_size == view.world_size {
-        read_rank_file(view, &manifest, dir)?
+        read_rank_file(view, manifest, dir)?
     } else {
-        rank_file_for_another_world(view, &manifest, dir)?
+        rank_file_for_another_world(view, manifest, dir)?
     };
 
     let models = (0..view.models.len())
-        .map(|m| read_model(view, &manifest, dir, m, &rank))
+        .map(|m| read_model(view, manifest, dir, m, &rank))
         .collect::<Result<Vec<_>>>()?;
 
     let rng_name = files::rng_file(view.rank);
@@ -143,7 +193,7 @@ fn read_all(view: &TrainingView<'_>, dir: &Path) -> Result<Loaded> {
     } else {
         None
     };
-    let custom = read_custom(view, &manifest, dir)?;
+    let custom = read_custom(view, manifest, dir)?;
     Ok(Loaded {
         models,
         rank,

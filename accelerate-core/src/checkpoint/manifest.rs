@@ -129,7 +129,8 @@ pub struct Manifest {
     pub zero: Option<ZeroEntry>,
     /// What the random state is (there is no generator to save; see the module documentation).
     pub random_state: String,
-    /// Every other file of the checkpoint, by name.
+    /// Every other file of the checkpoint, by its plain name in the checkpoint's directory
+    /// (no directories, no `..`: see [`check_file_name`]).
     pub files: BTreeMap<String, FileEntry>,
 }
 
@@ -164,9 +165,31 @@ fn corrupt(path: &Path, problem: impl Into<String>) -> Error {
     }
 }
 
+/// Checks that `name` is a plain file name: one component, not `.` or `..`, without a path
+/// separator or NUL. A manifest names the files of its own directory; any other name (`/dev/zero`,
+/// `../../x`) would make loading read outside the checkpoint.
+pub fn check_file_name(name: &str) -> std::result::Result<(), String> {
+    let plain = !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\\', '\0'])
+        && Path::new(name).file_name() == Some(std::ffi::OsStr::new(name));
+    if plain {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name:?} is not a plain file name inside the checkpoint (a checkpoint's files are \
+             named like model.safetensors, without directories)"
+        ))
+    }
+}
+
 impl Manifest {
-    /// Reads and parses `<dir>/manifest.json`.
-    pub fn read(dir: &Path) -> Result<Self> {
+    /// Reads and parses `<dir>/manifest.json`, refusing a manifest that names a file outside the
+    /// checkpoint (see [`check_file_name`]); returns it with the CRC-32 of its bytes: two
+    /// checkpoints with the same step and manifest checksum hold the same files (the manifest
+    /// lists every file's CRC-32).
+    pub fn read_with_checksum(dir: &Path) -> Result<(Self, u32)> {
         let path = dir.join(MANIFEST_FILE);
         let bytes = std::fs::read(&path).map_err(|e| {
             corrupt(
@@ -203,7 +226,18 @@ impl Manifest {
                 ),
             ));
         }
-        Ok(manifest)
+        for name in manifest.files.keys() {
+            check_file_name(name).map_err(|why| {
+                corrupt(
+                    &path,
+                    format!(
+                        "it lists {why}; the manifest is corrupt or was not written by \
+                         accelerate-rs, so nothing of it is read: load another checkpoint"
+                    ),
+                )
+            })?;
+        }
+        Ok((manifest, crc32fast::hash(&bytes)))
     }
 
     /// Checks that the checkpoint fits this run's model: same parameter names, shapes and
@@ -290,10 +324,13 @@ pub fn check_parameters(
 }
 
 impl Manifest {
-    /// Reads `name` from `dir` and checks it against its manifest entry: listed, present, of the
-    /// recorded size and CRC-32. Returns its bytes, which the caller parses (no second read).
+    /// Reads `name` from `dir` and checks it against its manifest entry: listed, a regular file
+    /// of the checkpoint's directory (not a link, a directory or a device), of the recorded size
+    /// (checked before reading) and CRC-32. Returns its bytes, which the caller parses (no second
+    /// read).
     pub fn read_verified(&self, dir: &Path, name: &str) -> Result<Vec<u8>> {
         let path = dir.join(name);
+        check_file_name(name).map_err(|why| corrupt(&dir.join(MANIFEST_FILE), why))?;
         let entry = self.files.get(name).ok_or_else(|| {
             corrupt(
                 &path,
@@ -301,12 +338,31 @@ impl Manifest {
                  checkpoint is incomplete or was written by something else",
             )
         })?;
-        let bytes = std::fs::read(&path).map_err(|e| {
+        let missing = |e: std::io::Error| {
             corrupt(
                 &path,
                 format!("missing or unreadable ({e}); the checkpoint is incomplete"),
             )
-        })?;
+        };
+        let meta = std::fs::symlink_metadata(&path).map_err(missing)?;
+        if !meta.file_type().is_file() {
+            return Err(corrupt(
+                &path,
+                "not a regular file (a link, a directory or a device); a checkpoint's files are \
+                 plain files in its own directory: load another checkpoint",
+            ));
+        }
+        if meta.len() != entry.bytes {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "is {} bytes but the manifest records {}; the file was truncated or replaced",
+                    meta.len(),
+                    entry.bytes
+                ),
+            ));
+        }
+        let bytes = std::fs::read(&path).map_err(missing)?;
         if bytes.len() as u64 != entry.bytes {
             return Err(corrupt(
                 &path,

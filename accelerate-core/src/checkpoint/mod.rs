@@ -8,6 +8,7 @@ mod load;
 pub mod manifest;
 mod model;
 pub mod naming;
+mod removal;
 mod reshard;
 mod save;
 pub mod staging;
@@ -36,7 +37,8 @@ pub use naming::{
     prune_checkpoints, prune_checkpoints_keeping,
 };
 
-pub(crate) use load::load_state;
+pub(crate) use load::{load_state, Source};
+pub(crate) use removal::warn;
 pub(crate) use save::save_state;
 
 /// What saving and loading reach of a training process: who it is, how to wait for the others,
@@ -79,15 +81,16 @@ impl TrainingView<'_> {
         )
     }
 
-    /// Succeeds on every rank only if every rank made the same `choice` of `what` under `path`
-    /// (see [`agree::agree_on_choice`]).
-    pub fn agree_on_choice(&self, path: &Path, what: &str, choice: &str) -> Result<()> {
+    /// Succeeds on every rank only if every rank made the same choice of `what` under `path`:
+    /// `key` compared, `shown` in the error (see [`agree::agree_on_choice`]).
+    pub fn agree_on_choice(&self, path: &Path, what: &str, key: &str, shown: &str) -> Result<()> {
         agree::agree_on_choice(
             |t| self.comm.all_gather(t),
             self.world_size,
             path,
             what,
-            choice,
+            key,
+            shown,
         )
     }
 

@@ -43,14 +43,19 @@ pub fn list_checkpoints(root: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
-/// The checkpoint with the largest N under `root`, if any.
+/// The checkpoint with the largest N under `root`, if any, as this process sees it. To resume on
+/// several ranks, use `Accelerator::resume_latest` (or pass what this finds to
+/// `Accelerator::resume_from` on every rank, `None` included): the ranks then agree on what they
+/// found, instead of a rank that found none skipping the load the others wait in.
 pub fn latest_checkpoint(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     Ok(list_checkpoints(root)?.pop().map(|(_, p)| p))
 }
 
 /// Deletes the oldest checkpoints under `root` until at most `keep` remain (`keep` 0 is refused: it
-/// would delete the checkpoint just written). Returns the deleted directories. After a save, use
-/// [`prune_checkpoints_keeping`], which never deletes the checkpoint just written.
+/// would delete the checkpoint just written). Returns the deleted directories. One that cannot be
+/// deleted (on NFS a file still open elsewhere leaves a `.nfsXXXX` file) is kept with a warning,
+/// and the others still go: pruning follows a complete save, which it must not fail. After a
+/// save, use [`prune_checkpoints_keeping`], which never deletes the checkpoint just written.
 pub fn prune_checkpoints(root: impl AsRef<Path>, keep: usize) -> Result<Vec<PathBuf>> {
     prune(root.as_ref(), keep, None)
 }
@@ -84,8 +89,9 @@ fn prune(root: &Path, keep: usize, just_written: Option<&Path>) -> Result<Vec<Pa
     let excess = others.len().saturating_sub(room);
     let mut deleted = Vec::new();
     for path in others.into_iter().take(excess) {
-        std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
-        deleted.push(path);
+        if super::removal::remove_or_warn(&path, "an old checkpoint beyond the keep limit") {
+            deleted.push(path);
+        }
     }
     Ok(deleted)
 }

@@ -7,10 +7,15 @@
 //! `.<name>.replaced`; a crash after them leaves that copy beside the new target.
 //! [`recover_interrupted_replace`] finishes such a replace (the staged directory is complete) or
 //! rolls it back (it is not), so nobody has to rename anything by hand.
+//!
+//! Once the new directory is in place, deleting the old one can only warn: the save is complete
+//! (see `removal`). A leftover that still cannot be deleted when the next save needs its name is
+//! moved aside (`.<name>.replaced.stale-<pid>-<n>`, named in a warning) so that save goes on.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use super::removal;
 use crate::error::{Error, Result};
 
 /// A staging directory for `target`.
@@ -36,6 +41,34 @@ fn parent_of(path: &Path) -> PathBuf {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     }
+}
+
+/// Clears the way for a sibling at `path` (a leftover `.replaced` or `.staging` directory),
+/// before anything of the new save is committed: deletes it, or if that fails moves it aside to
+/// a name nothing reads, with a warning naming it. An error if neither works, or if `path` is not
+/// a directory (not something a save left: it is not ours to move).
+fn clear_leftover(path: &Path) -> Result<()> {
+    let Err(e) = removal::remove_dir_all(path) else {
+        return Ok(());
+    };
+    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(Error::io(path, e));
+    }
+    static ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let aside = path.with_file_name(format!(
+        "{}.stale-{}-{}",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id(),
+        ASIDE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::rename(path, &aside).map_err(|_| Error::io(path, e))?;
+    removal::warn(&format!(
+        "could not delete {}, left by an earlier save, so it was moved to {}; delete that by \
+         hand once nothing holds its files open",
+        path.display(),
+        aside.display()
+    ));
+    Ok(())
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
@@ -67,7 +100,7 @@ impl Staging {
         let parent = parent_of(&self.target);
         std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
         if self.dir.exists() {
-            std::fs::remove_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+            clear_leftover(&self.dir)?;
         }
         std::fs::create_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))
     }
@@ -79,14 +112,14 @@ impl Staging {
 
     /// Moves the staging directory onto the target: fsyncs the directory, renames an existing
     /// target away, renames the staging directory into place, fsyncs the parent, then deletes the
-    /// old one.
+    /// old one (a failure to delete it is a warning: the new directory is in place).
     pub fn commit(&self) -> Result<()> {
         sync_dir(&self.dir)?;
         let replaced = Self::replaced_path(&self.target)?;
         let had_old = self.target.exists();
         if had_old {
             if replaced.exists() {
-                std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+                clear_leftover(&replaced)?;
             }
             std::fs::rename(&self.target, &replaced).map_err(|e| Error::io(&self.target, e))?;
         }
@@ -97,16 +130,29 @@ impl Staging {
             }
             return Err(Error::io(&self.target, e));
         }
-        sync_dir(&parent_of(&self.target))?;
+        // Committed: from here on nothing fails the save.
+        if let Err(e) = sync_dir(&parent_of(&self.target)) {
+            removal::warn(&format!(
+                "{} is in place, but its directory could not be synced ({e}); a power loss now \
+                 could undo the rename",
+                self.target.display()
+            ));
+        }
         if had_old {
-            std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+            removal::remove_or_warn(
+                &replaced,
+                &format!(
+                    "the previous copy of {}, replaced by the new one",
+                    self.target.display()
+                ),
+            );
         }
         Ok(())
     }
 
     /// Deletes the staging directory (after a failed save); the target is untouched.
     pub fn abort(&self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = removal::remove_dir_all(&self.dir);
     }
 }
 
@@ -125,13 +171,17 @@ pub fn recover_interrupted_replace(
     let staged = Staging::for_target(target)?.dir;
     let parent = parent_of(target);
     let done = if target.exists() {
-        // The new directory was in place; only deleting the previous one was left.
-        format!(
-            "removed {}, the previous copy left by a replace of {} that was interrupted after the \
-             new one was in place",
-            replaced.display(),
+        // The new directory was in place; only deleting the previous one was left, which can
+        // only warn (the target is whole either way).
+        let what = format!(
+            "the previous copy left by a replace of {} that was interrupted after the new one \
+             was in place",
             target.display()
-        )
+        );
+        if !removal::remove_or_warn(&replaced, &what) {
+            return Ok(None);
+        }
+        return Ok(Some(format!("removed {}, {what}", replaced.display())));
     } else if staged.is_dir() && is_complete(&staged) {
         std::fs::rename(&staged, target).map_err(|e| Error::io(&staged, e))?;
         sync_dir(&parent)?;
@@ -145,7 +195,7 @@ pub fn recover_interrupted_replace(
         std::fs::rename(&replaced, target).map_err(|e| Error::io(&replaced, e))?;
         sync_dir(&parent)?;
         if staged.exists() {
-            std::fs::remove_dir_all(&staged).map_err(|e| Error::io(&staged, e))?;
+            removal::remove_or_warn(&staged, "the incomplete new copy of a rolled-back replace");
         }
         return Ok(Some(format!(
             "rolled back a replace of {} interrupted between its renames: the new directory was \
@@ -155,7 +205,7 @@ pub fn recover_interrupted_replace(
         )));
     };
     if replaced.exists() {
-        std::fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
+        removal::remove_or_warn(&replaced, "the previous copy of a finished replace");
     }
     Ok(Some(done))
 }

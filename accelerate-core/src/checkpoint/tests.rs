@@ -588,3 +588,110 @@ fn a_checkpoint_saved_before_generators_were_saved_still_loads() {
         "the generator continues where it was"
     );
 }
+
+/// Adds `name` to the manifest's file list with the size and CRC-32 of `bytes`.
+fn list_in_manifest(dir: &Path, name: &str, bytes: &[u8]) {
+    let m = dir.join("manifest.json");
+    let mut manifest: super::manifest::Manifest =
+        serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
+    manifest
+        .files
+        .insert(name.into(), super::manifest::file_entry(bytes));
+    std::fs::write(&m, serde_json::to_vec(&manifest).unwrap()).unwrap();
+}
+
+#[test]
+fn a_manifest_naming_a_file_outside_the_checkpoint_is_refused() {
+    // Sizes and checksums that match: only the names give them away.
+    refused(
+        |d| {
+            std::fs::write(d.join("../outside"), b"secret").unwrap();
+            list_in_manifest(d, "../outside", b"secret");
+        },
+        &["manifest.json", "\"../outside\"", "not a plain file name"],
+    );
+    refused(
+        |d| list_in_manifest(d, "/dev/null", b""),
+        &["manifest.json", "\"/dev/null\"", "not a plain file name"],
+    );
+    // Read, it would never end.
+    refused(
+        |d| list_in_manifest(d, "/dev/zero", &[0; 64]),
+        &["manifest.json", "\"/dev/zero\"", "not a plain file name"],
+    );
+    refused(
+        |d| list_in_manifest(d, "..", b""),
+        &["manifest.json", "\"..\"", "not a plain file name"],
+    );
+    refused(
+        |d| {
+            std::fs::create_dir(d.join("sub")).unwrap();
+            std::fs::write(d.join("sub/x"), b"x").unwrap();
+            list_in_manifest(d, "sub/x", b"x");
+        },
+        &["manifest.json", "\"sub/x\"", "not a plain file name"],
+    );
+    // A listed file that is a link to one outside (same bytes) is not a file of the checkpoint.
+    refused(
+        |d| {
+            let name = "scheduler_0.json";
+            let outside = d.join("../copy");
+            std::fs::copy(d.join(name), &outside).unwrap();
+            std::fs::remove_file(d.join(name)).unwrap();
+            std::os::unix::fs::symlink(&outside, d.join(name)).unwrap();
+        },
+        &["scheduler_0.json", "not a regular file"],
+    );
+}
+
+#[test]
+fn a_replaced_checkpoint_that_cannot_be_deleted_fails_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("ckpt");
+    let mut a = run(3);
+    a.train(5, Some(3));
+    a.acc.save_state(&target).unwrap();
+    a.train(5, Some(3));
+    {
+        // Deleting the previous copy fails after the new one is in place (NFS's .nfsXXXX).
+        let _failing = super::removal::injected::fail_under(&root.path().join(".ckpt.replaced"));
+        a.acc
+            .save_state(&target)
+            .expect("a save that committed failed because its old copy could not be deleted");
+        let b = run(3);
+        b.acc.load_state(&target).unwrap();
+        assert_eq!(b.values(), a.values(), "the new checkpoint is in place");
+        // The next save, still unable to delete it, moves it aside and saves.
+        a.train(5, Some(3));
+        a.acc.save_state(&target).unwrap();
+        let b = run(3);
+        b.acc.load_state(&target).unwrap();
+        assert_eq!(b.values(), a.values());
+    }
+    // Once deletion works again, the next save leaves only the checkpoint.
+    a.acc.save_state(&target).unwrap();
+    let left = names_in(root.path());
+    assert!(left.contains(&"ckpt".to_string()), "{left:?}");
+    assert!(!left.contains(&".ckpt.replaced".to_string()), "{left:?}");
+}
+
+#[test]
+fn old_checkpoints_that_cannot_be_deleted_fail_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let mut a = run(3);
+    a.train(5, Some(3));
+    let first = a.acc.save_checkpoint(root.path(), Some(1)).unwrap();
+    a.train(5, Some(3));
+    let _failing = super::removal::injected::fail_under(&first);
+    let second = a
+        .acc
+        .save_checkpoint(root.path(), Some(1))
+        .expect("a save that committed failed because an old checkpoint could not be deleted");
+    assert_eq!(second, root.path().join("checkpoint_2"));
+    assert!(first.is_dir(), "kept, with a warning");
+    assert_eq!(
+        super::latest_checkpoint(root.path()).unwrap(),
+        Some(second),
+        "the new checkpoint is the latest"
+    );
+}

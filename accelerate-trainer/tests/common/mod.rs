@@ -110,6 +110,15 @@ pub fn dataset(n: usize, seed: u64) -> Arc<TensorDataset> {
 /// Runs `f` on `n` ranks that are threads of this process (joined as under torchrun, rank 0
 /// hosting the store on loopback) and returns each rank's result in rank order.
 pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R + Sync) -> Vec<R> {
+    ranks_as_threads_knowing_rank(n, |_, builder| f(builder))
+}
+
+/// [`ranks_as_threads`] with each rank's index passed to `f` (for ranks that see different
+/// files, as machines that do not share a directory do).
+pub fn ranks_as_threads_knowing_rank<R: Send>(
+    n: usize,
+    f: impl Fn(usize, AcceleratorBuilder) -> R + Sync,
+) -> Vec<R> {
     let port = free_port_pair();
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
@@ -127,7 +136,10 @@ pub fn ranks_as_threads<R: Send>(n: usize, f: impl Fn(AcceleratorBuilder) -> R +
                         restart_count: 0,
                         launcher: Launcher::Torchrun,
                     };
-                    f(accelerate_core::Accelerator::builder().process_state(state))
+                    f(
+                        rank,
+                        accelerate_core::Accelerator::builder().process_state(state),
+                    )
                 })
             })
             .collect();

@@ -26,26 +26,28 @@ impl RunArgs {
         if !self.resume {
             return self.start_fresh(acc, root);
         }
-        let latest = accelerate_core::latest_checkpoint(root)
-            .with_context(|| format!("--resume: --checkpoint-dir {}", root.display()))?;
-        let Some(latest) = latest else {
+        // One collective on every rank, whatever each finds: the ranks agree on the latest
+        // checkpoint (or on none) before anything is loaded. The cause names the file and the
+        // problem; the way out depends on what the user wants, so both are offered.
+        let resumed = acc.resume_latest(root).map_err(|e| {
+            let latest = accelerate_core::latest_checkpoint(root)
+                .ok()
+                .flatten()
+                .map_or_else(|| root.display().to_string(), |p| p.display().to_string());
+            anyhow::anyhow!(
+                "--resume from {}: {e}; nothing was loaded or changed. If the checkpoint is \
+                 damaged, delete {latest} to resume from the one before it, or run without \
+                 --resume to start over",
+                root.display(),
+            )
+        })?;
+        let Some(dir) = resumed else {
             acc.print(format!(
                 "--resume: no checkpoint in {} yet; starting from the beginning",
                 root.display()
             ));
             return Ok(());
         };
-        // The cause names the file and the problem; the way out depends on what the user wants,
-        // so both are offered.
-        let dir = acc.load_state(root).map_err(|e| {
-            anyhow::anyhow!(
-                "--resume from {}: {e}; nothing was loaded or changed. If the checkpoint is \
-                 damaged, delete {} to resume from the one before it, or run without --resume \
-                 to start over",
-                root.display(),
-                latest.display()
-            )
-        })?;
         acc.print(format!(
             "resumed from {} at optimizer step {} (epoch {})",
             dir.display(),
