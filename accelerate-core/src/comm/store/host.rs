@@ -160,6 +160,36 @@ mod tests {
     }
 
     #[test]
+    fn a_job_on_several_machines_without_a_token_is_refused_naming_the_opt_out() {
+        let e = plan_hosting(&rank0(8, 4, ""), addr("10.0.0.1:29501"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ACCELERATE_JOB_TOKEN") && e.contains("ACCELERATE_ALLOW_OPEN_STORE"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_one_machine_store_without_a_given_token_refuses_a_client_without_one() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let local = ProcessState {
+            master_addr: "127.0.0.1".into(),
+            ..rank0(2, 2, "")
+        };
+        let server = host_for_job(&local, SocketAddr::from(([127, 0, 0, 1], port))).unwrap();
+        let intruder = TcpStoreClient::connect(server.local_addr(), "", 0, 1, Duration::from_secs(10));
+        assert!(
+            intruder.is_err(),
+            "a client without a token joined a one-machine job's store"
+        );
+    }
+
+    #[test]
     fn the_hosted_store_requires_the_job_token() {
         let server = host_for_job(&rank0(2, 2, "s3cret"), addr("127.0.0.1:0")).unwrap();
         let wait = Duration::from_secs(10);

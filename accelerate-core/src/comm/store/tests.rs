@@ -558,3 +558,213 @@ fn a_redialing_client_refused_by_a_restart_stays_refused() {
         assert!(err.to_string().contains("generation 0"), "{err}");
     }
 }
+
+// ---- Issue 30: authentication of the rendezvous and admission under a flood. ----
+
+/// A port that was free on loopback a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Everything a connection sends until it closes (or `WAIT` passes).
+fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => return seen,
+            Ok(n) => seen.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn the_client_never_sends_the_token_and_refuses_a_server_that_does_not_know_it() {
+    // A program that holds the port and answers "welcome" to whatever it is sent, as a server
+    // that does not know the token can.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let first = super::wire::read_frame(&mut stream, MAX_FRAME_BYTES).unwrap();
+        stream
+            .write_all(&super::wire::encode(&Response::Welcome).unwrap())
+            .unwrap();
+        let mut seen = (first.len() as u32).to_le_bytes().to_vec();
+        seen.extend(first);
+        seen.extend(read_until_closed(&mut stream));
+        seen
+    });
+    let outcome = TcpStoreClient::connect(addr, TOKEN, 0, 1, WAIT);
+    let joined = outcome.is_ok();
+    drop(outcome);
+    let on_the_wire = fake.join().unwrap();
+    assert!(
+        !contains(&on_the_wire, TOKEN.as_bytes()),
+        "the client sent the job token in clear to a server that does not know it"
+    );
+    assert!(!joined, "the client accepted a server that does not know the token");
+}
+
+/// A relay between a client and `target` that records what the client sends.
+fn recording_relay(target: SocketAddr) -> (SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let relay = std::thread::spawn(move || {
+        let (mut client, _) = listener.accept().unwrap();
+        let mut server = TcpStream::connect(target).unwrap();
+        let (mut client_back, mut server_back) =
+            (client.try_clone().unwrap(), server.try_clone().unwrap());
+        let back = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut server_back, &mut client_back);
+            let _ = client_back.shutdown(std::net::Shutdown::Both);
+        });
+        let mut recorded = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            match client.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    recorded.extend_from_slice(&chunk[..n]);
+                    if server.write_all(&chunk[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Both);
+        back.join().unwrap();
+        recorded
+    });
+    (addr, relay)
+}
+
+#[test]
+fn a_recorded_session_replayed_on_a_new_connection_is_refused() {
+    // Whoever reads the network records a rank's session; replaying it must not let them in.
+    let server = server();
+    let (relay, recording) = recording_relay(server.local_addr());
+    let rank = TcpStoreClient::connect(relay, TOKEN, 0, 1, WAIT).unwrap();
+    rank.set("card/1", b"the rank's address").unwrap();
+    drop(rank);
+    let recorded = recording.join().unwrap();
+    let mut replay = TcpStream::connect(server.local_addr()).unwrap();
+    replay.write_all(&recorded).unwrap();
+    let mut replies = Vec::new();
+    while let Some(reply) = read_raw_reply(&mut replay) {
+        replies.push(reply);
+    }
+    assert!(
+        !replies.contains(&Response::Welcome) && !replies.contains(&Response::Done),
+        "a replayed session was admitted: {replies:?}"
+    );
+    assert!(
+        matches!(replies.last(), Some(Response::Refused(_))),
+        "{replies:?}"
+    );
+}
+
+#[test]
+fn the_client_says_hello_again_once_when_the_connection_closes_during_it() {
+    // The store closes the first connection during its hello (as when a flood evicts it), then
+    // serves normally: the rank gets in on its second try.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let store = std::thread::spawn(move || {
+        let (mut first, _) = listener.accept().unwrap();
+        first.set_read_timeout(Some(WAIT)).unwrap();
+        let _ = super::wire::read_frame(&mut first, MAX_FRAME_BYTES);
+        drop(first);
+        listener.set_nonblocking(true).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            StoreService::new(TOKEN.into(), 0)
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    let rank = TcpStoreClient::connect(addr, TOKEN, 0, 0, WAIT)
+        .expect("the rank gave up after one closed hello");
+    rank.set("k", b"v").unwrap();
+    assert_eq!(rank.get("k", WAIT).unwrap(), b"v");
+    drop(rank);
+    stop.send(()).unwrap();
+    store.join().unwrap();
+}
+
+/// Serves `service` on `listener` on a thread of its own until the returned sender is used.
+fn serve_on_thread(
+    service: StoreService,
+    listener: std::net::TcpListener,
+) -> (tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    listener.set_nonblocking(true).unwrap();
+    let thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            service
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    (stop, thread)
+}
+
+#[test]
+fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
+    // The rank connects and says hello before the store runs at all; then enough idle
+    // connections arrive to push it off the list of those waiting to say hello. The store accepts
+    // them all in one go before any connection is served, so when the rank's turn comes both its
+    // hello and its eviction are there. Tokio's `select!` picks among ready branches at random,
+    // so the race is run several times.
+    for trial in 0..16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut rank = TcpStream::connect(addr).unwrap();
+        let hello = super::wire::encode(&super::wire::Request::Hello {
+            token: TOKEN.into(),
+            generation: 0,
+            rank: 0,
+        })
+        .unwrap();
+        rank.write_all(&hello).unwrap();
+        let flood: Vec<TcpStream> = (0..super::server::MAX_PENDING_HELLOS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let (stop, serving) = serve_on_thread(StoreService::new(TOKEN.into(), 0), listener);
+        let reply = read_raw_reply(&mut rank);
+        drop(flood);
+        stop.send(()).unwrap();
+        serving.join().unwrap();
+        assert_eq!(
+            reply,
+            Some(Response::Welcome),
+            "trial {trial}: the rank was evicted although its hello had arrived"
+        );
+    }
+}
