@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::server::{StoreService, HELLO_TIMEOUT};
-use super::wire::{decode, Response, MAX_FRAME_BYTES};
+use super::wire::{decode, encode, Peer, Request, Response, MAX_FRAME_BYTES, PROTOCOL_VERSION};
+use super::auth::raw_handshake;
 use super::*;
 use crate::error::Error;
 
@@ -15,6 +16,13 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn server() -> StoreServer {
     StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap()
+}
+
+fn worker(rank: u64) -> Peer {
+    Peer::Worker {
+        generation: 0,
+        rank,
+    }
 }
 
 fn client(server: &StoreServer, rank: usize) -> TcpStoreClient {
@@ -223,14 +231,8 @@ fn garbage_is_refused_and_the_server_keeps_serving() {
 fn an_oversized_frame_after_the_hello_is_refused() {
     let server = server();
     let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-    let hello = super::wire::encode(&super::wire::Request::Hello {
-        token: TOKEN.into(),
-        generation: 0,
-        rank: 9,
-    })
-    .unwrap();
-    raw.write_all(&hello).unwrap();
-    assert_eq!(read_raw_reply(&mut raw), Some(Response::Welcome));
+    let (_, welcome) = raw_handshake(&mut raw, TOKEN, worker(9));
+    assert_eq!(welcome, Some(Response::Welcome));
     // Announce one byte more than the limit, send nothing else: refused on the length alone.
     raw.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes())
         .unwrap();
@@ -561,15 +563,6 @@ fn a_redialing_client_refused_by_a_restart_stays_refused() {
 
 // ---- Issue 30: authentication of the rendezvous and admission under a flood. ----
 
-/// A port that was free on loopback a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Everything a connection sends until it closes (or `WAIT` passes).
 fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
     stream.set_read_timeout(Some(WAIT)).unwrap();
@@ -589,6 +582,20 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 #[test]
 fn the_client_never_sends_the_token_and_refuses_a_server_that_does_not_know_it() {
+    for answer in [FakeAnswer::Welcome, FakeAnswer::ChallengeWithoutTheToken] {
+        a_server_that_does_not_know_the_token(answer);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FakeAnswer {
+    /// Welcomes whatever it is sent.
+    Welcome,
+    /// Answers the hello with a challenge whose proof is made with another token.
+    ChallengeWithoutTheToken,
+}
+
+fn a_server_that_does_not_know_the_token(answer: FakeAnswer) {
     // A program that holds the port and answers "welcome" to whatever it is sent, as a server
     // that does not know the token can.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -597,23 +604,48 @@ fn the_client_never_sends_the_token_and_refuses_a_server_that_does_not_know_it()
         let (mut stream, _) = listener.accept().unwrap();
         stream.set_read_timeout(Some(WAIT)).unwrap();
         let first = super::wire::read_frame(&mut stream, MAX_FRAME_BYTES).unwrap();
-        stream
-            .write_all(&super::wire::encode(&Response::Welcome).unwrap())
-            .unwrap();
+        let reply = match (answer, decode::<Request>(&first)) {
+            (FakeAnswer::ChallengeWithoutTheToken, Ok(Request::Hello { nonce, .. })) => {
+                let server_nonce = super::auth::nonce();
+                Response::Challenge {
+                    version: PROTOCOL_VERSION,
+                    nonce: server_nonce,
+                    proof: super::auth::server_proof("a guess", &nonce, &server_nonce),
+                }
+            }
+            _ => Response::Welcome,
+        };
+        stream.write_all(&encode(&reply).unwrap()).unwrap();
         let mut seen = (first.len() as u32).to_le_bytes().to_vec();
         seen.extend(first);
         seen.extend(read_until_closed(&mut stream));
         seen
     });
     let outcome = TcpStoreClient::connect(addr, TOKEN, 0, 1, WAIT);
-    let joined = outcome.is_ok();
+    let error = outcome.as_ref().err().map(ToString::to_string);
     drop(outcome);
     let on_the_wire = fake.join().unwrap();
     assert!(
         !contains(&on_the_wire, TOKEN.as_bytes()),
-        "the client sent the job token in clear to a server that does not know it"
+        "{answer:?}: the client sent the job token in clear to a server that does not know it"
     );
-    assert!(!joined, "the client accepted a server that does not know the token");
+    let error = error.unwrap_or_else(|| {
+        panic!("{answer:?}: the client accepted a server that does not know the token")
+    });
+    assert!(
+        error.contains("did not prove that it holds this job's token")
+            && error.contains("ACCELERATE_JOB_TOKEN"),
+        "{answer:?}: {error}"
+    );
+    // It sent its hello (a nonce) and nothing after it: no proof for the fake to work on.
+    let hello = super::wire::split_frame(&on_the_wire, MAX_FRAME_BYTES)
+        .unwrap()
+        .expect("the client sent its hello");
+    assert_eq!(hello.1, on_the_wire.len(), "{answer:?}: more than the hello was sent");
+    assert!(matches!(
+        decode::<Request>(&hello.0),
+        Ok(Request::Hello { .. })
+    ));
 }
 
 /// A relay between a client and `target` that records what the client sends.
@@ -738,33 +770,139 @@ fn serve_on_thread(
 #[test]
 fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
     // The rank connects and says hello before the store runs at all; then enough idle
-    // connections arrive to push it off the list of those waiting to say hello. The store accepts
+    // connections arrive to push it off the list of those in their handshake. The store accepts
     // them all in one go before any connection is served, so when the rank's turn comes both its
-    // hello and its eviction are there. Tokio's `select!` picks among ready branches at random,
-    // so the race is run several times.
+    // hello and its eviction are there. Tokio's `select!` picks among ready branches at random
+    // unless told otherwise, so the race is run several times.
+    let limit = 4;
     for trial in 0..16 {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut rank = TcpStream::connect(addr).unwrap();
-        let hello = super::wire::encode(&super::wire::Request::Hello {
-            token: TOKEN.into(),
-            generation: 0,
-            rank: 0,
-        })
-        .unwrap();
-        rank.write_all(&hello).unwrap();
-        let flood: Vec<TcpStream> = (0..super::server::MAX_PENDING_HELLOS)
+        let client_nonce = super::auth::nonce();
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: client_nonce,
+        };
+        rank.write_all(&encode(&hello).unwrap()).unwrap();
+        let flood: Vec<TcpStream> = (0..limit)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
-        let (stop, serving) = serve_on_thread(StoreService::new(TOKEN.into(), 0), listener);
-        let reply = read_raw_reply(&mut rank);
+        let service = StoreService::with_pending_limit(TOKEN.into(), 0, limit);
+        let (stop, serving) = serve_on_thread(service, listener);
+        let challenge = read_raw_reply(&mut rank);
+        let Some(Response::Challenge { nonce, .. }) = challenge else {
+            panic!("trial {trial}: the rank was evicted although its hello had arrived: {challenge:?}");
+        };
+        let proof = super::auth::client_proof(TOKEN, &client_nonce, &nonce, &worker(0)).unwrap();
+        let prove = Request::Prove {
+            proof,
+            peer: worker(0),
+        };
+        rank.write_all(&encode(&prove).unwrap()).unwrap();
+        assert_eq!(read_raw_reply(&mut rank), Some(Response::Welcome), "trial {trial}");
         drop(flood);
         stop.send(()).unwrap();
         serving.join().unwrap();
-        assert_eq!(
-            reply,
-            Some(Response::Welcome),
-            "trial {trial}: the rank was evicted although its hello had arrived"
+    }
+}
+
+#[test]
+fn a_flood_of_idle_connections_does_not_evict_a_rank_that_said_hello() {
+    // Two connections may be in their handshake. The rank says hello and gets the challenge;
+    // then ten idle connections arrive, each of which closes another; the rank still finishes.
+    let limit = 2;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = StoreService::with_pending_limit(TOKEN.into(), 0, limit);
+    let (stop, serving) = serve_on_thread(service, listener);
+    let mut rank = TcpStream::connect(addr).unwrap();
+    let client_nonce = super::auth::nonce();
+    let hello = Request::Hello {
+        version: PROTOCOL_VERSION,
+        nonce: client_nonce,
+    };
+    rank.write_all(&encode(&hello).unwrap()).unwrap();
+    let Some(Response::Challenge { nonce, .. }) = read_raw_reply(&mut rank) else {
+        panic!("no challenge");
+    };
+    let mut flood: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // Each idle connection but the last `limit - 1` was closed to make room for a newer one:
+    // the server closed exactly the idle ones, oldest first.
+    for idle in flood.iter_mut().take(10 - (limit - 1)) {
+        assert_closed(idle);
+    }
+    let proof = super::auth::client_proof(TOKEN, &client_nonce, &nonce, &worker(0)).unwrap();
+    let prove = Request::Prove {
+        proof,
+        peer: worker(0),
+    };
+    rank.write_all(&encode(&prove).unwrap()).unwrap();
+    assert_eq!(read_raw_reply(&mut rank), Some(Response::Welcome));
+    drop(flood);
+    stop.send(()).unwrap();
+    serving.join().unwrap();
+}
+
+#[test]
+fn a_client_without_the_token_can_neither_read_nor_write_a_key() {
+    let server = server();
+    let rank = client(&server, 0);
+    rank.set("card/0", b"address and nonce of rank 0").unwrap();
+    let addr = server.local_addr();
+    // No token, and a wrong one: refused before anything is read or written.
+    for token in ["", "guess"] {
+        let e = TcpStoreClient::connect(addr, token, 0, 1, WAIT).unwrap_err().to_string();
+        assert!(e.contains("wrong job token"), "{e}");
+    }
+    // A client that skips the handshake, or sends requests with a proof made with another
+    // token, is refused; it never gets a value, and its write never lands.
+    let requests = [
+        Request::Get {
+            key: "card/0".into(),
+            timeout_ms: 0,
+        },
+        Request::Set {
+            key: "card/1".into(),
+            value: b"intruder".to_vec(),
+        },
+    ];
+    for request in &requests {
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.write_all(&encode(request).unwrap()).unwrap();
+        assert!(
+            matches!(read_raw_reply(&mut raw), Some(Response::Refused(_))),
+            "{request:?} without a handshake"
         );
+        assert_closed(&mut raw);
+        let mut raw = TcpStream::connect(addr).unwrap();
+        let (_, answer) = raw_handshake(&mut raw, "guess", worker(1));
+        match answer {
+            Some(Response::Refused(reason)) => {
+                assert!(reason.contains("rank 1 presented a wrong job token"), "{reason}")
+            }
+            other => panic!("a proof with a wrong token got {other:?}"),
+        }
+        let _ = raw.write_all(&encode(request).unwrap());
+        assert_eq!(read_raw_reply(&mut raw), None, "{request:?} after a wrong proof");
+    }
+    assert!(matches!(
+        rank.get("card/1", Duration::ZERO),
+        Err(Error::Timeout { .. })
+    ));
+    // Protocol 1's hello, which sends the token itself, is refused even with the right token.
+    let mut old = TcpStream::connect(addr).unwrap();
+    let hello_v1 = Request::HelloV1 {
+        token: TOKEN.into(),
+        generation: 0,
+        rank: 1,
+    };
+    old.write_all(&encode(&hello_v1).unwrap()).unwrap();
+    match read_raw_reply(&mut old) {
+        Some(Response::Refused(reason)) => assert!(
+            reason.contains("version 1") && reason.contains("same accelerate-rs version"),
+            "{reason}"
+        ),
+        other => panic!("a protocol 1 hello got {other:?}"),
     }
 }
