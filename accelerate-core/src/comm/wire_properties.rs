@@ -60,7 +60,8 @@ fn request() -> impl Strategy<Value = Request> {
 
 fn peer() -> impl Strategy<Value = Peer> {
     prop_oneof![
-        (any::<u64>(), any::<u64>()).prop_map(|(generation, rank)| Peer::Worker { generation, rank }),
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(generation, rank)| Peer::Worker { generation, rank }),
         (any::<u64>(), text(), vec(any::<u8>(), 0..50)).prop_map(
             |(machine, farewell_log, farewell)| Peer::Launcher {
                 machine,
@@ -80,8 +81,13 @@ fn response() -> impl Strategy<Value = Response> {
         Just(Response::NotFound),
         text().prop_map(Response::Failed),
         text().prop_map(Response::Refused),
-        (any::<u32>(), any::<[u8; 32]>(), any::<[u8; 32]>())
-            .prop_map(|(version, nonce, proof)| Response::Challenge { version, nonce, proof }),
+        (any::<u32>(), any::<[u8; 32]>(), any::<[u8; 32]>()).prop_map(|(version, nonce, proof)| {
+            Response::Challenge {
+                version,
+                nonce,
+                proof,
+            }
+        }),
     ]
 }
 

@@ -44,8 +44,8 @@ pub(crate) fn random_token() -> String {
 
 fn keyed(token: &str, label: &[u8], client: &Nonce, server: &Nonce) -> HmacSha256 {
     // HMAC takes a key of any length (a long one is hashed first): this cannot fail.
-    let mut mac = HmacSha256::new_from_slice(token.as_bytes())
-        .expect("HMAC accepts a key of every length");
+    let mut mac =
+        HmacSha256::new_from_slice(token.as_bytes()).expect("HMAC accepts a key of every length");
     mac.update(label);
     mac.update(&PROTOCOL_VERSION.to_le_bytes());
     mac.update(client);
@@ -67,7 +67,12 @@ pub(crate) fn server_proof(token: &str, client: &Nonce, server: &Nonce) -> Proof
 }
 
 /// Whether `proof` is the server's proof for these nonces under `token`.
-pub(crate) fn server_proof_holds(token: &str, client: &Nonce, server: &Nonce, proof: &Proof) -> bool {
+pub(crate) fn server_proof_holds(
+    token: &str,
+    client: &Nonce,
+    server: &Nonce,
+    proof: &Proof,
+) -> bool {
     keyed(token, SERVER_LABEL, client, server)
         .verify_slice(proof)
         .is_ok()
@@ -110,7 +115,9 @@ pub(crate) fn raw_handshake(
     token: &str,
     peer: Peer,
 ) -> (Option<super::wire::Response>, Option<super::wire::Response>) {
-    use super::wire::{decode, encode, read_frame, write_frame, Request, Response, HELLO_FRAME_LIMIT};
+    use super::wire::{
+        decode, encode, read_frame, write_frame, Request, Response, HELLO_FRAME_LIMIT,
+    };
     let mut ask = |request: &Request| -> Option<Response> {
         write_frame(stream, &encode(request).ok()?).ok()?;
         decode(&read_frame(stream, HELLO_FRAME_LIMIT).ok()?).ok()

@@ -13,6 +13,10 @@ use super::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 use super::Store;
 use crate::error::{Error, Result};
 
+/// How long the second try of a handshake that the server cut off may take to connect: the store
+/// was there a moment ago, so a store that does not answer now has most likely exited.
+const SECOND_HELLO_DIAL: Duration = Duration::from_secs(2);
+
 /// Pause between connection attempts while the server is not up yet (doubling up to the cap).
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
 const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
@@ -106,7 +110,11 @@ impl TcpStoreClient {
         let deadline = Instant::now() + timeout;
         let mut closed_before = None;
         loop {
-            let stream = dial(addr, &who, timeout, deadline)?;
+            let dial_until = match closed_before {
+                None => deadline,
+                Some(_) => deadline.min(Instant::now() + SECOND_HELLO_DIAL),
+            };
+            let stream = dial(addr, &who, timeout, dial_until)?;
             let client = Self::over(stream, addr, rank, who.clone(), timeout)?;
             match client.handshake(token, &peer, timeout) {
                 Ok(()) => return Ok(client),
@@ -254,7 +262,12 @@ impl TcpStoreClient {
         let frame = encode(request)
             .map_err(|e| Handshake::Failed(Error::Store(format!("{}: {e}", self.who))))?;
         let mut connection = self.lock();
-        match exchange(&mut connection.stream, &frame, reply_within, HELLO_FRAME_LIMIT) {
+        match exchange(
+            &mut connection.stream,
+            &frame,
+            reply_within,
+            HELLO_FRAME_LIMIT,
+        ) {
             Ok(response) => Ok(response),
             Err(ExchangeError::Closed(cause)) => {
                 connection.broken = Some(cause.clone());
@@ -430,7 +443,12 @@ enum Handshake {
 type HandshakeResult = std::result::Result<(), Handshake>;
 
 /// Opens a TCP connection to `addr`, retrying until `deadline` while nobody listens there.
-pub(super) fn dial(addr: SocketAddr, who: &str, timeout: Duration, deadline: Instant) -> Result<TcpStream> {
+pub(super) fn dial(
+    addr: SocketAddr,
+    who: &str,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<TcpStream> {
     let mut pause = FIRST_RETRY_PAUSE;
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());

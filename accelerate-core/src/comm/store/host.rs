@@ -52,8 +52,12 @@ fn spans_machines(state: &ProcessState) -> bool {
 
 /// Whether the user opted out of the token (`ACCELERATE_ALLOW_OPEN_STORE`).
 fn open_store_allowed() -> Result<bool> {
-    Ok(crate::env::read(ALLOW_OPEN_STORE, crate::env::SWITCH_VALUES, crate::env::switch)?
-        .unwrap_or(false))
+    Ok(crate::env::read(
+        ALLOW_OPEN_STORE,
+        crate::env::SWITCH_VALUES,
+        crate::env::switch,
+    )?
+    .unwrap_or(false))
 }
 
 /// Which token protects the store of the job `state` describes (see the module's
@@ -141,9 +145,19 @@ pub fn plan_hosting(state: &ProcessState, store: SocketAddr, allow_open: bool) -
     })
 }
 
+/// `e`, a failure to keep the job's token in its file, with the way to do without the file.
+fn without_a_token_file(e: Error) -> Error {
+    match e {
+        Error::Config(_) => e, // already says what to do
+        other => Error::Config(format!(
+            "{other}: with no {JOB_TOKEN}, a job on one machine keeps its token in a file there;              set {JOB_TOKEN} to the same random string for every rank (e.g. `export              {JOB_TOKEN}=$(openssl rand -hex 16)`) to do without it"
+        )),
+    }
+}
+
 /// The name of this job's token file, for the store on `store`'s port.
 fn token_file_name(state: &ProcessState, store: SocketAddr) -> String {
-    let run = token_file::run_id(state.launcher, |name| crate::env::value(name));
+    let run = token_file::run_id(state.launcher, crate::env::value);
     token_file::file_name(store.port(), run.as_deref())
 }
 
@@ -164,7 +178,9 @@ pub fn host_for_job(state: &ProcessState, store: SocketAddr) -> Result<StoreServ
         Protection::TokenFile => {
             // Written before the port is bound: a rank that reaches the store finds this
             // job's token, never an earlier job's.
-            let file = TokenFile::create(PrivateDir::for_this_user()?, &token_file_name(state, store))?;
+            let dir = PrivateDir::for_this_user().map_err(without_a_token_file)?;
+            let file = TokenFile::create(dir, &token_file_name(state, store))
+                .map_err(without_a_token_file)?;
             let mut server = StoreServer::start(plan.bind, file.token().to_string(), generation)?;
             server.keep_token_file(file);
             Ok(server)
@@ -176,14 +192,23 @@ pub fn host_for_job(state: &ProcessState, store: SocketAddr) -> Result<StoreServ
 /// started the job: the given one, none (opted out), or, on one machine, the one in the job's
 /// token file, read once the store answers (rank 0 writes the file before it listens), waiting
 /// for that up to `timeout`.
-pub(crate) fn job_token(state: &ProcessState, store: SocketAddr, timeout: Duration) -> Result<String> {
+pub(crate) fn job_token(
+    state: &ProcessState,
+    store: SocketAddr,
+    timeout: Duration,
+) -> Result<String> {
     match protection(state, open_store_allowed()?)? {
         Protection::Given(token) => Ok(token),
         Protection::Open => Ok(String::new()),
         Protection::TokenFile => {
             let who = format!("rank {}", state.rank);
-            drop(super::client::dial(store, &who, timeout, Instant::now() + timeout)?);
-            let dir = PrivateDir::for_this_user()?;
+            drop(super::client::dial(
+                store,
+                &who,
+                timeout,
+                Instant::now() + timeout,
+            )?);
+            let dir = PrivateDir::for_this_user().map_err(without_a_token_file)?;
             let name = token_file_name(state, store);
             TokenFile::read(&dir, &name).map_err(|e| {
                 Error::Config(format!(
@@ -269,13 +294,16 @@ mod tests {
         assert!(e.contains("ACCELERATE_JOB_TOKEN=\"\""), "{e}");
         // A given token protects it; so does nothing, when the user says the network is closed,
         // and then rank 0 warns.
-        let with_token = plan_hosting(&rank0(8, 4, "s3cret"), addr("10.0.0.1:29501"), false).unwrap();
+        let with_token =
+            plan_hosting(&rank0(8, 4, "s3cret"), addr("10.0.0.1:29501"), false).unwrap();
         assert_eq!(with_token.bind, addr("0.0.0.0:29501"));
         assert_eq!(with_token.protection, Protection::Given("s3cret".into()));
         assert_eq!(with_token.warning, None);
         let open = plan_hosting(&rank0(8, 4, ""), addr("10.0.0.1:29501"), true).unwrap();
         assert_eq!(open.protection, Protection::Open);
-        let warning = open.warning.expect("no warning for a store without a token");
+        let warning = open
+            .warning
+            .expect("no warning for a store without a token");
         assert!(
             warning.contains("ACCELERATE_ALLOW_OPEN_STORE") && warning.contains("port 29501"),
             "{warning}"

@@ -20,9 +20,9 @@ mod tests;
 
 use std::time::Duration;
 
-pub use client::TcpStoreClient;
 #[cfg(test)]
 pub(crate) use auth::raw_handshake;
+pub use client::TcpStoreClient;
 pub(crate) use host::job_token;
 pub use host::{check_master_addr, host_for_job};
 pub use redialing::RedialingClient;

@@ -5,9 +5,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::auth::raw_handshake;
 use super::server::{StoreService, HELLO_TIMEOUT};
 use super::wire::{decode, encode, Peer, Request, Response, MAX_FRAME_BYTES, PROTOCOL_VERSION};
-use super::auth::raw_handshake;
 use super::*;
 use crate::error::Error;
 
@@ -641,7 +641,11 @@ fn a_server_that_does_not_know_the_token(answer: FakeAnswer) {
     let hello = super::wire::split_frame(&on_the_wire, MAX_FRAME_BYTES)
         .unwrap()
         .expect("the client sent its hello");
-    assert_eq!(hello.1, on_the_wire.len(), "{answer:?}: more than the hello was sent");
+    assert_eq!(
+        hello.1,
+        on_the_wire.len(),
+        "{answer:?}: more than the hello was sent"
+    );
     assert!(matches!(
         decode::<Request>(&hello.0),
         Ok(Request::Hello { .. })
@@ -746,7 +750,10 @@ fn the_client_says_hello_again_once_when_the_connection_closes_during_it() {
 fn serve_on_thread(
     service: StoreService,
     listener: std::net::TcpListener,
-) -> (tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>) {
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     listener.set_nonblocking(true).unwrap();
     let thread = std::thread::spawn(move || {
@@ -792,7 +799,9 @@ fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
         let (stop, serving) = serve_on_thread(service, listener);
         let challenge = read_raw_reply(&mut rank);
         let Some(Response::Challenge { nonce, .. }) = challenge else {
-            panic!("trial {trial}: the rank was evicted although its hello had arrived: {challenge:?}");
+            panic!(
+                "trial {trial}: the rank was evicted although its hello had arrived: {challenge:?}"
+            );
         };
         let proof = super::auth::client_proof(TOKEN, &client_nonce, &nonce, &worker(0)).unwrap();
         let prove = Request::Prove {
@@ -800,7 +809,11 @@ fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
             peer: worker(0),
         };
         rank.write_all(&encode(&prove).unwrap()).unwrap();
-        assert_eq!(read_raw_reply(&mut rank), Some(Response::Welcome), "trial {trial}");
+        assert_eq!(
+            read_raw_reply(&mut rank),
+            Some(Response::Welcome),
+            "trial {trial}"
+        );
         drop(flood);
         stop.send(()).unwrap();
         serving.join().unwrap();
@@ -852,7 +865,9 @@ fn a_client_without_the_token_can_neither_read_nor_write_a_key() {
     let addr = server.local_addr();
     // No token, and a wrong one: refused before anything is read or written.
     for token in ["", "guess"] {
-        let e = TcpStoreClient::connect(addr, token, 0, 1, WAIT).unwrap_err().to_string();
+        let e = TcpStoreClient::connect(addr, token, 0, 1, WAIT)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("wrong job token"), "{e}");
     }
     // A client that skips the handshake, or sends requests with a proof made with another
@@ -879,12 +894,19 @@ fn a_client_without_the_token_can_neither_read_nor_write_a_key() {
         let (_, answer) = raw_handshake(&mut raw, "guess", worker(1));
         match answer {
             Some(Response::Refused(reason)) => {
-                assert!(reason.contains("rank 1 presented a wrong job token"), "{reason}")
+                assert!(
+                    reason.contains("rank 1 presented a wrong job token"),
+                    "{reason}"
+                )
             }
             other => panic!("a proof with a wrong token got {other:?}"),
         }
         let _ = raw.write_all(&encode(request).unwrap());
-        assert_eq!(read_raw_reply(&mut raw), None, "{request:?} after a wrong proof");
+        assert_eq!(
+            read_raw_reply(&mut raw),
+            None,
+            "{request:?} after a wrong proof"
+        );
     }
     assert!(matches!(
         rank.get("card/1", Duration::ZERO),

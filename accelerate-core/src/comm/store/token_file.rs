@@ -362,12 +362,15 @@ mod tests {
         let base = tempfile::tempdir().unwrap();
         let name = file_name(29501, Some("run 7/a"));
         assert_eq!(name, "store-29501-run_7_a.token");
-        let written = TokenFile::create(PrivateDir::open(base.path(), "tokens").unwrap(), &name)
-            .unwrap();
+        let written =
+            TokenFile::create(PrivateDir::open(base.path(), "tokens").unwrap(), &name).unwrap();
         let folder = base.path().join("tokens");
         assert_eq!(mode(&folder), 0o700);
         assert_eq!(mode(&written.path()), 0o600);
-        assert_eq!(std::fs::symlink_metadata(written.path()).unwrap().uid(), uid());
+        assert_eq!(
+            std::fs::symlink_metadata(written.path()).unwrap().uid(),
+            uid()
+        );
         // No temporary file is left beside it.
         let entries: Vec<_> = std::fs::read_dir(&folder).unwrap().collect();
         assert_eq!(entries.len(), 1);
@@ -397,7 +400,9 @@ mod tests {
         let elsewhere = base.path().join("elsewhere");
         std::fs::create_dir(&elsewhere).unwrap();
         std::os::unix::fs::symlink(&elsewhere, base.path().join("tokens")).unwrap();
-        let e = PrivateDir::open(base.path(), "tokens").unwrap_err().to_string();
+        let e = PrivateDir::open(base.path(), "tokens")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("symbolic link") && e.contains("ACCELERATE_JOB_TOKEN"),
             "{e}"
@@ -411,7 +416,9 @@ mod tests {
         let loose = dir.path().join("store-1.token");
         std::fs::write(&loose, "t").unwrap();
         std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = TokenFile::read(&dir, "store-1.token").unwrap_err().to_string();
+        let e = TokenFile::read(&dir, "store-1.token")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("only this user may read"), "{e}");
         let target = base.path().join("planted");
         std::fs::write(&target, "planted-token").unwrap();
@@ -423,10 +430,10 @@ mod tests {
     #[test]
     fn a_later_token_replaces_an_earlier_one_whole() {
         let base = tempfile::tempdir().unwrap();
-        let first = TokenFile::create(PrivateDir::open(base.path(), "t").unwrap(), "s.token")
-            .unwrap();
-        let second = TokenFile::create(PrivateDir::open(base.path(), "t").unwrap(), "s.token")
-            .unwrap();
+        let first =
+            TokenFile::create(PrivateDir::open(base.path(), "t").unwrap(), "s.token").unwrap();
+        let second =
+            TokenFile::create(PrivateDir::open(base.path(), "t").unwrap(), "s.token").unwrap();
         assert_ne!(first.token(), second.token());
         let dir = PrivateDir::open(base.path(), "t").unwrap();
         assert_eq!(TokenFile::read(&dir, "s.token").unwrap(), second.token());
@@ -451,10 +458,10 @@ mod tests {
             ("SLURM_STEP_ID", "0"),
             ("PMIX_NAMESPACE", "prterun-node1-123@1"),
         ]);
-        assert_eq!(run_id(Launcher::Torchrun, &all).as_deref(), Some("abc"));
-        assert_eq!(run_id(Launcher::Slurm, &all).as_deref(), Some("77.0"));
+        assert_eq!(run_id(Launcher::Torchrun, all).as_deref(), Some("abc"));
+        assert_eq!(run_id(Launcher::Slurm, all).as_deref(), Some("77.0"));
         assert_eq!(
-            run_id(Launcher::Mpi, &all).as_deref(),
+            run_id(Launcher::Mpi, all).as_deref(),
             Some("prterun-node1-123@1")
         );
         assert_eq!(run_id(Launcher::Torchrun, vars(&[])), None);

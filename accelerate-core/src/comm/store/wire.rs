@@ -221,9 +221,7 @@ pub(crate) fn split_frame(
         return Ok(None);
     };
     let len = check_length([a, b, c, d], limit)?;
-    Ok(buffer
-        .get(4..4 + len)
-        .map(|body| (body.to_vec(), 4 + len)))
+    Ok(buffer.get(4..4 + len).map(|body| (body.to_vec(), 4 + len)))
 }
 
 /// Capacity reserved for a frame body before its bytes arrive; beyond it the buffer grows as
@@ -330,7 +328,9 @@ mod tests {
         let whole = bytes.len();
         bytes.extend_from_slice(&[9, 9]); // the start of the next frame
         for have in 0..whole {
-            assert!(split_frame(&bytes[..have], MAX_FRAME_BYTES).unwrap().is_none());
+            assert!(split_frame(&bytes[..have], MAX_FRAME_BYTES)
+                .unwrap()
+                .is_none());
         }
         let (body, used) = split_frame(&bytes, MAX_FRAME_BYTES).unwrap().unwrap();
         assert_eq!(used, whole);
