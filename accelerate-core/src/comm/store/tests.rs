@@ -652,6 +652,32 @@ fn a_server_that_does_not_know_the_token(answer: FakeAnswer) {
     ));
 }
 
+#[test]
+fn a_client_told_that_its_hello_is_malformed_names_an_older_store() {
+    // What a store of protocol 1 answers to a hello of protocol 2, whose variant it does not know.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let old_store = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let _ = super::wire::read_frame(&mut stream, MAX_FRAME_BYTES);
+        let refusal = Response::Refused(
+            "malformed store frame: invalid value: integer `6`, expected variant index 0 <= i < 6"
+                .into(),
+        );
+        stream.write_all(&encode(&refusal).unwrap()).unwrap();
+        read_until_closed(&mut stream)
+    });
+    let e = TcpStoreClient::connect(addr, TOKEN, 0, 2, WAIT)
+        .unwrap_err()
+        .to_string();
+    old_store.join().unwrap();
+    assert!(
+        e.contains("rank 2") && e.contains("older accelerate-rs") && e.contains("same version"),
+        "{e}"
+    );
+}
+
 /// A relay between a client and `target` that records what the client sends.
 fn recording_relay(target: SocketAddr) -> (SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

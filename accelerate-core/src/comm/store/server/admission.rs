@@ -167,7 +167,20 @@ impl Handshake<'_> {
         if write_frame_async(self.stream, &frame).await.is_err() {
             return Err(Ended::Silently);
         }
-        let second = self.frame().await?;
+        let second = match self.frame().await {
+            Ok(second) => second,
+            Err(Ended::Silently) => {
+                // A client checks the store's proof before it proves anything itself: one that
+                // leaves here found the proof wrong.
+                tracing::warn!(
+                    "rendezvous store: the client at {} left after the store proved that it \
+                     holds the job token: it has another token, or is not a client of this job",
+                    self.peer
+                );
+                return Err(Ended::Silently);
+            }
+            Err(e) => return Err(e),
+        };
         let (proof, claimed) = match decode::<Request>(&second) {
             Ok(Request::Prove { proof, peer }) => (proof, peer),
             Ok(_) => {
