@@ -47,6 +47,8 @@ mod mixed_precision;
 mod mpi;
 // Overlap of gradient reduction with bucket preparation.
 mod overlap;
+// The rendezvous store of workers started without our launcher: its token, who may join.
+mod security;
 // Two models with their own optimizers and accumulation, and frozen parameters.
 mod several_models;
 // srun and the README's sbatch script on a real one-node SLURM cluster, against one process.

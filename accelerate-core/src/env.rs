@@ -17,9 +17,13 @@ pub const WORLD_SIZE: &str = "ACCELERATE_WORLD_SIZE";
 pub const LOCAL_RANK: &str = "ACCELERATE_LOCAL_RANK";
 /// Processes on this machine, set by `accelerate-launch` (torchrun's is `LOCAL_WORLD_SIZE`).
 pub const LOCAL_WORLD_SIZE: &str = "ACCELERATE_LOCAL_WORLD_SIZE";
-/// Secret every client of the rendezvous store presents; set by `accelerate-launch`, and by hand
-/// under torchrun, SLURM or MPI on machines others can reach.
+/// Secret every client of the rendezvous store proves it holds; set by `accelerate-launch`, and
+/// by hand for every rank under torchrun, SLURM or MPI on several machines (a job on one machine
+/// makes one itself).
 pub const JOB_TOKEN: &str = "ACCELERATE_JOB_TOKEN";
+/// `1` lets rank 0 host the store of a job on several machines without a job token, for closed
+/// networks where everyone who reaches the machines may join the job.
+pub const ALLOW_OPEN_STORE: &str = "ACCELERATE_ALLOW_OPEN_STORE";
 /// How many times the launcher has restarted the group (`--max-restarts`).
 pub const RESTART_COUNT: &str = "ACCELERATE_RESTART_COUNT";
 /// The default number of gradient accumulation steps
@@ -142,6 +146,7 @@ mod tests {
             LOCAL_RANK,
             LOCAL_WORLD_SIZE,
             JOB_TOKEN,
+            ALLOW_OPEN_STORE,
             RESTART_COUNT,
             GRADIENT_ACCUMULATION_STEPS,
             MIXED_PRECISION,

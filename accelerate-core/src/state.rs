@@ -56,9 +56,10 @@ pub struct ProcessState {
     pub master_addr: String,
     /// Port of the rendezvous store (`MASTER_PORT`).
     pub master_port: u16,
-    /// Secret every store client presents (`ACCELERATE_JOB_TOKEN`): set by our launcher, and by
-    /// the user for every rank under torchrun, SLURM or MPI (empty if not, with a warning from rank 0
-    /// when the store is open to the network).
+    /// Secret every store client proves it holds (`ACCELERATE_JOB_TOKEN`): set by our launcher,
+    /// and by the user for every rank under torchrun, SLURM or MPI on several machines (empty if
+    /// not: a job on one machine then makes its own, and one on several is refused unless
+    /// `ACCELERATE_ALLOW_OPEN_STORE` is set).
     pub job_token: String,
     /// How many times the launcher has restarted the group (`ACCELERATE_RESTART_COUNT`).
     pub restart_count: u32,

@@ -5,9 +5,10 @@
 //!   every worker the job token and the restart generation.
 //! - Under torchrun, torchrun's own store already listens on `MASTER_PORT`, so rank 0 hosts ours
 //!   on `MASTER_PORT + 1`; under SLURM and MPI (`mpirun`, which has no store of its own) rank 0
-//!   hosts it on `MASTER_PORT`. None gives a token: set `ACCELERATE_JOB_TOKEN` for every rank
-//!   (`mpirun -x ACCELERATE_JOB_TOKEN=...`), or the store accepts the empty token, like
-//!   PyTorch's TCPStore, which has none (see `store::host_for_job`).
+//!   hosts it on `MASTER_PORT`. None gives a token: on one machine rank 0 makes one in a file
+//!   only this user can read, where every rank finds it; on several machines every rank needs
+//!   `ACCELERATE_JOB_TOKEN` (`mpirun -x ACCELERATE_JOB_TOKEN=...`), or the job is refused unless
+//!   `ACCELERATE_ALLOW_OPEN_STORE=1` (see `store::host_for_job`).
 //!
 //! Every rank also starts its heartbeat (`comm::liveness`) on a second store connection, so
 //! that collectives can tell a dead peer from a busy one.
@@ -72,9 +73,14 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     } else {
         None
     };
+    let token = if state.launcher == Launcher::Accelerate {
+        state.job_token.clone()
+    } else {
+        super::store::job_token(state, addr, options.timeout)?
+    };
     let client = TcpStoreClient::connect(
         addr,
-        &state.job_token,
+        &token,
         state.restart_count as u64,
         state.rank,
         options.timeout,
@@ -91,7 +97,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     // dials again when that connection fails, so a network blip does not silence it for good.
     let heartbeat_client = RedialingClient::connect(
         addr,
-        &state.job_token,
+        &token,
         state.restart_count as u64,
         state.rank,
         options.timeout,

@@ -20,7 +20,7 @@ use crate::comm::cpu::shm::region::{self, Layout, MAX_REASON_BYTES, PIECE_ALIGN}
 use crate::comm::cpu::shm::session::RoundTag;
 use crate::comm::cpu::shm::setup::{decode_record, HostCard, Plan};
 use crate::comm::cpu::{CpuCommOptions, TransportChoice};
-use crate::comm::store::wire::{self, FrameError, Request, Response};
+use crate::comm::store::wire::{self, FrameError, Peer, Request, Response};
 use crate::comm::store::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
 use crate::comm::store::StoreServer;
 use crate::comm::ReduceOp;
@@ -34,17 +34,20 @@ fn text() -> impl Strategy<Value = String> {
 fn request() -> impl Strategy<Value = Request> {
     prop_oneof![
         (text(), any::<u64>(), any::<u64>()).prop_map(|(token, generation, rank)| {
-            Request::Hello {
+            Request::HelloV1 {
                 token,
                 generation,
                 rank,
             }
         }),
+        (any::<u32>(), any::<[u8; 32]>())
+            .prop_map(|(version, nonce)| Request::Hello { version, nonce }),
+        (any::<[u8; 32]>(), peer()).prop_map(|(proof, peer)| Request::Prove { proof, peer }),
         (text(), vec(any::<u8>(), 0..200)).prop_map(|(key, value)| Request::Set { key, value }),
         (text(), any::<u64>()).prop_map(|(key, timeout_ms)| Request::Get { key, timeout_ms }),
         (text(), any::<i64>()).prop_map(|(key, delta)| Request::Add { key, delta }),
         (text(), any::<u64>(), text(), vec(any::<u8>(), 0..50)).prop_map(
-            |(token, machine, farewell_log, farewell)| Request::LauncherHello {
+            |(token, machine, farewell_log, farewell)| Request::LauncherHelloV1 {
                 token,
                 machine,
                 farewell_log,
@@ -52,6 +55,20 @@ fn request() -> impl Strategy<Value = Request> {
             }
         ),
         (text(), vec(any::<u8>(), 0..200)).prop_map(|(log, value)| Request::Append { log, value }),
+    ]
+}
+
+fn peer() -> impl Strategy<Value = Peer> {
+    prop_oneof![
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(generation, rank)| Peer::Worker { generation, rank }),
+        (any::<u64>(), text(), vec(any::<u8>(), 0..50)).prop_map(
+            |(machine, farewell_log, farewell)| Peer::Launcher {
+                machine,
+                farewell_log,
+                farewell,
+            }
+        ),
     ]
 }
 
@@ -64,6 +81,13 @@ fn response() -> impl Strategy<Value = Response> {
         Just(Response::NotFound),
         text().prop_map(Response::Failed),
         text().prop_map(Response::Refused),
+        (any::<u32>(), any::<[u8; 32]>(), any::<[u8; 32]>()).prop_map(|(version, nonce, proof)| {
+            Response::Challenge {
+                version,
+                nonce,
+                proof,
+            }
+        }),
     ]
 }
 
@@ -416,15 +440,20 @@ fn shared_server() -> SocketAddr {
         .local_addr()
 }
 
-/// Sends `hello` on a fresh connection; returns the server's reply and the connection.
-fn say_hello(hello: &Request) -> (Response, TcpStream) {
+/// Runs a handshake with `token` as worker `generation`/`rank` on a fresh connection; returns
+/// the server's answer to the proof and the connection.
+fn say_hello(token: &str, generation: u64, rank: u64) -> (Response, TcpStream) {
     let mut stream = TcpStream::connect(shared_server()).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    stream.write_all(&wire::encode(hello).unwrap()).unwrap();
-    let body = wire::read_frame(&mut stream, MAX_FRAME_BYTES).unwrap();
-    (wire::decode::<Response>(&body).unwrap(), stream)
+    let peer = Peer::Worker { generation, rank };
+    let (challenge, answer) = crate::comm::store::raw_handshake(&mut stream, token, peer);
+    assert!(
+        matches!(challenge, Some(Response::Challenge { .. })),
+        "{challenge:?}"
+    );
+    (answer.expect("the server answered the proof"), stream)
 }
 
 /// Whether the server closed `stream` (it sends nothing more either way).
@@ -439,7 +468,7 @@ proptest! {
     #[test]
     fn a_store_hello_with_a_wrong_token_is_refused(token in text(), generation in any::<u64>(), rank in any::<u64>()) {
         prop_assume!(token != TOKEN);
-        let (reply, stream) = say_hello(&Request::Hello { token, generation, rank });
+        let (reply, stream) = say_hello(&token, generation, rank);
         match reply {
             Response::Refused(reason) => prop_assert!(
                 reason.contains(&format!("rank {rank} presented a wrong job token")), "{}", reason
@@ -452,8 +481,7 @@ proptest! {
     #[test]
     fn a_store_hello_of_a_stale_generation_is_refused(generation in any::<u64>(), rank in any::<u64>()) {
         prop_assume!(generation != GENERATION);
-        let hello = Request::Hello { token: TOKEN.into(), generation, rank };
-        let (reply, stream) = say_hello(&hello);
+        let (reply, stream) = say_hello(TOKEN, generation, rank);
         match reply {
             Response::Refused(reason) => prop_assert!(
                 reason.contains(&format!(
@@ -465,8 +493,7 @@ proptest! {
         }
         prop_assert!(closed(stream));
         // The right generation is welcome: the refusal was about the generation alone.
-        let welcome = Request::Hello { token: TOKEN.into(), generation: GENERATION, rank };
-        prop_assert_eq!(say_hello(&welcome).0, Response::Welcome);
+        prop_assert_eq!(say_hello(TOKEN, GENERATION, rank).0, Response::Welcome);
     }
 }
 

@@ -40,7 +40,7 @@ pub const TARGETS: &[(&str, Target)] = &[
 ];
 
 /// Reads `data` as the frames a store client sends on one connection, as the server does: the
-/// first (the hello) under [`HELLO_FRAME_LIMIT`], the others under [`MAX_FRAME_BYTES`].
+/// two of the handshake under [`HELLO_FRAME_LIMIT`], the others under [`MAX_FRAME_BYTES`].
 pub fn store_request(data: &[u8]) -> Result<(), String> {
     frames::<Request>(data, HELLO_FRAME_LIMIT)
 }
@@ -56,6 +56,7 @@ where
 {
     let mut rest = data;
     let mut limit = first_limit;
+    let mut read = 0;
     while !rest.is_empty() {
         let before = rest;
         let body = wire::read_frame(&mut rest, limit).map_err(|e| e.to_string())?;
@@ -66,7 +67,10 @@ where
             again, frame,
             "{message:?} encodes to other bytes than it came from"
         );
-        limit = MAX_FRAME_BYTES;
+        read += 1;
+        if read == 2 {
+            limit = MAX_FRAME_BYTES;
+        }
     }
     Ok(())
 }
@@ -201,9 +205,15 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
     match target {
         "store_request" => {
             let hello = Request::Hello {
-                token: "0123456789abcdef".into(),
-                generation: 1,
-                rank: 3,
+                version: wire::PROTOCOL_VERSION,
+                nonce: [7; wire::NONCE_BYTES],
+            };
+            let prove = Request::Prove {
+                proof: [9; 32],
+                peer: wire::Peer::Worker {
+                    generation: 1,
+                    rank: 3,
+                },
             };
             let rest = [
                 Request::Set {
@@ -221,21 +231,37 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             ];
             let mut session = store_frame(&hello);
             let mut seeds = vec![session.clone()];
+            session.extend(store_frame(&prove));
             for request in &rest {
                 session.extend(store_frame(request));
             }
             seeds.push(session);
-            let mut launcher = store_frame(&Request::LauncherHello {
-                token: "0123456789abcdef".into(),
-                machine: 1,
-                farewell_log: "launchers".into(),
-                farewell: vec![4, 1],
-            });
+            let mut launcher = store_frame(&hello);
+            launcher.extend(store_frame(&Request::Prove {
+                proof: [5; 32],
+                peer: wire::Peer::Launcher {
+                    machine: 1,
+                    farewell_log: "launchers".into(),
+                    farewell: vec![4, 1],
+                },
+            }));
             launcher.extend(store_frame(&Request::Append {
                 log: "launchers".into(),
                 value: vec![0, 1, 2],
             }));
             seeds.push(launcher);
+            // Protocol 1's hellos, which the server decodes to tell such a client to upgrade.
+            seeds.push(store_frame(&Request::HelloV1 {
+                token: "0123456789abcdef".into(),
+                generation: 1,
+                rank: 3,
+            }));
+            seeds.push(store_frame(&Request::LauncherHelloV1 {
+                token: "0123456789abcdef".into(),
+                machine: 1,
+                farewell_log: "launchers".into(),
+                farewell: vec![4, 1],
+            }));
             seeds
         }
         "store_response" => [
@@ -246,6 +272,11 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             Response::NotFound,
             Response::Failed("not a counter".into()),
             Response::Refused("stale generation".into()),
+            Response::Challenge {
+                version: wire::PROTOCOL_VERSION,
+                nonce: [3; wire::NONCE_BYTES],
+                proof: [4; 32],
+            },
         ]
         .iter()
         .map(store_frame)

@@ -7,10 +7,15 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::wire::{decode, encode, read_frame, write_frame, FrameError, Request, Response};
-use super::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
+use super::auth;
+use super::wire::{decode, encode, read_frame, write_frame, FrameError, Peer, Request, Response};
+use super::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 use super::Store;
 use crate::error::{Error, Result};
+
+/// How long the second try of a handshake that the server cut off may take to connect: the store
+/// was there a moment ago, so a store that does not answer now has most likely exited.
+const SECOND_HELLO_DIAL: Duration = Duration::from_secs(2);
 
 /// Pause between connection attempts while the server is not up yet (doubling up to the cap).
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
@@ -45,11 +50,15 @@ struct Connection {
 }
 
 impl TcpStoreClient {
-    /// Connects to the store at `addr` and presents `token` and `generation`, retrying until
-    /// `timeout` while nobody listens there yet (the server may start after the workers).
+    /// Connects to the store at `addr`, proves that it holds `token` (and checks that the store
+    /// does too) and presents `generation`, retrying until `timeout` while nobody listens there
+    /// yet (the server may start after the workers).
     ///
     /// `timeout` also bounds how long any later `set` or `add` waits for its reply. A refusal
-    /// by the server (wrong token, stale generation) is returned at once, without retrying.
+    /// by the server (wrong token, stale generation), or a server that cannot prove it holds
+    /// the token, is returned at once, without retrying. A connection that the server closes
+    /// during the handshake (as it does to make room when many connections arrive at once) is
+    /// tried once more.
     pub fn connect(
         addr: SocketAddr,
         token: &str,
@@ -57,17 +66,17 @@ impl TcpStoreClient {
         rank: usize,
         timeout: Duration,
     ) -> Result<Self> {
-        let hello = Request::Hello {
-            token: token.to_string(),
+        let peer = Peer::Worker {
             generation,
             rank: rank as u64,
         };
-        Self::connect_as(addr, hello, rank, format!("rank {rank}"), timeout)
+        Self::connect_as(addr, token, peer, rank, format!("rank {rank}"), timeout)
     }
 
     /// Connects the launcher of machine `machine` to the store at `addr` for the launchers'
     /// control keys, which every generation shares (restarts are coordinated through them),
-    /// retrying until `timeout` while nobody listens there yet.
+    /// retrying until `timeout` while nobody listens there yet. The handshake is
+    /// [`TcpStoreClient::connect`]'s.
     ///
     /// When this connection closes, however it closes (the launcher exits or is killed, the
     /// network breaks), the server appends `farewell` to the list `farewell_log` (see
@@ -80,44 +89,65 @@ impl TcpStoreClient {
         farewell: Vec<u8>,
         timeout: Duration,
     ) -> Result<Self> {
-        let hello = Request::LauncherHello {
-            token: token.to_string(),
+        let peer = Peer::Launcher {
             machine: machine as u64,
             farewell_log: farewell_log.to_string(),
             farewell,
         };
         let who = format!("the launcher of machine {machine}");
-        Self::connect_as(addr, hello, machine, who, timeout)
+        Self::connect_as(addr, token, peer, machine, who, timeout)
     }
 
     fn connect_as(
         addr: SocketAddr,
-        hello: Request,
+        token: &str,
+        peer: Peer,
         rank: usize,
         who: String,
         timeout: Duration,
     ) -> Result<Self> {
         let timeout = timeout.max(Duration::from_millis(1));
         let deadline = Instant::now() + timeout;
-        let mut pause = FIRST_RETRY_PAUSE;
-        let stream = loop {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            let last_error = match TcpStream::connect_timeout(&addr, remaining.max(pause)) {
-                Ok(stream) => break stream,
-                Err(e) => e,
+        let mut closed_before = None;
+        loop {
+            let dial_until = match closed_before {
+                None => deadline,
+                Some(_) => deadline.min(Instant::now() + SECOND_HELLO_DIAL),
             };
-            if Instant::now() + pause >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("the rendezvous store at {addr} to accept {who} ({last_error})"),
-                    after: timeout,
-                    hint: "check that the launcher (or rank 0) is running and that MASTER_ADDR/\
-                           MASTER_PORT (or --main-process-ip/--main-process-port) point to it"
-                        .into(),
-                });
+            let stream = dial(addr, &who, timeout, dial_until)?;
+            let client = Self::over(stream, addr, rank, who.clone(), timeout)?;
+            match client.handshake(token, &peer, timeout) {
+                Ok(()) => return Ok(client),
+                Err(Handshake::Closed(cause)) => match closed_before {
+                    None => {
+                        tracing::debug!(
+                            "{who}: the store at {addr} closed the connection during the \
+                             handshake ({cause}); saying hello once more"
+                        );
+                        closed_before = Some(cause);
+                    }
+                    Some(first) => {
+                        return Err(Error::Store(format!(
+                            "{who}: the store at {addr} closed the connection during the \
+                             handshake twice ({first}; then {cause}): it may be making room \
+                             because too many connections arrive at once (a flood), or it is \
+                             exiting"
+                        )))
+                    }
+                },
+                Err(Handshake::Failed(e)) => return Err(e),
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(MAX_RETRY_PAUSE);
-        };
+        }
+    }
+
+    /// A client over the connected `stream` (no handshake yet).
+    fn over(
+        stream: TcpStream,
+        addr: SocketAddr,
+        rank: usize,
+        who: String,
+        timeout: Duration,
+    ) -> Result<Self> {
         let network = |what: &str, source| Error::Network {
             context: format!("{what} the rendezvous store at {addr} ({who})"),
             source,
@@ -133,7 +163,7 @@ impl TcpStoreClient {
         let local_addr = stream
             .local_addr()
             .map_err(|e| network("reading the local address of the connection to", e))?;
-        let client = Self {
+        Ok(Self {
             addr,
             local_addr,
             rank,
@@ -145,10 +175,128 @@ impl TcpStoreClient {
                 refused: false,
             }),
             closer,
+        })
+    }
+
+    /// Proves to the store that this client holds `token`, after the store has proven it too;
+    /// nothing this client sends depends on the token before that.
+    fn handshake(&self, token: &str, peer: &Peer, reply_within: Duration) -> HandshakeResult {
+        let client_nonce = auth::nonce();
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: client_nonce,
         };
-        match client.request(&hello, timeout, HELLO_FRAME_LIMIT)? {
-            Response::Welcome => Ok(client),
-            other => Err(client.unexpected("hello", other)),
+        let (server_nonce, proof) = match self.handshake_step(&hello, reply_within)? {
+            Response::Challenge {
+                version,
+                nonce,
+                proof,
+            } if version == PROTOCOL_VERSION => (nonce, proof),
+            Response::Challenge { version, .. } => {
+                return Err(self.fail(format!(
+                    "the store at {} speaks version {version} of the rendezvous store's \
+                     protocol and {} version {PROTOCOL_VERSION}: run every process of the job \
+                     (launchers and workers) with the same accelerate-rs version",
+                    self.addr, self.who
+                )))
+            }
+            Response::Refused(reason) => {
+                let older = if reason.contains("malformed") {
+                    "; a store that cannot read the hello runs an older accelerate-rs (protocol \
+                     1): run every process of the job with the same version"
+                } else {
+                    ""
+                };
+                return Err(self.fail(format!(
+                    "the store at {} refused {}: {reason}{older}",
+                    self.addr, self.who
+                )));
+            }
+            other => {
+                // A fake store's answer could be long: its start says what it was.
+                let shown: String = format!("{other:?}").chars().take(80).collect();
+                return Err(self.fail(self.not_proven(&shown)));
+            }
+        };
+        if !auth::server_proof_holds(token, &client_nonce, &server_nonce, &proof) {
+            return Err(self.fail(self.not_proven("a proof made with another token")));
+        }
+        let proof = auth::client_proof(token, &client_nonce, &server_nonce, peer)
+            .map_err(|e| Handshake::Failed(Error::Store(format!("{}: {e}", self.who))))?;
+        let prove = Request::Prove {
+            proof,
+            peer: peer.clone(),
+        };
+        match self.handshake_step(&prove, reply_within)? {
+            Response::Welcome => Ok(()),
+            Response::Refused(reason) => Err(self.fail(format!(
+                "the store at {} refused {}: {reason}",
+                self.addr, self.who
+            ))),
+            other => Err(Handshake::Failed(self.unexpected("hello", other))),
+        }
+    }
+
+    /// Why a store that did not prove it holds the token is left, having been sent `answer`.
+    fn not_proven(&self, answer: &str) -> String {
+        format!(
+            "the store at {} did not prove that it holds this job's token (it answered with \
+             {answer}), so {} left without joining it. Either {} has a wrong job token (every \
+             rank, and every machine's launcher, must run with the same ACCELERATE_JOB_TOKEN), \
+             or the program listening there is not this job's store",
+            self.addr, self.who, self.who
+        )
+    }
+
+    /// Marks the connection refused (a new one would fare no better) and says why.
+    fn fail(&self, why: String) -> Handshake {
+        let mut connection = self.lock();
+        connection.broken = Some(why.clone());
+        connection.refused = true;
+        Handshake::Failed(Error::Store(why))
+    }
+
+    /// Sends one handshake frame and reads the answer, telling a connection that the server
+    /// closed (worth one more try) from other failures.
+    fn handshake_step(
+        &self,
+        request: &Request,
+        reply_within: Duration,
+    ) -> std::result::Result<Response, Handshake> {
+        let frame = encode(request)
+            .map_err(|e| Handshake::Failed(Error::Store(format!("{}: {e}", self.who))))?;
+        let mut connection = self.lock();
+        match exchange(
+            &mut connection.stream,
+            &frame,
+            reply_within,
+            HELLO_FRAME_LIMIT,
+        ) {
+            Ok(response) => Ok(response),
+            Err(ExchangeError::Closed(cause)) => {
+                connection.broken = Some(cause.clone());
+                Err(Handshake::Closed(cause))
+            }
+            Err(ExchangeError::Timeout) => {
+                connection.broken = Some("the handshake timed out".into());
+                Err(Handshake::Failed(Error::Timeout {
+                    what: format!(
+                        "the rendezvous store at {} to answer the hello of {}",
+                        self.addr, self.who
+                    ),
+                    after: reply_within,
+                    hint: "the store (launcher or rank 0) may be hung or overloaded, or the \
+                           program listening there is not a rendezvous store"
+                        .into(),
+                }))
+            }
+            Err(ExchangeError::Failed(problem)) => {
+                connection.broken = Some(problem.clone());
+                Err(Handshake::Failed(Error::Store(format!(
+                    "{}: the handshake with the store at {} failed: {problem}",
+                    self.who, self.addr
+                ))))
+            }
         }
     }
 
@@ -226,7 +374,7 @@ impl TcpStoreClient {
                     hint: "the store (launcher or rank 0) may be hung or overloaded".into(),
                 })
             }
-            Err(ExchangeError::Failed(problem)) => {
+            Err(ExchangeError::Failed(problem) | ExchangeError::Closed(problem)) => {
                 connection.broken = Some(problem.clone());
                 Err(Error::Store(format!(
                     "{}: connection to the store at {} failed: {problem}; the launcher \
@@ -285,7 +433,45 @@ impl TcpStoreClient {
 
 enum ExchangeError {
     Timeout,
+    /// The server closed the connection (or reset it).
+    Closed(String),
     Failed(String),
+}
+
+/// How a handshake failed: a connection the server closed is worth one more try, nothing else.
+enum Handshake {
+    Closed(String),
+    Failed(Error),
+}
+
+type HandshakeResult = std::result::Result<(), Handshake>;
+
+/// Opens a TCP connection to `addr`, retrying until `deadline` while nobody listens there.
+pub(super) fn dial(
+    addr: SocketAddr,
+    who: &str,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let mut pause = FIRST_RETRY_PAUSE;
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let last_error = match TcpStream::connect_timeout(&addr, remaining.max(pause)) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => e,
+        };
+        if Instant::now() + pause >= deadline {
+            return Err(Error::Timeout {
+                what: format!("the rendezvous store at {addr} to accept {who} ({last_error})"),
+                after: timeout,
+                hint: "check that the launcher (or rank 0) is running and that MASTER_ADDR/\
+                       MASTER_PORT (or --main-process-ip/--main-process-port) point to it"
+                    .into(),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(MAX_RETRY_PAUSE);
+    }
 }
 
 fn exchange(
@@ -296,6 +482,10 @@ fn exchange(
 ) -> std::result::Result<Response, ExchangeError> {
     let io = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ExchangeError::Timeout,
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted
+        | std::io::ErrorKind::BrokenPipe => ExchangeError::Closed(e.to_string()),
         _ => ExchangeError::Failed(e.to_string()),
     };
     stream.set_write_timeout(Some(reply_within)).map_err(io)?;

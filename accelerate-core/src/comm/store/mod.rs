@@ -2,13 +2,17 @@
 //! find each other (PyTorch c10d's `Store`, the part we need).
 //!
 //! [`StoreServer`] is hosted by the launcher, or by rank 0 when torchrun, SLURM or MPI started
-//! the workers. Every process connects a [`TcpStoreClient`]. Connections present the job token and the
-//! generation (restart round), so a stray client or a stale worker of an earlier round is refused.
+//! the workers. Every process connects a [`TcpStoreClient`]. Client and server each prove that
+//! they hold the job token without sending it (`auth`), and a worker presents its generation
+//! (restart round), so a stray client, a program that took the port, or a stale worker of an
+//! earlier round is refused.
 
+mod auth;
 mod client;
 mod host;
 mod redialing;
 mod server;
+mod token_file;
 pub(crate) mod wire;
 
 #[cfg(test)]
@@ -16,7 +20,10 @@ mod tests;
 
 use std::time::Duration;
 
+#[cfg(test)]
+pub(crate) use auth::raw_handshake;
 pub use client::TcpStoreClient;
+pub(crate) use host::job_token;
 pub use host::{check_master_addr, host_for_job};
 pub use redialing::RedialingClient;
 pub use server::StoreServer;

@@ -1,21 +1,23 @@
 //! The rendezvous store's server: a tokio task per connection over one shared map.
 //!
 //! The launcher hosts it (or rank 0, when torchrun, SLURM or MPI started the workers). Every
-//! connection must first present the job token and, for a worker, the current generation; a
-//! connection that fails to, or that sends a malformed or oversized frame, gets a `Refused` reply
-//! and is closed, and nothing else is affected.
+//! connection must first prove that it holds the job token, and a worker must belong to the
+//! current generation (`admission`); a connection that fails to, or that sends a malformed or
+//! oversized frame, gets a `Refused` reply and is closed, and nothing else is affected.
 //!
 //! The launchers of a job on several machines hold control connections of their own: their keys
 //! are kept apart from the workers' and outlive generations (the launchers coordinate restarts
 //! through them), and when such a connection closes the server appends the farewell its launcher
 //! left at hello, so the other machines learn at once that a launcher went away.
 //!
-//! Connections that have not said hello yet are limited to [`MAX_PENDING_HELLOS`]: a new one
-//! beyond that closes the oldest of them. A flood of idle connections (a port scanner, a
-//! misconfigured client) then cannot exhaust the server's file descriptors, and the job's own
-//! ranks, which say hello as soon as they connect, still get in.
+//! Connections that have not finished their handshake are limited to [`MAX_PENDING_HELLOS`]: a
+//! new one beyond that closes one of them, an idle one first (`admission`). A flood of idle
+//! connections (a port scanner, a misconfigured client) then cannot exhaust the server's file
+//! descriptors, and the job's own ranks, which say hello as soon as they connect, still get in.
 
-use std::collections::{HashMap, VecDeque};
+mod admission;
+
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,15 +30,16 @@ use tokio::task::JoinSet;
 
 use super::wire::{
     decode, encode, read_frame_async, write_frame_async, FrameError, Request, Response,
-    HELLO_FRAME_LIMIT, MAX_FRAME_BYTES,
+    MAX_FRAME_BYTES,
 };
 use crate::error::{Error, Result};
 
-/// How long a new connection may take to send its hello before it is dropped.
+/// How long a new connection may take to finish its handshake before it is dropped.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How many connections may wait for their hello at once; one more closes the oldest. The job's
-/// ranks say hello right after connecting, so only idle or slow connections are closed.
+/// How many connections may be in their handshake at once; one more closes one of them, the
+/// oldest that has sent nothing if there is one. The job's ranks say hello right after
+/// connecting, so only idle or slow connections are closed.
 pub const MAX_PENDING_HELLOS: usize = 64;
 
 /// Longest wait a single `get` may ask the server for (longer requests are capped).
@@ -64,49 +67,10 @@ struct Shared {
     control: Mutex<HashMap<String, Vec<u8>>>,
     /// Woken on every change of `data`, `control` or `generation`, so waiting `get`s re-check.
     changed: Notify,
-    /// Connections waiting for their hello, oldest first.
-    pending: Mutex<PendingHellos>,
-}
-
-/// The connections that have not said hello yet, each with the means to close it.
-#[derive(Default)]
-struct PendingHellos {
-    next_id: u64,
-    waiting: VecDeque<(u64, oneshot::Sender<()>)>,
-}
-
-impl PendingHellos {
-    /// Registers a new connection; past [`MAX_PENDING_HELLOS`] the oldest is told to close.
-    fn admit(&mut self) -> (u64, oneshot::Receiver<()>) {
-        let id = self.next_id;
-        self.next_id += 1;
-        let (close, closed) = oneshot::channel();
-        self.waiting.push_back((id, close));
-        if self.waiting.len() > MAX_PENDING_HELLOS {
-            if let Some((_, oldest)) = self.waiting.pop_front() {
-                let _ = oldest.send(());
-            }
-        }
-        (id, closed)
-    }
-
-    fn remove(&mut self, id: u64) {
-        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
-            self.waiting.remove(i);
-        }
-    }
-}
-
-/// Takes a connection off the pending list when its handshake ends, however it ends.
-struct PendingGuard<'a> {
-    shared: &'a Shared,
-    id: u64,
-}
-
-impl Drop for PendingGuard<'_> {
-    fn drop(&mut self) {
-        lock(&self.shared.pending).remove(self.id);
-    }
+    /// Connections in their handshake, oldest first.
+    pending: Mutex<admission::PendingHellos>,
+    /// How many may be (`MAX_PENDING_HELLOS`; fewer in tests).
+    pending_limit: usize,
 }
 
 impl std::fmt::Debug for StoreService {
@@ -119,8 +83,15 @@ impl std::fmt::Debug for StoreService {
 }
 
 impl StoreService {
-    /// An empty store admitting clients that present `token` and `generation`.
+    /// An empty store admitting clients that prove they hold `token` and belong to
+    /// `generation`.
     pub fn new(token: String, generation: u64) -> Self {
+        Self::with_pending_limit(token, generation, MAX_PENDING_HELLOS)
+    }
+
+    /// As [`StoreService::new`], with at most `limit` connections in their handshake at once
+    /// (at least 1).
+    pub(crate) fn with_pending_limit(token: String, generation: u64, limit: usize) -> Self {
         Self {
             shared: Arc::new(Shared {
                 token,
@@ -128,7 +99,8 @@ impl StoreService {
                 data: Mutex::new(HashMap::new()),
                 control: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
-                pending: Mutex::new(PendingHellos::default()),
+                pending: Mutex::new(admission::PendingHellos::default()),
+                pending_limit: limit.max(1),
             }),
         }
     }
@@ -163,7 +135,8 @@ impl StoreService {
                 _ = &mut shutdown => break,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
-                        let (id, evicted) = lock(&self.shared.pending).admit();
+                        let limit = self.shared.pending_limit;
+                        let (id, evicted) = lock(&self.shared.pending).admit(limit);
                         connections.spawn(serve_connection(
                             stream,
                             peer,
@@ -322,16 +295,6 @@ fn stale_message(client: u64, store: u64) -> String {
     )
 }
 
-/// Compares tokens without stopping at the first difference, so timing reveals nothing about
-/// how much of a guess was right.
-fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
 async fn refuse(stream: &mut TcpStream, peer: SocketAddr, reason: String) {
     tracing::warn!("rendezvous store: refusing connection from {peer}: {reason}");
     if let Ok(frame) = encode(&Response::Refused(reason)) {
@@ -351,74 +314,11 @@ async fn serve_connection(
     // A peer that vanished without closing (a machine that lost power) is noticed within two
     // minutes, even while the connection waits in a `get`.
     let _ = super::keep_alive(std::os::fd::AsRawFd::as_raw_fd(&stream));
-    let pending = PendingGuard {
-        shared: &shared,
-        id: pending_id,
-    };
-    let hello = tokio::select! {
-        read = tokio::time::timeout(HELLO_TIMEOUT, read_frame_async(&mut stream, HELLO_FRAME_LIMIT)) => read,
-        Ok(()) = evicted => {
-            tracing::warn!(
-                "rendezvous store: closing the connection from {peer}, which has not said hello, \
-                 to make room: more than {MAX_PENDING_HELLOS} connections are waiting to"
-            );
-            return;
-        }
-    };
-    drop(pending);
-    let hello = match hello {
-        Err(_) => {
-            let reason = format!("no hello frame within {HELLO_TIMEOUT:?}");
-            return refuse(&mut stream, peer, reason).await;
-        }
-        Ok(Err(FrameError::Io(_))) => return, // closed or broken before saying anything
-        Ok(Err(e)) => return refuse(&mut stream, peer, e.to_string()).await,
-        Ok(Ok(body)) => body,
-    };
-    let (scope, _farewell) = match decode::<Request>(&hello) {
-        Ok(Request::Hello {
-            token,
-            generation,
-            rank,
-        }) => {
-            if !same_token(&token, &shared.token) {
-                let reason = format!(
-                    "rank {rank} presented a wrong job token; workers must use the token the \
-                     launcher passed in ACCELERATE_JOB_TOKEN"
-                );
-                return refuse(&mut stream, peer, reason).await;
-            }
-            if generation != shared.generation() {
-                let reason = stale_message(generation, shared.generation());
-                return refuse(&mut stream, peer, reason).await;
-            }
-            (Scope::Worker { generation }, None)
-        }
-        Ok(Request::LauncherHello {
-            token,
-            machine,
-            farewell_log,
-            farewell,
-        }) => {
-            if !same_token(&token, &shared.token) {
-                let reason = format!(
-                    "the launcher of machine {machine} presented a wrong job token; every \
-                     machine's launcher must run with the same ACCELERATE_JOB_TOKEN"
-                );
-                return refuse(&mut stream, peer, reason).await;
-            }
-            let farewell = Farewell {
-                shared: shared.clone(),
-                log: farewell_log,
-                value: farewell,
-            };
-            (Scope::Launcher, Some(farewell))
-        }
-        Ok(_) => {
-            let reason = "the first frame of a connection must be a hello".to_string();
-            return refuse(&mut stream, peer, reason).await;
-        }
-        Err(e) => return refuse(&mut stream, peer, e).await,
+    let admitted = admission::admit(&mut stream, peer, &shared, pending_id, evicted).await;
+    let (scope, _farewell) = match admitted {
+        Ok(admitted) => admitted,
+        Err(admission::Ended::Silently) => return,
+        Err(admission::Ended::Refused(reason)) => return refuse(&mut stream, peer, reason).await,
     };
     if !reply(&mut stream, &Response::Welcome).await {
         return;
@@ -437,7 +337,10 @@ async fn serve_connection(
             return refuse(&mut stream, peer, reason).await;
         }
         let response = match request {
-            Request::Hello { .. } | Request::LauncherHello { .. } => {
+            Request::Hello { .. }
+            | Request::Prove { .. }
+            | Request::HelloV1 { .. }
+            | Request::LauncherHelloV1 { .. } => {
                 let reason = "a connection may say hello only once".to_string();
                 return refuse(&mut stream, peer, reason).await;
             }
@@ -494,11 +397,15 @@ pub struct StoreServer {
     service: StoreService,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The job's token file, when this store's token lives in one; removed after the store
+    /// stops.
+    token_file: Option<super::token_file::TokenFile>,
 }
 
 impl StoreServer {
     /// Binds `bind` (port 0 picks a free port) and serves on a background thread until dropped or
-    /// [`shutdown`](Self::shutdown). Clients must present `token` and `generation`.
+    /// [`shutdown`](Self::shutdown). Clients must prove that they hold `token` (an empty token
+    /// protects nothing: anyone knows it), and workers must belong to `generation`.
     ///
     /// Single-machine jobs bind a loopback address, so nothing outside the machine can reach it.
     pub fn start(bind: SocketAddr, token: String, generation: u64) -> Result<Self> {
@@ -558,12 +465,18 @@ impl StoreServer {
             service,
             stop: Some(stop),
             thread: Some(thread),
+            token_file: None,
         })
     }
 
     /// The address the store listens on (with the port actually bound).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Keeps `file` (the token file of this store's job) until the store stops.
+    pub(crate) fn keep_token_file(&mut self, file: super::token_file::TokenFile) {
+        self.token_file = Some(file);
     }
 
     /// The store being served, e.g. to start a new generation after a restart.
@@ -583,6 +496,7 @@ impl StoreServer {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        self.token_file = None;
     }
 }
 

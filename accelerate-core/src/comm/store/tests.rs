@@ -5,8 +5,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::auth::raw_handshake;
 use super::server::{StoreService, HELLO_TIMEOUT};
-use super::wire::{decode, Response, MAX_FRAME_BYTES};
+use super::wire::{decode, encode, Peer, Request, Response, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 use super::*;
 use crate::error::Error;
 
@@ -15,6 +16,13 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn server() -> StoreServer {
     StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap()
+}
+
+fn worker(rank: u64) -> Peer {
+    Peer::Worker {
+        generation: 0,
+        rank,
+    }
 }
 
 fn client(server: &StoreServer, rank: usize) -> TcpStoreClient {
@@ -223,14 +231,8 @@ fn garbage_is_refused_and_the_server_keeps_serving() {
 fn an_oversized_frame_after_the_hello_is_refused() {
     let server = server();
     let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-    let hello = super::wire::encode(&super::wire::Request::Hello {
-        token: TOKEN.into(),
-        generation: 0,
-        rank: 9,
-    })
-    .unwrap();
-    raw.write_all(&hello).unwrap();
-    assert_eq!(read_raw_reply(&mut raw), Some(Response::Welcome));
+    let (_, welcome) = raw_handshake(&mut raw, TOKEN, worker(9));
+    assert_eq!(welcome, Some(Response::Welcome));
     // Announce one byte more than the limit, send nothing else: refused on the length alone.
     raw.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes())
         .unwrap();
@@ -556,5 +558,399 @@ fn a_redialing_client_refused_by_a_restart_stays_refused() {
     for _ in 0..2 {
         let err = stale.set("k", b"w").unwrap_err();
         assert!(err.to_string().contains("generation 0"), "{err}");
+    }
+}
+
+// ---- Issue 30: authentication of the rendezvous and admission under a flood. ----
+
+/// Everything a connection sends until it closes (or `WAIT` passes).
+fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => return seen,
+            Ok(n) => seen.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn the_client_never_sends_the_token_and_refuses_a_server_that_does_not_know_it() {
+    for answer in [FakeAnswer::Welcome, FakeAnswer::ChallengeWithoutTheToken] {
+        a_server_that_does_not_know_the_token(answer);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FakeAnswer {
+    /// Welcomes whatever it is sent.
+    Welcome,
+    /// Answers the hello with a challenge whose proof is made with another token.
+    ChallengeWithoutTheToken,
+}
+
+fn a_server_that_does_not_know_the_token(answer: FakeAnswer) {
+    // A program that holds the port and answers "welcome" to whatever it is sent, as a server
+    // that does not know the token can.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let first = super::wire::read_frame(&mut stream, MAX_FRAME_BYTES).unwrap();
+        let reply = match (answer, decode::<Request>(&first)) {
+            (FakeAnswer::ChallengeWithoutTheToken, Ok(Request::Hello { nonce, .. })) => {
+                let server_nonce = super::auth::nonce();
+                Response::Challenge {
+                    version: PROTOCOL_VERSION,
+                    nonce: server_nonce,
+                    proof: super::auth::server_proof("a guess", &nonce, &server_nonce),
+                }
+            }
+            _ => Response::Welcome,
+        };
+        stream.write_all(&encode(&reply).unwrap()).unwrap();
+        let mut seen = (first.len() as u32).to_le_bytes().to_vec();
+        seen.extend(first);
+        seen.extend(read_until_closed(&mut stream));
+        seen
+    });
+    let outcome = TcpStoreClient::connect(addr, TOKEN, 0, 1, WAIT);
+    let error = outcome.as_ref().err().map(ToString::to_string);
+    drop(outcome);
+    let on_the_wire = fake.join().unwrap();
+    assert!(
+        !contains(&on_the_wire, TOKEN.as_bytes()),
+        "{answer:?}: the client sent the job token in clear to a server that does not know it"
+    );
+    let error = error.unwrap_or_else(|| {
+        panic!("{answer:?}: the client accepted a server that does not know the token")
+    });
+    assert!(
+        error.contains("did not prove that it holds this job's token")
+            && error.contains("ACCELERATE_JOB_TOKEN"),
+        "{answer:?}: {error}"
+    );
+    // It sent its hello (a nonce) and nothing after it: no proof for the fake to work on.
+    let hello = super::wire::split_frame(&on_the_wire, MAX_FRAME_BYTES)
+        .unwrap()
+        .expect("the client sent its hello");
+    assert_eq!(
+        hello.1,
+        on_the_wire.len(),
+        "{answer:?}: more than the hello was sent"
+    );
+    assert!(matches!(
+        decode::<Request>(&hello.0),
+        Ok(Request::Hello { .. })
+    ));
+}
+
+#[test]
+fn a_client_told_that_its_hello_is_malformed_names_an_older_store() {
+    // What a store of protocol 1 answers to a hello of protocol 2, whose variant it does not know.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let old_store = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let _ = super::wire::read_frame(&mut stream, MAX_FRAME_BYTES);
+        let refusal = Response::Refused(
+            "malformed store frame: invalid value: integer `6`, expected variant index 0 <= i < 6"
+                .into(),
+        );
+        stream.write_all(&encode(&refusal).unwrap()).unwrap();
+        read_until_closed(&mut stream)
+    });
+    let e = TcpStoreClient::connect(addr, TOKEN, 0, 2, WAIT)
+        .unwrap_err()
+        .to_string();
+    old_store.join().unwrap();
+    assert!(
+        e.contains("rank 2") && e.contains("older accelerate-rs") && e.contains("same version"),
+        "{e}"
+    );
+}
+
+/// A relay between a client and `target` that records what the client sends.
+fn recording_relay(target: SocketAddr) -> (SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let relay = std::thread::spawn(move || {
+        let (mut client, _) = listener.accept().unwrap();
+        let mut server = TcpStream::connect(target).unwrap();
+        let (mut client_back, mut server_back) =
+            (client.try_clone().unwrap(), server.try_clone().unwrap());
+        let back = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut server_back, &mut client_back);
+            let _ = client_back.shutdown(std::net::Shutdown::Both);
+        });
+        let mut recorded = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            match client.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    recorded.extend_from_slice(&chunk[..n]);
+                    if server.write_all(&chunk[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Both);
+        back.join().unwrap();
+        recorded
+    });
+    (addr, relay)
+}
+
+#[test]
+fn a_recorded_session_replayed_on_a_new_connection_is_refused() {
+    // Whoever reads the network records a rank's session; replaying it must not let them in.
+    let server = server();
+    let (relay, recording) = recording_relay(server.local_addr());
+    let rank = TcpStoreClient::connect(relay, TOKEN, 0, 1, WAIT).unwrap();
+    rank.set("card/1", b"the rank's address").unwrap();
+    drop(rank);
+    let recorded = recording.join().unwrap();
+    let mut replay = TcpStream::connect(server.local_addr()).unwrap();
+    replay.write_all(&recorded).unwrap();
+    let mut replies = Vec::new();
+    while let Some(reply) = read_raw_reply(&mut replay) {
+        replies.push(reply);
+    }
+    assert!(
+        !replies.contains(&Response::Welcome) && !replies.contains(&Response::Done),
+        "a replayed session was admitted: {replies:?}"
+    );
+    assert!(
+        matches!(replies.last(), Some(Response::Refused(_))),
+        "{replies:?}"
+    );
+}
+
+#[test]
+fn the_client_says_hello_again_once_when_the_connection_closes_during_it() {
+    // The store closes the first connection during its hello (as when a flood evicts it), then
+    // serves normally: the rank gets in on its second try.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let store = std::thread::spawn(move || {
+        let (mut first, _) = listener.accept().unwrap();
+        first.set_read_timeout(Some(WAIT)).unwrap();
+        let _ = super::wire::read_frame(&mut first, MAX_FRAME_BYTES);
+        drop(first);
+        listener.set_nonblocking(true).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            StoreService::new(TOKEN.into(), 0)
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    let rank = TcpStoreClient::connect(addr, TOKEN, 0, 0, WAIT)
+        .expect("the rank gave up after one closed hello");
+    rank.set("k", b"v").unwrap();
+    assert_eq!(rank.get("k", WAIT).unwrap(), b"v");
+    drop(rank);
+    stop.send(()).unwrap();
+    store.join().unwrap();
+}
+
+/// Serves `service` on `listener` on a thread of its own until the returned sender is used.
+fn serve_on_thread(
+    service: StoreService,
+    listener: std::net::TcpListener,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    listener.set_nonblocking(true).unwrap();
+    let thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            service
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    (stop, thread)
+}
+
+#[test]
+fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
+    // The rank connects and says hello before the store runs at all; then enough idle
+    // connections arrive to push it off the list of those in their handshake. The store accepts
+    // them all in one go before any connection is served, so when the rank's turn comes both its
+    // hello and its eviction are there. Tokio's `select!` picks among ready branches at random
+    // unless told otherwise, so the race is run several times.
+    let limit = 4;
+    for trial in 0..16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut rank = TcpStream::connect(addr).unwrap();
+        let client_nonce = super::auth::nonce();
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: client_nonce,
+        };
+        rank.write_all(&encode(&hello).unwrap()).unwrap();
+        let flood: Vec<TcpStream> = (0..limit)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let service = StoreService::with_pending_limit(TOKEN.into(), 0, limit);
+        let (stop, serving) = serve_on_thread(service, listener);
+        let challenge = read_raw_reply(&mut rank);
+        let Some(Response::Challenge { nonce, .. }) = challenge else {
+            panic!(
+                "trial {trial}: the rank was evicted although its hello had arrived: {challenge:?}"
+            );
+        };
+        let proof = super::auth::client_proof(TOKEN, &client_nonce, &nonce, &worker(0)).unwrap();
+        let prove = Request::Prove {
+            proof,
+            peer: worker(0),
+        };
+        rank.write_all(&encode(&prove).unwrap()).unwrap();
+        assert_eq!(
+            read_raw_reply(&mut rank),
+            Some(Response::Welcome),
+            "trial {trial}"
+        );
+        drop(flood);
+        stop.send(()).unwrap();
+        serving.join().unwrap();
+    }
+}
+
+#[test]
+fn a_flood_of_idle_connections_does_not_evict_a_rank_that_said_hello() {
+    // Two connections may be in their handshake. The rank says hello and gets the challenge;
+    // then ten idle connections arrive, each of which closes another; the rank still finishes.
+    let limit = 2;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = StoreService::with_pending_limit(TOKEN.into(), 0, limit);
+    let (stop, serving) = serve_on_thread(service, listener);
+    let mut rank = TcpStream::connect(addr).unwrap();
+    let client_nonce = super::auth::nonce();
+    let hello = Request::Hello {
+        version: PROTOCOL_VERSION,
+        nonce: client_nonce,
+    };
+    rank.write_all(&encode(&hello).unwrap()).unwrap();
+    let Some(Response::Challenge { nonce, .. }) = read_raw_reply(&mut rank) else {
+        panic!("no challenge");
+    };
+    let mut flood: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // Each idle connection but the last `limit - 1` was closed to make room for a newer one:
+    // the server closed exactly the idle ones, oldest first.
+    for idle in flood.iter_mut().take(10 - (limit - 1)) {
+        assert_closed(idle);
+    }
+    let proof = super::auth::client_proof(TOKEN, &client_nonce, &nonce, &worker(0)).unwrap();
+    let prove = Request::Prove {
+        proof,
+        peer: worker(0),
+    };
+    rank.write_all(&encode(&prove).unwrap()).unwrap();
+    assert_eq!(read_raw_reply(&mut rank), Some(Response::Welcome));
+    drop(flood);
+    stop.send(()).unwrap();
+    serving.join().unwrap();
+}
+
+#[test]
+fn a_client_without_the_token_can_neither_read_nor_write_a_key() {
+    let server = server();
+    let rank = client(&server, 0);
+    rank.set("card/0", b"address and nonce of rank 0").unwrap();
+    let addr = server.local_addr();
+    // No token, and a wrong one: refused before anything is read or written.
+    for token in ["", "guess"] {
+        let e = TcpStoreClient::connect(addr, token, 0, 1, WAIT)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("wrong job token"), "{e}");
+    }
+    // A client that skips the handshake, or sends requests with a proof made with another
+    // token, is refused; it never gets a value, and its write never lands.
+    let requests = [
+        Request::Get {
+            key: "card/0".into(),
+            timeout_ms: 0,
+        },
+        Request::Set {
+            key: "card/1".into(),
+            value: b"intruder".to_vec(),
+        },
+    ];
+    for request in &requests {
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.write_all(&encode(request).unwrap()).unwrap();
+        assert!(
+            matches!(read_raw_reply(&mut raw), Some(Response::Refused(_))),
+            "{request:?} without a handshake"
+        );
+        assert_closed(&mut raw);
+        let mut raw = TcpStream::connect(addr).unwrap();
+        let (_, answer) = raw_handshake(&mut raw, "guess", worker(1));
+        match answer {
+            Some(Response::Refused(reason)) => {
+                assert!(
+                    reason.contains("rank 1 presented a wrong job token"),
+                    "{reason}"
+                )
+            }
+            other => panic!("a proof with a wrong token got {other:?}"),
+        }
+        let _ = raw.write_all(&encode(request).unwrap());
+        assert_eq!(
+            read_raw_reply(&mut raw),
+            None,
+            "{request:?} after a wrong proof"
+        );
+    }
+    assert!(matches!(
+        rank.get("card/1", Duration::ZERO),
+        Err(Error::Timeout { .. })
+    ));
+    // Protocol 1's hello, which sends the token itself, is refused even with the right token.
+    let mut old = TcpStream::connect(addr).unwrap();
+    let hello_v1 = Request::HelloV1 {
+        token: TOKEN.into(),
+        generation: 0,
+        rank: 1,
+    };
+    old.write_all(&encode(&hello_v1).unwrap()).unwrap();
+    match read_raw_reply(&mut old) {
+        Some(Response::Refused(reason)) => assert!(
+            reason.contains("version 1") && reason.contains("same accelerate-rs version"),
+            "{reason}"
+        ),
+        other => panic!("a protocol 1 hello got {other:?}"),
     }
 }

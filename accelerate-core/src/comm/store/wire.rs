@@ -1,11 +1,19 @@
-//! The store's wire format: length-prefixed bincode frames.
+//! The store's wire format: length-prefixed bincode frames, and the messages they carry.
 //!
 //! A frame is a little-endian `u32` byte length followed by that many bytes of bincode. The length
 //! is checked against a limit *before* anything is allocated, so a peer cannot make the server
 //! reserve memory by announcing a huge frame, and the body's buffer grows only as its bytes
 //! arrive, so announcing a large frame and sending little costs the reader little. Until a
-//! connection has presented the job token, its limit is [`HELLO_FRAME_LIMIT`]; afterwards it is
-//! [`MAX_FRAME_BYTES`].
+//! connection has proven that it holds the job token, its limit is [`HELLO_FRAME_LIMIT`];
+//! afterwards it is [`MAX_FRAME_BYTES`].
+//!
+//! A connection opens with a handshake in which each side proves it holds the job token without
+//! sending it (see `super::auth`): the client's [`Request::Hello`] carries the protocol version
+//! and its nonce, the server's [`Response::Challenge`] its nonce and its proof, the client's
+//! [`Request::Prove`] its proof and who it is; then [`Response::Welcome`]. The variants of
+//! protocol 1, which sent the token itself, keep their places so that a client of that version
+//! is told why it is refused; the `Hello` variant and `Refused` keep theirs in every later
+//! version for the same reason.
 
 use std::io::{Read, Write};
 
@@ -16,8 +24,22 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// Largest frame (value plus key and framing) the store accepts from an authenticated client.
 pub const MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
 
-/// Largest first frame (the hello) accepted from a client that has not yet shown the job token.
+/// Largest frame accepted during the handshake, before a client has proven it holds the job
+/// token.
 pub const HELLO_FRAME_LIMIT: usize = 64 * 1024;
+
+/// The version of the store's protocol that this build speaks; client and server must agree.
+/// Version 1 sent the job token in clear; version 2 proves it by challenge and response.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// Bytes of a handshake nonce.
+pub const NONCE_BYTES: usize = 32;
+
+/// A random value each side contributes to a handshake, so that no proof is ever valid twice.
+pub type Nonce = [u8; NONCE_BYTES];
+
+/// An HMAC-SHA256 that shows its sender holds the job token.
+pub type Proof = [u8; 32];
 
 /// What a client asks of the store.
 ///
@@ -26,13 +48,14 @@ pub const HELLO_FRAME_LIMIT: usize = 64 * 1024;
 /// closes during a `Get` for a client that left, and answers nothing more).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Request {
-    /// First frame of every connection: who the client is and which job round it belongs to.
-    Hello {
-        /// The job token (shared secret handed to the workers by the launcher).
+    /// Protocol 1's first frame, which carried the job token in clear. Never admitted: decoded
+    /// only so that a client of that version is told to upgrade.
+    HelloV1 {
+        /// The token protocol 1 sent (ignored).
         token: String,
-        /// The restart round the client belongs to.
+        /// The restart round.
         generation: u64,
-        /// The client's rank, for the server's log messages.
+        /// The client's rank.
         rank: u64,
     },
     /// Stores `value` under `key`, replacing any previous value.
@@ -41,13 +64,52 @@ pub(crate) enum Request {
     Get { key: String, timeout_ms: u64 },
     /// Adds `delta` to the counter under `key` (absent counts as 0) and returns the new value.
     Add { key: String, delta: i64 },
-    /// First frame of a launcher's control connection (one per machine's launcher, not a
-    /// worker's): admitted with the job token whatever the generation. Its keys live apart from
-    /// the workers' and outlive restarts; when the connection closes, for whatever reason, the
-    /// server appends `farewell` (if not empty) to the list `farewell_log`.
-    LauncherHello {
-        /// The job token.
+    /// Protocol 1's first frame of a launcher's control connection, with the token in clear.
+    /// Never admitted, as [`Request::HelloV1`].
+    LauncherHelloV1 {
+        /// The token protocol 1 sent (ignored).
         token: String,
+        /// The launcher's machine rank.
+        machine: u64,
+        /// The list its farewell went to.
+        farewell_log: String,
+        /// Its farewell.
+        farewell: Vec<u8>,
+    },
+    /// Appends `value` to the list `log`: stores it under `"{log}/{index}"` with the next index
+    /// (from 0, counted under the key `log`) and returns that index as a `Counter`.
+    Append { log: String, value: Vec<u8> },
+    /// First frame of every connection: the protocol version the client speaks and its nonce.
+    Hello {
+        /// [`PROTOCOL_VERSION`] of the client.
+        version: u32,
+        /// The client's fresh random nonce.
+        nonce: Nonce,
+    },
+    /// Second frame, after the server's [`Response::Challenge`] proved it holds the token: the
+    /// client's proof, and who it is (the proof covers that too, so it cannot be changed).
+    Prove {
+        /// The client's proof (see `super::auth::client_proof`).
+        proof: Proof,
+        /// Who the client is.
+        peer: Peer,
+    },
+}
+
+/// Who a client is, as it says in its [`Request::Prove`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Peer {
+    /// A worker: the restart round it belongs to and its rank (for the server's messages).
+    Worker {
+        /// The restart round the client belongs to.
+        generation: u64,
+        /// The client's rank, for the server's log messages.
+        rank: u64,
+    },
+    /// A machine's launcher, on its control connection: admitted whatever the generation. Its
+    /// keys live apart from the workers' and outlive restarts; when the connection closes, for
+    /// whatever reason, the server appends `farewell` (if not empty) to the list `farewell_log`.
+    Launcher {
         /// The launcher's machine rank, for the server's log messages.
         machine: u64,
         /// The list the farewell goes to.
@@ -55,15 +117,12 @@ pub(crate) enum Request {
         /// What the server appends there when the connection closes.
         farewell: Vec<u8>,
     },
-    /// Appends `value` to the list `log`: stores it under `"{log}/{index}"` with the next index
-    /// (from 0, counted under the key `log`) and returns that index as a `Counter`.
-    Append { log: String, value: Vec<u8> },
 }
 
 /// The store's answer to one [`Request`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Response {
-    /// The hello was accepted.
+    /// The client proved it holds the token and is admitted.
     Welcome,
     /// A `Set` was applied.
     Done,
@@ -75,9 +134,19 @@ pub(crate) enum Response {
     NotFound,
     /// The request could not be carried out; the connection stays usable.
     Failed(String),
-    /// The connection is refused (wrong token, stale generation, malformed frame); the server
-    /// closes it after this frame.
+    /// The connection is refused (wrong token, stale generation, malformed frame, another
+    /// protocol version); the server closes it after this frame.
     Refused(String),
+    /// The server's answer to a [`Request::Hello`]: its version, its nonce, and its proof that
+    /// it holds the job token.
+    Challenge {
+        /// [`PROTOCOL_VERSION`] of the server.
+        version: u32,
+        /// The server's fresh random nonce.
+        nonce: Nonce,
+        /// The server's proof (see `super::auth::server_proof`).
+        proof: Proof,
+    },
 }
 
 /// Why a frame could not be read.
@@ -139,6 +208,20 @@ fn check_length(prefix: [u8; 4], limit: usize) -> Result<usize, FrameError> {
         return Err(FrameError::TooLarge { announced, limit });
     }
     Ok(announced)
+}
+
+/// The first frame in `buffer` (bytes read so far), if all of it is there: its body and the
+/// number of bytes it took. Refuses an announced length above `limit` as soon as the prefix is
+/// there.
+pub(crate) fn split_frame(
+    buffer: &[u8],
+    limit: usize,
+) -> Result<Option<(Vec<u8>, usize)>, FrameError> {
+    let &[a, b, c, d, ..] = buffer else {
+        return Ok(None);
+    };
+    let len = check_length([a, b, c, d], limit)?;
+    Ok(buffer.get(4..4 + len).map(|body| (body.to_vec(), 4 + len)))
 }
 
 /// Capacity reserved for a frame body before its bytes arrive; beyond it the buffer grows as
@@ -237,6 +320,27 @@ mod tests {
             }
             other => panic!("expected TooLarge, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_frame_is_split_off_only_once_all_of_it_is_there() {
+        let mut bytes = encode(&Response::Counter(7)).unwrap();
+        let whole = bytes.len();
+        bytes.extend_from_slice(&[9, 9]); // the start of the next frame
+        for have in 0..whole {
+            assert!(split_frame(&bytes[..have], MAX_FRAME_BYTES)
+                .unwrap()
+                .is_none());
+        }
+        let (body, used) = split_frame(&bytes, MAX_FRAME_BYTES).unwrap().unwrap();
+        assert_eq!(used, whole);
+        assert_eq!(decode::<Response>(&body).unwrap(), Response::Counter(7));
+        // The length is checked as soon as the prefix is there, before the body arrives.
+        let huge = ((HELLO_FRAME_LIMIT + 1) as u32).to_le_bytes();
+        assert!(matches!(
+            split_frame(&huge, HELLO_FRAME_LIMIT),
+            Err(FrameError::TooLarge { .. })
+        ));
     }
 
     #[test]
