@@ -306,3 +306,97 @@ fn the_open_file_limit_is_raised_to_the_hard_limit_for_launcher_and_workers() {
     assert_eq!(fields[soft + 1], fields[hard + 1], "{out}");
     assert_ne!(fields[soft + 1], "256", "{out}");
 }
+
+/// Shell code that sets `gone` to 1 when the process whose pid is in file `$1` no longer runs (no
+/// such process, or a zombie waiting for its reaper), to 0 otherwise.
+const GONE_CHECK: &str = "state=$(cut -d' ' -f3 /proc/$(cat \"$1\")/stat 2>/dev/null); \
+     if [ -z \"$state\" ] || [ \"$state\" = Z ] || [ \"$state\" = X ]; then gone=1; else gone=0; fi";
+
+#[test]
+fn a_grandchild_of_a_worker_that_already_exited_is_gone_before_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    // Attempt 0: rank 1 starts a sleeping grandchild (which would hold the GPU memory and ports
+    // it inherited), writes its pid and exits 0; then rank 0 fails. Attempt 1: rank 0 records
+    // whether that grandchild still runs. The teardown of attempt 0 must reach the grandchild
+    // although its parent had already exited.
+    let script = format!(
+        "set -- {d}/grandchild; \
+         if [ \"$ACCELERATE_RESTART_COUNT\" = 1 ]; then \
+           if [ \"$RANK\" = 0 ]; then {GONE_CHECK}; echo $gone > {d}/gone; fi; exit 0; fi; \
+         if [ \"$RANK\" = 1 ]; then sleep 1000 & echo $! > {d}/pid.tmp; mv {d}/pid.tmp \"$1\"; \
+           exit 0; fi; \
+         while [ ! -e \"$1\" ]; do sleep 0.02; done; exit 3"
+    );
+    let (code, err) = launch(&[
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "5",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let pid = std::fs::read_to_string(dir.path().join("grandchild")).unwrap_or_default();
+    // Whatever the outcome, leave no sleeping process behind.
+    if let Ok(pid) = pid.trim().parse::<i32>() {
+        // SAFETY: a signal to the test's own grandchild, identified by the pid it wrote.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert_eq!(code, 0, "{err}");
+    let gone = std::fs::read_to_string(dir.path().join("gone")).unwrap();
+    assert_eq!(
+        gone.trim(),
+        "1",
+        "grandchild {} of rank 1 still ran in the restart: {err}",
+        pid.trim()
+    );
+}
+
+#[test]
+fn a_grandchild_left_by_a_successful_job_is_gone_when_the_launcher_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then sleep 1000 & echo $! > {d}/pid.tmp; \
+           mv {d}/pid.tmp {d}/grandchild; fi; exit 0"
+    );
+    let (code, err) = launch(&[
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--grace-period",
+        "5",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let pid = std::fs::read_to_string(dir.path().join("grandchild")).unwrap();
+    let o = Command::new("sh")
+        .args([
+            "-c",
+            &format!("{GONE_CHECK}; echo $gone"),
+            "sh",
+            dir.path().join("grandchild").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    if let Ok(pid) = pid.trim().parse::<i32>() {
+        // SAFETY: a signal to the test's own grandchild, identified by the pid it wrote.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "1",
+        "grandchild {} of rank 1 outlived the launcher",
+        pid.trim()
+    );
+}
