@@ -400,3 +400,60 @@ fn a_grandchild_left_by_a_successful_job_is_gone_when_the_launcher_exits() {
         pid.trim()
     );
 }
+
+/// A port free at the time of the call.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn machine_1_waits_for_machine_0_whose_rank_0_works_alone_past_the_silence_limit() {
+    // Two launchers on loopback as machines 0 and 1, one rank each. Rank 1 ends at once; rank 0
+    // works on alone (a final save, an evaluation) four times as long as the limit after which a
+    // launcher without any sign of life counts as gone. Machine 0's launcher is alive all along:
+    // machine 1 must wait for its verdict and exit 0 with it, not call it stuck.
+    let dir = tempfile::tempdir().unwrap();
+    let done = dir.path().join("rank0-done");
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then sleep 8; touch {}; fi; exit 0",
+        done.display()
+    );
+    let port = free_port().to_string();
+    let start = |machine: &str| {
+        Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+            .env("ACCELERATE_JOB_TOKEN", "machines-on-loopback")
+            .env("ACCELERATE_COLLECTIVE_TIMEOUT", "2")
+            .args([
+                "--cpu",
+                "--num-processes",
+                "2",
+                "--num-machines",
+                "2",
+                "--machine-rank",
+                machine,
+                "--main-process-ip",
+                "127.0.0.1",
+                "--main-process-port",
+                &port,
+                "sh",
+                "-c",
+                &script,
+            ])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let machine0 = start("0");
+    let machine1 = start("1");
+    let o1 = machine1.wait_with_output().unwrap();
+    let o0 = machine0.wait_with_output().unwrap();
+    let err1 = String::from_utf8_lossy(&o1.stderr);
+    let err0 = String::from_utf8_lossy(&o0.stderr);
+    assert_eq!(o0.status.code(), Some(0), "machine 0: {err0}");
+    assert!(done.exists(), "rank 0 did not finish its work: {err0}");
+    assert_eq!(o1.status.code(), Some(0), "machine 1: {err1}");
+}
