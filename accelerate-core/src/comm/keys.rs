@@ -18,6 +18,7 @@ use crate::error::Result;
 /// The kind of the CPU communicators' namespaces (`cpu_comm/<n>/...`).
 pub(crate) const CPU_COMM: &str = "cpu_comm";
 /// The kind of the NCCL communicators' namespaces.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) const NCCL_COMM: &str = "accelerate/nccl";
 /// The kind of the memberships' namespaces (what an `Accelerator` keeps in the store).
 pub(crate) const MEMBERSHIP: &str = "accelerate/membership";
@@ -57,8 +58,10 @@ impl KeySpace {
 
 /// The store keys of one NCCL communicator's rendezvous.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) struct NcclKeys(KeySpace);
 
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 impl NcclKeys {
     /// The keys of this rank's next NCCL communicator on `store`.
     pub(crate) fn next(store: &dyn Store, rank: usize) -> Result<Self> {
