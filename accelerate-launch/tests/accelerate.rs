@@ -439,7 +439,8 @@ fn test_in_a_build_without_gpu_support_on_a_gpu_machine_tests_the_cpu_and_says_w
     let o = accelerate(dir.path(), &["test"], &[("PATH", &path)]);
     assert_eq!(o.code, 0, "{}\n{}", o.stdout, o.stderr);
     assert!(
-        o.stderr.contains("accelerate test: testing the CPU: 1 GPU is visible, but this build")
+        o.stderr
+            .contains("accelerate test: testing the CPU: 1 GPU is visible, but this build")
             && o.stderr.contains("--features nccl"),
         "{}",
         o.stderr

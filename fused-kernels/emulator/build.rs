@@ -26,8 +26,8 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     // `FUSED_KERNELS_EMULATOR_CONTRACT=1`: contract multiply-adds as nvcc does (below).
     println!("cargo:rerun-if-env-changed=FUSED_KERNELS_EMULATOR_CONTRACT");
-    let contract = std::env::var("FUSED_KERNELS_EMULATOR_CONTRACT")
-        .is_ok_and(|v| !v.is_empty() && v != "0");
+    let contract =
+        std::env::var("FUSED_KERNELS_EMULATOR_CONTRACT").is_ok_and(|v| !v.is_empty() && v != "0");
     println!("cargo:rerun-if-changed=cpp");
     for dir in &kernel_dirs {
         // A directory: cargo reruns when any file in it changes, is added or removed.

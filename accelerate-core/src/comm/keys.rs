@@ -112,7 +112,8 @@ impl Store for PrefixStore {
     }
 
     fn barrier(&self, name: &str, world_size: usize, timeout: Duration) -> Result<()> {
-        self.inner.barrier(&self.keys.key(name), world_size, timeout)
+        self.inner
+            .barrier(&self.keys.key(name), world_size, timeout)
     }
 }
 
@@ -162,7 +163,10 @@ mod tests {
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t".into(), 0).unwrap();
         let [a, b] = two_ranks(&server);
         let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
-        let first = PrefixStore::new(a.clone(), KeySpace::next(a.as_ref(), MEMBERSHIP, 0).unwrap());
+        let first = PrefixStore::new(
+            a.clone(),
+            KeySpace::next(a.as_ref(), MEMBERSHIP, 0).unwrap(),
+        );
         first.set("accelerate/parameters/verdict", b"=").unwrap();
         assert_eq!(first.add("count", 2).unwrap(), 2);
         let second = PrefixStore::new(b.clone(), KeySpace::of(MEMBERSHIP, 2));

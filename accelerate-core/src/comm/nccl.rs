@@ -38,9 +38,9 @@ use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2
 
 use super::agreement::{self, Collective, Signature};
 use super::contract::{check_dtype, check_in_place, check_into_output, IntoOutput};
+use super::keys::NcclKeys;
 use super::liveness::{Liveness, Patience, Verdict};
 use super::staging;
-use super::keys::NcclKeys;
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
 use crate::env::BUSY_PEER_TIMEOUT;
@@ -179,11 +179,13 @@ impl NcclCommunicator {
             store.set(&keys.unique_id(), &bytes)?;
             id
         } else {
-            let bytes = store.get(&keys.unique_id(), timeout).map_err(|e| Error::Timeout {
-                what: "rank 0 to publish NCCL's unique id".into(),
-                after: timeout,
-                hint: format!("rank 0 did not reach the NCCL rendezvous ({e}); see its output"),
-            })?;
+            let bytes = store
+                .get(&keys.unique_id(), timeout)
+                .map_err(|e| Error::Timeout {
+                    what: "rank 0 to publish NCCL's unique id".into(),
+                    after: timeout,
+                    hint: format!("rank 0 did not reach the NCCL rendezvous ({e}); see its output"),
+                })?;
             let internal: [std::ffi::c_char; 128] = bytes
                 .iter()
                 .map(|&b| b as std::ffi::c_char)

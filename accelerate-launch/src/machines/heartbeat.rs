@@ -107,7 +107,10 @@ impl Heartbeat {
 
     /// The counters last read, one per machine (this machine's and unwatched ones stay `None`).
     pub(super) fn counts(&self) -> Vec<Option<i64>> {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -225,7 +228,10 @@ mod tests {
             beat_period(Duration::from_secs(2)),
             Duration::from_millis(500)
         );
-        assert_eq!(beat_period(Duration::from_secs(300)), Duration::from_secs(5));
+        assert_eq!(
+            beat_period(Duration::from_secs(300)),
+            Duration::from_secs(5)
+        );
         assert_eq!(
             beat_period(Duration::from_millis(1)),
             Duration::from_millis(10)
