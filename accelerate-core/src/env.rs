@@ -51,7 +51,8 @@ pub const GPU_INDEX: &str = "ACCELERATE_GPU_INDEX";
 /// The address the CPU communicator listens on, when the default (the one that reaches the
 /// store) is not the right one.
 pub const BIND_IP: &str = "ACCELERATE_BIND_IP";
-/// Seconds a peer may give no sign of life at all before a collective fails.
+/// Seconds a peer may give no sign of life at all before a collective fails; also how long
+/// `accelerate-launch` waits for another machine's launcher that gives none (no heartbeat).
 pub const COLLECTIVE_TIMEOUT: &str = "ACCELERATE_COLLECTIVE_TIMEOUT";
 /// Seconds a live but busy peer is waited for before a collective fails.
 pub const BUSY_PEER_TIMEOUT: &str = "ACCELERATE_BUSY_PEER_TIMEOUT";

@@ -61,7 +61,10 @@ pub struct ProcessState {
     /// not: a job on one machine then makes its own, and one on several is refused unless
     /// `ACCELERATE_ALLOW_OPEN_STORE` is set).
     pub job_token: String,
-    /// How many times the launcher has restarted the group (`ACCELERATE_RESTART_COUNT`).
+    /// How many times the launcher has restarted the group (`ACCELERATE_RESTART_COUNT`; under
+    /// torchrun on one machine `TORCHELASTIC_RESTART_COUNT`): the store generation this process
+    /// presents, so that a store of an earlier attempt refuses it and a straggler of an earlier
+    /// attempt is refused by this one's.
     pub restart_count: u32,
     /// Who started the process.
     pub launcher: Launcher,
@@ -229,13 +232,33 @@ impl ProcessState {
             })?,
             None => DEFAULT_MASTER_PORT,
         };
-        let restart_count = env::parse(
-            env::RESTART_COUNT,
-            get(env::RESTART_COUNT).map(String::as_str),
-            "expected a non-negative integer",
-            |v| v.parse::<u32>().ok(),
-        )?
-        .unwrap_or(0);
+        let count = |name: &str| {
+            env::parse(
+                name,
+                get(name).map(String::as_str),
+                "expected a non-negative integer",
+                |v| v.parse::<u32>().ok(),
+            )
+        };
+        let restart_count = match count(env::RESTART_COUNT)? {
+            Some(n) => n,
+            None if launcher == Launcher::Torchrun => {
+                // torchrun's count is its agent's: the restarts this machine's workers caused
+                // (pytorch#108158). Several agents count differently, and a generation that
+                // differs between the machines would make the store refuse healthy ranks. There
+                // torchrun fences the attempts itself: every agent stops its workers before it
+                // joins the next attempt's rendezvous, and that attempt's rank 0 hosts a fresh
+                // store, holding no key of the attempt before.
+                let agents = get("GROUP_WORLD_SIZE")
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(world_size.div_ceil(local_world_size));
+                match count("TORCHELASTIC_RESTART_COUNT")? {
+                    Some(n) if agents == 1 => n,
+                    _ => 0,
+                }
+            }
+            None => 0,
+        };
         Ok(Self {
             rank,
             world_size,
@@ -591,5 +614,75 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("MASTER_PORT"), "{e}");
+    }
+
+    /// torchrun's variables for rank `rank` of 2 in attempt `restart` of its agent, on one
+    /// machine (`nodes` 1) or one rank on each of two machines (`nodes` 2).
+    fn torchrun_attempt(rank: usize, nodes: usize, restart: &str) -> HashMap<String, String> {
+        let local = if nodes == 1 { rank } else { 0 };
+        let rank = rank.to_string();
+        let local = local.to_string();
+        let local_world = (2 / nodes).to_string();
+        let group_world = nodes.to_string();
+        vars(&[
+            ("RANK", rank.as_str()),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", local.as_str()),
+            ("LOCAL_WORLD_SIZE", local_world.as_str()),
+            ("GROUP_WORLD_SIZE", group_world.as_str()),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("ACCELERATE_JOB_TOKEN", "shared"),
+            ("TORCHELASTIC_RESTART_COUNT", restart),
+        ])
+    }
+
+    #[test]
+    fn a_restarted_torchrun_rank_is_refused_by_the_store_of_the_attempt_before() {
+        use crate::comm::store::{Store, StoreServer, TcpStoreClient};
+        use std::time::Duration;
+        let wait = Duration::from_secs(10);
+        // Attempt 0's store (its rank 0 not yet gone) holds attempt 0's keys, such as the ring
+        // address a rank published then.
+        let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), "shared".into(), 0).unwrap();
+        let old = TcpStoreClient::connect(store.local_addr(), "shared", 0, 1, wait).unwrap();
+        old.set("cpu_comm/1/rank0", b"attempt 0's address").unwrap();
+        // Rank 1 of attempt 1 connects as `comm::join` does, with its state's generation.
+        let s = ProcessState::from_vars(&torchrun_attempt(1, 1, "1")).unwrap();
+        let joined = TcpStoreClient::connect(
+            store.local_addr(),
+            &s.job_token,
+            u64::from(s.restart_count),
+            s.rank,
+            wait,
+        );
+        match joined {
+            Ok(client) => panic!(
+                "a rank of torchrun's attempt 1 joined attempt 0's store and read {:?}",
+                client
+                    .get("cpu_comm/1/rank0", Duration::ZERO)
+                    .map(|v| String::from_utf8_lossy(&v).into_owned())
+            ),
+            Err(e) => assert!(e.to_string().contains("generation 1"), "{e}"),
+        }
+    }
+
+    #[test]
+    fn torchrun_restarts_count_as_generations_only_where_one_agent_counts_them() {
+        // One machine: one agent, whose count every rank sees.
+        for rank in 0..2 {
+            let s = ProcessState::from_vars(&torchrun_attempt(rank, 1, "2")).unwrap();
+            assert_eq!(s.restart_count, 2, "rank {rank}");
+        }
+        // Two machines: each agent counts the restarts it caused (pytorch#108158), so the
+        // machines' counts differ; the generation must not, or the store would refuse a healthy
+        // machine's ranks.
+        let a = ProcessState::from_vars(&torchrun_attempt(0, 2, "1")).unwrap();
+        let b = ProcessState::from_vars(&torchrun_attempt(1, 2, "0")).unwrap();
+        assert_eq!(a.restart_count, b.restart_count);
+        // A value that is no count is named.
+        let e = ProcessState::from_vars(&torchrun_attempt(0, 1, "x"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TORCHELASTIC_RESTART_COUNT"), "{e}");
     }
 }

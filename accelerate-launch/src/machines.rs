@@ -20,6 +20,11 @@
 //! or its launcher departs, and says which machine. Machine 0 decides whether to restart (its
 //! `--max-restarts` counts); every machine's launcher then starts its workers of the next attempt,
 //! and they resume from their checkpoint as on one machine.
+//!
+//! Once its workers have ended, a launcher waits for the others as long as they show signs of
+//! life ([`heartbeat`]): a machine whose rank works on alone (rank 0's final save or evaluation)
+//! is busy, not stuck, however long it takes. Only a launcher that gives no sign of life for the
+//! silence limit (`ACCELERATE_COLLECTIVE_TIMEOUT`, 300 s) is given up on.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -32,6 +37,10 @@ use tokio::sync::mpsc;
 
 use crate::signals::SignalWatch;
 use crate::supervise::{signal_name, Outcome};
+
+mod heartbeat;
+
+use heartbeat::{Heartbeat, Signs};
 
 /// This launcher's version; the launchers of one job must agree on it.
 const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -47,9 +56,9 @@ const POLL: Duration = Duration::from_secs(30);
 /// their workers have stopped (beyond the grace period they give their workers).
 const STOP_REPORT_MARGIN: Duration = Duration::from_secs(60);
 
-/// How long machine 0 waits for the other machines to finish once its own workers succeeded:
-/// their workers are in the same job and end within moments unless they are hung.
-const FINISH_WAIT: Duration = Duration::from_secs(1800);
+/// How long a launcher waits on a peer launcher's decision or report before it says once that it
+/// is waiting, and for whom.
+const WAIT_NOTICE: Duration = Duration::from_secs(60);
 
 /// How long machine 0 keeps its store up after announcing the end of the job, until every other
 /// launcher has read it and left: the store closes when machine 0's launcher exits, and a
@@ -146,6 +155,12 @@ pub struct MachineLink {
     verdicts: BTreeMap<u32, Next>,
     /// Why the list can no longer be followed (the store on machine 0 is gone).
     lost: Option<String>,
+    /// This launcher's heartbeat, and its reading of the others'.
+    heartbeat: Option<Heartbeat>,
+    /// The signs of life seen from the other launchers.
+    signs: Signs,
+    /// How long a launcher may give no sign of life before it counts as gone.
+    silence: Duration,
 }
 
 /// What the follower thread passes on.
@@ -179,7 +194,9 @@ impl Drop for MachineLink {
 
 impl MachineLink {
     /// Joins the group of launchers through the store at `store_addr`, waiting up to `timeout`
-    /// for it to accept (machine 0's launcher may start after this one).
+    /// for it to accept (machine 0's launcher may start after this one), and starts this
+    /// launcher's heartbeat. `timeout` is also the silence limit: a launcher that gives no sign of
+    /// life for that long while this one waits on it counts as gone.
     pub fn join(
         store_addr: SocketAddr,
         token: &str,
@@ -210,6 +227,7 @@ impl MachineLink {
             RECONNECT,
         )
         .map_err(|e| format!("machine {machine}: a second connection to the store failed: {e}"))?;
+        let heartbeat = Heartbeat::start(store_addr, token, machine, num_machines, timeout)?;
         let (tx, events) = mpsc::unbounded_channel();
         let following = watch.clone();
         std::thread::Builder::new()
@@ -231,6 +249,9 @@ impl MachineLink {
             lost: None,
             ids: BTreeMap::new(),
             left: BTreeMap::new(),
+            heartbeat: Some(heartbeat),
+            signs: Signs::default(),
+            silence: timeout,
         };
         let index = link.publish(&Event::Joined {
             machine,
@@ -366,10 +387,10 @@ impl MachineLink {
         signals: &mut SignalWatch,
     ) -> Next {
         if self.machine != 0 {
-            // Machine 0 decides within its own bounds (FINISH_WAIT, or grace + margin after a
-            // failure), then announces; beyond that, it is stuck.
-            let limit = FINISH_WAIT + grace + STOP_REPORT_MARGIN;
-            let deadline = tokio::time::Instant::now() + limit;
+            // Machine 0 decides within its own bounds once its workers have ended, however long
+            // they work on after ours: wait as long as its launcher shows signs of life.
+            let waiting_since = tokio::time::Instant::now();
+            let mut told = false;
             loop {
                 if let Some(next) = self.verdicts.get(&attempt) {
                     return next.clone();
@@ -377,18 +398,30 @@ impl MachineLink {
                 if let Some(lost) = &self.lost {
                     return exit(1, lost.clone());
                 }
+                let limit = self.silence;
+                if self.silent_for(0) >= limit {
+                    return exit(
+                        1,
+                        format!(
+                            "machine 0's launcher gave no sign of life for {limit:?} (its \
+                             heartbeat in the store stopped) while this machine waited for its \
+                             decision on attempt {attempt}: it is stuck, or its machine is gone"
+                        ),
+                    );
+                }
+                if !told && waiting_since.elapsed() >= WAIT_NOTICE {
+                    told = true;
+                    eprintln!(
+                        "accelerate-launch: this machine's workers have ended; waiting for {} \
+                         (its launcher is alive: its workers are still running, or it is \
+                         deciding)",
+                        self.name(0)
+                    );
+                }
+                let period = self.beat_period();
                 tokio::select! {
                     _ = self.next_event() => {}
-                    () = tokio::time::sleep_until(deadline) => {
-                        return exit(
-                            1,
-                            format!(
-                                "machine 0 announced no decision on attempt {attempt} within \
-                                 {limit:?} after this machine's workers ended; its launcher is \
-                                 stuck"
-                            ),
-                        );
-                    }
+                    () = tokio::time::sleep(period) => {}
                     Some(signal) = signals.next() => {
                         let leaving = Event::Leaving {
                             machine: self.machine,
@@ -461,7 +494,8 @@ impl MachineLink {
 
     /// Machine 0's decision on `attempt`: waits until every machine has ended it or gone.
     async fn decide(&mut self, attempt: u32, max_restarts: u32, grace: Duration) -> Next {
-        let started = tokio::time::Instant::now();
+        let waiting_since = tokio::time::Instant::now();
+        let mut told = false;
         let mut failure_seen: Option<tokio::time::Instant> = None;
         loop {
             if let Some(lost) = &self.lost {
@@ -474,7 +508,8 @@ impl MachineLink {
                 break;
             }
             // Once one machine ended badly, the others are stopping their workers: wait for them
-            // a bounded time. While all goes well, they may take long to finish (final saves).
+            // a bounded time. While all goes well, they may take long to finish (final saves):
+            // wait as long as their launchers show signs of life.
             let failed = self
                 .ended
                 .get(&attempt)
@@ -482,41 +517,63 @@ impl MachineLink {
             if failed {
                 failure_seen.get_or_insert_with(tokio::time::Instant::now);
             }
-            let (deadline, limit, after) = match failure_seen {
-                Some(seen) => (
-                    seen + grace + STOP_REPORT_MARGIN,
-                    grace + STOP_REPORT_MARGIN,
-                    "the attempt went wrong",
-                ),
-                None => (
-                    started + FINISH_WAIT,
-                    FINISH_WAIT,
-                    "machine 0's workers ended",
-                ),
+            let Some(seen) = failure_seen else {
+                let limit = self.silence;
+                let silent: Vec<usize> = pending
+                    .iter()
+                    .copied()
+                    .filter(|m| self.silent_for(*m) >= limit)
+                    .collect();
+                if !silent.is_empty() {
+                    let names: Vec<String> = silent
+                        .iter()
+                        .map(|m| {
+                            self.unreported(
+                                *m,
+                                &format!(
+                                    "gave no sign of life for {limit:?} (its launcher's heartbeat in \
+                                     the store stopped) before it reported the end of its workers"
+                                ),
+                            )
+                        })
+                        .collect();
+                    return exit(
+                        1,
+                        format!(
+                            "{} after machine 0's workers ended; giving up on the job",
+                            names.join("; ")
+                        ),
+                    );
+                }
+                if !told && waiting_since.elapsed() >= WAIT_NOTICE {
+                    told = true;
+                    let names: Vec<String> = pending.iter().map(|m| self.name(*m)).collect();
+                    eprintln!(
+                        "accelerate-launch: this machine's workers have ended; waiting for the \
+                         workers of {} (their launchers are alive)",
+                        names.join(", ")
+                    );
+                }
+                let period = self.beat_period();
+                tokio::select! {
+                    _ = self.next_event() => {}
+                    () = tokio::time::sleep(period) => {}
+                }
+                continue;
             };
-            if tokio::time::timeout_at(deadline, self.next_event())
+            let limit = grace + STOP_REPORT_MARGIN;
+            if tokio::time::timeout_at(seen + limit, self.next_event())
                 .await
                 .is_err()
             {
                 let names: Vec<String> = pending
                     .iter()
-                    .map(|m| {
-                        if self.hosts.contains_key(m) {
-                            format!("{} did not report the end of its workers", self.name(*m))
-                        } else {
-                            format!(
-                                "machine {m} never joined (its launcher did not reach the store \
-                                 on port {}; check that it runs, with this --main-process-ip \
-                                 and --main-process-port)",
-                                self.store_addr.port()
-                            )
-                        }
-                    })
+                    .map(|m| self.unreported(*m, "did not report the end of its workers"))
                     .collect();
                 return exit(
                     1,
                     format!(
-                        "{} within {limit:?} after {after}; giving up on the job",
+                        "{} within {limit:?} after the attempt went wrong; giving up on the job",
                         names.join("; ")
                     ),
                 );
@@ -572,6 +629,41 @@ impl MachineLink {
             return exit(1, format!("{cause}{tail}"));
         }
         Next::Restart
+    }
+
+    /// "machine 1 (host-b) <what>", or for a machine that never joined, why that may be.
+    fn unreported(&self, machine: usize, what: &str) -> String {
+        if self.hosts.contains_key(&machine) {
+            format!("{} {what}", self.name(machine))
+        } else {
+            format!(
+                "machine {machine} never joined (its launcher did not reach the store on port {}; \
+                 check that it runs, with this --main-process-ip and --main-process-port)",
+                self.store_addr.port()
+            )
+        }
+    }
+
+    /// How often the heartbeats are read.
+    fn beat_period(&self) -> Duration {
+        self.heartbeat
+            .as_ref()
+            .map_or(heartbeat::beat_period(self.silence), Heartbeat::period)
+    }
+
+    /// How long `machine`'s launcher has given no sign of life, as of the heartbeats read last.
+    fn silent_for(&mut self, machine: usize) -> Duration {
+        let now = tokio::time::Instant::now();
+        if let Some(heartbeat) = &self.heartbeat {
+            self.signs.note(&heartbeat.counts(), now);
+        }
+        self.signs.silent_for(machine, now)
+    }
+
+    /// Stops this launcher's heartbeat, as a frozen launcher's stops.
+    #[cfg(test)]
+    fn stop_heartbeat(&mut self) {
+        self.heartbeat = None;
     }
 
     fn end_of(&self, machine: usize, attempt: u32) -> Option<&LocalEnd> {

@@ -4,6 +4,14 @@
 //! Each worker leads its own process group (so a terminal's Ctrl-C reaches only the launcher, which
 //! forwards it once) and is told by the kernel to die with the launcher (`PR_SET_PDEATHSIG`), so no
 //! worker outlives a launcher that was killed outright.
+//!
+//! The processes a worker started (data loader helpers, a compiler, a tool it ran in the
+//! background) stay in its group. Every group of the attempt is signalled when the group is
+//! stopped, whether or not its worker has already exited, and once every worker has exited the
+//! launcher ends what is left in their groups (SIGTERM, SIGKILL after the grace period) before it
+//! returns: nothing a worker spawned keeps GPU memory or ports through a restart, or after the
+//! job. The launcher is the child subreaper of what it starts, so those orphans are its children
+//! and it reaps them.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
@@ -157,7 +165,10 @@ pub async fn run_group(
             .map_err(|e| format!("--tee {}: cannot create the directory: {e}", dir.display()))?;
     }
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<(usize, Exit)>();
+    become_subreaper();
+    // The live workers (None once exited) and every worker's process group, exited or not.
     let mut pids: Vec<Option<u32>> = Vec::new();
+    let mut groups = ProcessGroups::default();
     let mut forwarders = Vec::new();
     let mut tails: Vec<Option<Tail>> = Vec::new();
     let launcher_pid = std::process::id();
@@ -188,9 +199,7 @@ pub async fn run_group(
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                for pid in pids.iter().flatten() {
-                    kill_group(*pid, libc::SIGKILL);
-                }
+                groups.signal(libc::SIGKILL);
                 return Err(format!(
                     "cannot start {} for rank {}: {e}; check that the path is right and the file \
                      is executable",
@@ -201,15 +210,14 @@ pub async fn run_group(
         };
         let pid = child.id().unwrap_or(0);
         pids.push(Some(pid));
+        groups.add(pid);
         let show = !config.quiet || worker.rank == 0;
         let tee = match &config.tee_dir {
             Some(dir) => match open_log(dir, worker.rank, config.attempt) {
                 Ok(file) => Some(Arc::new(Mutex::new(file))),
                 Err(e) => {
                     // Workers already started must not run on unsupervised.
-                    for pid in pids.iter().flatten() {
-                        kill_group(*pid, libc::SIGKILL);
-                    }
+                    groups.signal(libc::SIGKILL);
                     return Err(e);
                 }
             },
@@ -259,37 +267,33 @@ pub async fn run_group(
             got = exit_rx.recv() => {
                 let Some((index, exit)) = got else { break };
                 let pid = pids[index].take().unwrap_or(0);
+                groups.exited(pid);
                 remaining -= 1;
                 if !exit.success() && failure.is_none() && interrupted.is_none() && stopped.is_none() {
                     failure = Some(Failure { rank: config.workers[index].rank, pid, exit });
-                    for p in pids.iter().flatten() {
-                        kill_group(*p, libc::SIGTERM);
-                    }
+                    groups.signal(libc::SIGTERM);
                     kill_deadline = Some(Instant::now() + config.grace);
                 }
             }
             Some(sig) = signals.next() => {
                 interrupted.get_or_insert(sig);
-                for p in pids.iter().flatten() {
-                    kill_group(*p, sig);
-                }
+                groups.signal(sig);
                 kill_deadline.get_or_insert(Instant::now() + config.grace);
             }
             reason = &mut stop, if stopped.is_none() && failure.is_none() && interrupted.is_none() => {
                 stopped = Some(reason);
-                for p in pids.iter().flatten() {
-                    kill_group(*p, libc::SIGTERM);
-                }
+                groups.signal(libc::SIGTERM);
                 kill_deadline = Some(Instant::now() + config.grace);
             }
             _ = sleep_until(deadline), if deadline.is_some() => {
-                for p in pids.iter().flatten() {
-                    kill_group(*p, libc::SIGKILL);
-                }
+                groups.signal(libc::SIGKILL);
                 kill_deadline = None;
             }
         }
     }
+    // What the workers left behind goes before the next attempt (or the launcher's exit), so it
+    // cannot hold the memory and ports the next workers need. A signal meanwhile only hurries it.
+    groups.end_leftovers(config.grace, signals).await;
     // Let the output of the last lines through; a grandchild holding a pipe must not block us.
     for f in forwarders {
         let _ = tokio::time::timeout(Duration::from_secs(2), f).await;
@@ -362,15 +366,112 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-fn kill_group(pid: u32, sig: i32) {
-    if pid == 0 {
-        return;
-    }
-    // SAFETY: plain syscalls; the worker leads its own process group, so -pid reaches its children.
-    unsafe {
-        if libc::kill(-(pid as i32), sig) != 0 {
-            libc::kill(pid as i32, sig);
+/// The process groups of one attempt's workers: each worker leads one, whose id is its pid.
+#[derive(Debug, Default)]
+struct ProcessGroups {
+    /// Group id, and whether its worker has exited (and been reaped).
+    groups: Vec<(u32, bool)>,
+}
+
+impl ProcessGroups {
+    fn add(&mut self, pid: u32) {
+        if pid != 0 {
+            self.groups.push((pid, false));
         }
+    }
+
+    /// Notes that the worker leading group `pid` has exited: its group lives on as long as a
+    /// process it started does.
+    fn exited(&mut self, pid: u32) {
+        if let Some(group) = self.groups.iter_mut().find(|(g, _)| *g == pid) {
+            group.1 = true;
+        }
+    }
+
+    /// Sends `sig` to every group, those of exited workers included.
+    fn signal(&self, sig: i32) {
+        for &(pid, exited) in &self.groups {
+            // SAFETY: plain syscalls on the groups this launcher's workers lead.
+            unsafe {
+                // A live worker that could not lead its own group still gets the signal. An
+                // exited worker's pid may have been reused: only its group is signalled (the
+                // kernel does not hand out a pid still in use as a group id).
+                if libc::kill(-(pid as i32), sig) != 0 && !exited {
+                    libc::kill(pid as i32, sig);
+                }
+            }
+        }
+    }
+
+    /// Whether any process is left in the groups, after reaping those that are this launcher's
+    /// zombies (orphans it adopted as subreaper). Called once every worker has been reaped, so
+    /// the reaping cannot take a worker's exit status from its own waiter.
+    fn any_left(&self) -> bool {
+        let mut left = false;
+        for &(pid, _) in &self.groups {
+            let group = -(pid as i32);
+            // SAFETY: plain syscalls; `status` is a local the kernel writes.
+            unsafe {
+                let mut status = 0;
+                while libc::waitpid(group, &mut status, libc::WNOHANG) > 0 {}
+                if libc::kill(group, 0) == 0 {
+                    left = true;
+                }
+            }
+        }
+        left
+    }
+
+    /// Ends what is left in the groups once every worker has exited: SIGTERM, then SIGKILL after
+    /// `grace`, waiting (briefly, past the SIGKILL) until the groups are empty.
+    async fn end_leftovers(&self, grace: Duration, signals: &mut SignalWatch) {
+        if !self.any_left() {
+            return;
+        }
+        self.signal(libc::SIGTERM);
+        let killed = Instant::now() + grace;
+        let give_up = killed + LEFTOVER_KILL_WAIT;
+        let mut sent_kill = false;
+        while self.any_left() {
+            let now = Instant::now();
+            if now >= give_up {
+                eprintln!(
+                    "accelerate-launch: warning: processes the workers started are still in their \
+                     process groups {:?} {LEFTOVER_KILL_WAIT:?} after SIGKILL",
+                    self.groups.iter().map(|(g, _)| *g).collect::<Vec<_>>()
+                );
+                return;
+            }
+            if !sent_kill && now >= killed {
+                self.signal(libc::SIGKILL);
+                sent_kill = true;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(LEFTOVER_POLL) => {}
+                Some(sig) = signals.next() => {
+                    self.signal(sig);
+                    if !sent_kill {
+                        self.signal(libc::SIGKILL);
+                        sent_kill = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How often the launcher looks whether the processes the workers left have gone.
+const LEFTOVER_POLL: Duration = Duration::from_millis(10);
+/// How long the launcher waits for them after SIGKILL (they must first be scheduled to die).
+const LEFTOVER_KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// Makes this process the child subreaper of its descendants: what a worker started and left
+/// behind becomes the launcher's child when the worker exits (not init's), so the launcher can
+/// reap it and see its group empty. A failure only costs that reaping (init reaps them instead).
+fn become_subreaper() {
+    // SAFETY: a plain prctl on this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
     }
 }
 

@@ -416,6 +416,43 @@ fn test_runs_two_processes_and_matches_one_process() {
 }
 
 #[test]
+fn test_in_a_build_without_gpu_support_on_a_gpu_machine_tests_the_cpu_and_says_why() {
+    if cfg!(feature = "nccl") {
+        // This build would test the (stand-in) GPU; tests/gpu.rs runs it on a real one.
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // A stand-in `nvidia-smi -L` listing one GPU (on a GPU machine the driver's list is read).
+    let smi = dir.path().join("nvidia-smi");
+    std::fs::write(
+        &smi,
+        "#!/bin/sh\necho 'GPU 0: Stand-in GPU (UUID: GPU-00000000-0000-0000-0000-000000000000)'\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let o = accelerate(dir.path(), &["test"], &[("PATH", &path)]);
+    assert_eq!(o.code, 0, "{}\n{}", o.stdout, o.stderr);
+    assert!(
+        o.stderr
+            .contains("accelerate test: testing the CPU: 1 GPU is visible, but this build")
+            && o.stderr.contains("--features nccl"),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        o.stdout.contains("PASS — 2 processes on cpu") && o.stdout.contains("on the CPU: 1 GPU"),
+        "{}",
+        o.stdout
+    );
+}
+
+#[test]
 fn gpu_ids_reach_the_workers_as_cuda_visible_devices() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("c.yaml");

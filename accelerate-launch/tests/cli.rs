@@ -306,3 +306,154 @@ fn the_open_file_limit_is_raised_to_the_hard_limit_for_launcher_and_workers() {
     assert_eq!(fields[soft + 1], fields[hard + 1], "{out}");
     assert_ne!(fields[soft + 1], "256", "{out}");
 }
+
+/// Shell code that sets `gone` to 1 when the process whose pid is in file `$1` no longer runs (no
+/// such process, or a zombie waiting for its reaper), to 0 otherwise.
+const GONE_CHECK: &str = "state=$(cut -d' ' -f3 /proc/$(cat \"$1\")/stat 2>/dev/null); \
+     if [ -z \"$state\" ] || [ \"$state\" = Z ] || [ \"$state\" = X ]; then gone=1; else gone=0; fi";
+
+#[test]
+fn a_grandchild_of_a_worker_that_already_exited_is_gone_before_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    // Attempt 0: rank 1 starts a sleeping grandchild (which would hold the GPU memory and ports
+    // it inherited), writes its pid and exits 0; then rank 0 fails. Attempt 1: rank 0 records
+    // whether that grandchild still runs. The teardown of attempt 0 must reach the grandchild
+    // although its parent had already exited.
+    let script = format!(
+        "set -- {d}/grandchild; \
+         if [ \"$ACCELERATE_RESTART_COUNT\" = 1 ]; then \
+           if [ \"$RANK\" = 0 ]; then {GONE_CHECK}; echo $gone > {d}/gone; fi; exit 0; fi; \
+         if [ \"$RANK\" = 1 ]; then sleep 1000 & echo $! > {d}/pid.tmp; mv {d}/pid.tmp \"$1\"; \
+           exit 0; fi; \
+         while [ ! -e \"$1\" ]; do sleep 0.02; done; exit 3"
+    );
+    let (code, err) = launch(&[
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "5",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let pid = std::fs::read_to_string(dir.path().join("grandchild")).unwrap_or_default();
+    // Whatever the outcome, leave no sleeping process behind.
+    if let Ok(pid) = pid.trim().parse::<i32>() {
+        // SAFETY: a signal to the test's own grandchild, identified by the pid it wrote.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert_eq!(code, 0, "{err}");
+    let gone = std::fs::read_to_string(dir.path().join("gone")).unwrap();
+    assert_eq!(
+        gone.trim(),
+        "1",
+        "grandchild {} of rank 1 still ran in the restart: {err}",
+        pid.trim()
+    );
+}
+
+#[test]
+fn a_grandchild_left_by_a_successful_job_is_gone_when_the_launcher_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then sleep 1000 & echo $! > {d}/pid.tmp; \
+           mv {d}/pid.tmp {d}/grandchild; fi; exit 0"
+    );
+    let (code, err) = launch(&[
+        "--cpu",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--grace-period",
+        "5",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let pid = std::fs::read_to_string(dir.path().join("grandchild")).unwrap();
+    let o = Command::new("sh")
+        .args([
+            "-c",
+            &format!("{GONE_CHECK}; echo $gone"),
+            "sh",
+            dir.path().join("grandchild").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    if let Ok(pid) = pid.trim().parse::<i32>() {
+        // SAFETY: a signal to the test's own grandchild, identified by the pid it wrote.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "1",
+        "grandchild {} of rank 1 outlived the launcher",
+        pid.trim()
+    );
+}
+
+/// A port free at the time of the call.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn machine_1_waits_for_machine_0_whose_rank_0_works_alone_past_the_silence_limit() {
+    // Two launchers on loopback as machines 0 and 1, one rank each. Rank 1 ends at once; rank 0
+    // works on alone (a final save, an evaluation) four times as long as the limit after which a
+    // launcher without any sign of life counts as gone. Machine 0's launcher is alive all along:
+    // machine 1 must wait for its verdict and exit 0 with it, not call it stuck.
+    let dir = tempfile::tempdir().unwrap();
+    let done = dir.path().join("rank0-done");
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then sleep 8; touch {}; fi; exit 0",
+        done.display()
+    );
+    let port = free_port().to_string();
+    let start = |machine: &str| {
+        Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+            .env("ACCELERATE_JOB_TOKEN", "machines-on-loopback")
+            .env("ACCELERATE_COLLECTIVE_TIMEOUT", "2")
+            .args([
+                "--cpu",
+                "--num-processes",
+                "2",
+                "--num-machines",
+                "2",
+                "--machine-rank",
+                machine,
+                "--main-process-ip",
+                "127.0.0.1",
+                "--main-process-port",
+                &port,
+                "sh",
+                "-c",
+                &script,
+            ])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let machine0 = start("0");
+    let machine1 = start("1");
+    let o1 = machine1.wait_with_output().unwrap();
+    let o0 = machine0.wait_with_output().unwrap();
+    let err1 = String::from_utf8_lossy(&o1.stderr);
+    let err0 = String::from_utf8_lossy(&o0.stderr);
+    assert_eq!(o0.status.code(), Some(0), "machine 0: {err0}");
+    assert!(done.exists(), "rank 0 did not finish its work: {err0}");
+    assert_eq!(o1.status.code(), Some(0), "machine 1: {err1}");
+}

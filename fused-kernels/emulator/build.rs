@@ -24,6 +24,10 @@ fn main() {
     let cpp = manifest.join("cpp");
     let kernel_dirs = [manifest.join("../src/cuda"), manifest.join("tests/cuda")];
     println!("cargo:rerun-if-changed=build.rs");
+    // `FUSED_KERNELS_EMULATOR_CONTRACT=1`: contract multiply-adds as nvcc does (below).
+    println!("cargo:rerun-if-env-changed=FUSED_KERNELS_EMULATOR_CONTRACT");
+    let contract =
+        std::env::var("FUSED_KERNELS_EMULATOR_CONTRACT").is_ok_and(|v| !v.is_empty() && v != "0");
     println!("cargo:rerun-if-changed=cpp");
     for dir in &kernel_dirs {
         // A directory: cargo reruns when any file in it changes, is added or removed.
@@ -57,12 +61,23 @@ fn main() {
         .include(manifest.join("../src/cuda"))
         // Type punning through pointers (vector loads) is common in CUDA C and nvcc allows it.
         .flag_if_supported("-fno-strict-aliasing")
-        // No fused multiply-adds the CPU reference does not make (g++ contracts by default on
-        // targets with FMA, e.g. aarch64): results then differ from the CPU only by order.
-        .flag_if_supported("-ffp-contract=off")
         // `#pragma unroll` is nvcc's.
         .flag_if_supported("-Wno-unknown-pragmas")
         .flag_if_supported("-Wno-unused-parameter");
+    if contract {
+        // As nvcc does by default (`--fmad=true`): `a * b + c` becomes one multiply-add, also
+        // across statements, so that a kernel whose result depends on it shows here.
+        build
+            .define("FUSED_KERNELS_EMULATOR_CONTRACT", None)
+            .flag("-ffp-contract=fast");
+        if std::env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64") {
+            build.flag("-mfma");
+        }
+    } else {
+        // No fused multiply-adds the CPU reference does not make (g++ contracts by default on
+        // targets with FMA, e.g. aarch64): results then differ from the CPU only by order.
+        build.flag_if_supported("-ffp-contract=off");
+    }
     let compiler = build.get_compiler();
 
     let mut owner: BTreeMap<String, PathBuf> = BTreeMap::new();

@@ -7,6 +7,7 @@ mod builder;
 mod checkpointing;
 mod collectives;
 mod logging;
+mod parameter_check;
 mod prepare;
 
 use std::sync::Arc;

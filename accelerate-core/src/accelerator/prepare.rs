@@ -163,43 +163,19 @@ impl Accelerator {
                     ),
             )
             .collect();
-        let key = |r: usize| match model {
-            0 => format!("accelerate/parameters/{r}"),
-            m => format!("accelerate/parameters/model_{m}/{r}"),
+        let base = match model {
+            0 => "accelerate/parameters".to_string(),
+            m => format!("accelerate/parameters/model_{m}"),
         };
-        store.set(&key(self.state.rank), signature.as_bytes())?;
         let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
-        let reference = String::from_utf8_lossy(&store.get(&key(0), timeout)?).into_owned();
-        for r in 1..self.state.world_size {
-            let theirs = String::from_utf8_lossy(&store.get(&key(r), timeout)?).into_owned();
-            if theirs != reference {
-                let ours_lines: Vec<&str> = reference.lines().collect();
-                let their_lines: Vec<&str> = theirs.lines().collect();
-                let first = (0..ours_lines.len().max(their_lines.len()))
-                    .find(|&i| ours_lines.get(i) != their_lines.get(i))
-                    .unwrap_or(0);
-                if first == 0 {
-                    return Err(Error::Config(format!(
-                        "rank {r} is configured differently from rank 0: rank 0 has {:?}, rank \
-                         {r} has {:?}; give every rank the same ACCELERATE_BUCKET_CAP_MB, \
-                         ACCELERATE_MIXED_PRECISION, ACCELERATE_OVERLAP_GRADIENT_REDUCTION, \
-                         ACCELERATE_ZERO_STAGE and builder options",
-                        ours_lines.first().unwrap_or(&"nothing"),
-                        their_lines.first().unwrap_or(&"nothing")
-                    )));
-                }
-                return Err(Error::Parameters(format!(
-                    "rank {r} has different parameters than rank 0 (first difference: rank 0 has \
-                     {:?}, rank {r} has {:?}; {} vs {} parameters); every rank must build the \
-                     same model",
-                    ours_lines.get(first).unwrap_or(&"nothing"),
-                    their_lines.get(first).unwrap_or(&"nothing"),
-                    ours_lines.len() - 1,
-                    their_lines.len() - 1
-                )));
-            }
-        }
-        Ok(())
+        super::parameter_check::check_same_signature_everywhere(
+            store.as_ref(),
+            &base,
+            self.state.rank,
+            self.state.world_size,
+            &signature,
+            timeout,
+        )
     }
 
     /// Wraps an optimizer so that it steps only when gradients sync. Its parameters must be the

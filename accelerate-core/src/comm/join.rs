@@ -19,6 +19,7 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use super::cpu::{CpuCommOptions, CpuCommunicator};
+use super::keys::{KeySpace, PrefixStore, MEMBERSHIP};
 use super::liveness::Liveness;
 use super::store::{RedialingClient, Store, StoreServer, TcpStoreClient};
 use super::{Communicator, LocalCommunicator};
@@ -29,7 +30,9 @@ use crate::state::{Launcher, ProcessState};
 pub struct Membership {
     /// The communicator of this process.
     pub comm: Box<dyn Communicator>,
-    /// The store client (none for a single process).
+    /// The store, seen through this membership's own namespace of keys (none for a single
+    /// process): what the accelerator agrees on there (parameter signatures, loader settings)
+    /// cannot meet the keys an earlier accelerator on the same store left.
     pub store: Option<Arc<dyn Store>>,
     /// The store this process hosts (rank 0 without our launcher), kept alive for the job.
     pub hosted: Option<StoreServer>,
@@ -111,6 +114,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     )?;
     options.liveness = Some(liveness);
     let store: Arc<dyn Store> = Arc::new(client);
+    let keys = KeySpace::next(store.as_ref(), MEMBERSHIP, state.rank)?;
     let comm: Box<dyn Communicator> = if device.is_cpu() {
         Box::new(CpuCommunicator::connect(
             store.as_ref(),
@@ -123,7 +127,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     };
     Ok(Membership {
         comm,
-        store: Some(store),
+        store: Some(Arc::new(PrefixStore::new(store, keys))),
         hosted,
     })
 }
@@ -178,4 +182,57 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
             value: host.into(),
             problem: "resolves to no address".into(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_second_accelerator_on_the_same_store_never_reads_the_first_ones_keys() {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t".into(), 0).unwrap();
+        let port = server.local_addr().port();
+        // What a finished `prepare` leaves: its verdict, which a later one must not take for its
+        // own (rank 1 would pass a check rank 0 is still making).
+        let verdict = "accelerate/parameters/verdict";
+        let set = std::sync::Barrier::new(2);
+        let reads: Vec<Result<Vec<u8>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let set = &set;
+                    scope.spawn(move || {
+                        let state = ProcessState {
+                            rank,
+                            world_size: 2,
+                            local_rank: rank,
+                            local_world_size: 2,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            job_token: "t".into(),
+                            restart_count: 0,
+                            launcher: Launcher::Accelerate,
+                        };
+                        let first = join(&state, &Device::Cpu).unwrap();
+                        if rank == 0 {
+                            first.store.as_ref().unwrap().set(verdict, b"=").unwrap();
+                        }
+                        set.wait();
+                        drop(first);
+                        let second = join(&state, &Device::Cpu).unwrap();
+                        let read = second.store.as_ref().unwrap().get(verdict, Duration::ZERO);
+                        read
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, read) in reads.iter().enumerate() {
+            assert!(
+                read.is_err(),
+                "rank {rank} of the second accelerator read the first one's {verdict}: {read:?}"
+            );
+        }
+    }
 }

@@ -13,6 +13,7 @@ pub(crate) mod agreement;
 pub(crate) mod contract;
 pub mod cpu;
 pub mod join;
+pub(crate) mod keys;
 pub mod liveness;
 mod local;
 #[cfg(feature = "nccl")]

@@ -2,7 +2,9 @@
 //!
 //! - **Rendezvous.** Rank 0 creates NCCL's unique id and publishes its 128 bytes in the store; the
 //!   others read it, and every rank announces itself, so that a rank that never arrives is a timeout
-//!   naming it instead of `ncclCommInitRank` blocking forever.
+//!   naming it instead of `ncclCommInitRank` blocking forever. Each communicator's keys lie in a
+//!   namespace of its own (`comm::keys`), as the CPU communicator's do: a second communicator on
+//!   the same store never reads the first one's unique id.
 //! - **Ordering.** The communicator is bound to the stream candle computes on
 //!   (`CudaDevice::cuda_stream`, the per-thread default stream of the training thread), so a
 //!   collective runs after the backward pass that produced its gradients and before the optimizer
@@ -36,6 +38,7 @@ use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2
 
 use super::agreement::{self, Collective, Signature};
 use super::contract::{check_dtype, check_in_place, check_into_output, IntoOutput};
+use super::keys::NcclKeys;
 use super::liveness::{Liveness, Patience, Verdict};
 use super::staging;
 use super::store::Store;
@@ -77,9 +80,6 @@ fn settle_nccl_environment() -> Result<()> {
     }
 }
 
-/// Store key under which rank 0 publishes NCCL's unique id.
-const ID_KEY: &str = "accelerate/nccl/unique_id";
-
 /// A communicator over NCCL for ranks that each own one GPU.
 pub struct NcclCommunicator {
     comm: Comm,
@@ -87,6 +87,9 @@ pub struct NcclCommunicator {
     stream: Arc<CudaStream>,
     /// The rendezvous store: the ranks meet there once more before NCCL is closed.
     store: Arc<dyn Store>,
+    /// This communicator's keys in the store (a second communicator on the same store has its
+    /// own: it must never read this one's unique id or arrivals).
+    keys: NcclKeys,
     /// The limit of every wait on another rank.
     timeout: Duration,
     rank: usize,
@@ -112,7 +115,10 @@ impl Drop for NcclCommunicator {
             // means every peer's kernels ran far enough to send it all they had, so its own last
             // sends reach them within milliseconds, however busy their hosts still are.
             let limit = self.timeout.min(FINISH_WAIT);
-            if let Err(e) = self.store.barrier(FINISHED_BARRIER, self.world_size, limit) {
+            if let Err(e) = self
+                .store
+                .barrier(&self.keys.finished(), self.world_size, limit)
+            {
                 tracing::debug!(
                     "rank {}: not every rank finished its NCCL work within {limit:?} ({e}); \
                      closing NCCL anyway",
@@ -124,9 +130,8 @@ impl Drop for NcclCommunicator {
     }
 }
 
-/// The store barrier every rank passes, its stream synchronized, before NCCL is closed.
-const FINISHED_BARRIER: &str = "accelerate/nccl/finished";
-/// The longest wait at that barrier.
+/// The longest wait at the barrier every rank passes, its stream synchronized, before NCCL is
+/// closed.
 const FINISH_WAIT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for NcclCommunicator {
@@ -167,17 +172,20 @@ impl NcclCommunicator {
         })?;
         let stream = cuda.cuda_stream();
         settle_nccl_environment()?;
+        let keys = NcclKeys::next(store.as_ref(), rank)?;
         let id = if rank == 0 {
             let id = Id::new().map_err(nccl_error("ncclGetUniqueId", rank))?;
             let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
-            store.set(ID_KEY, &bytes)?;
+            store.set(&keys.unique_id(), &bytes)?;
             id
         } else {
-            let bytes = store.get(ID_KEY, timeout).map_err(|e| Error::Timeout {
-                what: "rank 0 to publish NCCL's unique id".into(),
-                after: timeout,
-                hint: format!("rank 0 did not reach the NCCL rendezvous ({e}); see its output"),
-            })?;
+            let bytes = store
+                .get(&keys.unique_id(), timeout)
+                .map_err(|e| Error::Timeout {
+                    what: "rank 0 to publish NCCL's unique id".into(),
+                    after: timeout,
+                    hint: format!("rank 0 did not reach the NCCL rendezvous ({e}); see its output"),
+                })?;
             let internal: [std::ffi::c_char; 128] = bytes
                 .iter()
                 .map(|&b| b as std::ffi::c_char)
@@ -193,10 +201,10 @@ impl NcclCommunicator {
         };
         // Everyone announces itself and waits for everyone: ncclCommInitRank itself would wait
         // for a missing rank without a limit.
-        store.set(&format!("accelerate/nccl/arrived/{rank}"), b"1")?;
+        store.set(&keys.arrived(rank), b"1")?;
         for peer in 0..world_size {
             store
-                .get(&format!("accelerate/nccl/arrived/{peer}"), timeout)
+                .get(&keys.arrived(peer), timeout)
                 .map_err(|_| Error::Timeout {
                     what: format!("rank {peer} to join the NCCL communicator"),
                     after: timeout,
@@ -214,6 +222,7 @@ impl NcclCommunicator {
             watchdog: Watchdog::start(rank, timeout, stream.context().clone()),
             stream,
             store,
+            keys,
             timeout,
             rank,
             world_size,

@@ -51,17 +51,18 @@ fn test(args: TestArgs) -> Result<bool, String> {
     ])
     .map_err(|e| e.to_string())?;
     let mut notes = Vec::new();
-    if let Some(file) = config_for(args.config_file, DefaultConfig::Read, "accelerate test")? {
-        merge::apply(&file, &mut launch, &|_| false);
-        if let Some(ids) = &file.gpu_ids {
-            // Single-threaded here: nothing has started yet.
-            std::env::set_var("CUDA_VISIBLE_DEVICES", ids);
+    let config_given = match config_for(args.config_file, DefaultConfig::Read, "accelerate test")? {
+        Some(file) => {
+            merge::apply(&file, &mut launch, &|_| false);
+            if let Some(ids) = &file.gpu_ids {
+                // Single-threaded here: nothing has started yet.
+                std::env::set_var("CUDA_VISIBLE_DEVICES", ids);
+            }
+            true
         }
-    } else {
-        launch.cpu = true;
-    }
+        None => false,
+    };
     // This machine only, 2 processes, f32 (an exact comparison), a free port.
-    launch.num_processes = Some(2);
     launch.num_machines = 1;
     launch.machine_rank = 0;
     launch.main_process_ip = None;
@@ -69,19 +70,31 @@ fn test(args: TestArgs) -> Result<bool, String> {
     launch.max_restarts = 0;
     launch.gradient_accumulation_steps = None;
     if launch.mixed_precision.take().is_some() {
-        notes.push("mixed precision off (an exact comparison needs f32)");
+        notes.push("mixed precision off (an exact comparison needs f32)".to_string());
     }
     let gpus = crate::gpus::visible_gpu_count();
-    if !launch.cpu && gpus > 0 {
-        if !cfg!(feature = "cuda") {
+    match choose_setup(config_given, launch.cpu, gpus, Build::this()) {
+        Setup::Cpu { why } => {
             launch.cpu = true;
-            notes.push("on the CPU: this build has no cuda feature");
-        } else if gpus == 1 {
-            // The launcher's testing switch: two ranks on one GPU, each its own NCCL host.
+            launch.num_gpus = None;
+            launch.num_processes = Some(2);
+            if let Some(why) = why {
+                eprintln!("accelerate test: testing the CPU: {why}");
+                notes.push(format!("on the CPU: {why}"));
+            }
+        }
+        Setup::Gpus {
+            num_gpus,
+            ranks_per_gpu,
+        } => {
+            launch.cpu = false;
             launch.num_processes = None;
-            launch.num_gpus = Some(1);
-            launch.ranks_per_gpu = 2;
-            notes.push("2 ranks on the one GPU");
+            launch.num_gpus = Some(num_gpus);
+            launch.ranks_per_gpu = ranks_per_gpu;
+            if ranks_per_gpu > 1 {
+                // The launcher's testing switch: two ranks on one GPU, each its own NCCL host.
+                notes.push("2 ranks on the one GPU".to_string());
+            }
         }
     }
     let status = crate::run(launch);
@@ -128,6 +141,81 @@ fn test(args: TestArgs) -> Result<bool, String> {
     Ok(pass)
 }
 
+/// What this build of `accelerate` can run on GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Build {
+    /// candle's CUDA backend (the `cuda` feature).
+    pub cuda: bool,
+    /// NCCL collectives (the `nccl` feature), which two GPU ranks need to talk.
+    pub nccl: bool,
+}
+
+impl Build {
+    /// This build.
+    pub fn this() -> Self {
+        Self {
+            cuda: cfg!(feature = "cuda"),
+            nccl: cfg!(feature = "nccl"),
+        }
+    }
+}
+
+/// Where `accelerate test` runs its 2 ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Setup {
+    /// On the CPU; `why`, where GPUs were there to test.
+    Cpu {
+        /// Why not on the visible GPUs.
+        why: Option<String>,
+    },
+    /// On `num_gpus` GPUs, `ranks_per_gpu` ranks on each.
+    Gpus {
+        /// GPUs used.
+        num_gpus: usize,
+        /// Ranks on each.
+        ranks_per_gpu: usize,
+    },
+}
+
+/// Chooses where to test: `config_given` says whether a config file was read, `cpu_asked`
+/// whether it (or the flags) asked for the CPU, `gpus` how many GPUs are visible, `build` what
+/// this program can run.
+pub fn choose_setup(config_given: bool, cpu_asked: bool, gpus: usize, build: Build) -> Setup {
+    // Without a config file Accelerate's test runs on the GPUs it sees; so does ours.
+    if (config_given && cpu_asked) || gpus == 0 {
+        return Setup::Cpu { why: None };
+    }
+    let seen = match gpus {
+        1 => "1 GPU is visible".to_string(),
+        n => format!("{n} GPUs are visible"),
+    };
+    let missing = match (build.cuda, build.nccl) {
+        (false, _) => Some("no cuda feature (candle's GPU backend)"),
+        (true, false) => Some("no nccl feature (the collectives between GPU ranks)"),
+        (true, true) => None,
+    };
+    if let Some(missing) = missing {
+        return Setup::Cpu {
+            why: Some(format!(
+                "{seen}, but this build of accelerate has {missing}; install it with \
+                 `--features nccl` to test the GPUs"
+            )),
+        };
+    }
+    if gpus == 1 {
+        // The launcher's testing switch: two ranks on the one GPU, each its own NCCL host.
+        Setup::Gpus {
+            num_gpus: 1,
+            ranks_per_gpu: 2,
+        }
+    } else {
+        Setup::Gpus {
+            num_gpus: 2,
+            ranks_per_gpu: 1,
+        }
+    }
+}
+
 /// A private temporary directory, removed on drop.
 struct TempDir {
     path: PathBuf,
@@ -160,4 +248,78 @@ fn tempfile_dir() -> Result<TempDir, String> {
         "cannot create a fresh directory in {}",
         base.display()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: Build = Build {
+        cuda: true,
+        nccl: true,
+    };
+
+    #[test]
+    fn visible_gpus_are_tested_with_nccl_as_accelerate_does() {
+        // No config file: Accelerate's test then runs on the GPUs it sees.
+        assert_eq!(
+            choose_setup(false, false, 1, FULL),
+            Setup::Gpus {
+                num_gpus: 1,
+                ranks_per_gpu: 2
+            }
+        );
+        assert_eq!(
+            choose_setup(false, false, 8, FULL),
+            Setup::Gpus {
+                num_gpus: 2,
+                ranks_per_gpu: 1
+            }
+        );
+        // A config file for GPUs likewise.
+        assert_eq!(
+            choose_setup(true, false, 2, FULL),
+            Setup::Gpus {
+                num_gpus: 2,
+                ranks_per_gpu: 1
+            }
+        );
+    }
+
+    #[test]
+    fn the_cpu_is_tested_where_asked_or_where_there_is_no_gpu_without_a_reason_to_give() {
+        assert_eq!(choose_setup(true, true, 4, FULL), Setup::Cpu { why: None });
+        assert_eq!(
+            choose_setup(false, false, 0, FULL),
+            Setup::Cpu { why: None }
+        );
+    }
+
+    #[test]
+    fn a_build_that_cannot_test_the_visible_gpus_says_so_and_why() {
+        for (build, needs) in [
+            (
+                Build {
+                    cuda: false,
+                    nccl: false,
+                },
+                "no cuda feature",
+            ),
+            (
+                Build {
+                    cuda: true,
+                    nccl: false,
+                },
+                "no nccl feature",
+            ),
+        ] {
+            let Setup::Cpu { why: Some(why) } = choose_setup(false, false, 1, build) else {
+                panic!("{build:?}: not the CPU with a reason")
+            };
+            assert!(
+                why.contains("1 GPU") && why.contains(needs) && why.contains("--features nccl"),
+                "{build:?}: {why}"
+            );
+        }
+    }
 }

@@ -230,16 +230,73 @@ fn machine_0_keeps_the_store_until_the_others_have_read_the_verdict() {
 }
 
 #[test]
-fn machine_0_waits_long_for_the_others_once_its_own_workers_succeeded() {
+fn machine_0_gives_up_on_a_machine_whose_launcher_went_silent_before_it_reported() {
     let rt = runtime();
-    let (store, mut m0, _m1) = two_machines();
+    let (store, mut m0, mut m1) = two_machines();
+    // Machine 1's launcher freezes: its connection stays open, its heartbeat stops.
+    m1.stop_heartbeat();
     m0.report_end(0, LocalEnd::Success).unwrap();
+    rt.block_on(async {
+        while !m0.hosts.contains_key(&1) {
+            m0.next_event().await;
+        }
+    });
     let reason = verdict_of_machine_0_alone(&rt, &store, &mut m0);
-    // Not the short wait that follows a failure (grace + 60 s).
     assert!(
-        reason.contains("within 1800s after machine 0's workers ended"),
+        reason.contains("machine 1 (host-b) gave no sign of life for 10s")
+            && reason.contains("before it reported the end of its workers"),
         "{reason}"
     );
+}
+
+#[test]
+fn machine_1_gives_up_on_machine_0_whose_launcher_went_silent() {
+    let rt = runtime();
+    let (_store, mut m0, mut m1) = two_machines();
+    m0.stop_heartbeat();
+    m1.report_end(0, LocalEnd::Success).unwrap();
+    let next = rt.block_on(async {
+        let mut s1 = SignalWatch::silent();
+        tokio::time::pause();
+        m1.settle(0, None, 0, GRACE, &mut s1).await
+    });
+    let Next::Exit { code: 1, reason } = next else {
+        panic!("{next:?}")
+    };
+    assert!(
+        reason.contains("machine 0's launcher gave no sign of life for 10s"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn machine_0_waits_for_a_machine_whose_workers_run_past_the_silence_limit() {
+    // Real time, a silence limit of 0.3 s: machine 1's workers finish four limits after machine
+    // 0's. Its launcher is alive all along (its heartbeat advances), so machine 0 waits for it.
+    let silence = Duration::from_millis(300);
+    let rt = runtime();
+    let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
+    let addr = store.local_addr();
+    let mut m0 = MachineLink::join(addr, TOKEN, 0, 2, "host-a", silence).unwrap();
+    let mut m1 = MachineLink::join(addr, TOKEN, 1, 2, "host-b", silence).unwrap();
+    m0.report_end(0, LocalEnd::Success).unwrap();
+    let (n0, n1) = rt.block_on(async {
+        let mut s0 = SignalWatch::silent();
+        let mut s1 = SignalWatch::silent();
+        tokio::join!(m0.settle(0, Some(&store), 0, GRACE, &mut s0), async {
+            tokio::time::sleep(4 * silence).await;
+            m1.report_end(0, LocalEnd::Success).unwrap();
+            let next = m1.settle(0, None, 0, GRACE, &mut s1).await;
+            m1.watch.disconnect(); // the launcher exits
+            next
+        })
+    });
+    let success = Next::Exit {
+        code: 0,
+        reason: String::new(),
+    };
+    assert_eq!(n0, success);
+    assert_eq!(n1, success);
 }
 
 #[test]

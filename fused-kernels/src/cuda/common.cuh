@@ -61,6 +61,11 @@ __device__ __forceinline__ float acc_log(float x) { return logf(x); }
 __device__ __forceinline__ double acc_log(double x) { return log(x); }
 __device__ __forceinline__ float acc_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double acc_sqrt(double x) { return sqrt(x); }
+// A product nvcc never fuses into a neighbouring addition (it contracts `a * b + c` into one
+// multiply-add by default): for a product used in two places whose uses must agree to the bit,
+// e.g. a value and the mean it is compared with.
+__device__ __forceinline__ float acc_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double acc_mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ float acc_nan(float) { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ double acc_nan(double) { return __longlong_as_double(0x7ff8000000000000ULL); }
 __device__ __forceinline__ float acc_neg_inf(float) { return __int_as_float(0xff800000); }

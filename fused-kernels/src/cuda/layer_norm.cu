@@ -60,10 +60,13 @@ __device__ void layer_norm_backward(const T* __restrict__ x, const T* __restrict
     T* dxr = dx + r * d;
     A mean, rstd;
     moments(xr, d, eps, &mean, &rstd);
+    // ĝ = dy · w is rounded alike in both loops (never fused into the sum or the difference
+    // after it): over one element, ĝ − mean(ĝ) is then exactly 0, as in exact arithmetic and
+    // on the CPU, where a fused product would leave its rounding error times rstd.
     A sg = 0, sgx = 0;
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
       const A xhat = (to_acc(xr[j]) - mean) * rstd;
-      const A ghat = to_acc(gr[j]) * to_acc(w[j]);
+      const A ghat = acc_mul_rn(to_acc(gr[j]), to_acc(w[j]));
       sg += ghat;
       sgx += ghat * xhat;
     }
@@ -72,7 +75,7 @@ __device__ void layer_norm_backward(const T* __restrict__ x, const T* __restrict
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
       const A xhat = (to_acc(xr[j]) - mean) * rstd;
       const A g = to_acc(gr[j]);
-      const A ghat = g * to_acc(w[j]);
+      const A ghat = acc_mul_rn(g, to_acc(w[j]));
       dxr[j] = from_acc<T>(rstd * (ghat - mean_g - xhat * mean_gx) +
                               (dres ? to_acc(dres[r * d + j]) : A(0)));
       pw[j] += g * xhat;

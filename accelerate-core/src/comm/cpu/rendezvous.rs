@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::options::CpuCommOptions;
 use super::transport::RingLinks;
+use crate::comm::keys::{KeySpace, CPU_COMM};
 use crate::comm::store::Store;
 use crate::error::{Error, Result};
 
@@ -62,7 +63,7 @@ pub(crate) fn connect_ring(
     let deadline = Instant::now() + options.timeout;
     let next = (rank + 1) % world_size;
     let prev = (rank + world_size - 1) % world_size;
-    let card_key = |r: usize| format!("cpu_comm/{instance}/rank{r}");
+    let card_key = |r: usize| KeySpace::of(CPU_COMM, instance).key(&format!("rank{r}"));
 
     let listener = TcpListener::bind((options.bind_ip, 0)).map_err(|source| Error::Network {
         context: format!(
@@ -151,7 +152,7 @@ pub(crate) fn connect_ring(
 /// after another on the same store must not see each other's keys: every rank counts its own
 /// communicators, and all ranks create them in the same order, so the numbers agree.
 pub(crate) fn next_instance(store: &dyn Store, rank: usize) -> Result<u64> {
-    Ok(store.add(&format!("cpu_comm/rank{rank}/instances"), 1)? as u64)
+    Ok(KeySpace::next(store, CPU_COMM, rank)?.instance())
 }
 
 fn read_card(

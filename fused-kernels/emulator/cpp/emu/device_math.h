@@ -85,13 +85,22 @@ inline float fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fsqrt_rn(float x) { return std::sqrt(x); }
 inline float __frsqrt_rn(float x) { return 1.0f / std::sqrt(x); }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
+// nvcc never fuses the `_rn` operations into a multiply-add. Under
+// FUSED_KERNELS_EMULATOR_CONTRACT (the build that contracts the rest as nvcc does) their result
+// goes through an empty asm that the compiler must take as opaque, so it cannot fuse them either.
+template <typename F> inline F emu_unfused(F x) {
+#ifdef FUSED_KERNELS_EMULATOR_CONTRACT
+  __asm__ volatile("" : "+m"(x));
+#endif
+  return x;
+}
+inline float __fadd_rn(float a, float b) { return emu_unfused(a + b); }
+inline float __fsub_rn(float a, float b) { return emu_unfused(a - b); }
+inline float __fmul_rn(float a, float b) { return emu_unfused(a * b); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return emu_unfused(a + b); }
+inline double __dmul_rn(double a, double b) { return emu_unfused(a * b); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 inline double __drcp_rn(double x) { return 1.0 / x; }
 inline double __dsqrt_rn(double x) { return std::sqrt(x); }

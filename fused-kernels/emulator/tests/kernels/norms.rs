@@ -278,3 +278,69 @@ norm_tests! {
     rms_norm_bf16: Norm::Rms, half::bf16;
     rms_norm_f16: Norm::Rms, half::f16;
 }
+
+/// LayerNorm over rows of one element: x − mean is exactly 0, so y is exactly b and the input
+/// gradient exactly 0 (the CPU kernel's result), whatever the values, in the kernel's arithmetic
+/// as in exact arithmetic: `mean(ĝ)` of one ĝ is that ĝ, and the kernel must compute ĝ = dy · w the
+/// same way both times it uses it (a multiply-add that fuses one of them, as nvcc's contraction
+/// does, leaves that product's rounding error times rstd ≈ 316).
+fn one_element_rows_are_exact<T: Dt>() {
+    let rows = 300;
+    let x = Input::<T>::random(&[rows, 1], 21, -3.0, 3.0);
+    let w = Input::<T>::random(&[1], 22, 0.5, 1.5);
+    let b = Input::<T>::random(&[1], 23, -0.5, 0.5);
+    let dy = Input::<T>::random(&[rows, 1], 24, -1.0, 1.0);
+    let what = format!("layer_norm over [{rows}, 1] in {}", T::SUFFIX);
+    let got = in_both_orders(&what, |order| {
+        let (xb, wb, bb, gb) = (x.buffer(), w.buffer(), b.buffer(), dy.buffer());
+        let mut yb = Buffer::<T>::poisoned(rows).unwrap();
+        run(
+            &name::<T>("layer_norm"),
+            fused::rows_config(rows, 1),
+            &[
+                Arg::ptr(&xb),
+                Arg::ptr(&wb),
+                Arg::ptr(&bb),
+                Arg::ptr_mut(&mut yb),
+                Arg::U64(rows as u64),
+                Arg::U64(1),
+                Arg::F64(EPS),
+            ],
+            order,
+        );
+        let blocks = fused::partial_blocks(rows, 2);
+        let mut dx = Buffer::<T>::poisoned(rows + 2).unwrap();
+        let mut partial = Buffer::<T::Acc>::poisoned(blocks * 2).unwrap();
+        run(
+            &name::<T>("layer_norm_backward"),
+            fused::blocks_over_rows(blocks, 1),
+            &[
+                Arg::ptr(&xb),
+                Arg::ptr(&wb),
+                Arg::ptr(&gb),
+                Arg::ptr_mut(&mut dx),
+                Arg::ptr_mut(&mut partial),
+                Arg::U64(rows as u64),
+                Arg::U64(1),
+                Arg::F64(EPS),
+            ],
+            order,
+        );
+        vec![read(&yb), read(&dx)[..rows].to_vec()]
+    });
+    let bias = b.f64s()[0];
+    for (r, y) in got[0].iter().enumerate() {
+        assert_eq!(*y, bias, "{what}: y[{r}] is not b");
+    }
+    for (r, dx) in got[1].iter().enumerate() {
+        assert_eq!(*dx, 0.0, "{what}: dx[{r}] is not 0");
+    }
+}
+
+#[test]
+fn layer_norm_over_one_element_is_b_with_a_zero_input_gradient_exactly() {
+    one_element_rows_are_exact::<f32>();
+    one_element_rows_are_exact::<f64>();
+    one_element_rows_are_exact::<half::bf16>();
+    one_element_rows_are_exact::<half::f16>();
+}

@@ -27,6 +27,7 @@ use super::process::{self, HostIdentity};
 use super::region::{self, Layout, Region};
 use super::session::ShmLinks;
 use crate::comm::cpu::options::{CpuCommOptions, TransportChoice};
+use crate::comm::keys::{KeySpace, CPU_COMM};
 use crate::comm::store::Store;
 use crate::env::CPU_TRANSPORT;
 use crate::error::{Error, Result};
@@ -84,7 +85,7 @@ pub(crate) fn join(
     options: &CpuCommOptions,
 ) -> Result<Joined> {
     let deadline = Instant::now() + options.timeout;
-    let key = |name: &str| format!("cpu_comm/{instance}/{name}");
+    let key = |name: &str| KeySpace::of(CPU_COMM, instance).key(name);
     let card = HostCard {
         choice: options.transport,
         world_size: world_size as u64,
@@ -194,7 +195,7 @@ pub(crate) fn confirm_tcp(
         return Ok(());
     }
     let deadline = Instant::now() + options.timeout;
-    let key = format!("cpu_comm/{instance}/plan");
+    let key = KeySpace::of(CPU_COMM, instance).key("plan");
     match read(store, &key, 0, rank, deadline, options)? {
         Plan::Tcp(_) => Ok(()),
         Plan::Refuse(reason) => Err(Error::Config(reason)),
