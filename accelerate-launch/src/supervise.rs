@@ -18,6 +18,7 @@ use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -369,33 +370,71 @@ async fn sleep_until(deadline: Option<Instant>) {
 /// The process groups of one attempt's workers: each worker leads one, whose id is its pid.
 #[derive(Debug, Default)]
 struct ProcessGroups {
-    /// Group id, and whether its worker has exited (and been reaped).
-    groups: Vec<(u32, bool)>,
+    /// The groups the workers lead, in the order they started.
+    groups: Vec<Group>,
+}
+
+/// One worker's process group.
+#[derive(Debug)]
+struct Group {
+    /// The group id: the worker's pid.
+    pid: u32,
+    /// Whether the worker has exited (and been reaped).
+    exited: bool,
+    /// Whether the group was seen empty after its worker exited. Its id is then free for the
+    /// kernel to hand out again (to a process that starts a session of its own), so it is never
+    /// signalled again.
+    gone: AtomicBool,
+}
+
+impl Group {
+    /// Whether the group has no process left (checked only once its worker has exited, and
+    /// remembered: an empty group never fills again under the same id).
+    fn is_gone(&self) -> bool {
+        if self.exited && !self.gone.load(Ordering::Relaxed) {
+            // SAFETY: a plain syscall; signal 0 only checks that some process is in the group.
+            let empty = unsafe { libc::kill(-(self.pid as i32), 0) } != 0
+                && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+            self.gone.store(empty, Ordering::Relaxed);
+        }
+        self.gone.load(Ordering::Relaxed)
+    }
 }
 
 impl ProcessGroups {
     fn add(&mut self, pid: u32) {
         if pid != 0 {
-            self.groups.push((pid, false));
+            self.groups.push(Group {
+                pid,
+                exited: false,
+                gone: AtomicBool::new(false),
+            });
         }
     }
 
     /// Notes that the worker leading group `pid` has exited: its group lives on as long as a
-    /// process it started does.
+    /// process it started does (looked at now: a group already empty is gone for good).
     fn exited(&mut self, pid: u32) {
-        if let Some(group) = self.groups.iter_mut().find(|(g, _)| *g == pid) {
-            group.1 = true;
+        if let Some(group) = self.groups.iter_mut().find(|g| g.pid == pid) {
+            group.exited = true;
+            group.is_gone();
         }
     }
 
     /// Sends `sig` to every group, those of exited workers included.
     fn signal(&self, sig: i32) {
-        for &(pid, exited) in &self.groups {
+        for group in &self.groups {
+            if group.is_gone() {
+                continue;
+            }
+            let (pid, exited) = (group.pid, group.exited);
             // SAFETY: plain syscalls on the groups this launcher's workers lead.
             unsafe {
                 // A live worker that could not lead its own group still gets the signal. An
-                // exited worker's pid may have been reused: only its group is signalled (the
-                // kernel does not hand out a pid still in use as a group id).
+                // exited worker's pid may have been reused: only its group is signalled, while
+                // it has members (the kernel does not hand out a pid still in use as a group
+                // id, and the members are this launcher's descendants, kept as zombies until it
+                // reaps them, so the group cannot empty unseen).
                 if libc::kill(-(pid as i32), sig) != 0 && !exited {
                     libc::kill(pid as i32, sig);
                 }
@@ -408,15 +447,18 @@ impl ProcessGroups {
     /// the reaping cannot take a worker's exit status from its own waiter.
     fn any_left(&self) -> bool {
         let mut left = false;
-        for &(pid, _) in &self.groups {
-            let group = -(pid as i32);
+        for group in &self.groups {
+            if group.gone.load(Ordering::Relaxed) {
+                continue;
+            }
             // SAFETY: plain syscalls; `status` is a local the kernel writes.
             unsafe {
                 let mut status = 0;
-                while libc::waitpid(group, &mut status, libc::WNOHANG) > 0 {}
-                if libc::kill(group, 0) == 0 {
-                    left = true;
-                }
+                while libc::waitpid(-(group.pid as i32), &mut status, libc::WNOHANG) > 0 {}
+            }
+            if !group.is_gone() {
+                // SAFETY: a plain syscall; signal 0 only checks.
+                left |= unsafe { libc::kill(-(group.pid as i32), 0) } == 0;
             }
         }
         left
@@ -438,7 +480,7 @@ impl ProcessGroups {
                 eprintln!(
                     "accelerate-launch: warning: processes the workers started are still in their \
                      process groups {:?} {LEFTOVER_KILL_WAIT:?} after SIGKILL",
-                    self.groups.iter().map(|(g, _)| *g).collect::<Vec<_>>()
+                    self.groups.iter().map(|g| g.pid).collect::<Vec<_>>()
                 );
                 return;
             }
@@ -515,5 +557,58 @@ async fn forward(
             let _ = out.write_all(&line);
             let _ = out.flush();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// A `sleep` in process group `group` (0: a group of its own).
+    fn sleep_in(group: i32) -> std::process::Child {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(group)
+            .spawn()
+            .unwrap()
+    }
+
+    /// A group seen empty after its worker exited is gone for good: its id may be handed out
+    /// again, so it is never signalled again; a group whose worker left a process behind is not
+    /// gone until that process is.
+    #[test]
+    fn an_exited_workers_group_is_gone_once_seen_empty() {
+        let mut groups = ProcessGroups::default();
+        // A worker that exited alone.
+        let mut alone = sleep_in(0);
+        let empty = alone.id();
+        alone.kill().unwrap();
+        alone.wait().unwrap();
+        groups.add(empty);
+        groups.exited(empty);
+        assert!(groups.groups[0].is_gone(), "an empty group is gone");
+
+        // A worker that left a process in its group (this test's child, so that it is reaped
+        // here, whatever init does).
+        let mut leader = sleep_in(0);
+        let left = leader.id();
+        let mut member = sleep_in(left as i32);
+        leader.kill().unwrap();
+        leader.wait().unwrap();
+        groups.add(left);
+        groups.exited(left);
+        assert!(
+            !groups.groups[1].is_gone(),
+            "its member is still in the group"
+        );
+        assert!(groups.any_left());
+        groups.signal(libc::SIGKILL);
+        // `any_left` may reap the member itself.
+        let _ = member.wait();
+        assert!(!groups.any_left());
+        assert!(groups.groups[1].is_gone());
+        // Once gone, a group stays gone (it is not looked at again).
+        assert!(groups.groups.iter().all(|g| g.gone.load(Ordering::Relaxed)));
     }
 }

@@ -150,7 +150,10 @@ fn without_a_token_file(e: Error) -> Error {
     match e {
         Error::Config(_) => e, // already says what to do
         other => Error::Config(format!(
-            "{other}: with no {JOB_TOKEN}, a job on one machine keeps its token in a file there;              set {JOB_TOKEN} to the same random string for every rank (e.g. `export              {JOB_TOKEN}=$(openssl rand -hex 16)`) to do without it"
+            "{other}: with no {JOB_TOKEN}, a job on one machine keeps its token in a file there \
+             (every rank must see the same $XDG_RUNTIME_DIR or temporary folder: not so for ranks \
+             in containers with private /tmp folders); set {JOB_TOKEN} to the same random string \
+             for every rank (e.g. `export {JOB_TOKEN}=$(openssl rand -hex 16)`) to do without it"
         )),
     }
 }
