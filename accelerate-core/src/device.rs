@@ -4,7 +4,7 @@ use candle_core::Device;
 
 use crate::env;
 use crate::error::{Error, Result};
-use crate::state::ProcessState;
+use crate::process::ProcessState;
 
 /// The index of this process's GPU among the visible ones: `gpu_index` (the value of
 /// [`env::GPU_INDEX`]) when given, else `local_rank`.

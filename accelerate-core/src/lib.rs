@@ -89,7 +89,6 @@
 #![warn(missing_docs)]
 
 mod accelerator;
-mod accumulate;
 mod checkpoint;
 mod comm;
 mod cpu_slices;
@@ -116,22 +115,22 @@ mod model;
 mod no_sync;
 pub mod optim;
 mod prepared;
+mod process;
 mod rng;
 // Used by the CUDA kernels; built without `cuda` too, so that its fallback logic is tested on any
 // machine.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod runtime_kernels;
-mod state;
 mod sync;
 mod threads;
 mod tracking;
 mod training;
+mod window;
 mod zero;
 
 pub use accelerator::{
     Accelerator, AcceleratorBuilder, Prepare, DEFAULT_OVERLAP_GRADIENT_REDUCTION,
 };
-pub use accumulate::MicroStep;
 pub use checkpoint::{
     check_no_newer_checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints,
     prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
@@ -154,10 +153,11 @@ pub use mixed_precision::{
 pub use model::{Model, PreparedModel};
 pub use no_sync::NoSync;
 pub use prepared::{PreparedOptimizer, PreparedScheduler};
+pub use process::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
 pub use rng::{RankRng, RngState};
-pub use state::{Launcher, ProcessState, DEFAULT_MASTER_PORT};
 pub use sync::GradientSyncStats;
 pub use tracking::{
     parse_report_to, TrackerErrors, TrackerKind, CURVES_PNG, DEFAULT_LOGGING_DIR, EVAL_ACCURACY,
     EVAL_LOSS, TRAIN_GRAD_NORM, TRAIN_LEARNING_RATE, TRAIN_LOSS,
 };
+pub use window::MicroStep;

@@ -2,7 +2,7 @@
 //!
 //! It only counts live guards in the training state, which decides with that count whether a
 //! micro-step syncs (`training.rs`); it is its own module so that the accumulation counters
-//! (`accumulate.rs`), which the training state uses, do not depend on the training state back.
+//! (`window.rs`), which the training state uses, do not depend on the training state back.
 
 use std::sync::Arc;
 

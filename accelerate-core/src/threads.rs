@@ -29,7 +29,7 @@
 
 use std::sync::Once;
 
-use crate::state::{Launcher, ProcessState};
+use crate::process::{Launcher, ProcessState};
 
 /// Where a thread count came from, for the log line.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use candle_core::{DType, Tensor, Var};
 
-use crate::accumulate::{Accumulation, AccumulationCounters, MicroStep};
 use crate::comm::Communicator;
 use crate::data::PreparedLoaders;
 use crate::error::{Error, Result};
@@ -34,6 +33,7 @@ use crate::mixed_precision::{
 };
 use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
 use crate::sync::GradientSync;
+use crate::window::{Accumulation, AccumulationCounters, MicroStep};
 use crate::zero::{ShardPlan, ZeroConfig, ZeroState};
 
 /// A prepared optimizer as the training state keeps it, to save and restore its state.

@@ -5,18 +5,18 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 
 use super::Accelerator;
-use crate::accumulate::Accumulation;
 use crate::comm::join::join;
 use crate::data::PreparedLoaders;
 use crate::env;
 use crate::error::Result;
 use crate::grads::DEFAULT_BUCKET_CAP_BYTES;
 use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionState};
+use crate::process::ProcessState;
 use crate::rng::RankRng;
-use crate::state::ProcessState;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
 use crate::tracking::{TrackerErrors, TrackerKind, Trackers};
 use crate::training::TrainingState;
+use crate::window::Accumulation;
 use crate::zero::ZeroConfig;
 
 /// Configures an [`Accelerator`].

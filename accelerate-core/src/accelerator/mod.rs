@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 
-use crate::accumulate::MicroStep;
 use crate::checkpoint::SharedCustomState;
 use crate::comm::store::{Store, StoreServer};
 use crate::comm::{CommStats, Communicator, ReduceOp};
@@ -22,11 +21,12 @@ use crate::data::PreparedLoaders;
 use crate::error::Result;
 use crate::mixed_precision::{LossScalerConfig, MixedPrecision};
 use crate::model::PreparedModel;
+use crate::process::ProcessState;
 use crate::rng::RankRng;
-use crate::state::ProcessState;
 use crate::sync::{GradientSync, GradientSyncStats};
 use crate::tracking::Trackers;
 use crate::training::TrainingState;
+use crate::window::MicroStep;
 
 pub use crate::sync::DEFAULT_OVERLAP_GRADIENT_REDUCTION;
 pub use builder::AcceleratorBuilder;

@@ -7,7 +7,6 @@ use candle_core::Var;
 use candle_nn::VarMap;
 
 use super::Accelerator;
-use crate::accumulate::Accumulation;
 use crate::data::{DataLoader, Dataset, IterableDataset, StreamingLoader};
 use crate::error::{Error, Result};
 use crate::grads::sorted_named_vars;
@@ -16,6 +15,7 @@ use crate::model::{Model, PreparedModel};
 use crate::optim::{LrScheduler, Optimizer};
 use crate::prepared::{PreparedOptimizer, PreparedScheduler};
 use crate::training::TrainingState;
+use crate::window::Accumulation;
 
 /// Something [`Accelerator::prepare`] can wrap.
 pub trait Prepare {

@@ -19,11 +19,11 @@ use super::reshard::{self, SavedTensors};
 use super::save::{is_complete, log_recovery};
 use super::staging;
 use super::{custom_file, TrainingView};
-use crate::accumulate::AccumulationCounters;
 use crate::error::{Error, Result};
 use crate::mixed_precision::LossScalerState;
 use crate::optim::{OptimizerState, SchedulerState};
 use crate::training::{TrainingSnapshot, TrainingState};
+use crate::window::AccumulationCounters;
 
 fn problem(path: &Path, problem: impl Into<String>) -> Error {
     Error::Checkpoint {

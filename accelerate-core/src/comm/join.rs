@@ -24,7 +24,7 @@ use super::liveness::Liveness;
 use super::store::{RedialingClient, Store, StoreServer, TcpStoreClient};
 use super::{Communicator, LocalCommunicator};
 use crate::error::{Error, Result};
-use crate::state::{Launcher, ProcessState};
+use crate::process::{Launcher, ProcessState};
 
 /// What joining produced.
 pub struct Membership {

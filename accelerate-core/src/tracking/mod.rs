@@ -24,7 +24,7 @@ mod tensorboard;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::state::ProcessState;
+use crate::process::ProcessState;
 
 pub use kind::{parse_report_to, TrackerKind};
 

@@ -21,7 +21,7 @@ use super::token_file::{self, PrivateDir, TokenFile};
 use super::StoreServer;
 use crate::env::{ALLOW_OPEN_STORE, JOB_TOKEN};
 use crate::error::{Error, Result};
-use crate::state::ProcessState;
+use crate::process::ProcessState;
 
 /// How the store of a job that no `accelerate-launch` started is protected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,7 +232,7 @@ pub(crate) fn job_token(
 mod tests {
     use super::*;
     use crate::comm::store::{Store, TcpStoreClient};
-    use crate::state::Launcher;
+    use crate::process::Launcher;
 
     /// Rank 0 of a torchrun job of `world` processes, `local` of them on this machine.
     fn rank0(world: usize, local: usize, token: &str) -> ProcessState {

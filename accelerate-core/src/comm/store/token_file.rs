@@ -27,7 +27,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::state::Launcher;
+use crate::process::Launcher;
 
 /// The name of the folder under `XDG_RUNTIME_DIR`; under the temp folder the user id follows it.
 const FOLDER: &str = "accelerate-rs";
