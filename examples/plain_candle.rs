@@ -1,4 +1,4 @@
-//! The first of the three levels of the same training job (README, "Three levels"): the `mlp`
+//! The first of the three levels of the same training job (docs/src/accumulation.md): the `mlp`
 //! workload in plain candle, one process, gradient accumulation by hand. `mlp --no-shuffle` is
 //! the same job through the Accelerator loop, `trainer` through the Trainer.
 //!

@@ -8,7 +8,7 @@
 #   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests:
 #                                tests/gpu.rs, the integration suite, fused-kernels' and
 #                                accelerate-core's; the launcher) against a stub libcuda; copy them
-#                                to a GPU machine and run them there (see README, "GPU tests")
+#                                to a GPU machine and run them there (see docs/src/gpus.md, "GPU tests")
 #
 # Environment: CUDA_VENV (default target/cuda-venv) holds the wheels; CUDA_TARGET_DIR (default
 # target/cuda) keeps the CUDA build apart from the CPU one; CUDA_COMPUTE_CAP (default 90, Hopper);

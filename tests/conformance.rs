@@ -80,7 +80,7 @@ fn shared_memory_keeps_the_contract_with_3_ranks() {
     suite_on_cpu_ranks(3, TransportChoice::Shm, || Device::Cpu);
 }
 
-const NEEDS: &str = "needs a GPU and --features nccl (README, GPU tests)";
+const NEEDS: &str = "needs a GPU and --features nccl (docs/src/gpus.md, GPU tests)";
 
 #[cfg(feature = "nccl")]
 fn gpu() -> Option<Device> {

@@ -3,8 +3,8 @@
 //! GPUs than the machine has say so the same way.
 //!
 //! On a GPU machine: `cargo test --release -p accelerate-tests --features nccl --test gpu`
-//! (or build with `scripts/gpu-build.sh build` elsewhere and run the binary there; README, "GPU
-//! tests").
+//! (or build with `scripts/gpu-build.sh build` elsewhere and run the binary there;
+//! docs/src/gpus.md, "GPU tests").
 //!
 //! The multi-rank tests put two NCCL ranks on one GPU with the launcher's testing switch
 //! `--num-gpus 1 --ranks-per-gpu 2` (each rank gets its own `NCCL_HOSTID`, so NCCL connects them
@@ -12,7 +12,7 @@
 
 #![cfg_attr(not(feature = "nccl"), allow(dead_code, unused_imports))]
 
-const NEEDS: &str = "needs a GPU and --features nccl (README, GPU tests)";
+const NEEDS: &str = "needs a GPU and --features nccl (docs/src/gpus.md, GPU tests)";
 
 /// One `#[test]` per GPU test body in `on_gpu`: ignored (with the reason) without the `nccl`
 /// feature, run otherwise.
@@ -21,7 +21,7 @@ macro_rules! gpu_tests {
         #[test]
         #[cfg_attr(
             not(feature = "nccl"),
-            ignore = "needs a GPU and --features nccl (README, GPU tests)"
+            ignore = "needs a GPU and --features nccl (docs/src/gpus.md, GPU tests)"
         )]
         fn $name() {
             #[cfg(feature = "nccl")]

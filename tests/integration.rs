@@ -32,7 +32,7 @@ mod gradient_checkpointing;
 mod llama;
 // The Kubernetes manifests parse, and run what the Docker image ships.
 mod kubernetes;
-// The README's three levels of one job (plain candle, Accelerator loop) give the same parameters.
+// The book's three levels of one job (plain candle, Accelerator loop) give the same parameters.
 mod levels;
 // The `lora` example: adapters over a frozen base, PEFT's files, N ranks against one process.
 mod lora;
@@ -51,7 +51,7 @@ mod overlap;
 mod security;
 // Two models with their own optimizers and accumulation, and frozen parameters.
 mod several_models;
-// srun and the README's sbatch script on a real one-node SLURM cluster, against one process.
+// srun and the book's sbatch script on a real one-node SLURM cluster, against one process.
 mod slurm;
 // Streaming data (JSONL shards) against a single-process reading of the stream.
 mod streaming;

@@ -1,4 +1,4 @@
-//! The README's three levels of one training job give the same parameters: the `mlp` workload in
+//! The book's three levels of one training job give the same parameters: the `mlp` workload in
 //! plain candle with gradient accumulation by hand (`plain_candle`, candle-nn's AdamW), and
 //! through the Accelerator loop (`mlp`, the runtime's AdamW) on one process and on two ranks.
 

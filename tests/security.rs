@@ -31,7 +31,7 @@ fn torchrun_rank(scenario: &str, rank: usize, world: usize, local: usize, port: 
         .limit(LIMIT)
 }
 
-/// Where the README says rank 0 of a one-machine job keeps the token of the store on `port`
+/// Where the book says rank 0 of a one-machine job keeps the token of the store on `port`
 /// (written out here from the documentation, not taken from the code under test).
 fn documented_token_file(port: u16) -> PathBuf {
     // This user's id: the owner of a folder it just made.
@@ -69,7 +69,7 @@ fn a_one_machine_job_without_a_token_admits_only_clients_that_hold_its_token_fil
     // A client without the token (another user of the machine cannot read the file).
     let intruder = TcpStoreClient::connect(store, "", 0, 7, wait);
     let refused = intruder.as_ref().err().map(ToString::to_string);
-    // The file is where the README says, 0600 in a 0700 folder, and its token lets a client in.
+    // The file is where the book says, 0600 in a 0700 folder, and its token lets a client in.
     let file = documented_token_file(port);
     let token = std::fs::read_to_string(&file);
     let modes = std::fs::metadata(&file).and_then(|f| {

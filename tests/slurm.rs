@@ -4,7 +4,7 @@
 //!
 //! - `srun -n 2 mlp ...`: one task per rank, the ranks reading SLURM's variables
 //!   (`SLURM_PROCID`, `SLURM_NTASKS`, ...) and rank 0 hosting the store on `MASTER_PORT`.
-//! - `sbatch scripts/slurm/train.sbatch mlp ...`: the README's batch script, one
+//! - `sbatch scripts/slurm/train.sbatch mlp ...`: the book's batch script, one
 //!   `accelerate-launch` per node starting the node's ranks.
 //!
 //! Where SLURM cannot run (packages missing, not root) each test says why (past libtest's output
@@ -159,12 +159,12 @@ fn sbatch_script_with_one_launcher_per_node_equals_one_process() {
 }
 
 #[test]
-fn the_readme_shows_the_sbatch_script_the_test_runs() {
+fn the_book_shows_the_sbatch_script_the_test_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let script = std::fs::read_to_string(root.join("scripts/slurm/train.sbatch")).unwrap();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let chapter = std::fs::read_to_string(root.join("docs/src/clusters.md")).unwrap();
     assert!(
-        readme.contains(&format!("```bash\n{}\n```", script.trim_end())),
-        "README.md's \"### SLURM\" must show scripts/slurm/train.sbatch as it is; paste it again"
+        chapter.contains(&format!("```bash\n{}\n```", script.trim_end())),
+        "docs/src/clusters.md must show scripts/slurm/train.sbatch as it is; paste it again"
     );
 }

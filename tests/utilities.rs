@@ -666,7 +666,7 @@ fn a_registered_object_of_another_type_or_corrupt_is_refused() {
 }
 
 /// The usual `best_loss = inf`, and a NaN, saved and loaded back as the floats they were (JSON
-/// would have written both as `null`, which no longer reads as an f64).
+/// would write both as `null`, which does not read back as an f64).
 #[test]
 fn non_finite_floats_in_registered_objects_survive_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();

@@ -89,6 +89,8 @@
 #![warn(missing_docs)]
 
 mod accelerator;
+#[cfg(doctest)]
+mod book;
 mod checkpoint;
 mod comm;
 mod cpu_slices;

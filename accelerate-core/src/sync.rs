@@ -22,7 +22,7 @@ use crate::grads::{GradientBucket, GradientBuffers, SyncOptions};
 use crate::zero::ZeroState;
 
 /// Whether gradient reduction overlaps bucket preparation when neither the builder nor
-/// [`crate::env::OVERLAP_GRADIENT_REDUCTION`] says. Off: with 2 ranks on 2 cores no core is idle
+/// [`crate::env::OVERLAP_GRADIENT_REDUCTION`] says. Off: with every core computing, no core is idle
 /// while a rank reduces, so overlapping only adds work.
 pub const DEFAULT_OVERLAP_GRADIENT_REDUCTION: bool = false;
 

@@ -60,6 +60,8 @@
 #![warn(missing_docs)]
 
 mod args;
+#[cfg(doctest)]
+mod book;
 mod callbacks;
 mod checkpoints;
 mod control;

@@ -1,5 +1,5 @@
 //! Floats in a result line that may not be finite. JSON has no NaN or infinity, and serde_json
-//! writes them as `null`, which reads as "not measured" (and broke the report's arithmetic)
+//! writes them as `null`, which reads as "not measured" (and cannot enter the report's arithmetic)
 //! exactly when a kernel is broken and the loss is NaN. These write such a float as the string
 //! `"NaN"`, `"inf"` or `"-inf"` instead, which `benchmarks/gpu/report.py` reads back as the float
 //! and flags.

@@ -44,6 +44,8 @@ mod add_bias;
 mod attention_block;
 mod attention_reference;
 mod block_kernels;
+#[cfg(doctest)]
+mod book;
 mod causal_softmax;
 pub mod checkpoint;
 mod cross_entropy;

@@ -41,7 +41,7 @@ impl Accelerator {
     /// restore it; each rank's [`RankRng`](crate::RankRng) (dropout masks) is saved exactly in
     /// `rng_<r>.json`. On a GPU, the device's own generator (whose position cannot be read) is reset to
     /// a seed derived from the rank's generator at every save and load, so it too continues alike.
-    /// A checkpoint written before generators were saved has no `rng_<r>.json`; it still loads, with a
+    /// A checkpoint without `rng_<r>.json` files still loads, with a
     /// warning that the generators continue from where this run's are.
     ///
     /// Every file is written into a temporary sibling directory and fsynced; the directory is then
@@ -53,7 +53,7 @@ impl Accelerator {
     /// rank writing its part) is agreed on by all ([`Accelerator::agree_across_ranks`](crate::Accelerator::agree_across_ranks)), so every rank returns the
     /// same outcome and none is left waiting.
     ///
-    /// CRC-32 (`crc32fast`, already a dependency of the tree) detects what happens to files by accident
+    /// CRC-32 (`crc32fast`) detects what happens to files by accident
     /// (truncation, bit flips, a file from another checkpoint); it is not a defence against someone
     /// forging a file, which a checkpoint directory one can write to cannot have anyway.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {

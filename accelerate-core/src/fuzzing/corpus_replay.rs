@@ -30,7 +30,7 @@ fn the_corpus_replays_without_a_panic_and_reaches_past_the_checks() {
         let dir = fuzz_dir().join("corpus").join(name);
         let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| {
             panic!(
-                "{}: {e}; run the fuzzer (README, Fuzzing) and commit its corpus",
+                "{}: {e}; run the fuzzer (docs/src/testing.md, Fuzzing) and commit its corpus",
                 dir.display()
             )
         });

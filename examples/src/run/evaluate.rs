@@ -1,4 +1,4 @@
-//! Evaluation on the held-out split (issue 15 §2): a prepared, unshuffled loader over the split;
+//! Evaluation on the held-out split: a prepared, unshuffled loader over the split;
 //! each rank computes per-sample values of its batches, and `gather_for_metrics` collects every
 //! rank's, dropping the rows of the samples repeated to complete the last round, so the totals
 //! are exactly those of the split on any number of ranks.
