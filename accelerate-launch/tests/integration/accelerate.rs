@@ -1,8 +1,6 @@
 //! The `accelerate` command from the real binary: `launch` with Accelerate's config files, `config`,
 //! `env` and `test`.
 
-mod common;
-
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -20,7 +18,7 @@ struct Output {
 /// plays no part), without the job variables a surrounding job may have set, and with `env`
 /// added. Killed after five minutes, so that a hang fails the test instead of stalling it.
 fn accelerate(hf_home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = common::accelerate();
+    let mut cmd = crate::common::accelerate();
     cmd.args(args)
         .env("HF_HOME", hf_home)
         .envs(env.iter().copied())
@@ -109,7 +107,7 @@ fn accelerate_launch_takes_the_config_file_flag_too_and_names_keys_it_ignores() 
          fsdp_config:\n  fsdp_version: 2\nwandb_project: x\n",
     )
     .unwrap();
-    let o = common::launcher()
+    let o = crate::common::launcher()
         .args([
             "--config-file",
             config.to_str().unwrap(),
@@ -280,7 +278,7 @@ fn a_python_fsdp_default_config_names_the_ways_around_it() {
     let o = accelerate(hf_home.path(), &argv, &[]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(workers(&o.stdout), [(0, 2), (1, 2)], "{}", o.stdout);
-    let o = common::launcher()
+    let o = crate::common::launcher()
         .args(run)
         .env("HF_HOME", hf_home.path())
         .stdin(Stdio::null())
@@ -372,7 +370,7 @@ fn test_runs_two_processes_and_matches_one_process() {
 #[test]
 fn test_in_a_build_without_gpu_support_on_a_gpu_machine_tests_the_cpu_and_says_why() {
     if cfg!(feature = "nccl") {
-        // This build would test the (stand-in) GPU; tests/gpu.rs runs it on a real one.
+        // This build would test the (stand-in) GPU; tests/integration/gpu.rs runs it on a real one.
         return;
     }
     use std::os::unix::fs::PermissionsExt;

@@ -3,9 +3,6 @@
 //! `accelerate_test_support::env`), so that a developer's shell inside torchrun, SLURM or MPI
 //! cannot change which ranks they start.
 
-// Each test binary uses some of these.
-#![allow(dead_code)]
-
 use std::ffi::OsStr;
 use std::process::Command;
 

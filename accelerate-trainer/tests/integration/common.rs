@@ -1,8 +1,6 @@
 //! Shared pieces of the Trainer's tests: a tiny seeded classifier, seeded data, and ranks that
 //! are threads of the test process.
 
-#![allow(dead_code)]
-
 use std::sync::Arc;
 
 use accelerate_core::data::TensorDataset;

@@ -1,9 +1,7 @@
 //! The launcher's answers to bad command lines, from the real binary.
 
-mod common;
-
+use crate::common::{command, launcher};
 use accelerate_test_support::free_port;
-use common::{command, launcher};
 
 fn launch(args: &[&str]) -> (i32, String) {
     let o = launcher()
