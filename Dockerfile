@@ -33,7 +33,7 @@ RUN cargo build --release -p accelerate-launch --features nccl \
  && cp target/release/examples/mlp target/release/examples/gpt /out/examples/ \
  && cp target/release/bench_mlp target/release/bench_allreduce /out/benchmarks/ \
  && cp target/release/accelerate-test-worker /out/ \
- && cp "$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)" /out/tests/gpu
+ && cp "$(ls -t target/release/deps/integration-* | grep -v '\.d$' | head -1)" /out/tests/integration
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
 RUN apt-get update \

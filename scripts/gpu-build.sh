@@ -6,7 +6,7 @@
 #                                (what CI runs; it turns on fused-kernels/cuda, whose build script
 #                                compiles the CUDA C of fused-kernels/src/cuda with nvcc)
 #   scripts/gpu-build.sh build   also links release binaries (examples, benchmarks, GPU tests:
-#                                tests/gpu.rs, the integration suite, fused-kernels' and
+#                                tests/integration/gpu.rs, the integration suite, fused-kernels' and
 #                                accelerate-core's; the launcher) against a stub libcuda; copy them
 #                                to a GPU machine and run them there (see docs/src/gpus.md, "GPU tests")
 #
@@ -72,7 +72,7 @@ case "$mode" in
     export RUSTFLAGS="${RUSTFLAGS:-} -L native=$links"
     cargo build --release -p accelerate-examples --features nccl --examples
     cargo build --release -p accelerate-benchmarks --features nccl --bins
-    # fused-kernels' GPU tests (tests/cuda.rs) and accelerate-core's (its lib tests: the optimizer
+    # fused-kernels' GPU tests (tests/integration/cuda.rs) and accelerate-core's (its lib tests: the optimizer
     # and gradient kernels) come with the suite's; one feature set for all three, so candle and
     # cudarc are built once.
     cargo build --release -p accelerate-tests -p fused-kernels -p accelerate-core \

@@ -1,6 +1,6 @@
 //! The conformance suite of the `Communicator` contract, written once and run against every
 //! backend: the local one, the CPU one over TCP and over shared memory (in-process, in
-//! `tests/conformance.rs`), and NCCL (in worker processes, `accelerate-test-worker conformance`).
+//! `tests/integration/conformance.rs`), and NCCL (in worker processes, `accelerate-test-worker conformance`).
 //!
 //! Every rank calls [`check_communicator`] with its communicator and the backend's device. The
 //! same checks run on tensors on the host and on that device (once when it is the host): every

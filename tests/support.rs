@@ -5,94 +5,21 @@
 use std::collections::HashMap;
 
 pub mod conformance_suite;
-mod job;
 pub mod slurm_cluster;
 
-pub use job::{summary_value, Job, JobOutput, INHERITED_JOB_ENV, INHERITED_JOB_ENV_PREFIXES};
+// The harness every crate's tests share (processes, ports, skips, the tiny model), re-exported so
+// that this crate's tests name it from one place.
+pub use accelerate_test_support::env::{INHERITED_JOB_ENV, INHERITED_JOB_ENV_PREFIXES};
+pub use accelerate_test_support::{
+    alive, built_binary, children_by_rank, free_port, free_ports, named_vars, output_text,
+    profile_dir, run_bounded, send_signal, skip, skip_unless_required, summary_value, tiny_mlp,
+    tiny_mlp_on, Job, JobOutput, TinyMlp, TINY_CLASSES, TINY_IN,
+};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_nn::{Linear, Module, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-/// Says that the running test is skipped and why, as `skipped: <test>: <reason>` on this
-/// process's standard error. Written to the stream itself, not through `eprintln!`, which libtest
-/// captures and shows only for failing tests: a skipped test passes, so its reason would never
-/// be seen. Call it, then return from the test.
-pub fn skip(reason: impl std::fmt::Display) {
-    use std::io::Write;
-    // libtest runs each test on a thread named after it.
-    let thread = std::thread::current();
-    let test = thread.name().filter(|n| *n != "main").unwrap_or("a test");
-    let _ = writeln!(std::io::stderr().lock(), "skipped: {test}: {reason}");
-}
-
-/// [`skip`], unless the variable `require` is set (to anything but empty or `0`): CI sets it where
-/// it installed what the test needs, and there the skip is a failure that says `reason`.
-pub fn skip_unless_required(require: &str, reason: impl std::fmt::Display) {
-    let required = std::env::var(require).is_ok_and(|v| !v.is_empty() && v != "0");
-    assert!(
-        !required,
-        "{require} is set, so this test may not skip: {reason}"
-    );
-    skip(reason);
-}
-
-/// Inputs of the tiny model.
-pub const TINY_IN: usize = 6;
-/// Classes of the tiny model.
-pub const TINY_CLASSES: usize = 3;
-
-/// A two-layer tanh MLP, 6 → 8 → 3.
-#[derive(Debug)]
-pub struct TinyMlp {
-    l1: Linear,
-    l2: Linear,
-}
-
-impl TinyMlp {
-    /// Logits.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.l2.forward(&self.l1.forward(x)?.tanh()?)
-    }
-}
-
-/// The tiny model with seeded weights (same seed, same weights).
-pub fn tiny_mlp(seed: u64) -> Result<(VarMap, TinyMlp)> {
-    tiny_mlp_on(seed, &Device::Cpu)
-}
-
-/// [`tiny_mlp`] with its parameters on `device` (the same values on every device).
-pub fn tiny_mlp_on(seed: u64, device: &Device) -> Result<(VarMap, TinyMlp)> {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
-    let model = TinyMlp {
-        l1: candle_nn::linear(TINY_IN, 8, vb.pp("l1"))?,
-        l2: candle_nn::linear(8, TINY_CLASSES, vb.pp("l2"))?,
-    };
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    for (_, var) in named_vars(&varmap) {
-        let v: Vec<f32> = (0..var.elem_count())
-            .map(|_| rng.random_range(-0.5f32..0.5))
-            .collect();
-        var.set(&Tensor::from_vec(v, var.dims(), device)?)?;
-    }
-    Ok((varmap, model))
-}
-
-/// The parameters of a `VarMap`, sorted by name.
-pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let mut v: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
 
 /// Seeded classification data: x `[n, 6]`, y `[n]` (u32, in 0..3).
 pub fn tiny_data(n: usize, seed: u64) -> Result<(Tensor, Tensor)> {
@@ -244,29 +171,6 @@ impl ReferenceOptimizer {
     }
 }
 
-/// The directory of the build profile the tests were built with (`target/release` or
-/// `target/debug`), where `cargo test` also puts the launcher and the examples.
-pub fn profile_dir() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test>-<hash>
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("test executable lives in target/<profile>/deps")
-        .to_path_buf()
-}
-
-/// Path of a binary built by `cargo test --workspace`, with a clear message when it is missing.
-pub fn built_binary(relative: &str) -> std::path::PathBuf {
-    let path = profile_dir().join(relative);
-    assert!(
-        path.exists(),
-        "{} is missing: run the tests with `cargo test --release --workspace`, which builds the \
-         launcher and the examples",
-        path.display()
-    );
-    path
-}
-
 /// Flags of a small `llama`-workload run (1 layer, hidden 32, rows of 16 tokens of the built-in
 /// text, seed 5) with SGD at lr 0.3, whose step is proportional to the gradient (AdamW's would
 /// hide a wrongly scaled accumulated gradient): `batch` rows per micro-batch, `steps` optimizer
@@ -368,59 +272,6 @@ pub fn small_mlp_args(
     .collect()
 }
 
-/// Runs a command to completion, killing it (and failing the test) if it takes longer than
-/// `limit`: a test must never hang.
-pub fn run_bounded(
-    cmd: &mut std::process::Command,
-    limit: std::time::Duration,
-) -> std::process::Output {
-    use std::io::Read;
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut out = child.stdout.take().expect("stdout");
-    let mut err = child.stderr.take().expect("stderr");
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let deadline = std::time::Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{cmd:?} did not finish within {limit:?}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    std::process::Output {
-        status,
-        stdout: out_reader.join().unwrap_or_default(),
-        stderr: err_reader.join().unwrap_or_default(),
-    }
-}
-
-/// A finished command's status, stdout and stderr, for assertion messages.
-pub fn output_text(o: &std::process::Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Reads every tensor of a safetensors file as flat f32 values, by name.
 pub fn load_flat(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     candle_core::safetensors::load(path, &Device::Cpu)
@@ -439,61 +290,6 @@ pub fn max_abs_diff_flat(
     a.iter()
         .flat_map(|(n, va)| va.iter().zip(&b[n]).map(|(x, y)| (x - y).abs()))
         .fold(0.0, f32::max)
-}
-
-/// Pids of a launcher's children, by the rank in their environment.
-pub fn children_by_rank(launcher_pid: u32) -> Vec<(usize, u32)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // Field 4 (after the parenthesised command) is the parent pid.
-        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
-        let ppid: u32 = after
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        if ppid != launcher_pid {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let rank = env
-            .split(|&b| b == 0)
-            .find_map(|kv| kv.strip_prefix(b"RANK="))
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
-        if let Some(rank) = rank {
-            found.push((rank, pid));
-        }
-    }
-    found
-}
-
-/// Sends `signal` (a name `kill` knows, as `TERM` or `KILL`) to process `pid`; fails the test if
-/// `kill` cannot.
-pub fn send_signal(pid: u32, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .expect("running kill");
-    assert!(status.success(), "kill -{signal} {pid} failed: {status}");
-}
-
-/// Whether process `pid` exists and is not a zombie.
-pub fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit_once(')')
-                .map(|x| x.1)
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-        .unwrap_or(false)
 }
 
 /// The per-step losses of an example's `--metrics` file (one JSON object per line).
@@ -540,40 +336,6 @@ pub fn ranks_as_threads<R: Send>(
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// A TCP port on loopback that was free a moment ago (the listener that found it is closed), for
-/// a store that a test's ranks host themselves.
-pub fn free_port() -> u16 {
-    free_ports(1)
-}
-
-/// The first of `n` consecutive loopback ports that were free a moment ago and that no other test
-/// of this process has been given: tests run in parallel threads, and two that found the same
-/// free port (or one the other's store takes at port + 1) would join each other's jobs.
-fn free_ports(n: u16) -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let first = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("binding a loopback port")
-            .local_addr()
-            .expect("a bound address")
-            .port();
-        let Some(last) = first.checked_add(n - 1) else {
-            continue;
-        };
-        let ports = first..=last;
-        let free = ports.clone().all(|p| {
-            !given.contains(&p)
-                && (p == first || std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
-        });
-        if free {
-            given.extend(ports);
-            return first;
-        }
-    }
 }
 
 /// Kills (SIGKILL) the worker of `rank` that launcher `launcher` started, as soon as `checkpoint`

@@ -36,12 +36,18 @@ PACK=${PACK:-$ROOT/target/gpu-pack/bins.tar.xz}
 log() { echo "run.sh: $*" >&2; }
 
 # The binaries the GPU machine runs: the benchmark, the launcher, and everything the GPU
-# correctness suite runs (tests/gpu.rs launches the test worker and the examples from the folder
-# above its own; fused-kernels' tests/cuda.rs; the conformance suite in the integration binary;
-# accelerate-core's lib tests, whose CUDA ones check the optimizer and gradient kernels).
+# correctness suite runs (the integration tests' gpu:: tests launch the test worker and the
+# examples from the folder above their binary's own; fused-kernels' cuda:: tests; the conformance
+# suite; accelerate-core's lib tests, whose CUDA ones check the optimizer and gradient kernels).
 BINARIES=(bench_step accelerate-launch accelerate accelerate-test-worker examples/mlp
   examples/gpt examples/llama)
-TEST_PREFIXES=(gpu integration cuda accelerate_core)
+# Test binaries, as NAME or NAME=SOURCE: the newest build of deps/NAME-<hash>. Every crate's
+# integration tests are one binary named `integration`, so SOURCE (the root file of one crate's,
+# relative to the repository) picks that crate's by the sources its dep-info file (the .d beside
+# it) names, and it is staged as deps/NAME-<SOURCE's first folder>: deps/integration-tests
+# (accelerate-tests') and deps/integration-fused-kernels.
+TEST_BINARIES=(integration=tests/integration/main.rs
+  integration=fused-kernels/tests/integration/main.rs accelerate_core)
 # accelerate-core's GPU tests (ignored without a GPU), selected by these name filters, and how
 # many of them there are: the multi-tensor conformance test of AdamW, SGD and Lion, the compute
 # copies' rounding, the gradient kernel. Fewer passing means the filters missed some.
@@ -113,15 +119,23 @@ pack() {
       missing=1
     fi
   done
-  for p in "${TEST_PREFIXES[@]}"; do
+  for t in "${TEST_BINARIES[@]}"; do
     # The newest build of each test binary (older hashes may linger); no .d files.
-    local newest
+    local p=${t%%=*} src="" newest
+    [ "$t" = "$p" ] || src=${t#*=}
     newest=$(find "$release/deps" -maxdepth 1 -type f -executable -regextype posix-extended \
-      -regex ".*/$p-[0-9a-f]{16}" -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
-    if [ -n "$newest" ]; then
+      -regex ".*/$p-[0-9a-f]{16}" -printf '%T@ %p\n' 2>/dev/null | sort -n \
+      | while read -r time path; do
+          # cargo names a workspace member's sources relative to the workspace root.
+          [ -z "$src" ] || grep -qF -e " $src" -e " $ROOT/$src" "$path.d" 2>/dev/null \
+            && echo "$time $path"
+        done | tail -1 | cut -d' ' -f2-)
+    if [ -n "$newest" ] && [ -n "$src" ]; then
+      cp "$newest" "$stage/release/deps/$p-${src%%/*}"
+    elif [ -n "$newest" ]; then
       cp "$newest" "$stage/release/deps/"
     else
-      log "pack: no $release/deps/$p-<hash> test binary"
+      log "pack: no $release/deps/$p-<hash> test binary${src:+ built from $src}"
       missing=1
     fi
   done
@@ -339,12 +353,12 @@ device() {
     step suite-timeout 1 1 "$OUT/suite.log" sleep 300
   else
     step fused-kernels-cuda 90 20 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(find "$BIN/deps" -name 'cuda-*' | head -1)" --ignored --test-threads=1
+      "$BIN/deps/integration-fused-kernels" cuda:: --ignored --test-threads=1
     step core-cuda 60 15 "$OUT/suite.log" "${ours_env[@]}" bash -c "$(core_cuda_script)"
     step gpu-suite 150 40 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(find "$BIN/deps" -name 'gpu-*' | head -1)" --test-threads=1 --nocapture
+      "$BIN/deps/integration-tests" gpu:: --test-threads=1 --nocapture
     step nccl-conformance 90 20 "$OUT/suite.log" "${ours_env[@]}" \
-      "$(find "$BIN/deps" -name 'integration-*' | head -1)" conformance:: --test-threads=1 --nocapture
+      "$BIN/deps/integration-tests" conformance:: --test-threads=1 --nocapture
   fi
 
   # (3) The matrix, one process: ours, then PyTorch eager (with torch.profiler over 2 steps).

@@ -1,4 +1,4 @@
-// Kernels that test the emulator itself (tests/kernels/emulator.rs), compiled with fused-kernels'
+// Kernels that test the emulator itself (tests/integration/emulator.rs), compiled with fused-kernels'
 // kernels by build.rs. Valid CUDA C: each does what its comment says on a GPU too.
 #include "common.cuh"
 

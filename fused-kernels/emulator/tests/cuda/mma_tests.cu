@@ -1,4 +1,4 @@
-// Kernels that test mma.cuh (tests/kernels/flash_attention.rs): one warp loads a row-major A
+// Kernels that test mma.cuh (tests/integration/flash_attention.rs): one warp loads a row-major A
 // (16×16) and B (16×8) into fragments by the PTX ISA's layout formulas (section 9.7.14.5.8,
 // written out again here from the table, independently of mma.cuh's inverse of them), adds
 // A·B to C with mma_m16n8k16 and with mma_m16n8k16_shuffled, and stores both D row-major.

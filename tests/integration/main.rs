@@ -1,11 +1,13 @@
 //! The integration tests of accelerate-rs, one test binary with a module per area (ripgrep's
 //! layout): one link instead of one per file, and one place that lists the areas. Each module
-//! compares the runtime against an independent reference; the shared pieces (the [`Job`] that
-//! starts processes, reference optimizers, a tiny model) are the `accelerate_tests` library
-//! (`support.rs`).
+//! compares the runtime against an independent reference; the shared pieces (reference
+//! optimizers, workload flags, ranks as threads) are the `accelerate_tests` library
+//! (`support.rs`), on the harness every crate's tests share (`accelerate-test-support`: the
+//! [`Job`] that starts processes without the job environment, ports, skips, the tiny model).
 //!
-//! `gpu.rs` is a binary of its own: it is copied to a GPU machine and run with
-//! `--test-threads=1` (its tests share one GPU), an option of a whole binary.
+//! The GPU tests are the module `gpu`, ignored without the `nccl` feature. On a GPU machine:
+//! `cargo test --release -p accelerate-tests --features nccl --test integration gpu:: --
+//! --test-threads=1` (the binary can be copied there; README, "GPU tests").
 //!
 //! Run one area with a filter: `cargo test --release -p accelerate-tests --test integration
 //! checkpoint::`.
@@ -26,6 +28,8 @@ mod distributed;
 mod evaluation;
 // The `gpt` example end to end.
 mod gpt;
+// On the GPU (with `nccl`): NCCL collectives, training against the CPU, restarts, the watchdog.
+mod gpu;
 // Activation checkpointing in `gpt` and `llama` against the same models without it.
 mod gradient_checkpointing;
 // The `llama` model and example against Hugging Face transformers.

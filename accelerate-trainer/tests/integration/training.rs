@@ -1,19 +1,17 @@
 //! The Trainer's loop against an Accelerator loop written out here, exact resume, checkpoints,
 //! callbacks, logging and bad input, on one process.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::common::{dataset, equivalence_args, reference_loop, tiny, values, StopAt};
 use accelerate_core::{Accelerator, TrackerKind};
 use accelerate_trainer::{
     EarlyStoppingCallback, IntervalStrategy, Metrics, ReportTo, ResumeFrom, SaveStrategy, Trainer,
     TrainerCallback, TrainerControl, TrainerState, TrainingArguments,
 };
-use common::{dataset, equivalence_args, reference_loop, tiny, values, StopAt};
 
 const SEED: u64 = 11;
 

@@ -1,10 +1,8 @@
 //! bf16/f16 inputs (computed in f32), the row-parallel paths on large tensors, and the errors for
 //! wrong shapes.
 
-mod common;
-
+use crate::common::{flat, tensor};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::{flat, tensor};
 
 /// The output and gradients of `Σ f(inputs) · r` for `inputs` cast to `dtype`.
 fn run(

@@ -2,9 +2,10 @@
 //! on a machine without a usable GPU each prints `skipped: ...` and passes; tests that need more
 //! GPUs than the machine has say so the same way.
 //!
-//! On a GPU machine: `cargo test --release -p accelerate-tests --features nccl --test gpu`
-//! (or build with `scripts/gpu-build.sh build` elsewhere and run the binary there;
-//! docs/src/gpus.md, "GPU tests").
+//! On a GPU machine: `cargo test --release -p accelerate-tests --features nccl --test integration
+//! gpu:: -- --test-threads=1` (or build with `scripts/gpu-build.sh build` elsewhere and run the
+//! binary there; docs/src/gpus.md, "GPU tests"). They take the GPU one at a time whatever the number of
+//! test threads.
 //!
 //! The multi-rank tests put two NCCL ranks on one GPU with the launcher's testing switch
 //! `--num-gpus 1 --ranks-per-gpu 2` (each rank gets its own `NCCL_HOSTID`, so NCCL connects them
@@ -25,10 +26,18 @@ macro_rules! gpu_tests {
         )]
         fn $name() {
             #[cfg(feature = "nccl")]
-            on_gpu::$name();
+            {
+                let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+                on_gpu::$name();
+            }
         }
     )*};
 }
+
+/// Held by each GPU test while it runs: their ranks would compete for the one GPU (memory, NCCL's
+/// connections) if libtest ran them side by side in this binary's threads.
+#[cfg(feature = "nccl")]
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 gpu_tests!(
     nccl_collectives_on_one_gpu_match_the_host,
@@ -395,7 +404,7 @@ mod on_gpu {
         );
     }
 
-    /// The arguments of tests/gpt.rs's small model: one layer, width 32, context 16, seed 5.
+    /// The arguments of tests/integration/gpt.rs's small model: one layer, width 32, context 16, seed 5.
     fn small_gpt_args(out: &std::path::Path, batch: usize, steps: u64) -> Vec<String> {
         [
             "--layers",
@@ -487,7 +496,7 @@ mod on_gpu {
         if !have_a_gpu() {
             return;
         }
-        // tests/checkpoint.rs's CPU test, on two NCCL ranks sharing the GPU.
+        // tests/integration/checkpoint.rs's CPU test, on two NCCL ranks sharing the GPU.
         let dir = tempfile::tempdir().unwrap();
         let args = restart_mlp_args;
         let launch = || {

@@ -2,13 +2,11 @@
 //! gives the same loss and, bit for bit, the same gradients of its input and of every parameter
 //! as the same model run plainly, with candle's ordinary `loss.backward()`.
 
-mod common;
-
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
+use crate::common::tensor;
 use candle_core::{DType, Result, Tensor, Var};
-use common::tensor;
 use fused_kernels::checkpoint::{checkpoint, checkpoint_with_random_state, RandomState};
 
 const BATCH: usize = 2;

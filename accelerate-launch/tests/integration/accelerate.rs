@@ -1,10 +1,11 @@
 //! The `accelerate` command from the real binary: `launch` with Accelerate's config files, `config`,
 //! `env` and `test`.
 
-use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::time::Duration;
+
+use accelerate_test_support::run_bounded;
 
 /// What a finished command left: exit code, stdout, stderr.
 struct Output {
@@ -17,61 +18,16 @@ struct Output {
 /// plays no part), without the job variables a surrounding job may have set, and with `env`
 /// added. Killed after five minutes, so that a hang fails the test instead of stalling it.
 fn accelerate(hf_home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate"));
+    let mut cmd = crate::common::accelerate();
     cmd.args(args)
         .env("HF_HOME", hf_home)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (name, _) in std::env::vars() {
-        if ["ACCELERATE_", "SLURM_", "TORCHELASTIC_"]
-            .iter()
-            .any(|p| name.starts_with(p))
-            || [
-                "RANK",
-                "WORLD_SIZE",
-                "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE",
-                "MASTER_ADDR",
-                "MASTER_PORT",
-            ]
-            .contains(&name.as_str())
-        {
-            cmd.env_remove(name);
-        }
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("start accelerate");
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        out.read_to_string(&mut s).ok();
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        err.read_to_string(&mut s).ok();
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill().ok();
-            child.wait().ok();
-            panic!("accelerate {args:?} ran for more than five minutes");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+        .envs(env.iter().copied())
+        .stdin(Stdio::null());
+    let o = run_bounded(&mut cmd, Duration::from_secs(300));
     Output {
-        code: status.code().unwrap_or(-1),
-        stdout: out_reader.join().unwrap(),
-        stderr: err_reader.join().unwrap(),
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
     }
 }
 
@@ -151,7 +107,7 @@ fn accelerate_launch_takes_the_config_file_flag_too_and_names_keys_it_ignores() 
          fsdp_config:\n  fsdp_version: 2\nwandb_project: x\n",
     )
     .unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+    let o = crate::common::launcher()
         .args([
             "--config-file",
             config.to_str().unwrap(),
@@ -159,7 +115,6 @@ fn accelerate_launch_takes_the_config_file_flag_too_and_names_keys_it_ignores() 
             "-c",
             PRINT_RANK,
         ])
-        .env_remove("ACCELERATE_JOB_TOKEN")
         .output()
         .unwrap();
     let (stdout, stderr) = (
@@ -323,12 +278,9 @@ fn a_python_fsdp_default_config_names_the_ways_around_it() {
     let o = accelerate(hf_home.path(), &argv, &[]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(workers(&o.stdout), [(0, 2), (1, 2)], "{}", o.stdout);
-    let o = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+    let o = crate::common::launcher()
         .args(run)
         .env("HF_HOME", hf_home.path())
-        .env_remove("ACCELERATE_JOB_TOKEN")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -418,7 +370,7 @@ fn test_runs_two_processes_and_matches_one_process() {
 #[test]
 fn test_in_a_build_without_gpu_support_on_a_gpu_machine_tests_the_cpu_and_says_why() {
     if cfg!(feature = "nccl") {
-        // This build would test the (stand-in) GPU; tests/gpu.rs runs it on a real one.
+        // This build would test the (stand-in) GPU; tests/integration/gpu.rs runs it on a real one.
         return;
     }
     use std::os::unix::fs::PermissionsExt;

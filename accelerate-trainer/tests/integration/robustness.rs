@@ -3,19 +3,17 @@
 //! `trainer_state.json`, callbacks that decide on one rank only, evaluation outputs of several
 //! shapes, and a resume on two ranks.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
+use crate::common::{
+    dataset, per_sample_loss, ranks_as_threads, ranks_as_threads_knowing_rank, tiny, values,
+    StopAt, Tiny,
+};
 use accelerate_trainer::{
     EvalPrediction, IntervalStrategy, Metrics, ModelOutput, ResumeFrom, SaveStrategy, Trainer,
     TrainerCallback, TrainerControl, TrainerModel, TrainerState, TrainingArguments,
 };
 use candle_core::Tensor;
-use common::{
-    dataset, per_sample_loss, ranks_as_threads, ranks_as_threads_knowing_rank, tiny, values,
-    StopAt, Tiny,
-};
 
 fn base(out: &Path) -> TrainingArguments {
     TrainingArguments {

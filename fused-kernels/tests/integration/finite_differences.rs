@@ -1,10 +1,8 @@
 //! Every op's gradients, for every input that takes one, against central finite differences in
 //! f64.
 
-mod common;
-
+use crate::common::{check_gradients, tensor};
 use candle_core::{DType, Device, Tensor};
-use common::{check_gradients, tensor};
 
 #[test]
 fn layer_norm() {

@@ -5,19 +5,17 @@
 //! `set_window_items` and summed losses; and its first step follows the gradient of one batch
 //! holding the whole window, the sum of the token losses over the total token count.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::common::{
+    equivalence_args, named, ranks_as_threads, reference_adamw, tiny, values, Tiny, CLASSES, INPUTS,
+};
 use accelerate_core::data::{DataLoader, TensorDataset};
 use accelerate_core::optim::{LrScheduler, Schedule};
 use accelerate_core::AcceleratorBuilder;
 use accelerate_trainer::{ModelOutput, SchedulerType, Trainer, TrainerModel, TrainingArguments};
 use candle_core::{DType, Device, Tensor};
-use common::{
-    equivalence_args, named, ranks_as_threads, reference_adamw, tiny, values, Tiny, CLASSES, INPUTS,
-};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

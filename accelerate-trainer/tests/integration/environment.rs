@@ -1,5 +1,6 @@
-//! The launcher's environment reaches the Trainer (a test binary of its own: it sets a
-//! process-wide variable that the other tests must not see).
+//! The launcher's environment reaches the Trainer. The test runs in a child process of the test
+//! binary (`rerun_with_env`): the variable it needs is process-wide, and the tests running beside
+//! it must not see it.
 
 use accelerate_core::{Accelerator, MixedPrecision};
 use accelerate_trainer::{Trainer, TrainingArguments};
@@ -8,7 +9,9 @@ use candle_core::DType;
 #[test]
 fn mixed_precision_left_unset_follows_accelerate_launch() {
     // What `accelerate-launch --mixed-precision bf16` sets for every rank.
-    std::env::set_var("ACCELERATE_MIXED_PRECISION", "bf16");
+    if !accelerate_test_support::rerun_with_env(&[("ACCELERATE_MIXED_PRECISION", "bf16")]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let args = TrainingArguments {
         output_dir: dir.path().join("out"),
@@ -22,7 +25,6 @@ fn mixed_precision_left_unset_follows_accelerate_launch() {
     .unwrap()
     .compute_dtype();
     let plain = Accelerator::builder().build().unwrap().compute_dtype();
-    std::env::remove_var("ACCELERATE_MIXED_PRECISION");
     assert_eq!((unset, plain), (DType::BF16, DType::BF16));
     // Set in the arguments, it wins, as the builder's setting does.
     assert_eq!(set, DType::F32);

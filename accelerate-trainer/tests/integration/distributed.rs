@@ -2,10 +2,8 @@
 //! written out in `common::reference_loop`, on the same 2 thread-ranks: the same parameters bit
 //! for bit.
 
-mod common;
-
+use crate::common::{dataset, equivalence_args, ranks_as_threads, reference_loop, tiny, values};
 use accelerate_trainer::Trainer;
-use common::{dataset, equivalence_args, ranks_as_threads, reference_loop, tiny, values};
 
 const SEED: u64 = 23;
 const RANKS: usize = 2;

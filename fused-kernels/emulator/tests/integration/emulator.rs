@@ -794,7 +794,7 @@ fn every_cuda_kernel_has_a_test() {
     assert!(
         untested.is_empty(),
         "kernels of fused-kernels/src/cuda without a test against the CPU in \
-         fused-kernels/emulator/tests/kernels: {untested:?} (see the emulator's README, \"Adding a \
+         fused-kernels/emulator/tests/integration: {untested:?} (see the emulator's README, \"Adding a \
          kernel's test\")"
     );
     assert_eq!(

@@ -1,31 +1,31 @@
 //! Shared pieces of the Trainer's tests: a tiny seeded classifier, seeded data, and ranks that
 //! are threads of the test process.
 
-#![allow(dead_code)]
-
 use std::sync::Arc;
 
 use accelerate_core::data::TensorDataset;
 use accelerate_core::{AcceleratorBuilder, Launcher, ProcessState};
+use accelerate_test_support::{free_ports, tiny_mlp, TinyMlp, TINY_CLASSES, TINY_IN};
 use accelerate_trainer::{ModelOutput, TrainerModel};
-use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module, VarBuilder, VarMap};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// Inputs and classes of the tiny classifier.
-pub const INPUTS: usize = 6;
-pub const CLASSES: usize = 3;
+/// Inputs and classes of the tiny classifier (the workspace's shared tiny model).
+pub const INPUTS: usize = TINY_IN;
+pub const CLASSES: usize = TINY_CLASSES;
 
-/// 6 → 8 (tanh) → 3, PyTorch names `l1.weight`, `l1.bias`, `l2.weight`, `l2.bias`.
-pub struct Tiny {
-    l1: Linear,
-    l2: Linear,
-}
+/// The parameters of a `VarMap`, sorted by name.
+pub use accelerate_test_support::named_vars as named;
+
+/// The workspace's tiny classifier (6 → 8 (tanh) → 3, PyTorch names `l1.weight`, `l1.bias`,
+/// `l2.weight`, `l2.bias`) as a [`TrainerModel`].
+pub struct Tiny(TinyMlp);
 
 impl Tiny {
     pub fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l2.forward(&self.l1.forward(x)?.tanh()?)
+        self.0.forward(x)
     }
 }
 
@@ -44,34 +44,8 @@ impl TrainerModel<(Tensor, Tensor)> for Tiny {
 
 /// The tiny model with seeded weights in U(-0.5, 0.5).
 pub fn tiny(seed: u64) -> (VarMap, Tiny) {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let model = Tiny {
-        l1: candle_nn::linear(INPUTS, 8, vb.pp("l1")).unwrap(),
-        l2: candle_nn::linear(8, CLASSES, vb.pp("l2")).unwrap(),
-    };
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    for (_, var) in named(&varmap) {
-        let v: Vec<f32> = (0..var.elem_count())
-            .map(|_| rng.random_range(-0.5f32..0.5))
-            .collect();
-        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap())
-            .unwrap();
-    }
-    (varmap, model)
-}
-
-/// The variables of a `VarMap`, sorted by name.
-pub fn named(varmap: &VarMap) -> Vec<(String, candle_core::Var)> {
-    let mut v: Vec<_> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
+    let (varmap, model) = tiny_mlp(seed).unwrap();
+    (varmap, Tiny(model))
 }
 
 /// Every parameter's values, sorted by name.
@@ -119,7 +93,8 @@ pub fn ranks_as_threads_knowing_rank<R: Send>(
     n: usize,
     f: impl Fn(usize, AcceleratorBuilder) -> R + Sync,
 ) -> Vec<R> {
-    let port = free_port_pair();
+    // The job's port and the store's, p + 1.
+    let port = free_ports(2);
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
@@ -145,31 +120,6 @@ pub fn ranks_as_threads_knowing_rank<R: Send>(
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// A loopback port p, with p + 1 (the store's), that were free a moment ago and that no other
-/// test of this process has been given: tests run in parallel threads, and two that found the
-/// same free port (or one whose store takes the other's p + 1) would join each other's jobs.
-/// (The integration tests' `free_ports` in tests/support.rs does the same for that crate.)
-fn free_port_pair() -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let free = p < u16::MAX
-            && !given.contains(&p)
-            && !given.contains(&(p + 1))
-            && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok();
-        if free {
-            given.extend([p, p + 1]);
-            return p;
-        }
-    }
 }
 
 /// The reference loops' optimizer, written out apart from the Trainer: AdamW with PyTorch's

@@ -8,15 +8,14 @@
 //! sweep (4096 blocks × 256 threads), a causal mask with fewer queries than keys, and
 //! non-contiguous inputs.
 //!
-//! Needs a GPU: `cargo test --release -p fused-kernels --features cuda --test cuda -- --ignored`
-//! (or the binary `scripts/gpu-build.sh build` leaves in `target/cuda/release/deps/cuda-*`).
+//! Needs a GPU: `cargo test --release -p fused-kernels --features cuda --test integration cuda::
+//! -- --ignored` (or the binary `scripts/gpu-build.sh build` leaves in
+//! `target/cuda/release/deps/integration-*`, the one built from fused-kernels).
 
 #![cfg(feature = "cuda")]
 
-mod common;
-
+use crate::common::{flat, tensor};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::{flat, tensor};
 
 /// The dtypes every op is checked in.
 const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
@@ -346,7 +345,7 @@ fn embedding_on(device: &Device, ids: &Tensor, table: &Tensor) -> (Vec<f64>, Vec
 /// `n` ids below `v` in which a few ids recur very often (as common tokens do): every fourth
 /// position is one of three hot ids, among them 0 and `v − 1`.
 fn skewed_ids(n: usize, v: usize, seed: u64) -> Vec<u32> {
-    common::values(n, seed)
+    crate::common::values(n, seed)
         .iter()
         .enumerate()
         .map(|(p, x)| match p % 4 {

@@ -2,10 +2,8 @@
 //! `fixtures/make_fixtures.py` into `fixtures/pytorch.safetensors` (float64; see the script for
 //! the reference function of each op). The ops run in f64 and in f32.
 
-mod common;
-
+use crate::common::flat;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::flat;
 use std::collections::HashMap;
 
 fn fixtures() -> HashMap<String, Tensor> {

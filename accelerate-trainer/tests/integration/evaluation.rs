@@ -1,13 +1,11 @@
 //! The evaluation loop on 1, 2 and 3 ranks against a single-process evaluation of the same split
 //! and weights, computed here.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
+use crate::common::{data, dataset, per_sample_loss, ranks_as_threads, tiny};
 use accelerate_trainer::{Metrics, Trainer, TrainingArguments};
 use candle_core::DType;
-use common::{data, dataset, per_sample_loss, ranks_as_threads, tiny};
 
 /// 23 samples in batches of 4: not a multiple of ranks × batch for 2 or 3 ranks, so the last
 /// round repeats samples that must not count.

@@ -1,6 +1,6 @@
 //! [`Job`]: how every integration test starts a process — the launcher, an example, the test
 //! worker or a helper program — bounded in time and without the environment of any job the
-//! tests themselves run in.
+//! tests themselves run in ([`crate::env`]).
 
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -8,36 +8,7 @@ use std::process::{Command, Output};
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::{built_binary, output_text, run_bounded};
-
-/// Variables a surrounding job (torchrun, SLURM, MPI, the launcher itself) or a developer's shell may
-/// have set that would change what a test starts: which rank it is, where its peers are. Every
-/// process a test starts runs without them (and without [`INHERITED_JOB_ENV_PREFIXES`]); a test
-/// that wants one sets it with [`Job::env`].
-pub const INHERITED_JOB_ENV: &[&str] = &[
-    // torchrun's worker environment.
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-];
-
-/// Prefixes of inherited variables removed like [`INHERITED_JOB_ENV`]: every `ACCELERATE_*`
-/// setting (rank identity, accumulation steps, mixed precision, timeouts, transport), SLURM's
-/// task layout, torchrun's elastic state, and MPI's rank layout (Open MPI's `OMPI_*`, PMI's
-/// `PMI_*` and `MPI_LOCAL*` of MPICH and Intel MPI).
-pub const INHERITED_JOB_ENV_PREFIXES: &[&str] = &[
-    "ACCELERATE_",
-    "SLURM_",
-    "TORCHELASTIC_",
-    "OMPI_",
-    "PMI_",
-    "MPI_LOCAL",
-];
+use crate::{built_binary, output_text, remove_job_env, run_bounded};
 
 /// How long a job may run when the test sets no [`Job::limit`].
 const DEFAULT_LIMIT: Duration = Duration::from_secs(300);
@@ -192,7 +163,7 @@ impl Job {
         let mut cmd = Command::new(&words[0]);
         cmd.args(&words[1..]);
         cmd.args(&self.args);
-        without_job_env(&mut cmd);
+        remove_job_env(&mut cmd);
         for (key, value) in &self.env {
             match value {
                 Some(value) => cmd.env(key, value),
@@ -205,23 +176,6 @@ impl Job {
     /// Runs the job to completion; kills it and fails the test if it outlives its limit.
     pub fn run(&self) -> JobOutput {
         JobOutput(run_bounded(&mut self.command(), self.limit))
-    }
-}
-
-/// Removes [`INHERITED_JOB_ENV`] and every inherited variable under
-/// [`INHERITED_JOB_ENV_PREFIXES`] from `cmd`'s environment.
-fn without_job_env(cmd: &mut Command) {
-    for name in INHERITED_JOB_ENV {
-        cmd.env_remove(name);
-    }
-    for (name, _) in std::env::vars_os() {
-        let text = name.to_string_lossy();
-        if INHERITED_JOB_ENV_PREFIXES
-            .iter()
-            .any(|prefix| text.starts_with(prefix))
-        {
-            cmd.env_remove(&name);
-        }
     }
 }
 

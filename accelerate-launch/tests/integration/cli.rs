@@ -1,9 +1,10 @@
 //! The launcher's answers to bad command lines, from the real binary.
 
-use std::process::Command;
+use crate::common::{command, launcher};
+use accelerate_test_support::free_port;
 
 fn launch(args: &[&str]) -> (i32, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+    let o = launcher()
         .args(args)
         .output()
         .expect("run accelerate-launch");
@@ -108,7 +109,7 @@ fn ranks_per_gpu_starts_that_many_ranks_on_one_gpu_each_its_own_nccl_host() {
         gpu.path().display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    let o = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+    let o = launcher()
         .env("PATH", path)
         .env_remove("CUDA_VISIBLE_DEVICES")
         .args([
@@ -196,7 +197,7 @@ fn ctrl_c_while_a_failed_group_is_torn_down_ends_the_launcher_without_a_restart(
          trap 'touch {d}/term' TERM; trap 'touch {d}/int; exit 130' INT; touch {d}/ready; \
          while :; do sleep 0.05; done"
     );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+    let mut child = launcher()
         .args([
             "--cpu",
             "--num-processes",
@@ -215,7 +216,7 @@ fn ctrl_c_while_a_failed_group_is_torn_down_ends_the_launcher_without_a_restart(
         .spawn()
         .unwrap();
     wait_for_file(&dir.path().join("term"), &mut child);
-    let interrupt = Command::new("kill")
+    let interrupt = command("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
@@ -285,7 +286,7 @@ fn quiet_still_shows_the_stderr_of_the_rank_that_failed() {
 #[test]
 fn the_open_file_limit_is_raised_to_the_hard_limit_for_launcher_and_workers() {
     // The launcher starts with a low soft limit; its worker checks that it got the hard one.
-    let o = Command::new("sh")
+    let o = command("sh")
         .args([
             "-c",
             "ulimit -Sn 256 && exec \"$0\" --cpu --num-processes 1 --main-process-port 0 sh -c \
@@ -379,7 +380,7 @@ fn a_grandchild_left_by_a_successful_job_is_gone_when_the_launcher_exits() {
         &script,
     ]);
     let pid = std::fs::read_to_string(dir.path().join("grandchild")).unwrap();
-    let o = Command::new("sh")
+    let o = command("sh")
         .args([
             "-c",
             &format!("{GONE_CHECK}; echo $gone"),
@@ -401,15 +402,6 @@ fn a_grandchild_left_by_a_successful_job_is_gone_when_the_launcher_exits() {
     );
 }
 
-/// A port free at the time of the call.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn machine_1_waits_for_machine_0_whose_rank_0_works_alone_past_the_silence_limit() {
     // Two launchers on loopback as machines 0 and 1, one rank each. Rank 1 ends at once; rank 0
@@ -424,7 +416,7 @@ fn machine_1_waits_for_machine_0_whose_rank_0_works_alone_past_the_silence_limit
     );
     let port = free_port().to_string();
     let start = |machine: &str| {
-        Command::new(env!("CARGO_BIN_EXE_accelerate-launch"))
+        launcher()
             .env("ACCELERATE_JOB_TOKEN", "machines-on-loopback")
             .env("ACCELERATE_COLLECTIVE_TIMEOUT", "2")
             .args([

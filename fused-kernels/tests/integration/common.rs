@@ -1,6 +1,4 @@
-//! Helpers shared by the test files.
-
-#![allow(dead_code)]
+//! Helpers shared by the test modules.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
