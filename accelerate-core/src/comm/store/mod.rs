@@ -12,6 +12,8 @@ mod client;
 mod host;
 mod redialing;
 mod server;
+#[cfg(test)]
+mod test_jobs;
 mod token_file;
 pub(crate) mod wire;
 
@@ -27,6 +29,8 @@ pub(crate) use host::job_token;
 pub use host::{check_master_addr, host_for_job};
 pub use redialing::RedialingClient;
 pub use server::StoreServer;
+#[cfg(test)]
+pub(crate) use test_jobs::on_store_clients;
 
 use crate::error::{Error, Result};
 
