@@ -24,7 +24,7 @@ use std::time::Duration;
 
 #[cfg(test)]
 pub(crate) use auth::raw_handshake;
-pub use client::TcpStoreClient;
+pub use client::{StoreDial, TcpStoreClient};
 pub(crate) use host::job_token;
 pub use host::{check_master_addr, host_for_job};
 pub use redialing::RedialingClient;

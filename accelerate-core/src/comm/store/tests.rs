@@ -521,7 +521,13 @@ fn a_launcher_that_leaves_while_it_waits_in_get_is_noticed_at_once() {
 }
 
 fn redialing(server: &StoreServer, rank: usize) -> RedialingClient {
-    RedialingClient::connect(server.local_addr(), TOKEN, 0, rank, WAIT).unwrap()
+    let dial = StoreDial {
+        addr: server.local_addr(),
+        token: TOKEN.into(),
+        generation: 0,
+        rank,
+    };
+    RedialingClient::connect(dial, WAIT).unwrap()
 }
 
 #[test]
