@@ -80,8 +80,9 @@ impl<D: Dataset> LoaderKind for MapStyle<D> {
         })
     }
 
-    fn epoch_and_position(batches: &EpochIter<D>) -> (u64, usize) {
-        (batches.epoch(), batches.position())
+    fn window_start(batches: &EpochIter<D>) -> (u64, usize, Arc<LoaderProgress>) {
+        let progress = Arc::clone(batches.progress_handle());
+        (batches.epoch(), batches.position(), progress)
     }
 
     fn debug_fields(&self, _f: &mut fmt::DebugStruct<'_, '_>) {}

@@ -140,6 +140,10 @@ impl<D: Dataset> EpochIter<D> {
         self.epoch
     }
 
+    pub(crate) fn progress_handle(&self) -> &Arc<LoaderProgress> {
+        &self.progress
+    }
+
     /// Batches of the epoch handed out so far on this rank, skipped ones included: the position to
     /// resume from.
     pub fn position(&self) -> usize {

@@ -61,8 +61,9 @@ pub trait LoaderKind: Sized + sealed::Sealed {
     /// Iterates `loader`'s batches of `epoch` after the first `skip`, as [`Loader::iter_epoch`].
     fn iter_epoch(loader: &Loader<Self>, epoch: u64, skip: usize) -> Self::Iter;
 
-    /// The epoch `batches` iterates and the batch it starts at.
-    fn epoch_and_position(batches: &Self::Iter) -> (u64, usize);
+    /// Where windows over `batches` start: the epoch, the batch, and the progress they report to
+    /// (that of the batches).
+    fn window_start(batches: &Self::Iter) -> (u64, usize, Arc<LoaderProgress>);
 
     /// Writes this kind's own settings into `loader`'s `Debug` output.
     fn debug_fields(&self, f: &mut fmt::DebugStruct<'_, '_>);
@@ -237,8 +238,8 @@ impl<K: LoaderKind> Loader<K> {
     /// token count) before its first backward pass.
     pub fn windows(&mut self, k: usize) -> WindowIter<K::Iter> {
         let batches = self.iter();
-        let (epoch, position) = K::epoch_and_position(&batches);
-        WindowIter::new(batches, k, epoch, position, self.progress())
+        let (epoch, position, progress) = K::window_start(&batches);
+        WindowIter::new(batches, k, epoch, position, progress)
     }
 }
 

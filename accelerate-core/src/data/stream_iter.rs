@@ -146,6 +146,10 @@ impl<S: IterableDataset> StreamIter<S> {
         self.next
     }
 
+    pub(crate) fn progress_handle(&self) -> &Arc<LoaderProgress> {
+        &self.progress
+    }
+
     /// The end of the stream is known: publish the plan of its length (the batches per epoch, and
     /// what `gather_for_metrics` drops).
     fn publish_length(&self, stream_len: usize) {

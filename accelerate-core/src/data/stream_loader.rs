@@ -85,8 +85,9 @@ impl<S: IterableDataset> LoaderKind for Streamed<S> {
         })
     }
 
-    fn epoch_and_position(batches: &StreamIter<S>) -> (u64, usize) {
-        (batches.epoch(), batches.position())
+    fn window_start(batches: &StreamIter<S>) -> (u64, usize, Arc<LoaderProgress>) {
+        let progress = Arc::clone(batches.progress_handle());
+        (batches.epoch(), batches.position(), progress)
     }
 
     fn debug_fields(&self, f: &mut fmt::DebugStruct<'_, '_>) {
