@@ -59,7 +59,8 @@ pub trait UpdateRule: Clone + Default + std::fmt::Debug + Send + 'static {
         self.check_together()
     }
 
-    /// The learning rate this configuration starts with.
+    /// The learning rate this configuration starts with. Panics if the rule lists no `"lr"`
+    /// hyper-parameter (a rule without a learning rate is a bug in the rule).
     fn lr(&self) -> f64 {
         self.hyper_parameters()
             .into_iter()
