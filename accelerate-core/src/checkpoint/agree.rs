@@ -141,37 +141,19 @@ pub(crate) fn agree_on_choice(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::comm::store::{StoreServer, TcpStoreClient};
+    use crate::comm::store::on_store_clients;
     use crate::comm::Communicator;
     use crate::comm::{CpuCommOptions, CpuCommunicator};
 
     /// Runs `f(rank, communicator)` on `world` threads joined in one ring.
     fn on_ring<R: Send>(world: usize, f: impl Fn(usize, CpuCommunicator) -> R + Sync) -> Vec<R> {
-        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t".into(), 0).unwrap();
-        let addr = server.local_addr();
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let f = &f;
-                    scope.spawn(move || {
-                        let store =
-                            TcpStoreClient::connect(addr, "t", 0, rank, Duration::from_secs(10))
-                                .unwrap();
-                        let comm = CpuCommunicator::connect(
-                            &store,
-                            rank,
-                            world,
-                            CpuCommOptions::default(),
-                        )
-                        .unwrap();
-                        f(rank, comm)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_store_clients(world, "t", |rank, store| {
+            let options = CpuCommOptions::default();
+            f(
+                rank,
+                CpuCommunicator::connect(store, rank, world, options).unwrap(),
+            )
         })
     }
 

@@ -140,17 +140,7 @@ impl Run {
     fn values(&self) -> Vec<(String, Vec<u32>)> {
         self.params
             .iter()
-            .map(|(n, v)| {
-                let bits = v
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::to_bits)
-                    .collect();
-                (n.clone(), bits)
-            })
+            .map(|(n, v)| (n.clone(), f32_bits(v)))
             .collect()
     }
 
@@ -159,17 +149,7 @@ impl Run {
         let mut v: Vec<(String, Vec<u32>)> = state
             .tensors
             .iter()
-            .map(|(k, t)| {
-                let bits = t
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::to_bits)
-                    .collect();
-                (k.clone(), bits)
-            })
+            .map(|(k, t)| (k.clone(), f32_bits(t)))
             .collect();
         v.extend(state.scalars.iter().map(|(k, s)| {
             (
@@ -179,6 +159,17 @@ impl Run {
         }));
         v
     }
+}
+
+/// The bits of an f32 tensor's elements, for comparisons that must be exact.
+fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
 }
 
 #[test]

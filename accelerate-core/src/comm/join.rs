@@ -21,7 +21,7 @@ use candle_core::Device;
 use super::cpu::{CpuCommOptions, CpuCommunicator};
 use super::keys::{KeySpace, PrefixStore, MEMBERSHIP};
 use super::liveness::Liveness;
-use super::store::{RedialingClient, Store, StoreServer, TcpStoreClient};
+use super::store::{RedialingClient, Store, StoreDial, StoreServer};
 use super::{Communicator, LocalCommunicator};
 use crate::error::{Error, Result};
 use crate::process::{Launcher, ProcessState};
@@ -81,13 +81,13 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     } else {
         super::store::job_token(state, addr, options.timeout)?
     };
-    let client = TcpStoreClient::connect(
+    let dial = StoreDial {
         addr,
-        &token,
-        state.restart_count as u64,
-        state.rank,
-        options.timeout,
-    )?;
+        token,
+        generation: state.restart_count as u64,
+        rank: state.rank,
+    };
+    let client = dial.connect(options.timeout)?;
     // Ring peers must reach this rank at an address of the interface that reaches the store
     // (loopback for one machine), unless the user chose one.
     options.bind_ip = crate::env::read(
@@ -98,13 +98,7 @@ pub fn join(state: &ProcessState, device: &Device) -> Result<Membership> {
     .unwrap_or_else(|| client.local_addr().ip());
     // Its own connection: the heartbeat must not queue behind a long `get` on the main one. It
     // dials again when that connection fails, so a network blip does not silence it for good.
-    let heartbeat_client = RedialingClient::connect(
-        addr,
-        &token,
-        state.restart_count as u64,
-        state.rank,
-        options.timeout,
-    )?;
+    let heartbeat_client = RedialingClient::connect(dial, options.timeout)?;
     let liveness = Liveness::start(
         Arc::new(heartbeat_client),
         state.rank,

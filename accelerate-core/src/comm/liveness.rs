@@ -782,11 +782,16 @@ mod tests {
 
     #[test]
     fn the_heartbeat_goes_on_after_its_store_connection_is_cut() {
-        use crate::comm::store::{RedialingClient, StoreServer, TcpStoreClient};
+        use crate::comm::store::{RedialingClient, StoreDial, StoreServer, TcpStoreClient};
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t".into(), 0).unwrap();
         let limit = Duration::from_secs(10);
-        let heartbeat =
-            Arc::new(RedialingClient::connect(server.local_addr(), "t", 0, 0, limit).unwrap());
+        let dial = StoreDial {
+            addr: server.local_addr(),
+            token: "t".into(),
+            generation: 0,
+            rank: 0,
+        };
+        let heartbeat = Arc::new(RedialingClient::connect(dial, limit).unwrap());
         let me = Liveness::start(heartbeat.clone(), 0, 2, 0, Duration::from_millis(40)).unwrap();
         let reader = TcpStoreClient::connect(server.local_addr(), "t", 0, 1, limit).unwrap();
         // Waits (bounded) until the published count passes `above`.

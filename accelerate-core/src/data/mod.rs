@@ -12,6 +12,7 @@
 //! `IterableDatasetShard`, transforms its records on worker threads and resumes by re-reading.
 
 mod batch;
+mod data_loader;
 mod dataset;
 mod epoch_cursor;
 mod epoch_iter;
@@ -37,17 +38,18 @@ mod loader_tests;
 mod test_support;
 
 pub use batch::Batch;
+pub use data_loader::{DataLoader, MapStyle};
 pub use dataset::Dataset;
 pub use epoch_iter::EpochIter;
 pub use fingerprint::LoaderSettings;
 pub use iterable::{IterableDataset, Records};
 pub(crate) use iteration::{LoaderPosition, PreparedLoaders};
 pub use jsonl::{JsonlRecord, JsonlShards};
-pub use loader::{DataLoader, DEFAULT_BATCH_TIMEOUT};
+pub use loader::{Loader, LoaderKind, DEFAULT_BATCH_TIMEOUT};
 pub use plan::BatchPlan;
 pub use progress::{LoaderProgress, UNKNOWN_BATCHES_PER_EPOCH};
 pub use shuffle::shuffled_indices;
 pub use stream_iter::StreamIter;
-pub use stream_loader::StreamingLoader;
+pub use stream_loader::{Streamed, StreamingLoader};
 pub use tensor_dataset::TensorDataset;
 pub use window::WindowIter;

@@ -33,23 +33,12 @@ pub struct BatchPlan {
 
 impl BatchPlan {
     /// The plan of `len` samples in batches of `batch_size` per rank, dealt to `world_size` ranks,
-    /// in a seeded permutation when `shuffle`, dropping a final partial batch (and an incomplete
-    /// last round) when `drop_last`. Refuses a batch size or world size of 0.
-    pub fn new(
-        len: usize,
-        batch_size: usize,
-        shuffle: bool,
-        seed: u64,
-        drop_last: bool,
-        world_size: usize,
-    ) -> Result<Self> {
+    /// in the order `0..len`, keeping a final partial batch (the settings of
+    /// [`with_shuffle`](Self::with_shuffle), [`with_seed`](Self::with_seed) and
+    /// [`with_drop_last`](Self::with_drop_last) change that). Refuses a batch size or world size
+    /// of 0.
+    pub fn new(len: usize, batch_size: usize, world_size: usize) -> Result<Self> {
         let plan = Self::unchecked(len, batch_size, world_size);
-        let plan = Self {
-            shuffle,
-            seed,
-            drop_last,
-            ..plan
-        };
         plan.check()?;
         Ok(plan)
     }
@@ -68,17 +57,17 @@ impl BatchPlan {
     }
 
     /// This plan with shuffling on or off.
-    pub(crate) fn with_shuffle(self, shuffle: bool) -> Self {
+    pub fn with_shuffle(self, shuffle: bool) -> Self {
         Self { shuffle, ..self }
     }
 
     /// This plan with seed `seed`.
-    pub(crate) fn with_seed(self, seed: u64) -> Self {
+    pub fn with_seed(self, seed: u64) -> Self {
         Self { seed, ..self }
     }
 
     /// This plan with drop_last on or off.
-    pub(crate) fn with_drop_last(self, drop_last: bool) -> Self {
+    pub fn with_drop_last(self, drop_last: bool) -> Self {
         Self { drop_last, ..self }
     }
 
@@ -281,9 +270,13 @@ mod tests {
 
     #[test]
     fn the_public_constructor_refuses_what_cannot_make_batches() {
-        assert!(BatchPlan::new(10, 0, false, 0, false, 1).is_err());
-        assert!(BatchPlan::new(10, 3, false, 0, false, 0).is_err());
-        let p = BatchPlan::new(10, 3, true, 7, true, 2).unwrap();
+        assert!(BatchPlan::new(10, 0, 1).is_err());
+        assert!(BatchPlan::new(10, 3, 0).is_err());
+        let p = BatchPlan::new(10, 3, 2)
+            .unwrap()
+            .with_shuffle(true)
+            .with_seed(7)
+            .with_drop_last(true);
         assert_eq!(
             (
                 p.len(),
@@ -301,81 +294,35 @@ mod tests {
     /// `test_batch_sampler_shards_with_no_splits`.
     #[test]
     fn two_ranks_match_accelerates_batch_sampler_shard_tables() {
-        let full = vec![
-            vec![
-                vec![0, 1, 2],
-                vec![6, 7, 8],
-                vec![12, 13, 14],
-                vec![18, 19, 20],
-            ],
-            vec![
-                vec![3, 4, 5],
-                vec![9, 10, 11],
-                vec![15, 16, 17],
-                vec![21, 22, 23],
-            ],
-        ];
-        assert_eq!(shards(&plan(24, 3, 2, false)), full);
-        assert_eq!(shards(&plan(24, 3, 2, true)), full);
-
-        let three_rounds = vec![
+        // In every table of 20 samples or more the first three rounds are the same; they differ
+        // in the fourth, which is complete, wrapped around or dropped.
+        let three_rounds = [
             vec![vec![0, 1, 2], vec![6, 7, 8], vec![12, 13, 14]],
             vec![vec![3, 4, 5], vec![9, 10, 11], vec![15, 16, 17]],
         ];
-        assert_eq!(
-            shards(&plan(21, 3, 2, false)),
-            vec![
-                vec![
-                    vec![0, 1, 2],
-                    vec![6, 7, 8],
-                    vec![12, 13, 14],
-                    vec![18, 19, 20]
-                ],
-                vec![
-                    vec![3, 4, 5],
-                    vec![9, 10, 11],
-                    vec![15, 16, 17],
-                    vec![0, 1, 2]
-                ],
-            ]
-        );
-        assert_eq!(shards(&plan(21, 3, 2, true)), three_rounds);
-        assert_eq!(
-            shards(&plan(22, 3, 2, false)),
-            vec![
-                vec![
-                    vec![0, 1, 2],
-                    vec![6, 7, 8],
-                    vec![12, 13, 14],
-                    vec![18, 19, 20]
-                ],
-                vec![
-                    vec![3, 4, 5],
-                    vec![9, 10, 11],
-                    vec![15, 16, 17],
-                    vec![21, 0, 1]
-                ],
-            ]
-        );
-        assert_eq!(shards(&plan(22, 3, 2, true)), three_rounds);
-        assert_eq!(
-            shards(&plan(20, 3, 2, false)),
-            vec![
-                vec![
-                    vec![0, 1, 2],
-                    vec![6, 7, 8],
-                    vec![12, 13, 14],
-                    vec![18, 19, 0]
-                ],
-                vec![
-                    vec![3, 4, 5],
-                    vec![9, 10, 11],
-                    vec![15, 16, 17],
-                    vec![1, 2, 3]
-                ],
-            ]
-        );
-        assert_eq!(shards(&plan(20, 3, 2, true)), three_rounds);
+        // (len, drop_last, the fourth round's batch of rank 0 and of rank 1, if any).
+        for (len, drop_last, fourth_round) in [
+            (24, false, Some([[18, 19, 20], [21, 22, 23]])),
+            (24, true, Some([[18, 19, 20], [21, 22, 23]])),
+            (21, false, Some([[18, 19, 20], [0, 1, 2]])),
+            (21, true, None),
+            (22, false, Some([[18, 19, 20], [21, 0, 1]])),
+            (22, true, None),
+            (20, false, Some([[18, 19, 0], [1, 2, 3]])),
+            (20, true, None),
+        ] {
+            let mut want = three_rounds.to_vec();
+            if let Some(batches) = fourth_round {
+                for (rank, batch) in batches.into_iter().enumerate() {
+                    want[rank].push(batch.to_vec());
+                }
+            }
+            assert_eq!(
+                shards(&plan(len, 3, 2, drop_last)),
+                want,
+                "len {len}, drop_last {drop_last}"
+            );
+        }
         assert_eq!(
             shards(&plan(2, 3, 2, false)),
             vec![vec![vec![0, 1, 0]], vec![vec![1, 0, 1]]]

@@ -9,8 +9,7 @@
 use candle_core::Tensor;
 
 use super::kernels::{self, AdamWCoefficients};
-use super::require;
-use super::{ElementwiseOptimizer, UpdateRule};
+use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
 use crate::error::Result;
 
 /// Hyper-parameters of [`AdamW`].
@@ -64,66 +63,15 @@ impl UpdateRule for AdamWConfig {
     const NAME: &'static str = "AdamW";
     const COUNTS_STEPS: bool = true;
 
-    /// PyTorch's checks, plus finiteness.
-    fn validate(&self) -> Result<()> {
-        require(
-            self.lr.is_finite() && self.lr >= 0.0,
-            "AdamW learning rate",
-            self.lr,
-            "must be >= 0",
-        )?;
-        require(
-            self.eps.is_finite() && self.eps >= 0.0,
-            "AdamW eps",
-            self.eps,
-            "must be >= 0",
-        )?;
-        require(
-            (0.0..1.0).contains(&self.beta1),
-            "AdamW beta1",
-            self.beta1,
-            "must be in [0, 1)",
-        )?;
-        require(
-            (0.0..1.0).contains(&self.beta2),
-            "AdamW beta2",
-            self.beta2,
-            "must be in [0, 1)",
-        )?;
-        require(
-            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
-            "AdamW weight_decay",
-            self.weight_decay,
-            "must be >= 0",
-        )
-    }
-
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-
-    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
+    /// PyTorch's ranges, plus finiteness.
+    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
         vec![
-            ("lr", self.lr),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
-            ("eps", self.eps),
-            ("weight_decay", self.weight_decay),
+            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
+            HyperParameter::real("beta1", &mut self.beta1, Valid::BelowOne),
+            HyperParameter::real("beta2", &mut self.beta2, Valid::BelowOne),
+            HyperParameter::real("eps", &mut self.eps, Valid::NonNegative),
+            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
         ]
-    }
-
-    fn from_hyper_parameters(read: &mut dyn FnMut(&str) -> Result<f64>) -> Result<Self> {
-        Ok(Self {
-            lr: read("lr")?,
-            beta1: read("beta1")?,
-            beta2: read("beta2")?,
-            eps: read("eps")?,
-            weight_decay: read("weight_decay")?,
-        })
     }
 
     fn state_names(&self) -> &'static [&'static str] {

@@ -7,8 +7,7 @@
 
 use candle_core::Tensor;
 
-use super::require;
-use super::{ElementwiseOptimizer, UpdateRule};
+use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
 use crate::error::Result;
 
 /// Hyper-parameters of [`Lion`].
@@ -77,57 +76,13 @@ impl UpdateRule for LionConfig {
     const NAME: &'static str = "Lion";
     const COUNTS_STEPS: bool = false;
 
-    fn validate(&self) -> Result<()> {
-        require(
-            self.lr.is_finite() && self.lr >= 0.0,
-            "Lion learning rate",
-            self.lr,
-            "must be >= 0",
-        )?;
-        require(
-            (0.0..=1.0).contains(&self.beta1),
-            "Lion beta1",
-            self.beta1,
-            "must be in [0, 1]",
-        )?;
-        require(
-            (0.0..=1.0).contains(&self.beta2),
-            "Lion beta2",
-            self.beta2,
-            "must be in [0, 1]",
-        )?;
-        require(
-            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
-            "Lion weight_decay",
-            self.weight_decay,
-            "must be >= 0",
-        )
-    }
-
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-
-    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
+    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
         vec![
-            ("lr", self.lr),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
-            ("weight_decay", self.weight_decay),
+            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
+            HyperParameter::real("beta1", &mut self.beta1, Valid::UpToOne),
+            HyperParameter::real("beta2", &mut self.beta2, Valid::UpToOne),
+            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
         ]
-    }
-
-    fn from_hyper_parameters(read: &mut dyn FnMut(&str) -> Result<f64>) -> Result<Self> {
-        Ok(Self {
-            lr: read("lr")?,
-            beta1: read("beta1")?,
-            beta2: read("beta2")?,
-            weight_decay: read("weight_decay")?,
-        })
     }
 
     fn state_names(&self) -> &'static [&'static str] {

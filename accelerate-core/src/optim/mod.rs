@@ -43,7 +43,7 @@ pub use lion::{Lion, LionConfig};
 pub use lr::LearningRate;
 #[cfg(feature = "cuda")]
 pub use rule::CudaUpdate;
-pub use rule::UpdateRule;
+pub use rule::{HyperParameter, UpdateRule, Valid};
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;

@@ -8,8 +8,7 @@
 use candle_core::Tensor;
 
 use super::kernels::{self, SgdCoefficients};
-use super::require;
-use super::{ElementwiseOptimizer, UpdateRule};
+use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
 use crate::error::{Error, Result};
 
 /// Hyper-parameters of [`Sgd`].
@@ -61,32 +60,19 @@ impl UpdateRule for SgdConfig {
     const NAME: &'static str = "SGD";
     const COUNTS_STEPS: bool = false;
 
-    /// PyTorch's checks, plus finiteness.
-    fn validate(&self) -> Result<()> {
-        require(
-            self.lr.is_finite() && self.lr >= 0.0,
-            "SGD learning rate",
-            self.lr,
-            "must be >= 0",
-        )?;
-        require(
-            self.momentum.is_finite() && self.momentum >= 0.0,
-            "SGD momentum",
-            self.momentum,
-            "must be >= 0",
-        )?;
-        require(
-            self.dampening.is_finite(),
-            "SGD dampening",
-            self.dampening,
-            "must be finite",
-        )?;
-        require(
-            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
-            "SGD weight_decay",
-            self.weight_decay,
-            "must be >= 0",
-        )?;
+    /// PyTorch's ranges, plus finiteness.
+    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
+        vec![
+            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
+            HyperParameter::real("momentum", &mut self.momentum, Valid::NonNegative),
+            HyperParameter::real("dampening", &mut self.dampening, Valid::Finite),
+            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
+            HyperParameter::flag("nesterov", &mut self.nesterov),
+        ]
+    }
+
+    /// PyTorch's condition on Nesterov momentum.
+    fn check_together(&self) -> Result<()> {
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             return Err(Error::Optimizer(format!(
                 "Nesterov momentum requires a momentum > 0 and zero dampening (got momentum {}, \
@@ -95,40 +81,6 @@ impl UpdateRule for SgdConfig {
             )));
         }
         Ok(())
-    }
-
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-
-    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
-        vec![
-            ("lr", self.lr),
-            ("momentum", self.momentum),
-            ("dampening", self.dampening),
-            ("weight_decay", self.weight_decay),
-            ("nesterov", if self.nesterov { 1.0 } else { 0.0 }),
-        ]
-    }
-
-    fn from_hyper_parameters(read: &mut dyn FnMut(&str) -> Result<f64>) -> Result<Self> {
-        let nesterov = read("nesterov")?;
-        if nesterov != 0.0 && nesterov != 1.0 {
-            return Err(Error::Optimizer(format!(
-                "SGD state scalar \"nesterov\" is {nesterov}; it must be 0 or 1"
-            )));
-        }
-        Ok(Self {
-            lr: read("lr")?,
-            momentum: read("momentum")?,
-            dampening: read("dampening")?,
-            weight_decay: read("weight_decay")?,
-            nesterov: nesterov == 1.0,
-        })
     }
 
     /// The momentum buffer, with momentum only.

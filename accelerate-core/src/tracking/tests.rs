@@ -26,6 +26,11 @@ fn rank(rank: usize, local_rank: usize) -> ProcessState {
     }
 }
 
+/// The trackers of `kinds` in `dir` for the process `state`, warning about tracker errors.
+fn open_warning(kinds: &[TrackerKind], dir: &Path, state: &ProcessState) -> Trackers {
+    Trackers::open(kinds, Some(dir), state, TrackerErrors::Warn).unwrap()
+}
+
 fn files(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -88,25 +93,13 @@ fn every_tracker_has_each_log_call_and_end_training_draws_the_curves() {
 fn other_ranks_create_and_write_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("logs");
-    let mut trackers = Trackers::open(
-        &TrackerKind::ALL,
-        Some(&dir),
-        &rank(1, 1),
-        TrackerErrors::Warn,
-    )
-    .unwrap();
+    let mut trackers = open_warning(&TrackerKind::ALL, &dir, &rank(1, 1));
     assert_eq!(trackers.logging_dir(), None);
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     trackers.end().unwrap();
     assert!(!dir.exists(), "a non-main rank created {}", dir.display());
     // Names are still checked there, so a bad one fails on every rank alike.
-    let mut trackers = Trackers::open(
-        &TrackerKind::ALL,
-        Some(&dir),
-        &rank(1, 1),
-        TrackerErrors::Warn,
-    )
-    .unwrap();
+    let mut trackers = open_warning(&TrackerKind::ALL, &dir, &rank(1, 1));
     assert!(trackers.log(1, vec![("step".into(), 1.0)]).is_err());
 }
 
@@ -190,13 +183,7 @@ fn full_disk() -> Option<Box<dyn Tracker>> {
 fn a_failing_tracker_leaves_the_others_and_the_curves_their_records() {
     let tmp = tempfile::tempdir().unwrap();
     let Some(failing) = full_disk() else { return };
-    let mut trackers = Trackers::open(
-        &[TrackerKind::Jsonl],
-        Some(tmp.path()),
-        &ProcessState::single(),
-        TrackerErrors::Warn,
-    )
-    .unwrap();
+    let mut trackers = open_warning(&[TrackerKind::Jsonl], tmp.path(), &ProcessState::single());
     // First in line, so a failure that stopped the loop would starve the JSONL tracker.
     trackers.trackers.insert(0, failing);
     trackers.warned.insert(0, false);
@@ -249,24 +236,12 @@ fn the_main_process_is_global_rank_zero_not_each_machines_local_rank_zero() {
     let tmp = tempfile::tempdir().unwrap();
     // Rank 1 is local rank 0 of the second machine: it must not write.
     let second_machine = tmp.path().join("second");
-    let mut trackers = Trackers::open(
-        &TrackerKind::ALL,
-        Some(&second_machine),
-        &rank(1, 0),
-        TrackerErrors::Warn,
-    )
-    .unwrap();
+    let mut trackers = open_warning(&TrackerKind::ALL, &second_machine, &rank(1, 0));
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     trackers.end().unwrap();
     assert!(!second_machine.exists(), "rank 1 (local rank 0) wrote");
     let first_machine = tmp.path().join("first");
-    let mut trackers = Trackers::open(
-        &[TrackerKind::Jsonl],
-        Some(&first_machine),
-        &rank(0, 0),
-        TrackerErrors::Warn,
-    )
-    .unwrap();
+    let mut trackers = open_warning(&[TrackerKind::Jsonl], &first_machine, &rank(0, 0));
     trackers.log(1, vec![(TRAIN_LOSS.into(), 1.0)]).unwrap();
     assert!(first_machine.join(jsonl::FILE).exists());
 }
@@ -324,7 +299,7 @@ fn a_second_live_writer_of_a_logging_dir_is_refused_naming_it() {
     let dir = tmp.path().join("shared");
     let state = ProcessState::single();
     let kinds = [TrackerKind::Csv];
-    let mut first = Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn).unwrap();
+    let mut first = open_warning(&kinds, &dir, &state);
     let err = Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn)
         .map(|_| ())
         .unwrap_err()
@@ -336,7 +311,7 @@ fn a_second_live_writer_of_a_logging_dir_is_refused_naming_it() {
     );
     // Once the first run has ended, the directory can be continued (a resumed run).
     first.end().unwrap();
-    Trackers::open(&kinds, Some(&dir), &state, TrackerErrors::Warn).unwrap();
+    open_warning(&kinds, &dir, &state);
 }
 
 /// The steps and `train/loss` values of each line of `metrics.jsonl`.

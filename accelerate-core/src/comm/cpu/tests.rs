@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::options::DEFAULT_CHUNK_BYTES;
 use super::*;
-use crate::comm::store::{StoreServer, TcpStoreClient};
+use crate::comm::store::{on_store_clients, StoreServer, TcpStoreClient};
 
 const TOKEN: &str = "ring-test-token";
 
@@ -66,30 +66,33 @@ fn on_ring<R: Send>(
     opts: CpuCommOptions,
     f: impl Fn(usize, CpuCommunicator) -> R + Sync,
 ) -> Vec<R> {
-    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
-    let addr = server.local_addr();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (f, opts) = (&f, opts.clone());
-                scope.spawn(move || {
-                    let store =
-                        TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
-                            .unwrap();
-                    let forced = opts.transport;
-                    let comm = CpuCommunicator::connect(&store, rank, world, opts).unwrap();
-                    let want = match forced {
-                        _ if world == 1 => None,
-                        TransportChoice::Tcp => Some(Transport::Tcp),
-                        TransportChoice::Shm | TransportChoice::Auto => Some(Transport::Shm),
-                    };
-                    assert_eq!(comm.transport(), want, "rank {rank} of {world}");
-                    f(rank, comm)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_store_clients(world, TOKEN, |rank, store| {
+        let opts = opts.clone();
+        let forced = opts.transport;
+        let comm = CpuCommunicator::connect(store, rank, world, opts).unwrap();
+        let want = match forced {
+            _ if world == 1 => None,
+            TransportChoice::Tcp => Some(Transport::Tcp),
+            TransportChoice::Shm | TransportChoice::Auto => Some(Transport::Shm),
+        };
+        assert_eq!(comm.transport(), want, "rank {rank} of {world}");
+        f(rank, comm)
     })
+}
+
+/// Runs `f(world, rank, communicator)` on rings of every size from 1 to 5 ranks over
+/// `transport`, with 16-byte chunks (many chunks per collective).
+fn on_rings_of_1_to_5(
+    transport: TransportChoice,
+    f: impl Fn(usize, usize, CpuCommunicator) + Sync,
+) {
+    for world in 1..=5 {
+        on_ring(
+            world,
+            options(transport, Duration::from_secs(20), 16),
+            |rank, comm| f(world, rank, comm),
+        );
+    }
 }
 
 /// Input of `rank` at index `i`: quarter-integers of small magnitude, so float sums are exact.
@@ -173,35 +176,29 @@ fn all_reduce_matches_the_direct_reduction_for_every_world_size_dtype_and_op(
     // segment at every world size; 301 elements (not divisible by 2 to 5) outgrow a whole
     // shared-memory staging slot (two halves of one 64-byte piece per rank).
     let lengths = [0usize, 1, 7, 40, 301];
-    for world in 1..=5 {
-        on_ring(
-            world,
-            options(transport, Duration::from_secs(20), 16),
-            |rank, comm| {
-                for &len in &lengths {
-                    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
-                        for dtype in [DType::F32, DType::F64] {
-                            let t = input(rank, len, dtype);
-                            comm.all_reduce(&t, op).unwrap();
-                            let expected = expected_floats(world, len, op, dtype == DType::F32);
-                            assert_eq!(
-                                as_f64(&t),
-                                expected,
-                                "{world} ranks, {len} {dtype:?} {op:?}"
-                            );
-                        }
-                        let t = input(rank, len, DType::I64);
-                        comm.all_reduce(&t, op).unwrap();
-                        assert_eq!(
-                            t.to_vec1::<i64>().unwrap(),
-                            expected_ints(world, len, op),
-                            "{world} ranks, {len} i64 {op:?}"
-                        );
-                    }
+    on_rings_of_1_to_5(transport, |world, rank, comm| {
+        for &len in &lengths {
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                for dtype in [DType::F32, DType::F64] {
+                    let t = input(rank, len, dtype);
+                    comm.all_reduce(&t, op).unwrap();
+                    let expected = expected_floats(world, len, op, dtype == DType::F32);
+                    assert_eq!(
+                        as_f64(&t),
+                        expected,
+                        "{world} ranks, {len} {dtype:?} {op:?}"
+                    );
                 }
-            },
-        );
-    }
+                let t = input(rank, len, DType::I64);
+                comm.all_reduce(&t, op).unwrap();
+                assert_eq!(
+                    t.to_vec1::<i64>().unwrap(),
+                    expected_ints(world, len, op),
+                    "{world} ranks, {len} i64 {op:?}"
+                );
+            }
+        }
+    });
 }
 
 fn all_reduce_of_inexact_floats_is_close_to_the_sum_and_identical_on_every_rank(
@@ -284,69 +281,56 @@ fn all_reduce_works_in_place_on_a_view_of_a_larger_buffer(transport: TransportCh
 }
 
 fn broadcast_copies_the_root_everywhere(transport: TransportChoice) {
-    for world in 1..=5 {
-        on_ring(
-            world,
-            options(transport, Duration::from_secs(20), 16),
-            |rank, comm| {
-                for root in 0..world {
-                    for len in [0usize, 1, 7, 40] {
-                        for dtype in [DType::F32, DType::F64, DType::I64] {
-                            let t = input(rank, len, dtype);
-                            comm.broadcast(&t, root).unwrap();
-                            let want = input(root, len, dtype);
-                            assert_eq!(as_f64(&t), as_f64(&want), "{world} ranks, root {root}");
-                        }
-                    }
+    on_rings_of_1_to_5(transport, |world, rank, comm| {
+        for root in 0..world {
+            for len in [0usize, 1, 7, 40] {
+                for dtype in [DType::F32, DType::F64, DType::I64] {
+                    let t = input(rank, len, dtype);
+                    comm.broadcast(&t, root).unwrap();
+                    let want = input(root, len, dtype);
+                    assert_eq!(as_f64(&t), as_f64(&want), "{world} ranks, root {root}");
                 }
-                assert!(comm.broadcast(&input(rank, 1, DType::F32), world).is_err());
-            },
-        );
-    }
+            }
+        }
+        assert!(comm.broadcast(&input(rank, 1, DType::F32), world).is_err());
+    });
 }
 
 fn all_gather_concatenates_in_rank_order(transport: TransportChoice) {
-    for world in 1..=5 {
-        on_ring(
-            world,
-            options(transport, Duration::from_secs(20), 16),
-            |rank, comm| {
-                // A 2-D f32 tensor of 3 x 5 = 15 elements per rank (several chunks).
-                let rows =
-                    |r: usize| -> Vec<f32> { (0..15).map(|i| (100 * r + i) as f32).collect() };
-                let t = Tensor::from_vec(rows(rank), (3, 5), &Device::Cpu).unwrap();
-                let gathered = comm.all_gather(&t).unwrap();
-                assert_eq!(gathered.dims(), &[3 * world, 5]);
-                let want: Vec<f32> = (0..world).flat_map(rows).collect();
-                assert_eq!(
-                    gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    want
-                );
-
-                let ints = Tensor::new(&[rank as i64, -(rank as i64)], &Device::Cpu).unwrap();
-                let gathered = comm.all_gather(&ints).unwrap().to_vec1::<i64>().unwrap();
-                let want: Vec<i64> = (0..world as i64).flat_map(|r| [r, -r]).collect();
-                assert_eq!(gathered, want);
-
-                let empty = Tensor::zeros((0, 4), DType::F64, &Device::Cpu).unwrap();
-                assert_eq!(comm.all_gather(&empty).unwrap().dims(), &[0, 4]);
-
-                if world > 1 {
-                    // Scalars gather into a vector of one value per rank.
-                    let scalar = Tensor::new(rank as f64 * 0.5, &Device::Cpu).unwrap();
-                    let gathered = comm.all_gather(&scalar).unwrap();
-                    let want: Vec<f64> = (0..world).map(|r| r as f64 * 0.5).collect();
-                    assert_eq!(gathered.to_vec1::<f64>().unwrap(), want);
-                    // A transposed (non-contiguous) input is gathered by value.
-                    let m = Tensor::from_vec(vec![rank as f32; 6], (2, 3), &Device::Cpu).unwrap();
-                    assert_eq!(
-                        comm.all_gather(&m.t().unwrap()).unwrap().dims(),
-                        &[3 * world, 2]
-                    );
-                }
-            },
+    on_rings_of_1_to_5(transport, |world, rank, comm| {
+        // A 2-D f32 tensor of 3 x 5 = 15 elements per rank (several chunks).
+        let rows = |r: usize| -> Vec<f32> { (0..15).map(|i| (100 * r + i) as f32).collect() };
+        let t = Tensor::from_vec(rows(rank), (3, 5), &Device::Cpu).unwrap();
+        let gathered = comm.all_gather(&t).unwrap();
+        assert_eq!(gathered.dims(), &[3 * world, 5]);
+        let want: Vec<f32> = (0..world).flat_map(rows).collect();
+        assert_eq!(
+            gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want
         );
-    }
+
+        let ints = Tensor::new(&[rank as i64, -(rank as i64)], &Device::Cpu).unwrap();
+        let gathered = comm.all_gather(&ints).unwrap().to_vec1::<i64>().unwrap();
+        let want: Vec<i64> = (0..world as i64).flat_map(|r| [r, -r]).collect();
+        assert_eq!(gathered, want);
+
+        let empty = Tensor::zeros((0, 4), DType::F64, &Device::Cpu).unwrap();
+        assert_eq!(comm.all_gather(&empty).unwrap().dims(), &[0, 4]);
+
+        if world > 1 {
+            // Scalars gather into a vector of one value per rank.
+            let scalar = Tensor::new(rank as f64 * 0.5, &Device::Cpu).unwrap();
+            let gathered = comm.all_gather(&scalar).unwrap();
+            let want: Vec<f64> = (0..world).map(|r| r as f64 * 0.5).collect();
+            assert_eq!(gathered.to_vec1::<f64>().unwrap(), want);
+            // A transposed (non-contiguous) input is gathered by value.
+            let m = Tensor::from_vec(vec![rank as f32; 6], (2, 3), &Device::Cpu).unwrap();
+            assert_eq!(
+                comm.all_gather(&m.t().unwrap()).unwrap().dims(),
+                &[3 * world, 2]
+            );
+        }
+    });
 }
 
 fn nobody_leaves_a_barrier_before_everyone_entered(transport: TransportChoice) {
@@ -381,12 +365,12 @@ fn nobody_leaves_a_barrier_before_everyone_entered(transport: TransportChoice) {
     }
 }
 
-#[test]
-fn stats_count_calls_and_the_ring_traffic() {
-    let world = 3;
-    let stats = on_ring(
-        world,
-        options(TransportChoice::Tcp, Duration::from_secs(10), 1 << 20),
+/// Each rank's stats over `transport` on 3 ranks after an all-reduce of 12 f32, and after that
+/// all-reduce, a broadcast from rank 0 and an all-gather of the same tensor and a barrier.
+fn stats_after_each_kind_of_collective(transport: TransportChoice) -> Vec<(CommStats, CommStats)> {
+    on_ring(
+        3,
+        options(transport, Duration::from_secs(10), 1 << 20),
         |rank, comm| {
             let t = input(rank, 12, DType::F32);
             comm.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -396,7 +380,23 @@ fn stats_count_calls_and_the_ring_traffic() {
             comm.barrier().unwrap();
             (after_all_reduce, comm.stats())
         },
-    );
+    )
+}
+
+/// The calls `stats` counts: all-reduces, broadcasts, all-gathers, barriers, agreements.
+fn calls(stats: &CommStats) -> (u64, u64, u64, u64, u64) {
+    (
+        stats.all_reduces,
+        stats.broadcasts,
+        stats.all_gathers,
+        stats.barriers,
+        stats.agreements,
+    )
+}
+
+#[test]
+fn stats_count_calls_and_the_ring_traffic() {
+    let stats = stats_after_each_kind_of_collective(TransportChoice::Tcp);
     for (rank, (after_all_reduce, total)) in stats.into_iter().enumerate() {
         // Each agreement is a ring all-gather of 4 i64 per rank: W - 1 blocks of 32 bytes.
         let agreement = 2 * 32;
@@ -406,16 +406,7 @@ fn stats_count_calls_and_the_ring_traffic() {
             agreement + 2 * 2 * 4 * 4,
             "rank {rank}"
         );
-        assert_eq!(
-            (
-                total.all_reduces,
-                total.broadcasts,
-                total.all_gathers,
-                total.barriers,
-                total.agreements
-            ),
-            (1, 1, 1, 1, 3)
-        );
+        assert_eq!(calls(&total), (1, 1, 1, 1, 3));
         // Broadcast from 0 along 0 -> 1 -> 2: ranks 0 and 1 send the 48 bytes, rank 2 nothing.
         // All-gather: W - 1 blocks of 48 bytes. Barrier: 2 (W - 1) one-element i64 segments.
         let broadcast = if rank < 2 { 48 } else { 0 };
@@ -429,36 +420,14 @@ fn stats_count_calls_and_the_ring_traffic() {
 
 #[test]
 fn stats_count_calls_and_the_bytes_staged_in_shared_memory() {
-    let world = 3;
-    let stats = on_ring(
-        world,
-        options(TransportChoice::Shm, Duration::from_secs(10), 1 << 20),
-        |rank, comm| {
-            let t = input(rank, 12, DType::F32);
-            comm.all_reduce(&t, ReduceOp::Sum).unwrap();
-            let after_all_reduce = comm.stats();
-            comm.broadcast(&t, 0).unwrap();
-            comm.all_gather(&t).unwrap();
-            comm.barrier().unwrap();
-            (after_all_reduce, comm.stats())
-        },
-    );
+    let stats = stats_after_each_kind_of_collective(TransportChoice::Shm);
     for (rank, (after_all_reduce, total)) in stats.into_iter().enumerate() {
         // Each agreement stages this rank's 4 i64 (32 bytes).
         let agreement = 32;
         // All-reduce: each rank stages the 2 segments of 4 f32 it does not own (32 bytes), then
         // its reduced segment (16 bytes): the whole 48-byte tensor.
         assert_eq!(after_all_reduce.bytes_sent, agreement + 48, "rank {rank}");
-        assert_eq!(
-            (
-                total.all_reduces,
-                total.broadcasts,
-                total.all_gathers,
-                total.barriers,
-                total.agreements
-            ),
-            (1, 1, 1, 1, 3)
-        );
+        assert_eq!(calls(&total), (1, 1, 1, 1, 3));
         // Broadcast: only the root stages its 48 bytes. All-gather: each its own 48-byte block.
         // Barrier: no payload.
         let broadcast = if rank == 0 { 48 } else { 0 };
@@ -808,87 +777,91 @@ fn a_stranger_connecting_to_a_ring_port_is_dropped_and_the_ring_still_forms() {
     assert_eq!(sums, [vec![3.0], vec![3.0]]);
 }
 
-/// Bytes sent per rank by an agreed all-reduce, reduce-scatter and all-gather-into on `world`
-/// ranks over `transport`, each of a `len`-element f32 tensor (the all-gather's output), and the
-/// counters after them.
-fn traffic_of_each_collective(
-    transport: TransportChoice,
-    world: usize,
-    len: usize,
-) -> Vec<(u64, u64, u64, CommStats)> {
-    on_ring(
-        world,
-        options(transport, Duration::from_secs(10), 64),
-        |rank, comm| {
-            let sent = |comm: &CpuCommunicator| comm.stats().bytes_sent;
-            let start = sent(&comm);
-            comm.all_reduce_agreed(&input(rank, len, DType::F32), ReduceOp::Sum)
-                .unwrap();
-            let after_all_reduce = sent(&comm);
-            let out = Tensor::zeros(len / world, DType::F32, &Device::Cpu).unwrap();
-            comm.reduce_scatter_agreed(&input(rank, len, DType::F32), &out, ReduceOp::Sum)
-                .unwrap();
-            let after_reduce_scatter = sent(&comm);
-            let out = Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap();
-            comm.all_gather_into_agreed(&input(rank, len / world, DType::F32), &out)
-                .unwrap();
-            (
-                after_all_reduce - start,
-                after_reduce_scatter - after_all_reduce,
-                sent(&comm) - after_reduce_scatter,
-                comm.stats(),
-            )
-        },
-    )
+/// Bytes sent by one rank in an agreed all-reduce, reduce-scatter and all-gather-into, each of a
+/// `24 × world`-element f32 tensor (the all-gather's output), and its counters after them.
+struct Traffic {
+    /// Where the figures come from, for messages: "rank r of w".
+    at: String,
+    /// Bytes of the full tensor.
+    bytes: u64,
+    /// The number of ranks.
+    w: u64,
+    all_reduce: u64,
+    reduce_scatter: u64,
+    all_gather: u64,
+    stats: CommStats,
+}
+
+/// The [`Traffic`] of every rank over `transport`, for each world size of `worlds`.
+fn traffic_of_each_collective(transport: TransportChoice, worlds: &[usize]) -> Vec<Traffic> {
+    let mut traffic = Vec::new();
+    for &world in worlds {
+        let len = 24 * world;
+        let per_rank = on_ring(
+            world,
+            options(transport, Duration::from_secs(10), 64),
+            |rank, comm| {
+                let sent = |comm: &CpuCommunicator| comm.stats().bytes_sent;
+                let start = sent(&comm);
+                comm.all_reduce_agreed(&input(rank, len, DType::F32), ReduceOp::Sum)
+                    .unwrap();
+                let after_all_reduce = sent(&comm);
+                let out = Tensor::zeros(len / world, DType::F32, &Device::Cpu).unwrap();
+                comm.reduce_scatter_agreed(&input(rank, len, DType::F32), &out, ReduceOp::Sum)
+                    .unwrap();
+                let after_reduce_scatter = sent(&comm);
+                let out = Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap();
+                comm.all_gather_into_agreed(&input(rank, len / world, DType::F32), &out)
+                    .unwrap();
+                Traffic {
+                    at: format!("rank {rank} of {world}"),
+                    bytes: (len * 4) as u64,
+                    w: world as u64,
+                    all_reduce: after_all_reduce - start,
+                    reduce_scatter: after_reduce_scatter - after_all_reduce,
+                    all_gather: sent(&comm) - after_reduce_scatter,
+                    stats: comm.stats(),
+                }
+            },
+        );
+        traffic.extend(per_rank);
+    }
+    traffic
 }
 
 #[test]
 fn a_ring_reduce_scatter_sends_half_of_an_all_reduce() {
-    for world in [2, 3, 4] {
-        let len = 24 * world;
-        let bytes = (len * 4) as u64;
-        let w = world as u64;
-        for (rank, (all_reduce, reduce_scatter, all_gather, stats)) in
-            traffic_of_each_collective(TransportChoice::Tcp, world, len)
-                .into_iter()
-                .enumerate()
-        {
-            let at = format!("rank {rank} of {world}");
-            // Ring reduce-scatter: W - 1 blocks of len / W elements, (W - 1) / W of the input;
-            // the all-reduce sends as much again in its all-gather half.
-            assert_eq!(reduce_scatter, bytes * (w - 1) / w, "{at}");
-            assert_eq!(all_reduce, 2 * reduce_scatter, "{at}");
-            // Ring all-gather: W - 1 blocks of the input's len / W elements.
-            assert_eq!(all_gather, bytes * (w - 1) / w, "{at}");
-            assert_eq!(
-                (stats.all_reduces, stats.reduce_scatters, stats.all_gathers),
-                (1, 1, 1),
-                "{at}"
-            );
-            assert_eq!(stats.agreements, 0, "{at}");
-        }
+    for t in traffic_of_each_collective(TransportChoice::Tcp, &[2, 3, 4]) {
+        let (at, bytes, w) = (&t.at, t.bytes, t.w);
+        // Ring reduce-scatter: W - 1 blocks of len / W elements, (W - 1) / W of the input;
+        // the all-reduce sends as much again in its all-gather half.
+        assert_eq!(t.reduce_scatter, bytes * (w - 1) / w, "{at}");
+        assert_eq!(t.all_reduce, 2 * t.reduce_scatter, "{at}");
+        // Ring all-gather: W - 1 blocks of the input's len / W elements.
+        assert_eq!(t.all_gather, bytes * (w - 1) / w, "{at}");
+        assert_eq!(
+            (
+                t.stats.all_reduces,
+                t.stats.reduce_scatters,
+                t.stats.all_gathers
+            ),
+            (1, 1, 1),
+            "{at}"
+        );
+        assert_eq!(t.stats.agreements, 0, "{at}");
     }
 }
 
 #[test]
 fn a_shared_memory_reduce_scatter_stages_the_blocks_of_the_others_only() {
-    for world in [2, 3] {
-        let len = 24 * world;
-        let bytes = (len * 4) as u64;
-        let w = world as u64;
-        for (rank, (all_reduce, reduce_scatter, all_gather, stats)) in
-            traffic_of_each_collective(TransportChoice::Shm, world, len)
-                .into_iter()
-                .enumerate()
-        {
-            let at = format!("rank {rank} of {world}");
-            // The W - 1 blocks this rank does not own; the all-reduce also stages its reduced
-            // block for the others (the whole tensor); the all-gather stages its own block.
-            assert_eq!(reduce_scatter, bytes * (w - 1) / w, "{at}");
-            assert_eq!(all_reduce, bytes, "{at}");
-            assert_eq!(all_gather, bytes / w, "{at}");
-            assert_eq!(stats.reduce_scatters, 1, "{at}");
-        }
+    for t in traffic_of_each_collective(TransportChoice::Shm, &[2, 3]) {
+        let (at, bytes, w) = (&t.at, t.bytes, t.w);
+        // The W - 1 blocks this rank does not own; the all-reduce also stages its reduced
+        // block for the others (the whole tensor); the all-gather stages its own block.
+        assert_eq!(t.reduce_scatter, bytes * (w - 1) / w, "{at}");
+        assert_eq!(t.all_reduce, bytes, "{at}");
+        assert_eq!(t.all_gather, bytes / w, "{at}");
+        assert_eq!(t.stats.reduce_scatters, 1, "{at}");
     }
 }
 

@@ -49,6 +49,28 @@ struct Connection {
     refused: bool,
 }
 
+/// What a rank dials the store with: the store's address and the rank's credentials (the job's
+/// token, the restart generation it belongs to, its rank). Kept together so that a rank can dial
+/// again with the same ones ([`super::RedialingClient`]).
+#[derive(Debug, Clone)]
+pub struct StoreDial {
+    /// The store's address.
+    pub addr: SocketAddr,
+    /// The job's token, which client and store prove to each other.
+    pub token: String,
+    /// The restart generation the rank belongs to; a store of another generation refuses it.
+    pub generation: u64,
+    /// The rank dialling.
+    pub rank: usize,
+}
+
+impl StoreDial {
+    /// A connection with these credentials, as [`TcpStoreClient::connect`] makes it.
+    pub fn connect(&self, timeout: Duration) -> Result<TcpStoreClient> {
+        TcpStoreClient::connect(self.addr, &self.token, self.generation, self.rank, timeout)
+    }
+}
+
 impl TcpStoreClient {
     /// Connects to the store at `addr`, proves that it holds `token` (and checks that the store
     /// does too) and presents `generation`, retrying until `timeout` while nobody listens there

@@ -12,6 +12,8 @@ mod client;
 mod host;
 mod redialing;
 mod server;
+#[cfg(test)]
+mod test_jobs;
 mod token_file;
 pub(crate) mod wire;
 
@@ -22,11 +24,13 @@ use std::time::Duration;
 
 #[cfg(test)]
 pub(crate) use auth::raw_handshake;
-pub use client::TcpStoreClient;
+pub use client::{StoreDial, TcpStoreClient};
 pub(crate) use host::job_token;
 pub use host::{check_master_addr, host_for_job};
 pub use redialing::RedialingClient;
 pub use server::StoreServer;
+#[cfg(test)]
+pub(crate) use test_jobs::on_store_clients;
 
 use crate::error::{Error, Result};
 

@@ -7,11 +7,10 @@
 //! for dead after the silence limit. [`RedialingClient`] dials again instead, and repeats the
 //! request once when that is safe.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Store, TcpStoreClient};
+use super::{Store, StoreDial, TcpStoreClient};
 use crate::error::Result;
 
 /// How long one redial may take. Short, because the caller (the heartbeat thread, or a rank
@@ -30,10 +29,8 @@ const REDIAL_PAUSE: Duration = Duration::from_secs(1);
 /// generation after a restart, a wrong token) is final, as for the plain client.
 #[derive(Debug)]
 pub struct RedialingClient {
-    addr: SocketAddr,
-    token: String,
-    generation: u64,
-    rank: usize,
+    /// The credentials every connection is dialled with.
+    dial: StoreDial,
     timeout: Duration,
     state: Mutex<Dialled>,
 }
@@ -46,21 +43,12 @@ struct Dialled {
 }
 
 impl RedialingClient {
-    /// Connects as [`TcpStoreClient::connect`] does (retrying until `timeout` while nobody
-    /// listens yet); later connections are dialled with the same token, generation and rank.
-    pub fn connect(
-        addr: SocketAddr,
-        token: &str,
-        generation: u64,
-        rank: usize,
-        timeout: Duration,
-    ) -> Result<Self> {
-        let client = TcpStoreClient::connect(addr, token, generation, rank, timeout)?;
+    /// Connects with `dial` as [`TcpStoreClient::connect`] does (retrying until `timeout` while
+    /// nobody listens yet); later connections are dialled with the same credentials.
+    pub fn connect(dial: StoreDial, timeout: Duration) -> Result<Self> {
+        let client = dial.connect(timeout)?;
         Ok(Self {
-            addr,
-            token: token.to_string(),
-            generation,
-            rank,
+            dial,
             timeout,
             state: Mutex::new(Dialled {
                 client: Arc::new(client),
@@ -90,20 +78,20 @@ impl RedialingClient {
                 return Err(crate::error::Error::Store(format!(
                     "rank {}: the connection to the store at {} failed and the last attempt to \
                      reconnect failed too; trying again shortly",
-                    self.rank, self.addr
+                    self.dial.rank, self.dial.addr
                 )));
             }
         }
         let timeout = REDIAL_TIMEOUT.min(self.timeout);
-        match TcpStoreClient::connect(self.addr, &self.token, self.generation, self.rank, timeout) {
+        match self.dial.connect(timeout) {
             Ok(mut client) => {
                 // Only the dialling is short: replies may take as long as on the first
                 // connection, or a busy store would have the client redial again and again.
                 client.set_request_timeout(self.timeout);
                 tracing::debug!(
                     "rank {}: reconnected to the store at {} after a failed connection",
-                    self.rank,
-                    self.addr
+                    self.dial.rank,
+                    self.dial.addr
                 );
                 state.client = Arc::new(client);
                 state.quiet_until = None;
@@ -154,6 +142,6 @@ impl Store for RedialingClient {
     }
 
     fn barrier(&self, name: &str, world_size: usize, timeout: Duration) -> Result<()> {
-        super::store_barrier(self, name, self.rank, world_size, timeout)
+        super::store_barrier(self, name, self.dial.rank, world_size, timeout)
     }
 }

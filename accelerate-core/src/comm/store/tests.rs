@@ -29,6 +29,28 @@ fn client(server: &StoreServer, rank: usize) -> TcpStoreClient {
     TcpStoreClient::connect(server.local_addr(), TOKEN, 0, rank, WAIT).unwrap()
 }
 
+/// Runs `task(t)` for each `t` in `0..threads`, each on its own thread, at once; returns all
+/// their results, sorted.
+fn sorted_results_of_threads<T: Ord + Send>(
+    threads: usize,
+    task: impl Fn(usize) -> Vec<T> + Sync,
+) -> Vec<T> {
+    let mut all: Vec<T> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let task = &task;
+                scope.spawn(move || task(t))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    all.sort();
+    all
+}
+
 /// Reads what the server says to a raw connection: `Some(reply)` for a frame, `None` once closed.
 fn read_raw_reply(stream: &mut TcpStream) -> Option<Response> {
     stream.set_read_timeout(Some(WAIT)).unwrap();
@@ -70,21 +92,12 @@ fn add_is_atomic_under_concurrency() {
     let server = server();
     let threads = 4;
     let per_thread = 50;
-    let handles: Vec<_> = (0..threads)
-        .map(|rank| {
-            let c = client(&server, rank);
-            std::thread::spawn(move || {
-                (0..per_thread)
-                    .map(|_| c.add("n", 1).unwrap())
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let mut seen: Vec<i64> = handles
-        .into_iter()
-        .flat_map(|h| h.join().unwrap())
-        .collect();
-    seen.sort();
+    let seen = sorted_results_of_threads(threads, |rank| {
+        let c = client(&server, rank);
+        (0..per_thread)
+            .map(|_| c.add("n", 1).unwrap())
+            .collect::<Vec<_>>()
+    });
     // Every increment returned a distinct value: 1..=200, nothing lost or duplicated.
     assert_eq!(
         seen,
@@ -420,23 +433,13 @@ fn launcher(server: &StoreServer, machine: usize, farewell: &[u8]) -> TcpStoreCl
 #[test]
 fn appended_entries_are_numbered_in_order_and_never_leave_a_gap() {
     let server = server();
-    let a = Arc::new(launcher(&server, 0, b""));
+    let a = launcher(&server, 0, b"");
     let b = launcher(&server, 1, b"");
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let a = a.clone();
-            std::thread::spawn(move || {
-                (0..25)
-                    .map(|i| a.append("log", format!("{w}:{i}").as_bytes()).unwrap())
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let mut indices: Vec<u64> = writers
-        .into_iter()
-        .flat_map(|w| w.join().unwrap())
-        .collect();
-    indices.sort_unstable();
+    let indices = sorted_results_of_threads(4, |w| {
+        (0..25)
+            .map(|i| a.append("log", format!("{w}:{i}").as_bytes()).unwrap())
+            .collect::<Vec<_>>()
+    });
     assert_eq!(indices, (0..100).collect::<Vec<u64>>());
     // Every index holds exactly one entry, and each writer's entries keep its order.
     let entries: Vec<String> = (0..100)
@@ -518,7 +521,13 @@ fn a_launcher_that_leaves_while_it_waits_in_get_is_noticed_at_once() {
 }
 
 fn redialing(server: &StoreServer, rank: usize) -> RedialingClient {
-    RedialingClient::connect(server.local_addr(), TOKEN, 0, rank, WAIT).unwrap()
+    let dial = StoreDial {
+        addr: server.local_addr(),
+        token: TOKEN.into(),
+        generation: 0,
+        rank,
+    };
+    RedialingClient::connect(dial, WAIT).unwrap()
 }
 
 #[test]
@@ -748,20 +757,7 @@ fn the_client_says_hello_again_once_when_the_connection_closes_during_it() {
         first.set_read_timeout(Some(WAIT)).unwrap();
         let _ = super::wire::read_frame(&mut first, MAX_FRAME_BYTES);
         drop(first);
-        listener.set_nonblocking(true).unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            StoreService::new(TOKEN.into(), 0)
-                .serve(listener, async {
-                    let _ = stopped.await;
-                })
-                .await
-                .unwrap();
-        });
+        serve_until(StoreService::new(TOKEN.into(), 0), listener, stopped);
     });
     let rank = TcpStoreClient::connect(addr, TOKEN, 0, 0, WAIT)
         .expect("the rank gave up after one closed hello");
@@ -781,23 +777,41 @@ fn serve_on_thread(
     std::thread::JoinHandle<()>,
 ) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    listener.set_nonblocking(true).unwrap();
-    let thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            service
-                .serve(listener, async {
-                    let _ = stopped.await;
-                })
-                .await
-                .unwrap();
-        });
-    });
+    let thread = std::thread::spawn(move || serve_until(service, listener, stopped));
     (stop, thread)
+}
+
+/// Serves `service` on `listener` on this thread until `stopped` receives (or its sender drops).
+fn serve_until(
+    service: StoreService,
+    listener: std::net::TcpListener,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    listener.set_nonblocking(true).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        service
+            .serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+}
+
+/// Sends a hello to the store on `stream`; returns the nonce it carries.
+fn say_hello(stream: &mut TcpStream) -> super::wire::Nonce {
+    let client_nonce = super::auth::nonce();
+    let hello = Request::Hello {
+        version: PROTOCOL_VERSION,
+        nonce: client_nonce,
+    };
+    stream.write_all(&encode(&hello).unwrap()).unwrap();
+    client_nonce
 }
 
 #[test]
@@ -812,12 +826,7 @@ fn a_hello_that_has_arrived_is_served_before_its_connection_is_evicted() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut rank = TcpStream::connect(addr).unwrap();
-        let client_nonce = super::auth::nonce();
-        let hello = Request::Hello {
-            version: PROTOCOL_VERSION,
-            nonce: client_nonce,
-        };
-        rank.write_all(&encode(&hello).unwrap()).unwrap();
+        let client_nonce = say_hello(&mut rank);
         let flood: Vec<TcpStream> = (0..limit)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
@@ -856,12 +865,7 @@ fn a_flood_of_idle_connections_does_not_evict_a_rank_that_said_hello() {
     let service = StoreService::with_pending_limit(TOKEN.into(), 0, limit);
     let (stop, serving) = serve_on_thread(service, listener);
     let mut rank = TcpStream::connect(addr).unwrap();
-    let client_nonce = super::auth::nonce();
-    let hello = Request::Hello {
-        version: PROTOCOL_VERSION,
-        nonce: client_nonce,
-    };
-    rank.write_all(&encode(&hello).unwrap()).unwrap();
+    let client_nonce = say_hello(&mut rank);
     let Some(Response::Challenge { nonce, .. }) = read_raw_reply(&mut rank) else {
         panic!("no challenge");
     };

@@ -148,103 +148,131 @@ __device__ __forceinline__ BlockWork block_work(
     return w;
 }
 
+// The loop of every rule's kernel: each thread strides over this block's elements, updates one
+// element with `Rule` (built once from the block's scalars) and writes its rounded compute copy.
+// `Rule::update` takes the element's parameter and gradient, and its state tensors (which it
+// reads and writes at element i), and returns the new parameter.
+template <typename Rule>
+__device__ __forceinline__ void update_block(
+    const TensorArgs* tensors, const unsigned int count, const unsigned long long chunk,
+    const ScalarSets& sets)
+{
+    const BlockWork w = block_work(tensors, count, chunk, sets);
+    const Rule rule(w.s);
+    float* p = (float*)w.t.p;
+    const float* g = (const float*)w.t.g;
+    float* s0 = (float*)w.t.s0;
+    float* s1 = (float*)w.t.s1;
+    unsigned short* copy = (unsigned short*)w.t.copy;
+    for (unsigned long long i = w.begin + threadIdx.x; i < w.end; i += blockDim.x) {
+        const float p_new = rule.update(p[i], g[i], s0, s1, i);
+        p[i] = p_new;
+        store_copy(w.copy_kind, copy, i, p_new);
+    }
+}
+
+// The kernel `name` that runs update_block<Rule>. A macro because a kernel looked up by its
+// unmangled name (extern "C") cannot be a template.
+#define MULTI_TENSOR_KERNEL(name, Rule)                                                          \
+    extern "C" __global__ void name(                                                             \
+        const TensorArgs* tensors, const unsigned int count, const unsigned long long chunk,     \
+        const ScalarSets sets)                                                                   \
+    {                                                                                            \
+        update_block<Rule>(tensors, count, chunk, sets);                                         \
+    }
+
 // AdamW (optim/kernels.rs, adamw). Scalars: decay (1 - lr wd), 1 - beta1, beta2, 1 - beta2,
 // step_size (lr / (1 - beta1^t)), sqrt(1 - beta2^t), eps, and 1 when |1 - beta1| < 0.5 (which
 // formula of torch.lerp applies) else 0. s0 = exp_avg, s1 = exp_avg_sq.
-extern "C" __global__ void adamw_multi(
-    const TensorArgs* tensors, const unsigned int count, const unsigned long long chunk,
-    const ScalarSets sets)
-{
-    const BlockWork w = block_work(tensors, count, chunk, sets);
-    float* p = (float*)w.t.p;
-    const float* g = (const float*)w.t.g;
-    float* m = (float*)w.t.s0;
-    float* v = (float*)w.t.s1;
-    unsigned short* copy = (unsigned short*)w.t.copy;
-    const float decay = w.s[0];
-    const float one_minus_beta1 = w.s[1];
-    const float beta2 = w.s[2];
-    const float one_minus_beta2 = w.s[3];
-    const float neg_step_size = -w.s[4];
-    const float bias_correction2_sqrt = w.s[5];
-    const float eps = w.s[6];
-    const bool small_weight = w.s[7] != 0.0f;
-    for (unsigned long long i = w.begin + threadIdx.x; i < w.end; i += blockDim.x) {
-        const float gi = g[i];
-        const float decayed = p[i] * decay;
+struct AdamW {
+    float decay;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float neg_step_size;
+    float bias_correction2_sqrt;
+    float eps;
+    bool small_weight;
+
+    __device__ explicit AdamW(const float* s)
+        : decay(s[0]), one_minus_beta1(s[1]), beta2(s[2]), one_minus_beta2(s[3]),
+          neg_step_size(-s[4]), bias_correction2_sqrt(s[5]), eps(s[6]), small_weight(s[7] != 0.0f)
+    {
+    }
+
+    __device__ float update(
+        const float pi, const float gi, float* m, float* v, const unsigned long long i) const
+    {
+        const float decayed = pi * decay;
         const float mi = m[i];
         // torch.lerp(m, g, 1 - beta1), switching formula at weight 0.5 as PyTorch does.
         const float m_new = small_weight ? mi + one_minus_beta1 * (gi - mi)
                                          : gi - (gi - mi) * (1.0f - one_minus_beta1);
         const float v_new = v[i] * beta2 + one_minus_beta2 * gi * gi;
         const float denom = sqrtf(v_new) / bias_correction2_sqrt + eps;
-        const float p_new = decayed + neg_step_size * m_new / denom;
-        p[i] = p_new;
         m[i] = m_new;
         v[i] = v_new;
-        store_copy(w.copy_kind, copy, i, p_new);
+        return decayed + neg_step_size * m_new / denom;
     }
-}
+};
+MULTI_TENSOR_KERNEL(adamw_multi, AdamW)
 
 // SGD (optim/kernels.rs, sgd). Scalars: lr, momentum, 1 - dampening, weight_decay, 1 for
 // Nesterov, 1 when the momentum buffer was just created (it takes the gradient). s0 =
 // momentum_buffer, absent (0) without momentum.
-extern "C" __global__ void sgd_multi(
-    const TensorArgs* tensors, const unsigned int count, const unsigned long long chunk,
-    const ScalarSets sets)
-{
-    const BlockWork w = block_work(tensors, count, chunk, sets);
-    float* p = (float*)w.t.p;
-    const float* g = (const float*)w.t.g;
-    float* buf = (float*)w.t.s0;
-    unsigned short* copy = (unsigned short*)w.t.copy;
-    const float neg_lr = -w.s[0];
-    const float momentum = w.s[1];
-    const float one_minus_dampening = w.s[2];
-    const float weight_decay = w.s[3];
-    const bool nesterov = w.s[4] != 0.0f;
-    const bool first = w.s[5] != 0.0f;
-    for (unsigned long long i = w.begin + threadIdx.x; i < w.end; i += blockDim.x) {
-        const float d = weight_decay != 0.0f ? g[i] + weight_decay * p[i] : g[i];
-        float p_new;
-        if (momentum == 0.0f) {
-            p_new = p[i] + neg_lr * d;
-        } else {
-            const float b_new = first ? d : buf[i] * momentum + one_minus_dampening * d;
-            buf[i] = b_new;
-            const float step = nesterov ? d + momentum * b_new : b_new;
-            p_new = p[i] + neg_lr * step;
-        }
-        p[i] = p_new;
-        store_copy(w.copy_kind, copy, i, p_new);
+struct Sgd {
+    float neg_lr;
+    float momentum;
+    float one_minus_dampening;
+    float weight_decay;
+    bool nesterov;
+    bool first;
+
+    __device__ explicit Sgd(const float* s)
+        : neg_lr(-s[0]), momentum(s[1]), one_minus_dampening(s[2]), weight_decay(s[3]),
+          nesterov(s[4] != 0.0f), first(s[5] != 0.0f)
+    {
     }
-}
+
+    __device__ float update(
+        const float pi, const float gi, float* buf, float*, const unsigned long long i) const
+    {
+        const float d = weight_decay != 0.0f ? gi + weight_decay * pi : gi;
+        if (momentum == 0.0f) {
+            return pi + neg_lr * d;
+        }
+        const float b_new = first ? d : buf[i] * momentum + one_minus_dampening * d;
+        buf[i] = b_new;
+        const float step = nesterov ? d + momentum * b_new : b_new;
+        return pi + neg_lr * step;
+    }
+};
+MULTI_TENSOR_KERNEL(sgd_multi, Sgd)
 
 // Lion (optim/lion.rs). Scalars: decay (1 - lr wd), lr, beta1, 1 - beta1, beta2, 1 - beta2.
 // s0 = exp_avg. sign(0) = 0.
-extern "C" __global__ void lion_multi(
-    const TensorArgs* tensors, const unsigned int count, const unsigned long long chunk,
-    const ScalarSets sets)
-{
-    const BlockWork w = block_work(tensors, count, chunk, sets);
-    float* p = (float*)w.t.p;
-    const float* g = (const float*)w.t.g;
-    float* m = (float*)w.t.s0;
-    unsigned short* copy = (unsigned short*)w.t.copy;
-    const float decay = w.s[0];
-    const float lr = w.s[1];
-    const float beta1 = w.s[2];
-    const float one_minus_beta1 = w.s[3];
-    const float beta2 = w.s[4];
-    const float one_minus_beta2 = w.s[5];
-    for (unsigned long long i = w.begin + threadIdx.x; i < w.end; i += blockDim.x) {
-        const float gi = g[i];
+struct Lion {
+    float decay;
+    float lr;
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+
+    __device__ explicit Lion(const float* s)
+        : decay(s[0]), lr(s[1]), beta1(s[2]), one_minus_beta1(s[3]), beta2(s[4]),
+          one_minus_beta2(s[5])
+    {
+    }
+
+    __device__ float update(
+        const float pi, const float gi, float* m, float*, const unsigned long long i) const
+    {
         const float mi = m[i];
         const float c = beta1 * mi + one_minus_beta1 * gi;
         const float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
-        const float p_new = p[i] * decay - lr * sign;
-        p[i] = p_new;
         m[i] = beta2 * mi + one_minus_beta2 * gi;
-        store_copy(w.copy_kind, copy, i, p_new);
+        return pi * decay - lr * sign;
     }
-}
+};
+MULTI_TENSOR_KERNEL(lion_multi, Lion)

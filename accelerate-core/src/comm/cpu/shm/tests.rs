@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use super::Plan;
 use crate::comm::cpu::options::CpuCommOptions;
 use crate::comm::cpu::{CpuCommunicator, Link, Transport};
-use crate::comm::store::{Store, StoreServer, TcpStoreClient};
+use crate::comm::store::{on_store_clients, Store, TcpStoreClient};
 use crate::comm::{Communicator, ReduceOp};
 use crate::env::CPU_TRANSPORT;
 use crate::error::{Error, Result};
@@ -24,22 +24,9 @@ fn on_job<R: Send>(
     opts: impl Fn(usize) -> CpuCommOptions + Sync,
     f: impl Fn(usize, &TcpStoreClient, Result<CpuCommunicator>) -> R + Sync,
 ) -> Vec<R> {
-    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), TOKEN.into(), 0).unwrap();
-    let addr = server.local_addr();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (f, opts) = (&f, &opts);
-                scope.spawn(move || {
-                    let store =
-                        TcpStoreClient::connect(addr, TOKEN, 0, rank, Duration::from_secs(10))
-                            .unwrap();
-                    let comm = CpuCommunicator::connect(&store, rank, world, opts(rank));
-                    f(rank, &store, comm)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_store_clients(world, TOKEN, |rank, store| {
+        let comm = CpuCommunicator::connect(store, rank, world, opts(rank));
+        f(rank, store, comm)
     })
 }
 
