@@ -7,14 +7,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
-use accelerate_core::optim::{
-    AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
-};
+use accelerate_core::optim::{LrScheduler, Optimizer, Schedule};
 use accelerate_core::Accelerator;
 use accelerate_examples::mlp;
 use accelerate_examples::run::{
-    self, correct_predictions, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind,
-    RunArgs, RunMonitor, StepCounts, Subset,
+    self, correct_predictions, per_row_cross_entropy, sample_rows, Evaluator, OptimizerFlags,
+    OptimizerKind, RunArgs, RunMonitor, StepCounts, Subset,
 };
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -176,25 +174,18 @@ fn run(args: &Args) -> Result<()> {
         samples,
     };
 
-    match args.optimizer {
-        OptimizerKind::Adamw => training.train_with(AdamW::new(
-            params,
-            AdamWConfig {
-                lr: args.lr.unwrap_or(1e-3),
-                weight_decay: args.weight_decay,
-                ..AdamWConfig::default()
-            },
-        )?),
-        OptimizerKind::Sgd => training.train_with(Sgd::new(
-            params,
-            SgdConfig {
-                lr: args.lr.unwrap_or(0.05),
-                momentum: args.momentum,
-                weight_decay: args.weight_decay,
-                ..SgdConfig::default()
-            },
-        )?),
-    }
+    let opt = args.optimizer.build(
+        params,
+        OptimizerFlags {
+            lr: args.lr.unwrap_or(match args.optimizer {
+                OptimizerKind::Adamw => 1e-3,
+                OptimizerKind::Sgd => 0.05,
+            }),
+            momentum: args.momentum,
+            weight_decay: args.weight_decay,
+        },
+    )?;
+    training.train_with(opt)
 }
 
 /// Everything a run needs but the optimizer, which --optimizer picks.
@@ -210,8 +201,8 @@ struct Training<'a> {
 }
 
 impl Training<'_> {
-    /// Prepares `opt` and trains with it, whatever its type.
-    fn train_with<O: Optimizer + Send + 'static>(self, opt: O) -> Result<()> {
+    /// Prepares `opt` and trains with it.
+    fn train_with(self, opt: Box<dyn Optimizer + Send>) -> Result<()> {
         let Training {
             args,
             mut acc,

@@ -14,9 +14,7 @@
 use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
-use accelerate_core::optim::{
-    AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
-};
+use accelerate_core::optim::{LrScheduler, Optimizer, Schedule};
 use accelerate_core::Accelerator;
 use anyhow::Result;
 use candle_core::Var;
@@ -27,8 +25,8 @@ use super::config::LlamaConfig;
 use super::data::{RowBatch, TokenRows};
 use super::model::Llama;
 use crate::run::{
-    self, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind, RunMonitor, StepCounts,
-    Subset,
+    self, per_row_cross_entropy, sample_rows, Evaluator, OptimizerFlags, OptimizerKind, RunMonitor,
+    StepCounts, Subset,
 };
 
 /// A run of the llama workload between its flags and its training: flags checked, data read,
@@ -168,25 +166,18 @@ impl<'a> LlamaRun<'a> {
             row_len,
             after_resume,
         };
-        match args.optimizer {
-            OptimizerKind::Adamw => training.train_with(AdamW::new(
-                params,
-                AdamWConfig {
-                    lr: args.lr.unwrap_or(3e-3),
-                    weight_decay: args.weight_decay,
-                    ..AdamWConfig::default()
-                },
-            )?),
-            OptimizerKind::Sgd => training.train_with(Sgd::new(
-                params,
-                SgdConfig {
-                    lr: args.lr.unwrap_or(0.1),
-                    momentum: args.momentum,
-                    weight_decay: args.weight_decay,
-                    ..SgdConfig::default()
-                },
-            )?),
-        }
+        let opt = args.optimizer.build(
+            params,
+            OptimizerFlags {
+                lr: args.lr.unwrap_or(match args.optimizer {
+                    OptimizerKind::Adamw => 3e-3,
+                    OptimizerKind::Sgd => 0.1,
+                }),
+                momentum: args.momentum,
+                weight_decay: args.weight_decay,
+            },
+        )?;
+        training.train_with(opt)
     }
 }
 
@@ -205,8 +196,8 @@ struct Training<'a> {
 }
 
 impl Training<'_> {
-    /// Prepares `opt` and trains with it, whatever its type.
-    fn train_with<O: Optimizer + Send + 'static>(self, opt: O) -> Result<Accelerator> {
+    /// Prepares `opt` and trains with it.
+    fn train_with(self, opt: Box<dyn Optimizer + Send>) -> Result<Accelerator> {
         let Training {
             args,
             mut acc,

@@ -21,7 +21,7 @@ pub use evaluate::{
 pub use flags::{ReportTo, RunArgs, ScheduleKind, DEFAULT_EVAL_FRACTION};
 pub use model_file::save_model;
 pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
-pub use optimizer::OptimizerKind;
+pub use optimizer::{OptimizerFlags, OptimizerKind};
 pub use split::{hold_out, split_indices, Subset};
 
 use accelerate_core::optim::Optimizer;
