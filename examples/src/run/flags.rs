@@ -196,10 +196,10 @@ impl RunArgs {
         Ok(builder.build()?)
     }
 
-    /// Optimizer steps of the whole run: those of `epochs` passes over a prepared loader of
-    /// `batches_per_epoch` batches, capped by --max-steps.
-    pub fn total_steps(&self, acc: &Accelerator, batches_per_epoch: usize, epochs: usize) -> u64 {
-        let per_run = acc.num_update_steps(batches_per_epoch) as u64 * epochs as u64;
+    /// Optimizer steps of the whole run, given `per_epoch` optimizer steps in one pass over the
+    /// data: those of `epochs` passes, capped by --max-steps.
+    pub fn total_steps(&self, per_epoch: u64, epochs: usize) -> u64 {
+        let per_run = per_epoch * epochs as u64;
         self.max_steps.map_or(per_run, |m| m.min(per_run))
     }
 
@@ -218,17 +218,6 @@ impl RunArgs {
                 total_steps,
             },
         }
-    }
-
-    /// Clips the gradient to --max-grad-norm on the micro-step that syncs (the only one where the
-    /// gradient is whole); returns its global norm before clipping when it computed one.
-    pub fn clip_if_syncing(&self, acc: &Accelerator) -> Result<Option<f64>> {
-        if acc.sync_gradients() {
-            if let Some(max) = self.max_grad_norm {
-                return Ok(acc.clip_grad_norm(max)?);
-            }
-        }
-        Ok(None)
     }
 
     /// Whether the run has taken all the optimizer steps --max-steps allows.

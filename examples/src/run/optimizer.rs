@@ -14,40 +14,41 @@ pub enum OptimizerKind {
     Adamw,
 }
 
-/// The hyper-parameters of the flags, for whichever optimizer `--optimizer` picks.
-#[derive(Debug, Clone, Copy)]
-pub struct OptimizerFlags {
-    /// The peak learning rate.
-    pub lr: f64,
-    /// SGD's momentum (AdamW ignores it).
-    pub momentum: f64,
-    /// Weight decay (decoupled for AdamW).
-    pub weight_decay: f64,
-}
-
 impl OptimizerKind {
-    /// This optimizer over `params`, boxed so that the run's loop is the same whichever the
-    /// flag picked.
+    /// The learning rate of the run: `lr` (--lr) when given, else this optimizer's default for
+    /// the workload, `adamw` or `sgd`.
+    pub fn lr_or(self, lr: Option<f64>, adamw: f64, sgd: f64) -> f64 {
+        lr.unwrap_or(match self {
+            Self::Adamw => adamw,
+            Self::Sgd => sgd,
+        })
+    }
+
+    /// This optimizer over `params` with peak learning rate `lr`, SGD's `momentum` (AdamW
+    /// ignores it) and `weight_decay` (decoupled for AdamW), boxed so that the run's loop is the
+    /// same whichever the flag picked.
     pub fn build(
         self,
         params: Vec<(String, Var)>,
-        flags: OptimizerFlags,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
     ) -> Result<Box<dyn Optimizer + Send>> {
         Ok(match self {
             Self::Adamw => Box::new(AdamW::new(
                 params,
                 AdamWConfig {
-                    lr: flags.lr,
-                    weight_decay: flags.weight_decay,
+                    lr,
+                    weight_decay,
                     ..AdamWConfig::default()
                 },
             )?),
             Self::Sgd => Box::new(Sgd::new(
                 params,
                 SgdConfig {
-                    lr: flags.lr,
-                    momentum: flags.momentum,
-                    weight_decay: flags.weight_decay,
+                    lr,
+                    momentum,
+                    weight_decay,
                     ..SgdConfig::default()
                 },
             )?),
@@ -78,13 +79,8 @@ mod tests {
     /// refuses to shard.
     #[test]
     fn a_boxed_optimizer_forwards_to_the_one_it_holds() {
-        let flags = OptimizerFlags {
-            lr: 0.25,
-            momentum: 0.5,
-            weight_decay: 0.0,
-        };
         for (kind, name) in [(OptimizerKind::Adamw, "adamw"), (OptimizerKind::Sgd, "sgd")] {
-            let mut boxed = kind.build(params(), flags).unwrap();
+            let mut boxed = kind.build(params(), 0.25, 0.5, 0.0).unwrap();
             assert_eq!(boxed.learning_rate().get(), 0.25);
             let names: Vec<&str> = boxed.params().iter().map(|(n, _)| n.as_str()).collect();
             assert_eq!(names, ["a", "b"]);
@@ -95,5 +91,12 @@ mod tests {
             boxed.shard(&pieces).unwrap();
             assert!(!boxed.wrote_compute_copy("a"));
         }
+    }
+
+    #[test]
+    fn the_lr_flag_wins_over_the_optimizers_default() {
+        assert_eq!(OptimizerKind::Adamw.lr_or(None, 1e-3, 0.05), 1e-3);
+        assert_eq!(OptimizerKind::Sgd.lr_or(None, 1e-3, 0.05), 0.05);
+        assert_eq!(OptimizerKind::Sgd.lr_or(Some(0.5), 1e-3, 0.05), 0.5);
     }
 }
