@@ -1,11 +1,24 @@
 //! The optimizer steps of a training loop on the [`Accelerator`], shared by the [`Trainer`] and
-//! the hand-written loops of the examples: one micro-batch's part of a step.
+//! the hand-written loops of the examples: how many steps a run takes, and one micro-batch's part
+//! of a step.
 //!
 //! [`Trainer`]: crate::Trainer
 
 use accelerate_core::optim::Optimizer;
 use accelerate_core::{Accelerator, MicroStep, PreparedOptimizer, PreparedScheduler};
 use candle_core::Tensor;
+
+/// Optimizer steps of a whole run, given the optimizer steps of one epoch: `max_steps` when set,
+/// whatever `epochs` says, else `ceil(epochs × steps_per_epoch)`. This is transformers' rule: its
+/// `max_steps` overrides `num_train_epochs` (the run goes through as many epochs as the steps
+/// take, and the learning-rate schedule spans them), and a fractional epoch count stops part-way
+/// through the last epoch.
+pub fn run_steps(max_steps: Option<u64>, epochs: f64, steps_per_epoch: u64) -> u64 {
+    match max_steps {
+        Some(steps) => steps,
+        None => (epochs * steps_per_epoch as f64).ceil() as u64,
+    }
+}
 
 /// What [`micro_step`] did.
 #[derive(Debug, Clone)]
@@ -54,4 +67,18 @@ where
         lr,
         grad_norm,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_steps_overrides_the_epochs_and_fractional_epochs_round_up() {
+        assert_eq!(run_steps(Some(300), 3.0, 126), 300);
+        assert_eq!(run_steps(Some(5), 3.0, 126), 5);
+        assert_eq!(run_steps(None, 3.0, 126), 378);
+        // 2.5 epochs of 5 steps: 12.5, rounded up as transformers' math.ceil.
+        assert_eq!(run_steps(None, 2.5, 5), 13);
+    }
 }

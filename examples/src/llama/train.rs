@@ -144,17 +144,9 @@ impl<'a> LlamaRun<'a> {
         let opt = args
             .optimizer
             .build(params, lr, args.momentum, args.weight_decay)?;
-        // --max-steps alone runs its steps whatever the size of the data (a benchmark's way to
-        // call it), rather than stopping at the end of one epoch.
-        let epochs = args.epochs.unwrap_or_else(|| {
-            let per_epoch = acc.num_update_steps(loader.len()).max(1) as u64;
-            args.run
-                .max_steps
-                .map_or(1, |m| m.div_ceil(per_epoch).max(1) as usize)
-        });
         let mut train = TrainLoop::new(
             &args.run,
-            epochs,
+            args.epochs,
             args.batch_size,
             |_, batch: &RowBatch| Ok(model.summed_causal_lm_loss(&batch.input_ids)?),
             // The loss is per predicted token; tokens/s counts every position of every row the

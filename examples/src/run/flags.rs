@@ -23,7 +23,9 @@ pub struct RunArgs {
     /// Micro-batches per optimizer step (default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 1).
     #[arg(long)]
     pub grad_accum: Option<usize>,
-    /// Stop after this many optimizer steps (default: run all epochs).
+    /// Optimizer steps to train for, overriding the epochs (as transformers' max_steps): the run
+    /// goes through as many epochs as they take, and the schedule spans them (default: the steps
+    /// of all epochs).
     #[arg(long)]
     pub max_steps: Option<u64>,
     /// Learning-rate schedule, counted in optimizer steps.
@@ -197,10 +199,10 @@ impl RunArgs {
     }
 
     /// Optimizer steps of the whole run, given `per_epoch` optimizer steps in one pass over the
-    /// data: those of `epochs` passes, capped by --max-steps.
+    /// data: --max-steps when given, whatever `epochs` says (transformers' `max_steps` overrides
+    /// its epochs), else those of `epochs` passes.
     pub fn total_steps(&self, per_epoch: u64, epochs: usize) -> u64 {
-        let per_run = per_epoch * epochs as u64;
-        self.max_steps.map_or(per_run, |m| m.min(per_run))
+        accelerate_trainer::run_steps(self.max_steps, epochs as f64, per_epoch)
     }
 
     /// The schedule of --schedule and --warmup-steps over a run of `total_steps` optimizer steps.
@@ -354,6 +356,14 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn max_steps_overrides_the_epochs_as_transformers_does() {
+        // One epoch of 126 steps: --max-steps 300 takes 300, over three epochs.
+        assert_eq!(parse(&["--max-steps", "300"]).total_steps(126, 1), 300);
+        assert_eq!(parse(&["--max-steps", "5"]).total_steps(126, 3), 5);
+        assert_eq!(parse(&[]).total_steps(126, 3), 378);
     }
 
     #[test]

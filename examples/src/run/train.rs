@@ -1,6 +1,9 @@
 //! The training loop every example runs: resume, the monitor, accumulation windows, the
 //! optimizer and scheduler steps, evaluation, checkpoints, and the summary line, written once.
 //! An example gives its model's loss as a closure and says what each batch counts.
+//!
+//! `--max-steps` means what transformers' `max_steps` means: it overrides `--epochs`, and the run
+//! goes through as many epochs as its steps take.
 
 use std::path::Path;
 
@@ -8,7 +11,7 @@ use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{LrScheduler, Optimizer};
 use accelerate_core::Accelerator;
 use accelerate_trainer::micro_step;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 
 use super::{Evaluator, RunArgs, RunMonitor, RunTotals, StepCounts};
@@ -72,7 +75,7 @@ pub struct TrainLoop<'a, B> {
 }
 
 impl<'a, B> TrainLoop<'a, B> {
-    /// A run of `epochs` passes (or --max-steps) over micro-batches of `batch_size` with the
+    /// A run of `epochs` passes (unless --max-steps) over micro-batches of `batch_size` with the
     /// shared flags `args`: `loss` is a micro-batch's loss (see [`BatchCounts::items`] for which),
     /// `counts` what a batch holds, `eval_rows` one evaluation row per sample.
     pub fn new(
@@ -115,13 +118,23 @@ impl<'a, B> TrainLoop<'a, B> {
         let args = self.args;
         let per_epoch = acc.num_update_steps(loader.len()) as u64;
         let total_steps = args.total_steps(per_epoch, self.epochs);
-        let last_epoch = self.epochs as u64;
+        // --max-steps overrides --epochs: as many epochs as its steps take.
+        let last_epoch = match args.max_steps {
+            Some(_) => u64::MAX,
+            None => self.epochs as u64,
+        };
         let mut opt = acc.prepare_optimizer(opt)?;
         let schedule = args.schedule(total_steps);
         let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
         args.resume_if_asked(acc, &loader)?;
         if let Some(check) = self.after_resume.take() {
             check(acc)?;
+        }
+        if per_epoch == 0 && total_steps > acc.optimizer_steps() {
+            bail!(
+                "--max-steps {total_steps}: the training data gives this rank no batch, so no \
+                 step can be taken; give more data, or fewer processes"
+            );
         }
         let mut monitor = RunMonitor::start(acc, self.metrics, total_steps, args.logging_steps())?;
         super::announce_training(acc, &self.data, self.batch_size, total_steps);
