@@ -159,10 +159,6 @@ fn run(args: &Args) -> Result<()> {
         .seed(args.seed);
     let loader = acc.prepare(loader)?;
     let evaluator = Evaluator::prepare(&mut acc, eval_split, args.batch_size, "samples", None)?;
-    let lr = args.optimizer.lr_or(args.lr, 1e-3, 0.05);
-    let opt = args
-        .optimizer
-        .build(params, lr, args.momentum, args.weight_decay)?;
     let mut train = TrainLoop::new(
         &args.run,
         args.epochs,
@@ -185,6 +181,10 @@ fn run(args: &Args) -> Result<()> {
         memory: true,
         ..SummaryFields::default()
     };
+    let lr = args.optimizer.lr_or(args.lr, 1e-3, 0.05);
+    let opt = args
+        .optimizer
+        .build(params, lr, args.momentum, args.weight_decay)?;
     train.run(&mut acc, loader, evaluator, opt)
 }
 

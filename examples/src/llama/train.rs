@@ -140,10 +140,6 @@ impl<'a> LlamaRun<'a> {
             "rows",
             Some("tokens"),
         )?;
-        let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
-        let opt = args
-            .optimizer
-            .build(params, lr, args.momentum, args.weight_decay)?;
         let mut train = TrainLoop::new(
             &args.run,
             args.epochs,
@@ -164,6 +160,10 @@ impl<'a> LlamaRun<'a> {
             ..SummaryFields::default()
         };
         train.after_resume = after_resume.map(|AfterResume(check)| check);
+        let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
+        let opt = args
+            .optimizer
+            .build(params, lr, args.momentum, args.weight_decay)?;
         train.run(&mut acc, loader, evaluator, opt)?;
         Ok(acc)
     }
