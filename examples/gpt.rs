@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset};
-use accelerate_core::optim::{AdamW, AdamWConfig, LrScheduler};
+use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_examples::gpt::{self, CharVocab, Gpt, GptConfig, TextWindows, TokenBatch};
 use accelerate_examples::run::{
-    self, per_row_cross_entropy, sample_rows, Evaluator, RunArgs, RunMonitor, StepCounts,
+    self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, RunArgs, SummaryFields,
+    TrainLoop,
 };
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -233,17 +234,14 @@ fn run(args: &Args) -> Result<()> {
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
         .shuffle(!args.no_shuffle)
         .seed(args.seed);
-    let mut loader = acc.prepare(loader)?;
-    let mut evaluator = Evaluator::prepare(
+    let loader = acc.prepare(loader)?;
+    let evaluator = Evaluator::prepare(
         &mut acc,
         eval_split,
         args.batch_size,
         "windows",
         Some("tokens"),
     )?;
-
-    let total_steps = args.run.total_steps(&acc, loader.len(), args.epochs);
-    let schedule = args.run.schedule(total_steps);
     let opt = AdamW::new(
         params,
         AdamWConfig {
@@ -252,92 +250,35 @@ fn run(args: &Args) -> Result<()> {
             ..AdamWConfig::default()
         },
     )?;
-    let mut opt = acc.prepare(opt)?;
-    let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
-    args.run.resume_if_asked(&acc, &loader)?;
-    let mut monitor = RunMonitor::start(
-        &acc,
-        args.metrics.as_deref(),
-        total_steps,
-        args.run.logging_steps(),
-    )?;
-    run::announce_training(&acc, "", args.batch_size, total_steps);
-
-    let k = acc.gradient_accumulation_steps();
-    'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
-        if args.run.reached_max_steps(acc.optimizer_steps()) {
-            break;
-        }
-        for window in loader.windows(k) {
-            let window = window?;
-            // This rank's real tokens in the whole window, before its first backward pass.
-            let window_tokens: usize = window.iter().map(|b| b.tokens).sum();
-            acc.set_window_items(window_tokens)?;
-            let mut window_samples = 0usize;
-            for batch in window {
-                let step = acc.accumulate();
-                let dropout = gpt::Dropout {
-                    rng: acc.rng().clone(),
-                    p: args.dropout,
-                };
-                let loss = model.summed_loss(
-                    &batch.inputs,
-                    &batch.targets,
-                    &batch.mask,
-                    Some(&dropout),
-                )?;
-                acc.backward(&loss)?;
-                monitor.micro_step(&loss)?;
-                window_samples += batch.inputs.dims()[0];
-                monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
-                let lr = run::step_optimizer(&mut opt, &mut sched)?;
-                if !step.sync {
-                    continue;
-                }
-                // The loss per token of the whole global batch: every rank's window.
-                let n = acc.optimizer_steps();
-                let counts = StepCounts {
-                    items: window_tokens as f64,
-                    samples: window_samples as f64,
-                    tokens: window_tokens as f64,
-                };
-                monitor.end_step(&acc, n, lr, counts)?;
-                if args.run.eval_due(n) {
-                    evaluator.evaluate(&acc, n, |batch| eval_rows(&model, batch))?;
-                }
-                if args.run.end_of_step(&acc, n)? {
-                    break 'epochs;
-                }
-            }
-        }
-    }
-    let run_totals = monitor.finish(&acc)?;
-    evaluator.at_end(&acc, acc.optimizer_steps(), |batch| {
-        eval_rows(&model, batch)
-    })?;
-    acc.end_training()?;
-    let wall = run_totals.wall;
-    // Before save_model, which only some ranks may be asked for: every rank takes part.
-    let peak_rss_mib = run::peak_resident_mib(&acc)?;
-    run::save_model(&acc, args.save_model.as_deref())?;
-    let sync = acc.gradient_sync_stats();
-    acc.print(format!(
-        "samples/s={:.1} tokens/s={:.0} final_loss={:.6} unigram_entropy={entropy:.6} wall={:.2}s \
-         steps={} micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={} \
-         zero_stage={} peak_rss_mib={peak_rss_mib:.0}{}",
-        run_totals.samples / wall,
-        run_totals.tokens / wall,
-        run_totals.last_loss,
-        wall,
-        acc.optimizer_steps(),
-        run_totals.micro_steps,
-        sync.all_reduces,
-        acc.mixed_precision(),
-        run_totals.skipped_steps,
-        acc.zero_stage(),
-        evaluator.summary_fields()
-    ));
-    Ok(())
+    let mut train = TrainLoop::new(
+        &args.run,
+        args.epochs,
+        args.batch_size,
+        |acc, batch: &TokenBatch| {
+            let dropout = gpt::Dropout {
+                rng: acc.rng().clone(),
+                p: args.dropout,
+            };
+            let loss =
+                model.summed_loss(&batch.inputs, &batch.targets, &batch.mask, Some(&dropout))?;
+            Ok(loss)
+        },
+        |batch: &TokenBatch| BatchCounts {
+            samples: batch.inputs.dims()[0],
+            items: Some(batch.tokens),
+            tokens: batch.tokens,
+        },
+        |batch| eval_rows(&model, batch),
+    );
+    train.metrics = args.metrics.as_deref();
+    train.save_model = args.save_model.as_deref();
+    train.summary = SummaryFields {
+        tokens_per_s: true,
+        after_loss: format!(" unigram_entropy={entropy:.6}"),
+        memory: true,
+        ..SummaryFields::default()
+    };
+    train.run(&mut acc, loader, evaluator, Box::new(opt))
 }
 
 /// One evaluation row per window of `batch`: the summed cross-entropy of its real target tokens

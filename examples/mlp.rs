@@ -7,14 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
-use accelerate_core::optim::{
-    AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
-};
-use accelerate_core::Accelerator;
 use accelerate_examples::mlp;
 use accelerate_examples::run::{
-    self, correct_predictions, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind,
-    RunArgs, RunMonitor, StepCounts, Subset,
+    self, correct_predictions, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator,
+    OptimizerKind, RunArgs, SummaryFields, TrainLoop,
 };
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -163,147 +159,33 @@ fn run(args: &Args) -> Result<()> {
         .seed(args.seed);
     let loader = acc.prepare(loader)?;
     let evaluator = Evaluator::prepare(&mut acc, eval_split, args.batch_size, "samples", None)?;
-    let total_steps = args.run.total_steps(&acc, loader.len(), args.epochs);
-    let schedule = args.run.schedule(total_steps);
-    let training = Training {
-        args,
-        acc,
-        model,
-        loader,
-        evaluator,
-        schedule,
-        total_steps,
-        samples,
+    let mut train = TrainLoop::new(
+        &args.run,
+        args.epochs,
+        args.batch_size,
+        |_, (x, y): &(Tensor, Tensor)| {
+            let logits = model.forward(x)?;
+            Ok(candle_nn::loss::cross_entropy(&logits, y)?)
+        },
+        |(x, _): &(Tensor, Tensor)| BatchCounts {
+            samples: x.dims()[0],
+            ..BatchCounts::default()
+        },
+        |batch| eval_rows(&model, batch),
+    );
+    train.metrics = args.metrics.as_deref();
+    train.data = format!("{samples} samples, ");
+    train.save_model = args.save_model.as_deref();
+    train.summary = SummaryFields {
+        gradient_sync: true,
+        memory: true,
+        ..SummaryFields::default()
     };
-
-    match args.optimizer {
-        OptimizerKind::Adamw => training.train_with(AdamW::new(
-            params,
-            AdamWConfig {
-                lr: args.lr.unwrap_or(1e-3),
-                weight_decay: args.weight_decay,
-                ..AdamWConfig::default()
-            },
-        )?),
-        OptimizerKind::Sgd => training.train_with(Sgd::new(
-            params,
-            SgdConfig {
-                lr: args.lr.unwrap_or(0.05),
-                momentum: args.momentum,
-                weight_decay: args.weight_decay,
-                ..SgdConfig::default()
-            },
-        )?),
-    }
-}
-
-/// Everything a run needs but the optimizer, which --optimizer picks.
-struct Training<'a> {
-    args: &'a Args,
-    acc: Accelerator,
-    model: mlp::Mlp,
-    loader: DataLoader<Subset<TensorDataset>>,
-    evaluator: Evaluator<TensorDataset>,
-    schedule: Schedule,
-    total_steps: u64,
-    samples: usize,
-}
-
-impl Training<'_> {
-    /// Prepares `opt` and trains with it, whatever its type.
-    fn train_with<O: Optimizer + Send + 'static>(self, opt: O) -> Result<()> {
-        let Training {
-            args,
-            mut acc,
-            model,
-            mut loader,
-            mut evaluator,
-            schedule,
-            total_steps,
-            samples,
-        } = self;
-        let mut opt = acc.prepare_optimizer(opt)?;
-        let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
-        args.run.resume_if_asked(&acc, &loader)?;
-        let mut monitor = RunMonitor::start(
-            &acc,
-            args.metrics.as_deref(),
-            total_steps,
-            args.run.logging_steps(),
-        )?;
-        run::announce_training(
-            &acc,
-            &format!("{samples} samples, "),
-            args.batch_size,
-            total_steps,
-        );
-
-        let mut window_samples = 0usize;
-        'epochs: for _epoch in loader.next_epoch()..args.epochs as u64 {
-            if args.run.reached_max_steps(acc.optimizer_steps()) {
-                break;
-            }
-            for batch in loader.iter() {
-                let (x, y) = batch?;
-                let step = acc.accumulate();
-                let logits = model.forward(&x)?;
-                let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-                acc.backward(&loss)?;
-                monitor.micro_step(&(loss.to_dtype(DType::F64)? * step.loss_scale)?)?;
-                window_samples += x.dims()[0];
-                monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
-                let lr = run::step_optimizer(&mut opt, &mut sched)?;
-                if !step.sync {
-                    continue;
-                }
-                // The loss of the whole global batch: every rank's window loss, averaged (one
-                // item per rank and step).
-                let n = acc.optimizer_steps();
-                let counts = StepCounts {
-                    items: 1.0,
-                    samples: window_samples as f64,
-                    tokens: 0.0,
-                };
-                monitor.end_step(&acc, n, lr, counts)?;
-                window_samples = 0;
-                if args.run.eval_due(n) {
-                    evaluator.evaluate(&acc, n, |batch| eval_rows(&model, batch))?;
-                }
-                if args.run.end_of_step(&acc, n)? {
-                    break 'epochs;
-                }
-            }
-        }
-        let totals = monitor.finish(&acc)?;
-        evaluator.at_end(&acc, acc.optimizer_steps(), |batch| {
-            eval_rows(&model, batch)
-        })?;
-        acc.end_training()?;
-        // Before save_model, which only some ranks may be asked for: every rank takes part.
-        let peak_rss_mib = run::peak_resident_mib(&acc)?;
-        run::save_model(&acc, args.save_model.as_deref())?;
-        let sync = acc.gradient_sync_stats();
-        acc.print(format!(
-            "samples/s={:.1} final_loss={:.6} wall={:.2}s steps={} micro_steps={} buckets={} \
-             grad_all_reduces={} grad_bytes={} mixed_precision={} skipped_steps={} overlap={} \
-             zero_stage={} transport={} peak_rss_mib={peak_rss_mib:.0}{}",
-            totals.samples / totals.wall,
-            totals.last_loss,
-            totals.wall,
-            acc.optimizer_steps(),
-            totals.micro_steps,
-            acc.gradient_buckets(),
-            sync.all_reduces,
-            sync.bytes,
-            acc.mixed_precision(),
-            totals.skipped_steps,
-            u8::from(acc.overlaps_gradient_reduction()),
-            acc.zero_stage(),
-            acc.transport_name(),
-            evaluator.summary_fields()
-        ));
-        Ok(())
-    }
+    let lr = args.optimizer.lr_or(args.lr, 1e-3, 0.05);
+    let opt = args
+        .optimizer
+        .build(params, lr, args.momentum, args.weight_decay)?;
+    train.run(&mut acc, loader, evaluator, opt)
 }
 
 /// One evaluation row per sample of `batch`: its cross-entropy, 1 item, and whether it was

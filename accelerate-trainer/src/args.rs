@@ -552,10 +552,7 @@ impl TrainingArguments {
     /// `max_steps` when set, else `ceil(num_train_epochs × steps_per_epoch)` (Hugging Face's
     /// rule, which lets a fractional epoch count stop part-way through the last epoch).
     pub fn total_steps(&self, steps_per_epoch: u64) -> u64 {
-        match self.max_steps {
-            Some(steps) => steps,
-            None => (self.num_train_epochs * steps_per_epoch as f64).ceil() as u64,
-        }
+        crate::steps::run_steps(self.max_steps, self.num_train_epochs, steps_per_epoch)
     }
 }
 

@@ -70,6 +70,7 @@ mod evaluation;
 mod model;
 mod progress;
 mod state;
+mod steps;
 mod trainer;
 
 pub use args::{
@@ -81,4 +82,5 @@ pub use control::TrainerControl;
 pub use error::{Error, Result};
 pub use model::{ComputeMetrics, EvalPrediction, Metrics, ModelOutput, TrainerModel};
 pub use state::{TrainerState, TRAINER_STATE_NAME};
+pub use steps::{micro_step, run_steps, MicroStepDone};
 pub use trainer::{TrainOutput, Trainer, TRAIN_EPOCH};

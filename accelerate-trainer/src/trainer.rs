@@ -21,6 +21,7 @@ use crate::evaluation::evaluate_loader;
 use crate::model::{ComputeMetrics, EvalPrediction, Metrics, TrainerModel};
 use crate::progress::Progress;
 use crate::state::{TrainerState, TRAINER_STATE_NAME};
+use crate::steps::micro_step;
 
 /// Tag of the epoch in the trackers, as Hugging Face's `train/epoch`.
 pub const TRAIN_EPOCH: &str = "train/epoch";
@@ -422,33 +423,38 @@ impl Trainer {
                     self.acc.set_window_items(items)?;
                 }
                 for batch in &batches {
-                    let step = self.acc.accumulate();
-                    let out = model.forward(batch)?;
-                    if out.losses.rank() != 1 {
-                        return Err(Error::Args(format!(
-                            "the model's forward returned losses of shape {:?}; the Trainer \
-                             needs one loss per sample, [batch]",
-                            out.losses.dims()
-                        )));
-                    }
-                    // In f32 whatever the model's dtype (a bf16 mean would round the loss).
-                    let losses = out.losses.to_dtype(DType::F32)?;
-                    let loss = match items {
-                        Some(_) => losses.sum_all()?,
-                        None => losses.mean_all()?,
-                    };
-                    self.acc.backward(&loss)?;
-                    let scaled = (loss.detach().to_dtype(DType::F64)? * step.loss_scale)?;
+                    let max_grad_norm = Some(args.max_grad_norm).filter(|&max| max > 0.0);
+                    let done = micro_step(
+                        &self.acc,
+                        &mut run.opt,
+                        &mut run.sched,
+                        max_grad_norm,
+                        || {
+                            let out = model.forward(batch)?;
+                            if out.losses.rank() != 1 {
+                                return Err(Error::Args(format!(
+                                    "the model's forward returned losses of shape {:?}; the \
+                                     Trainer needs one loss per sample, [batch]",
+                                    out.losses.dims()
+                                )));
+                            }
+                            // In f32 whatever the model's dtype (a bf16 mean would round the loss).
+                            let losses = out.losses.to_dtype(DType::F32)?;
+                            Ok(match items {
+                                Some(_) => losses.sum_all()?,
+                                None => losses.mean_all()?,
+                            })
+                        },
+                    )?;
+                    let step = done.step;
+                    let scaled = (done.loss.detach().to_dtype(DType::F64)? * step.loss_scale)?;
                     logged_loss = Some(match logged_loss.take() {
                         None => scaled,
                         Some(sum) => (sum + scaled)?,
                     });
-                    if step.sync && args.max_grad_norm > 0.0 {
-                        grad_norm = self.acc.clip_grad_norm(args.max_grad_norm)?;
+                    if step.sync && max_grad_norm.is_some() {
+                        grad_norm = done.grad_norm;
                     }
-                    run.opt.step()?;
-                    run.sched.step();
-                    run.opt.zero_grad();
                     if !step.sync {
                         continue;
                     }

@@ -430,3 +430,59 @@ fn bad_flags_and_bad_text_files_are_refused_with_the_flag_named() {
     let e = refused(&["--dropout", "1"]);
     assert!(e.contains("--dropout") && e.contains("[0, 1)"), "{e}");
 }
+
+/// `--max-steps` means what transformers' `max_steps` means: it overrides `--epochs`, the run
+/// takes exactly that many optimizer steps over as many epochs as they need, and the schedule
+/// spans them. The text gives fewer steps per epoch than that (checked from the windows the run
+/// reports), and the linear schedule's rate at step `s` (0-based) is `lr · (10 − s) / 10`.
+#[test]
+fn max_steps_overrides_epochs_and_the_schedule_spans_all_its_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("short.txt");
+    // Windows of 4 to 8 characters overlapping by half over 132 characters: about 30.
+    std::fs::write(&file, "abcdefghijk".repeat(12)).unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let (steps, lr) = (10u64, 0.01);
+    let small = "--context 8 --layers 1 --width 8 --heads 1 --batch-size 8 --epochs 1";
+    let mut flags: Vec<String> = small.split(' ').map(String::from).collect();
+    flags.extend(["--text".into(), file.to_str().unwrap().into()]);
+    flags.extend([
+        "--max-steps".into(),
+        steps.to_string(),
+        "--lr".into(),
+        lr.to_string(),
+    ]);
+    flags.extend(["--schedule", "linear", "--metrics"].map(String::from));
+    flags.push(metrics.to_str().unwrap().into());
+    let o = run_gpt(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    let out = text(&o);
+    let windows: usize = out
+        .split(" windows of 4..=8 characters")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no window count in the output:\n{out}"));
+    assert!(
+        windows.div_ceil(8) < 5,
+        "{windows} windows: the test needs fewer than 5 steps per epoch\n{out}"
+    );
+    assert_eq!(summary_value::<u64>(&o, "steps"), steps, "{out}");
+    let rates: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(rates.len(), steps as usize, "{out}");
+    for (s, rate) in rates.iter().enumerate() {
+        let expected = lr * (steps - s as u64) as f64 / steps as f64;
+        assert!(
+            (rate - expected).abs() < 1e-12,
+            "step {s}: lr {rate}, expected {expected}"
+        );
+    }
+}

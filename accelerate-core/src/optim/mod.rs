@@ -127,3 +127,40 @@ fn require(ok: bool, what: &str, value: f64, rule: &str) -> Result<()> {
 
 #[cfg(test)]
 mod test_util;
+
+/// A boxed optimizer is an optimizer, so that a program can pick one at run time (e.g. from a
+/// flag) and prepare it like any other: every method forwards to the boxed one, defaults
+/// included, since the boxed type may override them.
+impl Optimizer for Box<dyn Optimizer + Send> {
+    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+        (**self).step(grads)
+    }
+
+    fn learning_rate(&self) -> &LearningRate {
+        (**self).learning_rate()
+    }
+
+    fn params(&self) -> &[(String, Var)] {
+        (**self).params()
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        (**self).state()
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        (**self).load_state(state)
+    }
+
+    fn set_compute_copies(&mut self, copies: &[(String, Var)]) -> Result<()> {
+        (**self).set_compute_copies(copies)
+    }
+
+    fn wrote_compute_copy(&self, name: &str) -> bool {
+        (**self).wrote_compute_copy(name)
+    }
+
+    fn shard(&mut self, pieces: &BTreeMap<String, Range<usize>>) -> Result<()> {
+        (**self).shard(pieces)
+    }
+}

@@ -46,9 +46,9 @@ pub struct LlamaArgs {
     /// Rows per micro-batch on each rank.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
-    /// Passes over the rows (default: 1, or with --max-steps as many as its steps take).
-    #[arg(long)]
-    pub epochs: Option<usize>,
+    /// Passes over the rows (--max-steps overrides it: as many as its steps take).
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
     /// Peak learning rate (default 3e-3 for AdamW, 0.1 for SGD).
     #[arg(long)]
     pub lr: Option<f64>,

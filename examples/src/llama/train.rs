@@ -14,9 +14,6 @@
 use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
-use accelerate_core::optim::{
-    AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig,
-};
 use accelerate_core::Accelerator;
 use anyhow::Result;
 use candle_core::Var;
@@ -27,8 +24,8 @@ use super::config::LlamaConfig;
 use super::data::{RowBatch, TokenRows};
 use super::model::Llama;
 use crate::run::{
-    self, per_row_cross_entropy, sample_rows, Evaluator, OptimizerKind, RunMonitor, StepCounts,
-    Subset,
+    self, per_row_cross_entropy, sample_rows, AfterResumeFn, BatchCounts, Evaluator, SummaryFields,
+    TrainLoop,
 };
 
 /// A run of the llama workload between its flags and its training: flags checked, data read,
@@ -47,10 +44,7 @@ pub struct LlamaRun<'a> {
 }
 
 /// A check of what `--resume` loaded (see [`LlamaRun::check_after_resume`]).
-struct AfterResume<'a>(Box<ResumeCheckFn<'a>>);
-
-/// The function of an [`AfterResume`].
-type ResumeCheckFn<'a> = dyn FnOnce(&Accelerator) -> Result<()> + 'a;
+struct AfterResume<'a>(Box<AfterResumeFn<'a>>);
 
 impl std::fmt::Debug for AfterResume<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,153 +140,31 @@ impl<'a> LlamaRun<'a> {
             "rows",
             Some("tokens"),
         )?;
-        // --max-steps alone runs its steps whatever the size of the data (a benchmark's way to
-        // call it), rather than stopping at the end of one epoch.
-        let epochs = args.epochs.unwrap_or_else(|| {
-            let per_epoch = acc.num_update_steps(loader.len()).max(1) as u64;
-            args.run
-                .max_steps
-                .map_or(1, |m| m.div_ceil(per_epoch).max(1) as usize)
-        });
-        let total_steps = args.run.total_steps(&acc, loader.len(), epochs);
-        let schedule = args.run.schedule(total_steps);
-        let training = Training {
-            args,
-            acc,
-            model,
-            loader,
-            evaluator,
-            schedule,
-            total_steps,
-            epochs,
-            row_len,
-            after_resume,
+        let mut train = TrainLoop::new(
+            &args.run,
+            args.epochs,
+            args.batch_size,
+            |_, batch: &RowBatch| Ok(model.summed_causal_lm_loss(&batch.input_ids)?),
+            // The loss is per predicted token; tokens/s counts every position of every row the
+            // model read, as language-model training counts them.
+            move |batch: &RowBatch| BatchCounts {
+                samples: batch.input_ids.dims()[0],
+                items: Some(batch.predicted),
+                tokens: batch.input_ids.dims()[0] * row_len,
+            },
+            |batch| eval_rows(model, batch),
+        );
+        train.metrics = args.metrics.as_deref();
+        train.summary = SummaryFields {
+            tokens_per_s: true,
+            ..SummaryFields::default()
         };
-        match args.optimizer {
-            OptimizerKind::Adamw => training.train_with(AdamW::new(
-                params,
-                AdamWConfig {
-                    lr: args.lr.unwrap_or(3e-3),
-                    weight_decay: args.weight_decay,
-                    ..AdamWConfig::default()
-                },
-            )?),
-            OptimizerKind::Sgd => training.train_with(Sgd::new(
-                params,
-                SgdConfig {
-                    lr: args.lr.unwrap_or(0.1),
-                    momentum: args.momentum,
-                    weight_decay: args.weight_decay,
-                    ..SgdConfig::default()
-                },
-            )?),
-        }
-    }
-}
-
-/// Everything a run needs but the optimizer, which --optimizer picks.
-struct Training<'a> {
-    args: &'a LlamaArgs,
-    acc: Accelerator,
-    model: &'a Llama,
-    loader: DataLoader<Subset<TokenRows>>,
-    evaluator: Evaluator<TokenRows>,
-    schedule: Schedule,
-    total_steps: u64,
-    epochs: usize,
-    row_len: usize,
-    after_resume: Option<AfterResume<'a>>,
-}
-
-impl Training<'_> {
-    /// Prepares `opt` and trains with it, whatever its type.
-    fn train_with<O: Optimizer + Send + 'static>(self, opt: O) -> Result<Accelerator> {
-        let Training {
-            args,
-            mut acc,
-            model,
-            mut loader,
-            mut evaluator,
-            schedule,
-            total_steps,
-            epochs,
-            row_len,
-            after_resume,
-        } = self;
-        let mut opt = acc.prepare_optimizer(opt)?;
-        let mut sched = acc.prepare(LrScheduler::new(opt.learning_rate_handle(), schedule)?)?;
-        args.run.resume_if_asked(&acc, &loader)?;
-        if let Some(AfterResume(check)) = after_resume {
-            check(&acc)?;
-        }
-        let mut monitor = RunMonitor::start(
-            &acc,
-            args.metrics.as_deref(),
-            total_steps,
-            args.run.logging_steps(),
-        )?;
-        run::announce_training(&acc, "", args.batch_size, total_steps);
-
-        let k = acc.gradient_accumulation_steps();
-        'epochs: for _epoch in loader.next_epoch()..epochs as u64 {
-            if args.run.reached_max_steps(acc.optimizer_steps()) {
-                break;
-            }
-            for window in loader.windows(k) {
-                let window = window?;
-                // This rank's predicted tokens in the whole window, before its first backward.
-                let window_items: usize = window.iter().map(|b| b.predicted).sum();
-                acc.set_window_items(window_items)?;
-                let mut window_samples = 0usize;
-                for batch in window {
-                    let step = acc.accumulate();
-                    let loss = model.summed_causal_lm_loss(&batch.input_ids)?;
-                    acc.backward(&loss)?;
-                    monitor.micro_step(&loss)?;
-                    window_samples += batch.input_ids.dims()[0];
-                    monitor.grad_norm(args.run.clip_if_syncing(&acc)?);
-                    let lr = run::step_optimizer(&mut opt, &mut sched)?;
-                    if !step.sync {
-                        continue;
-                    }
-                    // The loss per predicted token of the whole global batch; tokens/s counts
-                    // every position of every row the model read, as language-model training
-                    // counts them.
-                    let n = acc.optimizer_steps();
-                    let counts = StepCounts {
-                        items: window_items as f64,
-                        samples: window_samples as f64,
-                        tokens: (window_samples * row_len) as f64,
-                    };
-                    monitor.end_step(&acc, n, lr, counts)?;
-                    if args.run.eval_due(n) {
-                        evaluator.evaluate(&acc, n, |batch| eval_rows(model, batch))?;
-                    }
-                    if args.run.end_of_step(&acc, n)? {
-                        break 'epochs;
-                    }
-                }
-            }
-        }
-        let totals = monitor.finish(&acc)?;
-        evaluator.at_end(&acc, acc.optimizer_steps(), |batch| eval_rows(model, batch))?;
-        acc.end_training()?;
-        let wall = totals.wall;
-        let sync = acc.gradient_sync_stats();
-        acc.print(format!(
-            "samples/s={:.1} tokens/s={:.0} final_loss={:.6} wall={:.2}s steps={} \
-             micro_steps={} grad_all_reduces={} mixed_precision={} skipped_steps={}{}",
-            totals.samples / wall,
-            totals.tokens / wall,
-            totals.last_loss,
-            wall,
-            acc.optimizer_steps(),
-            totals.micro_steps,
-            sync.all_reduces,
-            acc.mixed_precision(),
-            totals.skipped_steps,
-            evaluator.summary_fields()
-        ));
+        train.after_resume = after_resume.map(|AfterResume(check)| check);
+        let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
+        let opt = args
+            .optimizer
+            .build(params, lr, args.momentum, args.weight_decay)?;
+        train.run(&mut acc, loader, evaluator, opt)?;
         Ok(acc)
     }
 }

@@ -23,7 +23,9 @@ pub struct RunArgs {
     /// Micro-batches per optimizer step (default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 1).
     #[arg(long)]
     pub grad_accum: Option<usize>,
-    /// Stop after this many optimizer steps (default: run all epochs).
+    /// Optimizer steps to train for, overriding the epochs (as transformers' max_steps): the run
+    /// goes through as many epochs as they take, and the schedule spans them (default: the steps
+    /// of all epochs).
     #[arg(long)]
     pub max_steps: Option<u64>,
     /// Learning-rate schedule, counted in optimizer steps.
@@ -196,11 +198,11 @@ impl RunArgs {
         Ok(builder.build()?)
     }
 
-    /// Optimizer steps of the whole run: those of `epochs` passes over a prepared loader of
-    /// `batches_per_epoch` batches, capped by --max-steps.
-    pub fn total_steps(&self, acc: &Accelerator, batches_per_epoch: usize, epochs: usize) -> u64 {
-        let per_run = acc.num_update_steps(batches_per_epoch) as u64 * epochs as u64;
-        self.max_steps.map_or(per_run, |m| m.min(per_run))
+    /// Optimizer steps of the whole run, given `per_epoch` optimizer steps in one pass over the
+    /// data: --max-steps when given, whatever `epochs` says (transformers' `max_steps` overrides
+    /// its epochs), else those of `epochs` passes.
+    pub fn total_steps(&self, per_epoch: u64, epochs: usize) -> u64 {
+        accelerate_trainer::run_steps(self.max_steps, epochs as f64, per_epoch)
     }
 
     /// The schedule of --schedule and --warmup-steps over a run of `total_steps` optimizer steps.
@@ -218,17 +220,6 @@ impl RunArgs {
                 total_steps,
             },
         }
-    }
-
-    /// Clips the gradient to --max-grad-norm on the micro-step that syncs (the only one where the
-    /// gradient is whole); returns its global norm before clipping when it computed one.
-    pub fn clip_if_syncing(&self, acc: &Accelerator) -> Result<Option<f64>> {
-        if acc.sync_gradients() {
-            if let Some(max) = self.max_grad_norm {
-                return Ok(acc.clip_grad_norm(max)?);
-            }
-        }
-        Ok(None)
     }
 
     /// Whether the run has taken all the optimizer steps --max-steps allows.
@@ -365,6 +356,14 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn max_steps_overrides_the_epochs_as_transformers_does() {
+        // One epoch of 126 steps: --max-steps 300 takes 300, over three epochs.
+        assert_eq!(parse(&["--max-steps", "300"]).total_steps(126, 1), 300);
+        assert_eq!(parse(&["--max-steps", "5"]).total_steps(126, 3), 5);
+        assert_eq!(parse(&[]).total_steps(126, 3), 378);
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! The training-run scaffolding the example programs share: the flags every run takes
 //! ([`RunArgs`]), resuming from the latest checkpoint, the per-step metrics log, trackers and
 //! progress bar ([`RunMonitor`]), the held-out evaluation split ([`hold_out`]) and its evaluation
-//! ([`Evaluator`]), periodic checkpoints, and writing the trained weights.
+//! ([`Evaluator`]), periodic checkpoints, writing the trained weights, and the training loop that
+//! runs them all ([`TrainLoop`]).
 //!
-//! Each example keeps what is its own (its model, data, loss and summary line); what is here is
-//! the part that must behave the same in all of them, so that tests and users can rely on one set
-//! of flags and messages.
+//! Each example keeps what is its own (its model, data and loss); what is here is the part that
+//! must behave the same in all of them, so that tests and users can rely on one set of flags and
+//! messages.
 
 mod evaluate;
 mod flags;
@@ -14,6 +15,7 @@ mod monitor;
 mod optimizer;
 mod resume;
 mod split;
+mod train;
 
 pub use evaluate::{
     correct_predictions, gathered_sums, per_row_cross_entropy, sample_rows, EvalResult, Evaluator,
@@ -23,9 +25,9 @@ pub use model_file::save_model;
 pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
 pub use split::{hold_out, split_indices, Subset};
+pub use train::{AfterResumeFn, BatchCounts, SummaryFields, TrainLoop};
 
-use accelerate_core::optim::Optimizer;
-use accelerate_core::{Accelerator, PreparedOptimizer, PreparedScheduler};
+use accelerate_core::Accelerator;
 use anyhow::Result;
 
 /// Ends the process with status 1 and the error's whole chain on stderr when `result` failed.
@@ -37,20 +39,6 @@ pub fn exit_on_error(result: Result<()>) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
-}
-
-/// Steps the optimizer and the scheduler and clears the gradients (all three do nothing on
-/// micro-steps that do not sync); returns the learning rate the step used, read before the
-/// scheduler moves it.
-pub fn step_optimizer<O: Optimizer>(
-    opt: &mut PreparedOptimizer<O>,
-    sched: &mut PreparedScheduler,
-) -> Result<f64> {
-    let lr = opt.learning_rate();
-    opt.step()?;
-    sched.step();
-    opt.zero_grad();
-    Ok(lr)
 }
 
 /// Prints the line that opens training on the main process: `data` (empty, or e.g.

@@ -116,7 +116,7 @@ impl RunMonitor {
         Ok(())
     }
 
-    /// Records the gradient norm before clipping that `clip_if_syncing` returned, if any: the
+    /// Records the gradient norm before clipping of a step that clipped, if any: the
     /// next report logs the latest as `train/grad_norm` (Hugging Face's Trainer logs the norm of
     /// the step it reports at).
     pub fn grad_norm(&mut self, norm: Option<f64>) {
