@@ -155,7 +155,7 @@ fn run(args: &Args) -> Result<()> {
                 args.hidden
             )
         })?;
-        acc.refresh_compute_parameters()?;
+        acc.model().refresh_compute_parameters()?;
     }
 
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
@@ -292,7 +292,7 @@ impl Training<'_> {
             totals.wall,
             acc.optimizer_steps(),
             totals.micro_steps,
-            acc.gradient_buckets(),
+            acc.model().gradient_buckets(),
             sync.all_reduces,
             sync.bytes,
             acc.mixed_precision(),

@@ -379,7 +379,7 @@ fn mixed() -> Result<()> {
             opt.zero_grad();
         }
     }
-    let masters = flat(acc.parameters())?;
+    let masters = flat(acc.model().parameters())?;
     if masters.dtype() != DType::F32 {
         bail!("rank {r}: master weights are {:?}", masters.dtype());
     }

@@ -12,6 +12,7 @@
 pub(crate) mod agreement;
 pub(crate) mod contract;
 pub mod cpu;
+pub(crate) mod encoding;
 pub mod join;
 pub(crate) mod keys;
 pub mod liveness;
@@ -44,6 +45,18 @@ pub enum ReduceOp {
     Mean,
     /// Elementwise maximum over ranks.
     Max,
+}
+
+/// Reduces one number over all ranks of `comm`. The tensor is built on the host whatever the
+/// device: the communicator stages it (NCCL through its GPU), and the value is read back on the
+/// host anyway.
+pub(crate) fn reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> Result<f64> {
+    if comm.world_size() == 1 {
+        return Ok(value);
+    }
+    let t = Tensor::new(&[value], &candle_core::Device::Cpu)?;
+    comm.all_reduce(&t, op)?;
+    Ok(t.to_vec1::<f64>()?[0])
 }
 
 /// Traffic counters of a communicator, cumulative since it was created.
