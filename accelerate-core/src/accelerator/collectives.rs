@@ -33,7 +33,7 @@ impl Accelerator {
 
     /// Reduces a tensor over all ranks in place (every rank ends with the result). The tensor
     /// must be contiguous (a view with an offset is fine) and of a dtype the communicators carry
-    /// (see [`Communicator`](crate::Communicator)); on the host or on the accelerator's device.
+    /// (see [`Communicator`](crate::comm::Communicator)); on the host or on the accelerator's device.
     pub fn reduce_in_place(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.comm.all_reduce(tensor, op)
     }
@@ -165,7 +165,7 @@ impl Accelerator {
     /// back into the argument, which is untouched). Every rank passes a tensor of the same
     /// shape and dtype (the others' values are ignored); any dtype and layout, on the host or on
     /// the accelerator's device. The tensor travels in its own dtype where the communicators
-    /// carry it (see [`Communicator`](crate::Communicator)); i16 and i32 travel as i64, smaller
+    /// carry it (see [`Communicator`](crate::comm::Communicator)); i16 and i32 travel as i64, smaller
     /// floats as f32, and come back in their own dtype. Ranks passing different dtypes or sizes
     /// get an error naming each rank's, and a rank that never calls it is a timeout naming it.
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {

@@ -1,4 +1,12 @@
-//! Collective communication between the ranks of a job.
+//! Collective communication between the ranks of a job, and how the ranks find each other: the
+//! launcher's plumbing, which a training loop does not need (the `Accelerator` joins the job and
+//! owns its communicator).
+//!
+//! - [`join`] reads this process's place in the job and connects it to the others through the
+//!   rendezvous [`Store`] ([`StoreServer`] hosts it, [`TcpStoreClient`] reaches it), returning
+//!   a [`Membership`];
+//! - [`Communicator`] runs the collectives, one backend per [`Transport`] (chosen by
+//!   [`TransportChoice`], tuned by [`CpuCommOptions`]).
 //!
 //! One trait, [`Communicator`], with one backend per transport: [`LocalCommunicator`] for a single
 //! process (every collective is the identity, nothing touches the network). The CPU (TCP and shared
@@ -11,16 +19,16 @@
 
 pub(crate) mod agreement;
 pub(crate) mod contract;
-pub mod cpu;
+pub(crate) mod cpu;
 pub(crate) mod encoding;
-pub mod join;
+pub(crate) mod join;
 pub(crate) mod keys;
-pub mod liveness;
+pub(crate) mod liveness;
 mod local;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub(crate) mod nccl;
 pub(crate) mod staging;
-pub mod store;
+pub(crate) mod store;
 #[cfg(test)]
 mod wire_properties;
 
