@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use accelerate_benchmarks::median;
-use accelerate_core::{Communicator, ProcessState, ReduceOp};
+use accelerate_core::{comm::Communicator, ProcessState, ReduceOp};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
@@ -154,7 +154,7 @@ fn main() -> Result<()> {
     // The communicator itself (the `Accelerator` has no reduce-scatter of its own).
     let state = ProcessState::from_env()?;
     let device = accelerate_core::select_device(&state)?;
-    let membership = accelerate_core::join(&state, &device)?;
+    let membership = accelerate_core::comm::join(&state, &device)?;
     let comm = membership.comm.as_ref();
     let n = comm.world_size();
     let main = comm.rank() == 0;

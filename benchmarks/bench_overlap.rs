@@ -286,7 +286,7 @@ impl StepTimes {
             median(&self.step_ms),
             median(&self.sync_backward_ms),
             median(&self.other_backward_ms),
-            acc.gradient_buckets(),
+            acc.model().gradient_buckets(),
             u8::from(acc.overlaps_gradient_reduction())
         ));
     }

@@ -56,7 +56,7 @@ fn run(args: &Args) -> Result<()> {
     if let Some(path) = &args.llama.init_weights {
         accelerate_core::load_into_vars(path, &params)
             .with_context(|| format!("--init-weights {}", path.display()))?;
-        acc.refresh_compute_parameters()?;
+        acc.model().refresh_compute_parameters()?;
     }
     let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     session.announce(&format!("{parameter_count} parameters"));
@@ -81,6 +81,7 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
     }
     let written = if acc.is_main_process() {
         let tensors: Vec<(String, Tensor)> = acc
+            .model()
             .parameters()
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))

@@ -173,7 +173,7 @@ fn run(args: &Args) -> Result<()> {
     if let Some(dir) = &args.load_adapter {
         lora::load_adapter(dir, &params)
             .with_context(|| format!("--load-adapter {}", dir.display()))?;
-        acc.refresh_compute_parameters()?;
+        acc.model().refresh_compute_parameters()?;
     }
     let count = |p: &[(String, Var)]| p.iter().map(|(_, v)| v.elem_count()).sum::<usize>();
     session.announce(&format!(
@@ -221,7 +221,7 @@ fn save_adapter(
         return Ok(());
     };
     let written = if acc.is_main_process() {
-        lora::save_adapter(dir, lora, base_model, acc.parameters())
+        lora::save_adapter(dir, lora, base_model, acc.model().parameters())
     } else {
         Ok(())
     };

@@ -151,7 +151,7 @@ fn run(args: &Args) -> Result<()> {
                 args.hidden
             )
         })?;
-        acc.refresh_compute_parameters()?;
+        acc.model().refresh_compute_parameters()?;
     }
 
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)

@@ -10,7 +10,7 @@
 //! the contract refuses or accepts, and ranks passing tensors of different sizes, dtypes or
 //! shapes. Expected values come from formulas of the rank and the index, computed here directly.
 
-use accelerate_core::Communicator;
+use accelerate_core::comm::Communicator;
 use accelerate_core::ReduceOp;
 use candle_core::{DType, Device, Tensor};
 

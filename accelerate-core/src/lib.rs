@@ -92,7 +92,7 @@ mod accelerator;
 #[cfg(doctest)]
 mod book;
 mod checkpoint;
-mod comm;
+pub mod comm;
 mod cpu_slices;
 #[cfg(feature = "cuda")]
 mod cuda_accumulate;
@@ -138,12 +138,7 @@ pub use checkpoint::{
     prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
     MODEL_INDEX_FILE, MODEL_SAFETENSORS,
 };
-#[cfg(feature = "nccl")]
-pub use comm::NcclCommunicator;
-pub use comm::{
-    join, CommStats, Communicator, CpuCommOptions, CpuCommunicator, LocalCommunicator, Membership,
-    ReduceOp, Store, StoreServer, TcpStoreClient, Transport, TransportChoice,
-};
+pub use comm::ReduceOp;
 pub use device::{gpu_present, physical_gpu_count, select_device};
 pub use error::{Error, Result};
 pub use files::{load_into_vars, load_safetensors, save_safetensors, write_atomic};

@@ -11,8 +11,11 @@ use std::sync::Arc;
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 
+use crate::comm::ReduceOp;
 use crate::error::Result;
-use crate::training::TrainingState;
+use crate::training::{SharedSync, TrainingState};
+use crate::window::MicroStep;
+use crate::zero::CommLink;
 
 /// Named parameters.
 type NamedVars = Vec<(String, Var)>;
@@ -94,19 +97,52 @@ impl Model {
 }
 
 /// A prepared model: which of the accelerator's models it is, its trained and frozen
-/// parameters, and its own accumulation state. Begin its micro-steps with
-/// [`Accelerator::accumulate_model`](crate::Accelerator::accumulate_model) and run its backward
-/// pass with [`Accelerator::backward_model`](crate::Accelerator::backward_model); the optimizer
-/// prepared over its parameters steps with its gradients only.
-#[derive(Debug, Clone)]
+/// parameters, and its own accumulation state, with the calls of one model's training loop:
+/// [`accumulate`](Self::accumulate) begins a micro-step, [`backward`](Self::backward) runs the
+/// backward pass into this model's gradients, [`clip_grad_norm`](Self::clip_grad_norm) clips
+/// them, and the optimizer prepared over its parameters steps with its gradients only.
+///
+/// `prepare(Model::new(..))` returns one for each further model;
+/// [`Accelerator::model`](crate::Accelerator::model) returns the first model's, the one the
+/// accelerator's own loop calls (`acc.backward`, `acc.accumulate`) act on.
+///
+/// The calls that average across ranks ([`backward`](Self::backward) on the micro-step that
+/// syncs, [`set_window_items`](Self::set_window_items)) are collectives through the
+/// accelerator's communicator: make them on the thread that built the accelerator, while it
+/// lives (an error says so otherwise).
+#[derive(Clone)]
 pub struct PreparedModel {
     index: usize,
     training: Arc<TrainingState>,
+    /// The accelerator's communicator, reachable from this handle (which is `Send`, while the
+    /// communicator is not).
+    comm: CommLink,
+    /// How gradients are averaged across ranks, shared by every model of the accelerator.
+    sync: SharedSync,
+}
+
+impl std::fmt::Debug for PreparedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedModel")
+            .field("index", &self.index)
+            .field("training", &self.training)
+            .finish_non_exhaustive()
+    }
 }
 
 impl PreparedModel {
-    pub(crate) fn new(index: usize, training: Arc<TrainingState>) -> Self {
-        Self { index, training }
+    pub(crate) fn new(
+        index: usize,
+        training: Arc<TrainingState>,
+        comm: CommLink,
+        sync: SharedSync,
+    ) -> Self {
+        Self {
+            index,
+            training,
+            comm,
+            sync,
+        }
     }
 
     pub(crate) fn training(&self) -> &Arc<TrainingState> {
@@ -135,6 +171,44 @@ impl PreparedModel {
         self.training.accumulation_steps()
     }
 
+    /// Number of this model's gradient buckets (each is one all-reduce per optimizer step).
+    pub fn gradient_buckets(&self) -> usize {
+        self.training.gradient_buckets()
+    }
+
+    /// Begins a micro-step of this model: decides whether its gradients sync and how its loss is
+    /// scaled, by its own accumulation steps. Call it once per batch, after taking the batch
+    /// from the prepared loader.
+    pub fn accumulate(&self) -> MicroStep {
+        self.training.begin_micro_step()
+    }
+
+    /// Computes the gradients of `loss` (a scalar) into this model's gradients only, scaled for
+    /// the window; other models' parameters that `loss` reaches are left alone. On the
+    /// micro-step that syncs, the window's gradients are averaged across ranks.
+    ///
+    /// A parameter that got no gradient in the window on any rank keeps none (the optimizer skips
+    /// it); one that got a gradient on some ranks only is averaged with zeros for the others. Both
+    /// are what one process training on the whole window's batch would have, at any world size.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let sync = crate::training::lock(&self.sync);
+        self.comm
+            .with("backward", |comm| self.training.backward(loss, comm, &sync))
+    }
+
+    /// Switches this model's window about to begin to item-weighted accumulation: `local_items`
+    /// is the number of items (e.g. non-padding tokens) in this rank's batches of the whole
+    /// window, and the losses passed to [`backward`](Self::backward) in that window must be
+    /// *sums* over items. The resulting gradient equals that of one batch holding the whole
+    /// window on all ranks, averaged per item. Call before the window's first
+    /// [`accumulate`](Self::accumulate); the count is summed over ranks (a collective).
+    pub fn set_window_items(&self, local_items: usize) -> Result<()> {
+        self.comm.with("set_window_items", |comm| {
+            let global = crate::comm::reduce_scalar(comm, local_items as f64, ReduceOp::Sum)?;
+            self.training.set_window_items(global, comm.world_size())
+        })
+    }
+
     /// Whether this model's current micro-step syncs gradients (and steps its optimizer).
     pub fn sync_gradients(&self) -> bool {
         self.training.sync_gradients()
@@ -151,20 +225,32 @@ impl PreparedModel {
     }
 
     /// A copy of the gradient accumulated for parameter `name` in this model's current window
-    /// (see [`Accelerator::gradient`](crate::Accelerator::gradient)).
+    /// (f32 under mixed precision, already divided by the fp16 loss scale; averaged across ranks
+    /// once the sync micro-step's backward ran), or `None` if it has none (PyTorch's
+    /// `grad is None`).
     pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
         self.training.gradient(name)
     }
 
+    /// Copies the master weights into the model's half-precision compute copies. Call it after
+    /// writing the masters yourself (e.g. loading initial weights into the parameters that
+    /// `prepare` returned); the optimizer step and `load_state` do it on their own. Does nothing
+    /// without mixed precision.
+    pub fn refresh_compute_parameters(&self) -> Result<()> {
+        self.training.refresh_compute()
+    }
+
     /// Scales this model's window gradients so that their global L2 norm is at most `max_norm`
-    /// and returns the norm before clipping; `None` on a micro-step that does not sync.
+    /// and returns the norm before clipping. Acts on the accumulated, averaged gradients, so it
+    /// only does something on a micro-step that syncs; elsewhere it returns `None`.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
         self.training.clip_grad_norm(max_norm)
     }
 
-    /// Clamps every element of this model's window gradients to `[-limit, limit]` (see
-    /// [`Accelerator::clip_grad_value`](crate::Accelerator::clip_grad_value)); returns whether it
-    /// acted.
+    /// Clamps every element of this model's window gradients to `[-limit, limit]` (PyTorch's
+    /// `clip_grad_value_`). Like [`clip_grad_norm`](Self::clip_grad_norm) it acts on the
+    /// accumulated, averaged gradients, so only on a micro-step that syncs (returning `true`);
+    /// elsewhere it does nothing and returns `false`.
     pub fn clip_grad_value(&self, limit: f64) -> Result<bool> {
         self.training.clip_grad_value(limit)
     }

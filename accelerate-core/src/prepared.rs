@@ -3,7 +3,7 @@
 //! the micro-steps where gradients do not sync, like Accelerate's `AcceleratedOptimizer` and
 //! `AcceleratedScheduler`.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
 use crate::optim::{LearningRate, LrScheduler, Optimizer, OptimizerState, SchedulerState};
@@ -11,8 +11,9 @@ use crate::training::{lock, SharedOptimizer, TrainingState};
 
 /// An optimizer that steps only when gradients sync.
 ///
-/// The optimizer itself lives behind a training lock so that the accelerator can save and restore
-/// its state (`Accelerator::save_state`) without the loop handing it over.
+/// The handle owns the optimizer: the loop reaches it only through the handle's calls, each of
+/// which locks it for its own length (the lock exists so that the accelerator can save and
+/// restore its state, `Accelerator::save_state`, without the loop handing it over).
 pub struct PreparedOptimizer<O> {
     inner: Arc<Mutex<O>>,
     training: Arc<TrainingState>,
@@ -69,10 +70,20 @@ impl<O: Optimizer> PreparedOptimizer<O> {
         lock(&self.inner).load_state(state)
     }
 
-    /// The wrapped optimizer, locked while the guard lives. Drop the guard before the next
-    /// `step`, `save_state` or `load_state`, which lock it too.
-    pub fn inner(&self) -> MutexGuard<'_, O> {
-        lock(&self.inner)
+    /// Lends the wrapped optimizer to `read` and returns what it returns
+    /// (`opt.with_inner(|o| o.group_configs())`). The optimizer is locked only while `read`
+    /// runs, and `read` cannot step it: [`step`](Self::step) takes `&mut self`, which the borrow
+    /// checker refuses while `with_inner` borrows the handle. Do not save or load the
+    /// accelerator's state inside `read`: that locks the optimizer too.
+    pub fn with_inner<R>(&self, read: impl FnOnce(&O) -> R) -> R {
+        read(&lock(&self.inner))
+    }
+
+    /// Lends the wrapped optimizer to `change` to change it in place (a hyper-parameter, say),
+    /// locked only while `change` runs; as with [`with_inner`](Self::with_inner), `change`
+    /// cannot step it.
+    pub fn with_inner_mut<R>(&mut self, change: impl FnOnce(&mut O) -> R) -> R {
+        change(&mut lock(&self.inner))
     }
 }
 

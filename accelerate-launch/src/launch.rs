@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use accelerate_core::comm::StoreServer;
 use accelerate_core::env::{COLLECTIVE_TIMEOUT, JOB_TOKEN};
-use accelerate_core::StoreServer;
 use rand::Rng;
 
 use crate::cli;

@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use accelerate_core::{Store, StoreServer, TcpStoreClient};
+use accelerate_core::comm::{Store, StoreServer, TcpStoreClient};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 

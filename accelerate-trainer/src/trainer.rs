@@ -754,7 +754,7 @@ impl Trainer {
             return Ok(());
         };
         accelerate_core::load_into_vars(dir.join(accelerate_core::MODEL_SAFETENSORS), params)?;
-        self.acc.refresh_compute_parameters()?;
+        self.acc.model().refresh_compute_parameters()?;
         Ok(())
     }
 

@@ -379,7 +379,7 @@ fn mixed() -> Result<()> {
             opt.zero_grad();
         }
     }
-    let masters = flat(acc.parameters())?;
+    let masters = flat(acc.model().parameters())?;
     if masters.dtype() != DType::F32 {
         bail!("rank {r}: master weights are {:?}", masters.dtype());
     }
@@ -651,7 +651,7 @@ fn gather_after_loop() -> Result<()> {
 fn conformance() -> Result<()> {
     let state = accelerate_core::ProcessState::from_env()?;
     let device = accelerate_core::select_device(&state)?;
-    let membership = accelerate_core::join(&state, &device)?;
+    let membership = accelerate_core::comm::join(&state, &device)?;
     accelerate_tests::conformance_suite::check_communicator(membership.comm.as_ref(), &device)
         .map_err(anyhow::Error::msg)?;
     if state.rank == 0 {

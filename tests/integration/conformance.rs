@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use accelerate_core::{
+use accelerate_core::comm::{
     CpuCommOptions, CpuCommunicator, LocalCommunicator, StoreServer, TcpStoreClient,
 };
-use accelerate_core::{Transport, TransportChoice};
+use accelerate_core::comm::{Transport, TransportChoice};
 use accelerate_tests::conformance_suite::check_communicator;
 use candle_core::Device;
 

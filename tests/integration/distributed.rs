@@ -837,7 +837,7 @@ mod missing_gradients {
                                 // At stage 2 a gradient that exists is whole on no rank: asking
                                 // for it is an error, and asking for one that does not exist
                                 // is not.
-                                let has = |name: &str| match acc.gradient(name) {
+                                let has = |name: &str| match acc.model().gradient(name) {
                                     Ok(g) => g.is_some(),
                                     Err(e) if stage == 2 => {
                                         assert!(e.to_string().contains("zero_stage(1)"), "{e}");

@@ -59,10 +59,10 @@ mod on_gpu {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use accelerate_core::comm::{Communicator, NcclCommunicator, StoreServer, TcpStoreClient};
     use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
     use accelerate_core::optim::{AdamW, AdamWConfig};
     use accelerate_core::{Accelerator, ProcessState, ReduceOp};
-    use accelerate_core::{Communicator, NcclCommunicator, StoreServer, TcpStoreClient};
     use accelerate_tests::{
         kill_rank_once_checkpointed, load_flat, max_abs_diff, max_abs_diff_flat, named_vars,
         output_text, restart_mlp_args, skip, summary_value, tiny_data, tiny_mlp, tiny_mlp_on, Job,

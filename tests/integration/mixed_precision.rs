@@ -153,7 +153,7 @@ fn an_fp16_overflow_skips_the_step_and_the_next_step_matches_a_hand_computed_upd
     );
     assert_eq!(acc.loss_scale(), Some(32768.0), "backed off by 0.5");
     assert!(
-        acc.gradient("l.weight").unwrap().is_none(),
+        acc.model().gradient("l.weight").unwrap().is_none(),
         "gradients dropped"
     );
 
@@ -169,7 +169,7 @@ fn an_fp16_overflow_skips_the_step_and_the_next_step_matches_a_hand_computed_upd
     acc.backward(&loss).unwrap();
     let (gw, gb) = hand_gradient(&w0, &b0);
     // The buffers hold the true gradient: the scale 32768 was divided out.
-    let got_gw = values(&acc.gradient("l.weight").unwrap().unwrap());
+    let got_gw = values(&acc.model().gradient("l.weight").unwrap().unwrap());
     for (g, want) in got_gw.iter().zip(&gw) {
         assert!(
             (*g as f64 - want).abs() < 2e-3 * (1.0 + want.abs()),
@@ -321,8 +321,11 @@ fn bf16_buffers_hold_the_f32_sum_of_each_micro_steps_bf16_gradient() {
     }
     let mut bf16_vs_f32 = 0f32;
     for (j, (name, _)) in named_vars(&varmap).iter().enumerate() {
-        let got = values(&acc.gradient(name).unwrap().unwrap());
-        assert_eq!(acc.gradient(name).unwrap().unwrap().dtype(), DType::F32);
+        let got = values(&acc.model().gradient(name).unwrap().unwrap());
+        assert_eq!(
+            acc.model().gradient(name).unwrap().unwrap().dtype(),
+            DType::F32
+        );
         let want = values(want[j].as_ref().unwrap());
         let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
         for (g, w) in got.iter().zip(&want) {
@@ -536,7 +539,7 @@ fn gradients_averaged_in_bf16_are_the_rounded_mean_and_half_the_traffic() {
                 let _step = acc.accumulate();
                 acc.backward(&(&w * &x).unwrap().sum_all().unwrap())
                     .unwrap();
-                let g = values(&acc.gradient("w").unwrap().unwrap());
+                let g = values(&acc.model().gradient("w").unwrap().unwrap());
                 (g, acc.gradient_sync_stats().bytes)
             },
         )
@@ -659,14 +662,15 @@ fn train_copies(
         assert_eq!(opt.step_was_skipped(), overflow, "step {s}");
         if !overflow {
             // The runtime skipped the cast exactly where the update wrote the copy.
-            let inner = opt.inner();
-            for (name, _) in &params {
-                assert_eq!(
-                    inner.wrote_compute_copy(name),
-                    keep_copies,
-                    "{name}, step {s}"
-                );
-            }
+            opt.with_inner(|inner| {
+                for (name, _) in &params {
+                    assert_eq!(
+                        inner.wrote_compute_copy(name),
+                        keep_copies,
+                        "{name}, step {s}"
+                    );
+                }
+            });
         }
         opt.zero_grad();
     }

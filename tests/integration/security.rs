@@ -12,7 +12,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use accelerate_core::TcpStoreClient;
+use accelerate_core::comm::TcpStoreClient;
 use accelerate_tests::{free_port, output_text, Job};
 
 const LIMIT: Duration = Duration::from_secs(120);

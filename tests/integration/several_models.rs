@@ -141,16 +141,16 @@ impl TwoModels {
     }
 
     /// One micro-step of the loop: the discriminator steps, then the generator accumulates.
-    fn micro_step(&mut self, acc: &Accelerator, x: &Tensor, y: &Tensor) {
-        let _b_step = acc.accumulate_model(&self.b_prepared);
+    fn micro_step(&mut self, x: &Tensor, y: &Tensor) {
+        let _b_step = self.b_prepared.accumulate();
         let loss = coupled_loss(&self.b, &self.a, x, y);
-        acc.backward_model(&self.b_prepared, &loss).unwrap();
+        self.b_prepared.backward(&loss).unwrap();
         self.b_opt.step().unwrap();
         self.b_opt.zero_grad();
 
-        let _a_step = acc.accumulate_model(&self.a_prepared);
+        let _a_step = self.a_prepared.accumulate();
         let loss = coupled_loss(&self.a, &self.b, x, y);
-        acc.backward_model(&self.a_prepared, &loss).unwrap();
+        self.a_prepared.backward(&loss).unwrap();
         self.a_opt.step().unwrap();
         self.a_opt.zero_grad();
     }
@@ -205,7 +205,6 @@ fn two_models_on_two_ranks_train_as_one_process_on_the_whole_batch() {
                 for j in 0..micro_steps {
                     let start = (2 * j + acc.process_index()) * B;
                     m.micro_step(
-                        &acc,
                         &x.narrow(0, start, B).unwrap(),
                         &y.narrow(0, start, B).unwrap(),
                     );
@@ -315,7 +314,7 @@ fn a_checkpoint_holds_both_models_and_resumes_bitwise() {
         }
         for (j, batch) in loader.iter().enumerate() {
             let (x, y) = batch.unwrap();
-            m.micro_step(&acc, &x, &y);
+            m.micro_step(&x, &y);
             if save_after == Some(j + 1) {
                 acc.save_state(dir.path()).unwrap();
                 return None;
@@ -407,10 +406,9 @@ fn two_models_on_the_windows_of_one_loader_see_each_batch_once() {
                 } else {
                     (&b_model, &b, &a, &mut b_opt)
                 };
-                let step = acc.accumulate_model(model);
+                let step = model.accumulate();
                 windows.push((m, step.window_len, step.sync));
-                acc.backward_model(model, &coupled_loss(net, other, &x, &y))
-                    .unwrap();
+                model.backward(&coupled_loss(net, other, &x, &y)).unwrap();
                 opt.step().unwrap();
                 opt.zero_grad();
             }
@@ -496,16 +494,14 @@ fn the_second_model_weights_its_window_by_the_items_of_its_own_count() {
             .unwrap();
         let start = ROWS[..rank].iter().flatten().sum::<usize>();
         let rows = ROWS[rank];
-        acc.set_window_items_model(&b_prepared, rows[0] + rows[1])
-            .unwrap();
+        b_prepared.set_window_items(rows[0] + rows[1]).unwrap();
         let mut first = start;
         for n in rows {
-            let _step = acc.accumulate_model(&b_prepared);
+            let _step = b_prepared.accumulate();
             let xs = x.narrow(0, first, n).unwrap();
             let ys = y.narrow(0, first, n).unwrap();
             let mean = candle_nn::loss::cross_entropy(&b.forward(&xs).unwrap(), &ys).unwrap();
-            acc.backward_model(&b_prepared, &(mean * n as f64).unwrap())
-                .unwrap();
+            b_prepared.backward(&(mean * n as f64).unwrap()).unwrap();
             first += n;
         }
         assert!(b_prepared.sync_gradients());

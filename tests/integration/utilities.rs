@@ -58,6 +58,7 @@ fn no_sync_accumulates_locally_and_the_next_sync_averages_everything() {
                 .unwrap();
             assert!(!acc.sync_gradients(), "no micro-step syncs inside no_sync");
             let local = acc
+                .model()
                 .gradient("w")
                 .unwrap()
                 .unwrap()
@@ -82,7 +83,7 @@ fn no_sync_accumulates_locally_and_the_next_sync_averages_everything() {
         (
             values(&w),
             acc.gradient_sync_stats().all_reduces,
-            acc.gradient_buckets(),
+            acc.model().gradient_buckets(),
         )
     });
     // Inputs: rank 0: [1, -1], [3, -2]; rank 1: [2, -2], [4, -4]. Mean: [2.5, -2.25].
@@ -234,7 +235,7 @@ fn sync_each_batch_gives_the_same_parameters_with_an_all_reduce_per_micro_step()
                 (
                     snapshot(&names),
                     acc.gradient_sync_stats().all_reduces,
-                    acc.gradient_buckets() as u64,
+                    acc.model().gradient_buckets() as u64,
                     acc.optimizer_steps(),
                 )
             },
@@ -291,6 +292,7 @@ fn clip_grad_value_clamps_the_window_average_on_sync_micro_steps() {
         if j == 0 {
             // Not clipped: the first half of the window, 3 / 2 = 1.5 > 1.
             let g = acc
+                .model()
                 .gradient("w")
                 .unwrap()
                 .unwrap()
@@ -319,9 +321,8 @@ fn clip_grad_value_per_model() {
         .unwrap();
     let _s1 = acc.accumulate();
     acc.backward(&linear_loss(&a, &[4.0, -0.5])).unwrap();
-    let _s2 = acc.accumulate_model(&second);
-    acc.backward_model(&second, &linear_loss(&b, &[4.0, -0.5]))
-        .unwrap();
+    let _s2 = second.accumulate();
+    second.backward(&linear_loss(&b, &[4.0, -0.5])).unwrap();
     assert!(second.clip_grad_value(2.0).unwrap());
     let gb = second
         .gradient("b")
@@ -330,6 +331,7 @@ fn clip_grad_value_per_model() {
         .to_vec1::<f32>()
         .unwrap();
     let ga = acc
+        .model()
         .gradient("a")
         .unwrap()
         .unwrap()

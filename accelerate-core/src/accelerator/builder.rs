@@ -11,6 +11,7 @@ use crate::env;
 use crate::error::Result;
 use crate::grads::DEFAULT_BUCKET_CAP_BYTES;
 use crate::mixed_precision::{LossScalerConfig, MixedPrecision, MixedPrecisionState};
+use crate::model::PreparedModel;
 use crate::process::ProcessState;
 use crate::rng::RankRng;
 use crate::sync::{GradientSync, DEFAULT_OVERLAP_GRADIENT_REDUCTION};
@@ -267,6 +268,13 @@ impl AcceleratorBuilder {
         let rng = RankRng::new(seed, state.rank);
         let comm: Arc<dyn crate::comm::Communicator> = Arc::from(membership.comm);
         let zero = ZeroConfig::new(zero_stage, &comm);
+        let sync = Arc::new(std::sync::Mutex::new(sync));
+        let first = Arc::new(TrainingState::new(
+            accumulation,
+            mixed,
+            loaders.clone(),
+            zero.clone(),
+        ));
         // Last, so that a build failing on anything else leaves no stray tracker files.
         let trackers = Trackers::open(
             &self.report_to,
@@ -283,13 +291,9 @@ impl AcceleratorBuilder {
             comm,
             store: membership.store,
             _hosted_store: membership.hosted,
+            first: PreparedModel::new(0, first.clone(), zero.link.clone(), sync.clone()),
             sync,
-            models: vec![Arc::new(TrainingState::new(
-                accumulation,
-                mixed,
-                loaders.clone(),
-                zero.clone(),
-            ))],
+            models: vec![first],
             zero,
             loaders,
             frozen: Vec::new(),

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::Accelerator;
 use crate::comm::contract::SUPPORTED_DTYPES;
+use crate::comm::encoding::{dtype_index, dtype_name, from_cbor, not_encoded, to_cbor, wire_dtype};
 use crate::comm::staging::compact_copy;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
@@ -32,21 +33,9 @@ impl Accelerator {
 
     /// Reduces a tensor over all ranks in place (every rank ends with the result). The tensor
     /// must be contiguous (a view with an offset is fine) and of a dtype the communicators carry
-    /// (see [`Communicator`](crate::Communicator)); on the host or on the accelerator's device.
+    /// (see [`Communicator`](crate::comm::Communicator)); on the host or on the accelerator's device.
     pub fn reduce_in_place(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.comm.all_reduce(tensor, op)
-    }
-
-    /// Reduces one number over all ranks. The tensor is built on the host whatever the device:
-    /// the communicator stages it (NCCL through its GPU), and the value is read back on the
-    /// host anyway.
-    pub(super) fn reduce_scalar(&self, value: f64, op: ReduceOp) -> Result<f64> {
-        if self.state.world_size == 1 {
-            return Ok(value);
-        }
-        let t = Tensor::new(&[value], &Device::Cpu)?;
-        self.comm.all_reduce(&t, op)?;
-        Ok(t.to_vec1::<f64>()?[0])
     }
 
     /// Concatenates `tensor` of every rank along dimension 0, in rank order. Any dtype and layout
@@ -95,7 +84,8 @@ impl Accelerator {
     /// ragged tensors can be gathered.
     pub fn pad_across_processes(&self, tensor: &Tensor, dim: usize, value: f64) -> Result<Tensor> {
         let size = tensor.dim(dim)?;
-        let max = self.reduce_scalar(size as f64, ReduceOp::Max)? as usize;
+        let max =
+            crate::comm::reduce_scalar(self.comm.as_ref(), size as f64, ReduceOp::Max)? as usize;
         if max == size {
             return Ok(tensor.clone());
         }
@@ -175,7 +165,7 @@ impl Accelerator {
     /// back into the argument, which is untouched). Every rank passes a tensor of the same
     /// shape and dtype (the others' values are ignored); any dtype and layout, on the host or on
     /// the accelerator's device. The tensor travels in its own dtype where the communicators
-    /// carry it (see [`Communicator`](crate::Communicator)); i16 and i32 travel as i64, smaller
+    /// carry it (see [`Communicator`](crate::comm::Communicator)); i16 and i32 travel as i64, smaller
     /// floats as f32, and come back in their own dtype. Ranks passing different dtypes or sizes
     /// get an error naming each rank's, and a rank that never calls it is a timeout naming it.
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
@@ -334,100 +324,12 @@ impl Accelerator {
     }
 }
 
-/// A contiguous tensor of a dtype that reduces without loss or overflow (f32, f64, i64), and the dtype to
-/// convert the result back to, if it differs.
-fn wire_dtype(tensor: &Tensor) -> Result<(Tensor, Option<DType>)> {
-    let wire = match tensor.dtype() {
-        DType::F32 | DType::F64 | DType::I64 => None,
-        // Every integer travels as i64: exact, and a sum over ranks does not overflow.
-        DType::U8 | DType::U32 | DType::I16 | DType::I32 => Some(DType::I64),
-        // Half and smaller floats as f32: a metric summed over ranks keeps its precision.
-        _ => Some(DType::F32),
-    };
-    let t = match wire {
-        Some(w) => tensor.to_dtype(w)?,
-        None => tensor.contiguous()?,
-    };
-    Ok((t.contiguous()?, wire.map(|_| tensor.dtype())))
-}
-
 /// The range of the `rank`-th of `ranks` contiguous shares of `len` items: as equal as possible,
 /// the first `len % ranks` one longer (Accelerate's layout).
 fn share_of(len: usize, ranks: usize, rank: usize) -> std::ops::Range<usize> {
     let (base, extra) = (len / ranks, len % ranks);
     let start = rank * base + rank.min(extra);
     start..start + base + usize::from(rank < extra)
-}
-
-/// The dtypes a rank may pass, numbered for [`Accelerator::check_same_dtype`]: the index is
-/// what travels.
-const DTYPES: [DType; 14] = [
-    DType::U8,
-    DType::U32,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::BF16,
-    DType::F16,
-    DType::F32,
-    DType::F64,
-    DType::F8E4M3,
-    DType::F6E2M3,
-    DType::F6E3M2,
-    DType::F4,
-    DType::F8E8M0,
-];
-
-/// `dtype`'s number in [`DTYPES`].
-fn dtype_index(dtype: DType) -> i64 {
-    DTYPES
-        .iter()
-        .position(|&d| d == dtype)
-        .map_or(-1, |i| i as i64)
-}
-
-/// The name of the dtype numbered `index` in [`DTYPES`].
-fn dtype_name(index: i64) -> &'static str {
-    usize::try_from(index)
-        .ok()
-        .and_then(|i| DTYPES.get(i))
-        .map_or("an unknown dtype", |d| d.as_str())
-}
-
-/// `value` as CBOR bytes, for an object collective.
-fn to_cbor<T: Serialize>(op: &'static str, rank: usize, value: &T) -> Result<Vec<u8>> {
-    let mut bytes = Vec::new();
-    ciborium::into_writer(value, &mut bytes).map_err(|e| {
-        Error::Config(format!(
-            "{op}: the value of rank {rank} (this rank) cannot be serialized ({e}); its Serialize \
-             implementation returned an error. Every rank refused the collective"
-        ))
-    })?;
-    Ok(bytes)
-}
-
-/// The error of the ranks whose own value was fine when rank `failed`'s could not be encoded.
-fn not_encoded(op: &'static str, failed: usize) -> Error {
-    Error::Collective {
-        op,
-        peer: Some(failed),
-        problem: format!(
-            "the value of rank {failed} cannot be serialized (its error says why); nothing was \
-             exchanged, every rank refused the collective"
-        ),
-    }
-}
-
-/// The value rank `rank` sent, parsed.
-fn from_cbor<T: DeserializeOwned>(op: &'static str, rank: usize, bytes: &[u8]) -> Result<T> {
-    ciborium::from_reader(bytes).map_err(|e| Error::Collective {
-        op,
-        peer: Some(rank),
-        problem: format!(
-            "the value rank {rank} sent is not of the type this rank expects ({e}); pass the same \
-             type on every rank"
-        ),
-    })
 }
 
 #[cfg(test)]

@@ -7,25 +7,24 @@ mod builder;
 mod checkpointing;
 mod collectives;
 mod logging;
-mod parameter_check;
 mod prepare;
 
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 
 use crate::checkpoint::SharedCustomState;
 use crate::comm::store::{Store, StoreServer};
-use crate::comm::{CommStats, Communicator, ReduceOp};
+use crate::comm::{CommStats, Communicator};
 use crate::data::PreparedLoaders;
 use crate::error::Result;
 use crate::mixed_precision::{LossScalerConfig, MixedPrecision};
 use crate::model::PreparedModel;
 use crate::process::ProcessState;
 use crate::rng::RankRng;
-use crate::sync::{GradientSync, GradientSyncStats};
+use crate::sync::GradientSyncStats;
 use crate::tracking::Trackers;
-use crate::training::TrainingState;
+use crate::training::{lock, SharedSync, TrainingState};
 use crate::window::MicroStep;
 
 pub use crate::sync::DEFAULT_OVERLAP_GRADIENT_REDUCTION;
@@ -48,16 +47,19 @@ pub struct Accelerator {
     store: Option<Arc<dyn Store>>,
     /// The store this process hosts (rank 0 under torchrun, SLURM or MPI); serves until dropped.
     _hosted_store: Option<StoreServer>,
-    /// How gradients are averaged across ranks, and the traffic so far.
-    sync: GradientSync,
+    /// How gradients are averaged across ranks, and the traffic so far (shared with every
+    /// prepared model).
+    sync: SharedSync,
     /// The prepared loaders, shared by every model.
     loaders: Arc<PreparedLoaders>,
     /// Each prepared model's training state (everything a training step changes, shared with
     /// the prepared objects), in order of preparation. The first exists from the start: it is
     /// the one the methods without a model argument act on.
     models: Vec<Arc<TrainingState>>,
+    /// The handle of the first model (over `models[0]`), which the loop calls act on.
+    first: PreparedModel,
     /// Every prepared model's frozen parameters, which no optimizer may hold.
-    frozen: Vec<(String, Var)>,
+    frozen: Vec<(String, candle_core::Var)>,
     /// The loss scaler's configuration, for the training state of each further model.
     loss_scaler: LossScalerConfig,
     /// The user's objects registered for checkpointing, in order of registration.
@@ -80,7 +82,7 @@ impl std::fmt::Debug for Accelerator {
 impl Accelerator {
     /// The first model's training state (what the methods without a model argument act on).
     fn training(&self) -> &Arc<TrainingState> {
-        &self.models[0]
+        self.first.training()
     }
 
     /// A builder with defaults read from the environment.
@@ -117,7 +119,7 @@ impl Accelerator {
     /// Whether the last sync micro-step skipped its optimizer step because the fp16 gradients
     /// overflowed (Accelerate's `optimizer.step_was_skipped`).
     pub fn step_was_skipped(&self) -> bool {
-        self.training().step_was_skipped()
+        self.first.step_was_skipped()
     }
 
     /// The configured seed.
@@ -204,7 +206,7 @@ impl Accelerator {
 
     /// K: micro-steps per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
-        self.training().accumulation_steps()
+        self.first.gradient_accumulation_steps()
     }
 
     /// Optimizer updates per epoch for a loader of `batches_per_rank` batches per rank (the length
@@ -219,93 +221,51 @@ impl Accelerator {
         self.zero.stage
     }
 
-    /// Number of gradient buckets (each is one all-reduce per optimizer step).
-    pub fn gradient_buckets(&self) -> usize {
-        self.training().gradient_buckets()
-    }
-
     /// Whether the sync micro-step overlaps the reduction of a gradient bucket with the
     /// preparation of the next, as configured
     /// ([`AcceleratorBuilder::overlap_gradient_reduction`]). It takes effect only with more than
     /// one rank, on the CPU, and with more than one bucket.
     pub fn overlaps_gradient_reduction(&self) -> bool {
-        self.sync.overlap_configured()
+        lock(&self.sync).overlap_configured()
     }
 
-    /// The prepared parameters, sorted by name (under mixed precision, the f32 master weights).
-    pub fn parameters(&self) -> &[(String, Var)] {
-        self.training().parameters()
+    /// The first prepared model: the one a plain `Vec<(String, Var)>` or `&VarMap` prepares, and
+    /// the one this accelerator's loop calls ([`accumulate`](Self::accumulate),
+    /// [`backward`](Self::backward), [`clip_grad_norm`](Self::clip_grad_norm), ...) act on.
+    /// Read its gradients, parameters and bucket count through it.
+    pub fn model(&self) -> &PreparedModel {
+        &self.first
     }
 
-    /// A copy of the gradient accumulated for parameter `name` in the current window (f32 under
-    /// mixed precision, already divided by the fp16 loss scale; averaged across ranks once the
-    /// sync micro-step's backward ran), or `None` if it has none (PyTorch's `grad is None`).
-    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
-        self.training().gradient(name)
-    }
-
-    /// Copies the master weights into the model's half-precision compute copies. Call it after
-    /// writing the masters yourself (e.g. loading initial weights into the Vec that
-    /// `prepare_parameters` returned); the optimizer step and `load_state` do it on their own.
-    /// Does nothing without mixed precision.
-    pub fn refresh_compute_parameters(&self) -> Result<()> {
-        self.training().refresh_compute()
-    }
-
-    /// Begins a micro-step: decides whether it syncs and how its loss is scaled. Call it once per
-    /// batch, after taking the batch from the prepared loader.
+    /// Begins a micro-step of the first model: decides whether it syncs and how its loss is
+    /// scaled. Call it once per batch, after taking the batch from the prepared loader (per model:
+    /// [`PreparedModel::accumulate`]).
     pub fn accumulate(&self) -> MicroStep {
-        self.training().begin_micro_step()
-    }
-
-    /// Begins a micro-step of `model` (one prepared with [`Model`](crate::Model)): decides
-    /// whether its gradients sync and how its loss is scaled, by its own accumulation steps.
-    pub fn accumulate_model(&self, model: &PreparedModel) -> MicroStep {
-        model.training().begin_micro_step()
-    }
-
-    /// The backward pass of `loss` into `model`'s gradients only (see
-    /// [`backward`](Self::backward)); other models' parameters that `loss` reaches are left
-    /// alone.
-    pub fn backward_model(&self, model: &PreparedModel, loss: &Tensor) -> Result<()> {
-        model
-            .training()
-            .backward(loss, self.comm.as_ref(), &self.sync)
+        self.first.accumulate()
     }
 
     /// A guard in whose scope backward passes of the first model accumulate gradients locally,
     /// without the all-reduce, whatever K says (Accelerate's `accelerator.no_sync(model)`; per
     /// model: [`PreparedModel::no_sync`]). See [`NoSync`](crate::NoSync).
     pub fn no_sync(&self) -> crate::NoSync {
-        crate::NoSync::new(self.training().clone())
+        self.first.no_sync()
     }
 
     /// Whether the current micro-step syncs gradients (and steps the optimizer). Use it to guard
     /// clipping and per-step logging.
     pub fn sync_gradients(&self) -> bool {
-        self.training().sync_gradients()
+        self.first.sync_gradients()
     }
 
     /// Switches the first model's window about to begin to item-weighted accumulation (per
-    /// model: [`set_window_items_model`](Self::set_window_items_model)): `local_items` is the
-    /// number of items (e.g. non-padding tokens) in this rank's batches of the whole window, and the
-    /// losses passed to [`backward`](Self::backward) in that window must be *sums* over items. The
-    /// resulting gradient equals that of one batch holding the whole window on all ranks, averaged
-    /// per item. Call before the window's first [`accumulate`](Self::accumulate); the count is
-    /// summed over ranks.
+    /// model: [`PreparedModel::set_window_items`]): `local_items` is the number of items (e.g.
+    /// non-padding tokens) in this rank's batches of the whole window, and the losses passed to
+    /// [`backward`](Self::backward) in that window must be *sums* over items. The resulting
+    /// gradient equals that of one batch holding the whole window on all ranks, averaged per
+    /// item. Call before the window's first [`accumulate`](Self::accumulate); the count is summed
+    /// over ranks.
     pub fn set_window_items(&self, local_items: usize) -> Result<()> {
-        self.set_window_items_of(self.training(), local_items)
-    }
-
-    /// [`set_window_items`](Self::set_window_items) for `model`'s window about to begin (by its
-    /// own accumulation steps), before its first [`accumulate_model`](Self::accumulate_model).
-    pub fn set_window_items_model(&self, model: &PreparedModel, local_items: usize) -> Result<()> {
-        self.set_window_items_of(model.training(), local_items)
-    }
-
-    fn set_window_items_of(&self, training: &TrainingState, local_items: usize) -> Result<()> {
-        let global = self.reduce_scalar(local_items as f64, ReduceOp::Sum)?;
-        training.set_window_items(global, self.state.world_size)
+        self.first.set_window_items(local_items)
     }
 
     /// Computes the gradients of `loss` (a scalar) and adds them, scaled for the window, into the
@@ -314,16 +274,16 @@ impl Accelerator {
     /// A parameter that got no gradient in the window on any rank keeps none (the optimizer skips
     /// it); one that got a gradient on some ranks only is averaged with zeros for the others. Both
     /// are what one process training on the whole window's batch would have, at any world size.
+    /// Per model: [`PreparedModel::backward`].
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        self.training()
-            .backward(loss, self.comm.as_ref(), &self.sync)
+        self.first.backward(loss)
     }
 
     /// Scales the window's gradients so that their global L2 norm is at most `max_norm`, and
     /// returns the norm before clipping. Acts on the accumulated, averaged gradients, so it only
     /// does something on a micro-step that syncs; elsewhere it returns `None`.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
-        self.training().clip_grad_norm(max_norm)
+        self.first.clip_grad_norm(max_norm)
     }
 
     /// Clamps every element of the window's gradients to `[-clip_value, clip_value]` (PyTorch's
@@ -332,12 +292,12 @@ impl Accelerator {
     /// so only on a micro-step that syncs (returning `true`); elsewhere it does nothing and
     /// returns `false`. Per model: [`PreparedModel::clip_grad_value`].
     pub fn clip_grad_value(&self, clip_value: f64) -> Result<bool> {
-        self.training().clip_grad_value(clip_value)
+        self.first.clip_grad_value(clip_value)
     }
 
     /// Optimizer steps taken so far.
     pub fn optimizer_steps(&self) -> u64 {
-        self.training().optimizer_steps()
+        self.first.optimizer_steps()
     }
 
     /// Traffic counters of the communicator (all-reduces issued, bytes sent).
@@ -354,7 +314,7 @@ impl Accelerator {
 
     /// Gradient all-reduces issued so far (one per bucket per optimizer step) and their bytes.
     pub fn gradient_sync_stats(&self) -> GradientSyncStats {
-        self.sync.stats()
+        lock(&self.sync).stats()
     }
 
     /// Prints on the main process only.

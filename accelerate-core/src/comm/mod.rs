@@ -1,4 +1,12 @@
-//! Collective communication between the ranks of a job.
+//! Collective communication between the ranks of a job, and how the ranks find each other: the
+//! launcher's plumbing, which a training loop does not need (the `Accelerator` joins the job and
+//! owns its communicator).
+//!
+//! - [`join`] reads this process's place in the job and connects it to the others through the
+//!   rendezvous [`Store`] ([`StoreServer`] hosts it, [`TcpStoreClient`] reaches it), returning
+//!   a [`Membership`];
+//! - [`Communicator`] runs the collectives, one backend per [`Transport`] (chosen by
+//!   [`TransportChoice`], tuned by [`CpuCommOptions`]).
 //!
 //! One trait, [`Communicator`], with one backend per transport: [`LocalCommunicator`] for a single
 //! process (every collective is the identity, nothing touches the network). The CPU (TCP and shared
@@ -11,15 +19,16 @@
 
 pub(crate) mod agreement;
 pub(crate) mod contract;
-pub mod cpu;
-pub mod join;
+pub(crate) mod cpu;
+pub(crate) mod encoding;
+pub(crate) mod join;
 pub(crate) mod keys;
-pub mod liveness;
+pub(crate) mod liveness;
 mod local;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub(crate) mod nccl;
 pub(crate) mod staging;
-pub mod store;
+pub(crate) mod store;
 #[cfg(test)]
 mod wire_properties;
 
@@ -44,6 +53,18 @@ pub enum ReduceOp {
     Mean,
     /// Elementwise maximum over ranks.
     Max,
+}
+
+/// Reduces one number over all ranks of `comm`. The tensor is built on the host whatever the
+/// device: the communicator stages it (NCCL through its GPU), and the value is read back on the
+/// host anyway.
+pub(crate) fn reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> Result<f64> {
+    if comm.world_size() == 1 {
+        return Ok(value);
+    }
+    let t = Tensor::new(&[value], &candle_core::Device::Cpu)?;
+    comm.all_reduce(&t, op)?;
+    Ok(t.to_vec1::<f64>()?[0])
 }
 
 /// Traffic counters of a communicator, cumulative since it was created.

@@ -11,6 +11,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::plan::BatchPlan;
+use crate::comm::store::Store;
+use crate::error::{Error, Result};
 
 /// What decides which batches, and so which accumulation windows, a rank gets in each epoch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +97,40 @@ impl LoaderSettings {
              accumulation steps",
             differing.join("; ")
         ))
+    }
+}
+
+impl LoaderSettings {
+    /// Compares these settings, of this rank's `index`-th prepared loader, with every other
+    /// rank's through the store; every rank reports the same differences (an error naming each
+    /// differing setting with its value on each rank).
+    pub(crate) fn check_same_everywhere(
+        &self,
+        store: &dyn Store,
+        index: usize,
+        (rank, world_size): (usize, usize),
+    ) -> Result<()> {
+        let key = |r: usize| format!("accelerate/loaders/{index}/{r}");
+        let encoded = serde_json::to_vec(self)
+            .map_err(|e| Error::Data(format!("cannot encode the data loader's settings: {e}")))?;
+        store.set(&key(rank), &encoded)?;
+        let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
+        let per_rank = (0..world_size)
+            .map(|r| {
+                let bytes = store.get(&key(r), timeout)?;
+                serde_json::from_slice(&bytes).map_err(|e| {
+                    Error::Data(format!(
+                        "rank {r} published unreadable data loader settings ({e}); every rank \
+                         must run the same build of the program"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let which = format!("data loader #{} (in order of preparation)", index + 1);
+        match Self::differences(&which, &per_rank) {
+            Some(message) => Err(Error::Config(message)),
+            None => Ok(()),
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! The communicator, reachable from the prepared optimizer and model.
 //!
 //! Under ZeRO, `optimizer.step()` all-gathers the updated parameters and, at stage 2,
-//! `clip_grad_norm` all-reduces a norm: both are collectives, but the prepared objects hold only
+//! `clip_grad_norm` all-reduces a norm; a prepared model's `backward` averages its gradients
+//! across ranks: all are collectives, but the prepared objects hold only
 //! the training state, not the `Accelerator` that owns the communicator. A communicator is neither
 //! `Send` nor `Sync` (NCCL's holds its thread's CUDA state), while the prepared objects are. The
 //! link therefore holds a weak reference that is upgraded, used and released only on the thread
@@ -51,13 +52,13 @@ impl CommLink {
     pub fn with<R>(&self, what: &str, f: impl FnOnce(&dyn Communicator) -> Result<R>) -> Result<R> {
         if std::thread::current().id() != self.owner {
             return Err(Error::Config(format!(
-                "under ZeRO, {what} is a collective of every rank and needs the communicator, \
+                "{what} is a collective of every rank and needs the communicator, \
                  which lives on the thread that built the Accelerator: call it on that thread"
             )));
         }
         let comm = self.comm.upgrade().ok_or_else(|| {
             Error::Config(format!(
-                "{what} after the Accelerator was dropped: under ZeRO it is a collective and \
+                "{what} after the Accelerator was dropped: it is a collective and \
                  needs the Accelerator's communicator"
             ))
         })?;

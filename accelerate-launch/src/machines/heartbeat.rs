@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use accelerate_core::{Store, TcpStoreClient};
+use accelerate_core::comm::{Store, TcpStoreClient};
 use tokio::time::Instant;
 
 use super::LOG;

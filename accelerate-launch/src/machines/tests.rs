@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use accelerate_core::{Store, StoreServer, TcpStoreClient};
+use accelerate_core::comm::{Store, StoreServer, TcpStoreClient};
 
 use super::*;
 use crate::signals::SignalWatch;

@@ -16,6 +16,7 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
     let written = if acc.is_main_process() {
         // The prepared parameters: sorted by name, and the f32 masters under mixed precision.
         let tensors: Vec<(String, Tensor)> = acc
+            .model()
             .parameters()
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))

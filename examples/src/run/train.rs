@@ -237,7 +237,7 @@ fn summary_line(
     add(format!("steps={}", acc.optimizer_steps()));
     add(format!("micro_steps={}", totals.micro_steps));
     if fields.gradient_sync {
-        add(format!("buckets={}", acc.gradient_buckets()));
+        add(format!("buckets={}", acc.model().gradient_buckets()));
     }
     add(format!("grad_all_reduces={}", sync.all_reduces));
     if fields.gradient_sync {

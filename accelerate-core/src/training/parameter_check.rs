@@ -1,6 +1,6 @@
 //! The check at `prepare` that every rank built the same model: each rank's signature (the
-//! gradient bucket layout, then one line per parameter: name, shape, dtype) is compared with rank
-//! 0's through the store, and every rank reports the same first difference.
+//! gradient bucket configuration, then one line per parameter: name, shape, dtype) is compared
+//! with rank 0's through the store, and every rank reports the same first difference.
 //!
 //! The ranks compare SHA-256 digests, not the signatures: a signature holds a line per parameter,
 //! and every rank reading every rank's would move O(W² · P) bytes through the one store. Instead
@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use candle_core::Var;
 use sha2::{Digest, Sha256};
 
 use crate::comm::store::Store;
@@ -20,6 +21,38 @@ use crate::error::{Error, Result};
 const AGREED: u8 = b'=';
 const PARAMETERS_DIFFER: u8 = b'P';
 const CONFIGURATION_DIFFERS: u8 = b'C';
+
+/// Compares this rank's parameter names, shapes and dtypes of model number `model` (trained
+/// `vars`, `frozen` ones) and its `bucket_config` with every other rank's, through the store;
+/// every rank reports the same first difference.
+pub(crate) fn check_same_parameters_everywhere(
+    store: &dyn Store,
+    (rank, world_size): (usize, usize),
+    model: usize,
+    bucket_config: &str,
+    vars: &[(String, Var)],
+    frozen: &[(String, Var)],
+) -> Result<()> {
+    // The gradient buckets are reduced without a per-call size check (their layout is agreed
+    // here), so everything that shapes them or their wire dtype is compared too.
+    let signature: String = std::iter::once(format!("{bucket_config}\n"))
+        .chain(
+            vars.iter()
+                .map(|(n, v)| format!("{n} {:?} {:?}\n", v.dims(), v.dtype()))
+                .chain(
+                    frozen
+                        .iter()
+                        .map(|(n, v)| format!("{n} {:?} {:?} frozen\n", v.dims(), v.dtype())),
+                ),
+        )
+        .collect();
+    let base = match model {
+        0 => "accelerate/parameters".to_string(),
+        m => format!("accelerate/parameters/model_{m}"),
+    };
+    let timeout = crate::comm::cpu::CpuCommOptions::from_env()?.timeout;
+    check_same_signature_everywhere(store, &base, rank, world_size, &signature, timeout)
+}
 
 /// Checks that `signature`, this rank's, equals every other rank's, through the keys under
 /// `base` in `store`; every rank returns the same error, naming the first differing rank and

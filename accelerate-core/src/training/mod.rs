@@ -11,13 +11,27 @@
 //! ## Locks
 //!
 //! One lock guards the state, taken once per call and never held across a call into user code.
-//! A prepared optimizer or scheduler sits behind its own lock (its handle hands it out through
-//! `inner()`). The order is always the state's lock first, then an optimizer's or a scheduler's;
-//! nothing takes the state's lock while holding one of those. The prepared loaders
-//! ([`PreparedLoaders`]) are a leaf: nothing else is locked while they are.
+//! A prepared optimizer or scheduler sits behind its own lock, which its handle takes only for
+//! the length of one of its calls (`PreparedOptimizer::with_inner` lends the optimizer to a
+//! closure that cannot step it). The order is always the accelerator's gradient sync
+//! ([`SharedSync`], taken by `backward` only) first, then the state's lock, then an optimizer's
+//! or a scheduler's; nothing takes an earlier lock while holding a later one. The prepared
+//! loaders ([`PreparedLoaders`]) are a leaf: nothing else is locked while they are.
+//!
+//! The files: preparing a model's state and the checks at `prepare` in `prepare.rs` and
+//! `parameter_check.rs`; the optimizer's step, the scheduler's and `zero_grad` in `step.rs`;
+//! the micro-step, backward, clipping, snapshot and restore here.
 //!
 //! One training process is one thread of control: the locks exist so that the prepared objects
 //! are `Send` and can be dropped or saved from anywhere, not for contention.
+
+mod parameter_check;
+mod prepare;
+mod step;
+
+pub(crate) use prepare::{
+    model_of_optimizer, model_of_scheduler, prepare_model, Preparation, PreparedParts,
+};
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -29,18 +43,22 @@ use crate::data::PreparedLoaders;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 use crate::mixed_precision::{
-    DynamicLossScaler, LossScalerState, MasterWeights, MixedPrecision, MixedPrecisionState,
+    DynamicLossScaler, LossScalerState, MixedPrecision, MixedPrecisionState,
 };
 use crate::optim::{LrScheduler, Optimizer, OptimizerState, SchedulerState};
 use crate::sync::GradientSync;
 use crate::window::{Accumulation, AccumulationCounters, MicroStep};
-use crate::zero::{ShardPlan, ZeroConfig, ZeroState};
+use crate::zero::{ZeroConfig, ZeroState};
 
 /// A prepared optimizer as the training state keeps it, to save and restore its state.
 pub(crate) type SharedOptimizer = Arc<Mutex<dyn Optimizer + Send>>;
 
 /// A prepared scheduler as the training state keeps it.
 pub(crate) type SharedScheduler = Arc<Mutex<LrScheduler>>;
+
+/// The accelerator's gradient sync, shared by every prepared model (each one's `backward`
+/// averages through it). Its lock is taken before a training state's, never while holding one.
+pub(crate) type SharedSync = Arc<Mutex<GradientSync>>;
 
 /// Locks `m`, ignoring poison: a panic elsewhere in the loop leaves nothing we cannot keep using.
 pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -274,136 +292,6 @@ impl TrainingState {
         self.steps().mixed.refresh_compute()
     }
 
-    // ---- Preparation ----
-
-    /// Takes the model's parameters (sorted and checked by the caller, once) and allocates their gradient
-    /// buffers. Under mixed precision `vars` are the compute copies and the f32 master weights are
-    /// made here. `broadcast` gives every parameter rank 0's value before the buffers exist.
-    /// Returns the parameters the optimizer steps (the masters under mixed precision).
-    pub fn prepare_parameters(
-        &self,
-        vars: Vec<(String, Var)>,
-        bucket_cap_bytes: usize,
-        (rank, world_size): (usize, usize),
-        mut broadcast: impl FnMut(&Var) -> Result<()>,
-    ) -> Result<Vec<(String, Var)>> {
-        let several_ranks = world_size > 1;
-        let mut steps = self.steps();
-        let (params, weights) = match steps.mixed.mode {
-            MixedPrecision::No => (vars, None),
-            mode => {
-                let w = MasterWeights::new(vars, mode)?;
-                (w.masters().to_vec(), Some(w))
-            }
-        };
-        // Same start everywhere: rank 0's values (the masters), in sorted-name order.
-        for (_, var) in &params {
-            broadcast(var)?;
-        }
-        if let Some(w) = &weights {
-            w.refresh_compute()?;
-        }
-        steps.mixed.weights = weights;
-        let mut grads = if several_ranks {
-            GradientBuffers::new_for_ranks(&params, bucket_cap_bytes)?
-        } else {
-            GradientBuffers::new(&params, bucket_cap_bytes)?
-        };
-        if self.zero_config.stage > 0 {
-            let plan = ShardPlan::new(&grads.layout(), world_size);
-            let zero = ZeroState::new(
-                self.zero_config.stage,
-                rank,
-                plan,
-                self.zero_config.link.clone(),
-            );
-            if zero.stage() == 2 {
-                // Replaced before any use: the stage-2 buffers hold only one bucket at a time.
-                drop(grads);
-                grads = GradientBuffers::new_sharded(
-                    &params,
-                    bucket_cap_bytes,
-                    zero.plan().clone(),
-                    rank,
-                )?;
-            }
-            steps.zero = Some(zero);
-        }
-        steps.grads = Some(grads);
-        self.params
-            .set(params.clone())
-            .map_err(|_| Error::Parameters("parameters were already prepared".into()))?;
-        Ok(params)
-    }
-
-    /// Replaces K before anything of this state was used (a [`Model`](crate::Model) with its
-    /// own accumulation steps prepared as the accelerator's first model).
-    pub fn set_accumulation_steps(&self, k: usize) -> Result<()> {
-        let mut steps = self.steps();
-        if steps.grads.is_some() || steps.accumulation.counters().taken > 0 {
-            return Err(Error::Config(
-                "the accumulation steps of a model are set when it is prepared".into(),
-            ));
-        }
-        steps.accumulation = Accumulation::new(k)?;
-        self.loaders.require_window_lookahead(k - 1);
-        Ok(())
-    }
-
-    /// Whether `lr` is the learning-rate handle of an optimizer prepared over this state (a
-    /// scheduler driving it belongs here).
-    pub fn drives_learning_rate(&self, scheduler: &LrScheduler) -> bool {
-        self.steps()
-            .optimizers
-            .iter()
-            .any(|o| scheduler.drives(lock(o).learning_rate()))
-    }
-
-    /// Registers a prepared optimizer (saved and restored with the state).
-    pub fn register_optimizer(&self, optimizer: SharedOptimizer) {
-        self.steps().optimizers.push(optimizer);
-    }
-
-    /// Under ZeRO, cuts `optimizer` to this rank's pieces of the parameters (before it is
-    /// registered); nothing otherwise.
-    pub fn shard_optimizer(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
-        let steps = self.steps();
-        let Some(zero) = &steps.zero else {
-            return Ok(());
-        };
-        let plan = zero.plan();
-        let pieces = self
-            .parameters()
-            .iter()
-            .enumerate()
-            .filter_map(|(i, (name, _))| Some((name.clone(), plan.piece(i, zero.rank())?)))
-            .collect();
-        optimizer.shard(&pieces).map_err(|e| match e {
-            Error::Config(m) => Error::Config(format!("zero_stage({}): {m}", zero.stage())),
-            e => e,
-        })
-    }
-
-    /// Under mixed precision: hands `optimizer` the compute copies of the model's parameters, so
-    /// that its steps write them in the update's own pass (see
-    /// [`Optimizer::set_compute_copies`]).
-    pub fn give_compute_copies(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
-        self.steps().mixed.give_compute_copies(optimizer)
-    }
-
-    /// Under ZeRO once the parameters are prepared, the stage and the partition (what
-    /// checkpoints record and re-cut the optimizer state to).
-    pub fn zero_plan(&self) -> Option<(u8, Arc<ShardPlan>)> {
-        let steps = self.steps();
-        let zero = steps.zero.as_ref()?;
-        Some((zero.stage(), zero.plan().clone()))
-    }
-
-    /// Registers a prepared scheduler (saved and restored with the state).
-    pub fn register_scheduler(&self, scheduler: SharedScheduler) {
-        self.steps().schedulers.push(scheduler);
-    }
-
     // ---- The steps of the loop ----
 
     /// Begins a micro-step on the loop's request (`accumulate()`).
@@ -456,8 +344,8 @@ impl TrainingState {
         };
         let buffers = steps.grads.as_mut().ok_or_else(|| {
             Error::Parameters(
-                "backward before prepare_parameters: the accelerator does not know the model's \
-                 parameters"
+                "backward before the model's parameters were prepared: prepare them first \
+                 (accelerator.prepare(&varmap))"
                     .into(),
             )
         })?;
@@ -549,60 +437,6 @@ impl TrainingState {
         buffers.clamp(limit)?;
         Ok(true)
     }
-
-    /// Steps `optimizer` from the window's averaged gradients on the micro-step that syncs (a
-    /// no-op elsewhere). Under fp16 a window whose gradients overflowed is skipped and its
-    /// gradients dropped; under mixed precision the compute copies take the updated masters.
-    pub fn step_optimizer<O: Optimizer + ?Sized>(&self, optimizer: &Mutex<O>) -> Result<()> {
-        let mut guard = self.steps();
-        let steps = &mut *guard;
-        if !steps.sync_now() {
-            return Ok(());
-        }
-        let grads = steps.grads.as_mut().ok_or_else(|| {
-            Error::Optimizer(
-                "optimizer.step() before any gradient: call accelerator.backward(loss) first"
-                    .into(),
-            )
-        })?;
-        if steps.mixed.window_overflowed {
-            // PyTorch's GradScaler.step: no update, and the scheduler does not advance either.
-            grads.zero();
-            steps.accumulation.record_skipped_step();
-            return Ok(());
-        }
-        let mut optimizer = lock(optimizer);
-        optimizer.step(grads)?;
-        if let Some(zero) = &steps.zero {
-            zero.gather_parameters(self.parameters())?;
-        }
-        // The compute copies the update wrote in its own pass are fresh; the others are cast.
-        steps
-            .mixed
-            .refresh_compute_except(|name| optimizer.wrote_compute_copy(name))?;
-        drop(optimizer);
-        steps.accumulation.record_optimizer_step();
-        Ok(())
-    }
-
-    /// Forgets the window's gradients on the micro-step that syncs (a no-op elsewhere: the
-    /// window's gradients are still being summed).
-    pub fn zero_grad(&self) {
-        let mut steps = self.steps();
-        if steps.sync_now() {
-            steps.zero_gradients();
-        }
-    }
-
-    /// Advances `scheduler` if the optimizer stepped in this micro-step (not on micro-steps that
-    /// only accumulate, nor when the step was skipped or not taken).
-    pub fn step_scheduler(&self, scheduler: &Mutex<LrScheduler>) {
-        let steps = self.steps();
-        if steps.accumulation.scheduler_steps_now() {
-            lock(scheduler).step();
-        }
-    }
-
     // ---- Snapshot and restore ----
 
     /// What a checkpoint saves of this rank's state, at this instant. The optimizers',
