@@ -23,11 +23,14 @@ impl GradientBuffers {
         accumulate_slots(&mut self.slots, params, grads, scale)
     }
 
+    // The overlap worker fills bucket by bucket through `prepare_bucket`; this is that per-bucket
+    // form as a method, which the tests compare with `accumulate`.
     /// Adds `scale * grad(p)` into the buffer of every parameter `p` of bucket `bucket` that has a
     /// gradient in `grads`, leaving the other buckets untouched. `params` is the whole sorted list
     /// the buffers were built from. Accumulating every bucket this way gives bitwise the same
     /// buffers as [`accumulate`](Self::accumulate): the same additions in the same order.
-    pub fn accumulate_bucket(
+    #[cfg(test)]
+    pub(crate) fn accumulate_bucket(
         &mut self,
         bucket: usize,
         params: &[(String, Var)],

@@ -12,7 +12,7 @@ pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
 
 /// One flat buffer holding the gradients of consecutive parameters (in sorted-name order).
 #[derive(Debug)]
-pub struct GradientBucket {
+pub(crate) struct GradientBucket {
     pub(super) flat: Tensor,
     pub(super) params: std::ops::Range<usize>,
     /// Elements of `flat` when it is allocated (parameters, then the missing flag or the ZeRO
@@ -30,17 +30,17 @@ pub struct GradientBucket {
 
 impl GradientBucket {
     /// The flat 1-D tensor of this bucket, to be all-reduced in place.
-    pub fn flat(&self) -> &Tensor {
+    pub(crate) fn flat(&self) -> &Tensor {
         &self.flat
     }
 
     /// Indices (into [`GradientBuffers::names`]) of the parameters stored in this bucket.
-    pub fn params(&self) -> std::ops::Range<usize> {
+    pub(crate) fn params(&self) -> std::ops::Range<usize> {
         self.params.clone()
     }
 
     /// Size of the bucket's data in bytes.
-    pub fn size_in_bytes(&self) -> usize {
+    pub(crate) fn size_in_bytes(&self) -> usize {
         self.len * self.dtype.size_in_bytes()
     }
 }
@@ -194,7 +194,7 @@ impl GradientBuffers {
     }
 
     /// The buckets, in order.
-    pub fn buckets(&self) -> &[GradientBucket] {
+    pub(crate) fn buckets(&self) -> &[GradientBucket] {
         &self.buckets
     }
 

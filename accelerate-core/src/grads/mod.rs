@@ -5,13 +5,15 @@
 //! bucket (parameters in sorted-name order, a bucket closed when it would exceed the size cap) and
 //! hands out each parameter's gradient as a view into its bucket. Gradients of micro-steps are added
 //! into those views in place; on the sync micro-step the buckets go to the communicator as they are,
-//! and the optimizer reads the same views. The memory is allocated once and reused every step.
+//! and the optimizer reads the same views, through the read-only [`Gradients`]. The memory is
+//! allocated once and reused every step.
 
 mod accumulate;
 mod buckets;
 mod presence;
 #[cfg(test)]
 pub(crate) mod test_fixtures;
+mod view;
 
 use std::collections::HashMap;
 
@@ -26,7 +28,9 @@ pub(crate) use accumulate::prepare_bucket;
 #[cfg(test)]
 pub(crate) use accumulate::scale_in_place as scale_in_place_for_tests;
 use accumulate::{clamp_in_place, scale_in_place};
-pub use buckets::{GradientBucket, DEFAULT_BUCKET_CAP_BYTES};
+pub(crate) use buckets::GradientBucket;
+pub use buckets::DEFAULT_BUCKET_CAP_BYTES;
+pub use view::Gradients;
 
 /// One parameter's gradient: a view into its bucket, and whether it holds this window's data.
 #[derive(Debug)]
@@ -68,7 +72,7 @@ impl GradientBuffers {
     /// [`new`](Self::new), for buffers that are reduced across ranks: the last bucket carries one
     /// more element, the flag that tells every rank, after the reduction, whether any rank missed
     /// a parameter's gradient ([`missing_on_some_rank`](Self::missing_on_some_rank)).
-    pub fn new_for_ranks(params: &[(String, Var)], bucket_cap_bytes: usize) -> Result<Self> {
+    pub(crate) fn new_for_ranks(params: &[(String, Var)], bucket_cap_bytes: usize) -> Result<Self> {
         Self::build(params, bucket_cap_bytes, true)
     }
 
@@ -92,7 +96,7 @@ impl GradientBuffers {
     }
 
     /// Whether parameter `name` has a gradient in the current window (false for an unknown name).
-    pub fn has_gradient(&self, name: &str) -> bool {
+    pub(crate) fn has_gradient(&self, name: &str) -> bool {
         self.index.get(name).is_some_and(|&i| {
             self.slots[i].written || self.shard.as_ref().is_some_and(|s| s.is_present(i))
         })
@@ -100,7 +104,7 @@ impl GradientBuffers {
 
     /// Elements `piece` of the flattened gradient of `name` (a view, 1-D): what a ZeRO-sharded
     /// optimizer updates its piece of the parameter from. An error if `name` has no gradient.
-    pub fn piece(&self, name: &str, piece: std::ops::Range<usize>) -> Result<Tensor> {
+    pub(crate) fn piece(&self, name: &str, piece: std::ops::Range<usize>) -> Result<Tensor> {
         if let (Some(&i), Some(shard)) = (self.index.get(name), &self.shard) {
             if shard.is_present(i) {
                 return shard.piece(i, piece);

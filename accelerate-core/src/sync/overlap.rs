@@ -9,7 +9,7 @@ use crate::grads::{prepare_bucket, GradientBucket, GradientBuffers};
 
 /// How [`GradientBuffers::accumulate_and_reduce`] runs the sync micro-step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SyncOptions {
+pub(crate) struct SyncOptions {
     /// Fill the buffers that received no gradient this window with zeros before their bucket is
     /// reduced (needed when whole buckets are reduced across ranks).
     pub fill_missing: bool,
@@ -20,9 +20,8 @@ pub struct SyncOptions {
 impl GradientBuffers {
     /// The sync micro-step's work on the buffers: adds `scale * grad(p)` for every parameter (as
     /// [`accumulate`](Self::accumulate)), fills the buffers that received no gradient this window
-    /// with zeros when `options.fill_missing` is set (see
-    /// [`fill_missing_with_zeros`](Self::fill_missing_with_zeros)), and hands every bucket, in
-    /// order, to `reduce` once its gradients are complete.
+    /// with zeros when `options.fill_missing` is set (see `fill_missing_with_zeros`), and hands
+    /// every bucket, in order, to `reduce` once its gradients are complete.
     ///
     /// With `options.overlap`, a scoped worker thread fills buckets 1, 2, ... while `reduce` runs
     /// on the calling thread for the buckets already filled, so the reduction of bucket i overlaps
@@ -33,7 +32,7 @@ impl GradientBuffers {
     ///
     /// On an error (of `reduce` or of an accumulation) the first one is returned and the buffers
     /// hold a partial window, as after a failed [`accumulate`](Self::accumulate).
-    pub fn accumulate_and_reduce(
+    pub(crate) fn accumulate_and_reduce(
         &mut self,
         params: &[(String, Var)],
         grads: &GradStore,
