@@ -6,6 +6,7 @@ use crate::cuda::{
     rows_config, storage, CudaElement, LAYER_NORM,
 };
 use crate::element::{constant, contiguous, dispatch, Element};
+use crate::row_norm::{self, RowNorm};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
@@ -144,96 +145,34 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, d) = rows_of("layer_norm", "x", x.dims())?;
-        let all = x.apply_op3_no_bwd(
-            weight,
-            &dy.contiguous()?,
-            &LayerNormBackward { eps: self.eps },
-        )?;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = all.get(rows)?;
-        let db = all.get(rows + 1)?;
-        debug_assert_eq!(dw.dims(), [d]);
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, params) = row_norm::backward::<Self>(x, weight, dy, self.eps)?;
+        Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
     }
 }
 
-/// The backward op: `(x, weight, dy) → [rows + 2, d]`, the rows of `dx` then `d_weight` and
-/// `d_bias`.
-struct LayerNormBackward {
-    eps: f64,
-}
+impl RowNorm for LayerNorm {
+    const NAME: &'static str = "layer_norm";
+    const BACKWARD_NAME: &'static str = "layer_norm-backward";
+    /// `d_weight`, `d_bias`.
+    const PARAMS: usize = 2;
 
-impl CustomOp3 for LayerNormBackward {
-    fn name(&self) -> &'static str {
-        "layer_norm-backward"
+    fn backward_cpu<T: Element>(
+        x: &[T],
+        w: &[T],
+        dy: &[T],
+        dres: Option<&[T]>,
+        d: usize,
+        eps: f64,
+    ) -> Vec<T> {
+        backward_cpu(x, w, dy, dres, d, eps)
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Element>(
-            eps: f64,
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            s3: &CpuStorage,
-            l3: &Layout,
-        ) -> Result<(CpuStorage, Shape)> {
-            let op = "layer_norm-backward";
-            let x = contiguous::<T>(op, "x", s1, l1)?;
-            let w = contiguous::<T>(op, "weight", s2, l2)?;
-            let dy = contiguous::<T>(op, "dy", s3, l3)?;
-            let (rows, d) = rows_of(op, "x", l1.dims())?;
-            let out = backward_cpu(x, w, dy, None, d, eps);
-            Ok((T::storage(out), Shape::from((rows + 2, d))))
-        }
-        dispatch!(
-            "layer_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
-    }
-
-    /// Two launches: dx and per-block partial sums of d_weight and d_bias over
-    /// at most 512 blocks of rows, then one thread per column adds the partial sums in
-    /// block order. No atomics: the sums come out the same on every run, as on the CPU.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(
-            eps: f64,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let op = "layer_norm-backward";
-            let (rows, d) = rows_of(op, "x", l1.dims())?;
-            let out = backward_cuda::<T>(&[(s1, l1), (s2, l2), (s3, l3)], eps)?;
-            Ok((storage(out, &s1.device), Shape::from((rows + 2, d))))
-        }
-        cuda_dispatch!(
-            "layer_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
+    fn backward_cuda<T: CudaElement>(
+        s: &[(&CudaStorage, &Layout)],
+        eps: f64,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
+        backward_cuda(s, eps)
     }
 }
 
@@ -337,51 +276,6 @@ pub(crate) fn backward_raw(
     dres: Option<&Tensor>,
     eps: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (rows, d) = rows_of("layer_norm-backward", "x", x.dims())?;
-    let dy = dy.contiguous()?;
-    let dres = dres.map(|t| t.contiguous()).transpose()?;
-    let mut args = vec![x, weight, &dy];
-    args.extend(dres.as_ref());
-    let all = if crate::raw::on_cuda(x) {
-        #[cfg(feature = "cuda")]
-        {
-            crate::raw::with_cuda("layer_norm-backward", &args, |s| {
-                cuda_dispatch!("layer_norm-backward", s[0].0, backward_cuda_storage(s, eps))
-            })
-            .map(|s| crate::raw::cuda_tensor(s, (rows + 2, d)))?
-        }
-        #[cfg(not(feature = "cuda"))]
-        candle_core::bail!("layer_norm-backward: CUDA tensors need the `cuda` feature")
-    } else {
-        crate::raw::with_cpu("layer_norm-backward", &args, |s| {
-            fn run<T: Element>(
-                s: &[(&CpuStorage, &Layout)],
-                d: usize,
-                eps: f64,
-            ) -> Result<CpuStorage> {
-                let op = "layer_norm-backward";
-                let x = contiguous::<T>(op, "x", s[0].0, s[0].1)?;
-                let w = contiguous::<T>(op, "weight", s[1].0, s[1].1)?;
-                let dy = contiguous::<T>(op, "dy", s[2].0, s[2].1)?;
-                let dres = s
-                    .get(3)
-                    .map(|(s, l)| contiguous::<T>(op, "dres", s, l))
-                    .transpose()?;
-                Ok(T::storage(backward_cpu(x, w, dy, dres, d, eps)))
-            }
-            dispatch!("layer_norm-backward", s[0].0, run(s, d, eps))
-        })
-        .map(|s| crate::raw::cpu_tensor(s, (rows + 2, d)))?
-    };
-    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-    Ok((dx, all.get(rows)?, all.get(rows + 1)?))
-}
-
-/// [`backward_cuda`] wrapped as storage.
-#[cfg(feature = "cuda")]
-fn backward_cuda_storage<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<CudaStorage> {
-    Ok(storage(backward_cuda::<T>(s, eps)?, &s[0].0.device))
+    let (dx, params) = row_norm::backward_raw::<LayerNorm>(x, weight, dy, dres, eps)?;
+    Ok((dx, params.get(0)?, params.get(1)?))
 }
