@@ -156,6 +156,8 @@ impl RowNorm for LayerNorm {
     /// `d_weight`, `d_bias`.
     const PARAMS: usize = 2;
 
+    /// The backward pass on the CPU: `[rows + 2, d]`, the rows of `dx` (plus `dres`, the gradient
+    /// reaching `x` along a residual path, when given), then `d_weight` and `d_bias`.
     fn backward_cpu<T: Element>(
         x: &[T],
         w: &[T],
@@ -164,100 +166,80 @@ impl RowNorm for LayerNorm {
         d: usize,
         eps: f64,
     ) -> Vec<T> {
-        backward_cpu(x, w, dy, dres, d, eps)
+        let rows = x.len() / d.max(1);
+        let eps = constant::<T::Acc>(eps);
+        let n = constant::<T::Acc>(d as f64);
+        let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 2) * d];
+        let (dx, params) = out.split_at_mut(rows * d);
+        // partial = [d_weight (d), d_bias (d)]
+        let sums = for_each_row_summing(dx, d, 2 * d, |r, dx, partial| {
+            let x = &x[r * d..(r + 1) * d];
+            let g = &dy[r * d..(r + 1) * d];
+            let (mean, rstd) = moments(x, eps);
+            let (mut mean_g, mut mean_gx) = (<T::Acc>::zero(), <T::Acc>::zero());
+            for ((x, g), w) in x.iter().zip(g).zip(w) {
+                let xhat = (x.to_acc() - mean) * rstd;
+                let ghat = g.to_acc() * w.to_acc();
+                mean_g = mean_g + ghat;
+                mean_gx = mean_gx + ghat * xhat;
+            }
+            mean_g = mean_g / n;
+            mean_gx = mean_gx / n;
+            let res = dres.map(|v| &v[r * d..(r + 1) * d]);
+            let (pw, pb) = partial.split_at_mut(d);
+            for (j, dx) in dx.iter_mut().enumerate() {
+                let xhat = (x[j].to_acc() - mean) * rstd;
+                let g = g[j].to_acc();
+                let ghat = g * w[j].to_acc();
+                let value = rstd * (ghat - mean_g - xhat * mean_gx);
+                *dx = T::from_acc(match res {
+                    Some(res) => value + res[j].to_acc(),
+                    None => value,
+                });
+                pw[j] = pw[j] + g * xhat;
+                pb[j] = pb[j] + g;
+            }
+        });
+        for (p, s) in params.iter_mut().zip(sums) {
+            *p = T::from_acc(s);
+        }
+        out
     }
 
+    /// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
+    /// [`backward_cpu`](Self::backward_cpu)'s. Two launches: dx and per-block partial sums of
+    /// d_weight and d_bias over at most 512 blocks of rows, then one thread per column adds the
+    /// partial sums in block order. No atomics: the sums come out the same on every run, as on the
+    /// CPU.
     #[cfg(feature = "cuda")]
     fn backward_cuda<T: CudaElement>(
         s: &[(&CudaStorage, &Layout)],
         eps: f64,
     ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-        backward_cuda(s, eps)
-    }
-}
-
-/// The backward pass on the CPU: `[rows + 2, d]`, the rows of `dx` (plus `dres`, the gradient
-/// reaching `x` along a residual path, when given), then `d_weight` and `d_bias`.
-fn backward_cpu<T: Element>(
-    x: &[T],
-    w: &[T],
-    dy: &[T],
-    dres: Option<&[T]>,
-    d: usize,
-    eps: f64,
-) -> Vec<T> {
-    let rows = x.len() / d.max(1);
-    let eps = constant::<T::Acc>(eps);
-    let n = constant::<T::Acc>(d as f64);
-    let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 2) * d];
-    let (dx, params) = out.split_at_mut(rows * d);
-    // partial = [d_weight (d), d_bias (d)]
-    let sums = for_each_row_summing(dx, d, 2 * d, |r, dx, partial| {
-        let x = &x[r * d..(r + 1) * d];
-        let g = &dy[r * d..(r + 1) * d];
-        let (mean, rstd) = moments(x, eps);
-        let (mut mean_g, mut mean_gx) = (<T::Acc>::zero(), <T::Acc>::zero());
-        for ((x, g), w) in x.iter().zip(g).zip(w) {
-            let xhat = (x.to_acc() - mean) * rstd;
-            let ghat = g.to_acc() * w.to_acc();
-            mean_g = mean_g + ghat;
-            mean_gx = mean_gx + ghat * xhat;
+        let op = "layer_norm-backward";
+        let x = input::<T>(op, "x", s[0].0, s[0].1)?;
+        let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
+        let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
+        let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
+        let dev = &s[0].0.device;
+        let mut out = output::<T>(dev, (rows + 2) * d)?;
+        let blocks = partial_blocks(rows, 2 * d);
+        let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
+        let (rows64, d64, blocks64, len64) = (rows as u64, d as u64, blocks as u64, 2 * d as u64);
+        match s.get(3) {
+            None => launch!(dev, LAYER_NORM, "layer_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
+            Some((sr, lr)) => {
+                let dres = input::<T>(op, "dres", sr, lr)?;
+                launch!(dev, LAYER_NORM, "layer_norm_backward_residual", T, blocks_over_rows(blocks, d);
+                    &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
+            }
         }
-        mean_g = mean_g / n;
-        mean_gx = mean_gx / n;
-        let res = dres.map(|v| &v[r * d..(r + 1) * d]);
-        let (pw, pb) = partial.split_at_mut(d);
-        for (j, dx) in dx.iter_mut().enumerate() {
-            let xhat = (x[j].to_acc() - mean) * rstd;
-            let g = g[j].to_acc();
-            let ghat = g * w[j].to_acc();
-            let value = rstd * (ghat - mean_g - xhat * mean_gx);
-            *dx = T::from_acc(match res {
-                Some(res) => value + res[j].to_acc(),
-                None => value,
-            });
-            pw[j] = pw[j] + g * xhat;
-            pb[j] = pb[j] + g;
-        }
-    });
-    for (p, s) in params.iter_mut().zip(sums) {
-        *p = T::from_acc(s);
+        let mut params = out.slice_mut(rows * d..);
+        launch!(dev, LAYER_NORM, "layer_norm_sum", T, columns_config(2 * d);
+            &partial, &blocks64, &len64, &mut params);
+        Ok(out)
     }
-    out
-}
-
-/// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
-/// [`backward_cpu`]'s. Two launches: dx and per-block partial sums of d_weight and d_bias over at
-/// most 512 blocks of rows, then one thread per column adds the partial sums in block order. No
-/// atomics: the sums come out the same on every run, as on the CPU.
-#[cfg(feature = "cuda")]
-fn backward_cuda<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-    let op = "layer_norm-backward";
-    let x = input::<T>(op, "x", s[0].0, s[0].1)?;
-    let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
-    let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
-    let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
-    let dev = &s[0].0.device;
-    let mut out = output::<T>(dev, (rows + 2) * d)?;
-    let blocks = partial_blocks(rows, 2 * d);
-    let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
-    let (rows64, d64, blocks64, len64) = (rows as u64, d as u64, blocks as u64, 2 * d as u64);
-    match s.get(3) {
-        None => launch!(dev, LAYER_NORM, "layer_norm_backward", T, blocks_over_rows(blocks, d);
-            &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
-        Some((sr, lr)) => {
-            let dres = input::<T>(op, "dres", sr, lr)?;
-            launch!(dev, LAYER_NORM, "layer_norm_backward_residual", T, blocks_over_rows(blocks, d);
-                &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
-        }
-    }
-    let mut params = out.slice_mut(rows * d..);
-    launch!(dev, LAYER_NORM, "layer_norm_sum", T, columns_config(2 * d);
-        &partial, &blocks64, &len64, &mut params);
-    Ok(out)
 }
 
 /// LayerNorm's forward outside candle's graph (for the fused layers).

@@ -138,6 +138,8 @@ impl RowNorm for RmsNorm {
     /// `d_weight`.
     const PARAMS: usize = 1;
 
+    /// The backward pass on the CPU: `[rows + 1, d]`, the rows of `dx` (plus `dres`, the gradient
+    /// reaching `x` along a residual path, when given), then `d_weight`.
     fn backward_cpu<T: Element>(
         x: &[T],
         w: &[T],
@@ -146,93 +148,73 @@ impl RowNorm for RmsNorm {
         d: usize,
         eps: f64,
     ) -> Vec<T> {
-        backward_cpu(x, w, dy, dres, d, eps)
+        let rows = x.len() / d.max(1);
+        let eps = constant::<T::Acc>(eps);
+        let n = constant::<T::Acc>(d as f64);
+        let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 1) * d];
+        let (dx, dw) = out.split_at_mut(rows * d);
+        let sums = for_each_row_summing(dx, d, d, |r, dx, pw| {
+            let x = &x[r * d..(r + 1) * d];
+            let g = &dy[r * d..(r + 1) * d];
+            let rstd = rstd(x, eps);
+            let mean_gx = x
+                .iter()
+                .zip(g)
+                .zip(w)
+                .map(|((x, g), w)| g.to_acc() * w.to_acc() * x.to_acc() * rstd)
+                .sum::<T::Acc>()
+                / n;
+            let res = dres.map(|v| &v[r * d..(r + 1) * d]);
+            for (j, dx) in dx.iter_mut().enumerate() {
+                let xhat = x[j].to_acc() * rstd;
+                let g = g[j].to_acc();
+                let value = rstd * (g * w[j].to_acc() - xhat * mean_gx);
+                *dx = T::from_acc(match res {
+                    Some(res) => value + res[j].to_acc(),
+                    None => value,
+                });
+                pw[j] = pw[j] + g * xhat;
+            }
+        });
+        for (p, s) in dw.iter_mut().zip(sums) {
+            *p = T::from_acc(s);
+        }
+        out
     }
 
+    /// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
+    /// [`backward_cpu`](Self::backward_cpu)'s. Two launches, as LayerNorm's backward: dx and
+    /// per-block partial sums of d_weight, then the partial sums added in block order (no atomics:
+    /// the same result on every run).
     #[cfg(feature = "cuda")]
     fn backward_cuda<T: CudaElement>(
         s: &[(&CudaStorage, &Layout)],
         eps: f64,
     ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-        backward_cuda(s, eps)
-    }
-}
-
-/// The backward pass on the CPU: `[rows + 1, d]`, the rows of `dx` (plus `dres`, the gradient
-/// reaching `x` along a residual path, when given), then `d_weight`.
-fn backward_cpu<T: Element>(
-    x: &[T],
-    w: &[T],
-    dy: &[T],
-    dres: Option<&[T]>,
-    d: usize,
-    eps: f64,
-) -> Vec<T> {
-    let rows = x.len() / d.max(1);
-    let eps = constant::<T::Acc>(eps);
-    let n = constant::<T::Acc>(d as f64);
-    let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 1) * d];
-    let (dx, dw) = out.split_at_mut(rows * d);
-    let sums = for_each_row_summing(dx, d, d, |r, dx, pw| {
-        let x = &x[r * d..(r + 1) * d];
-        let g = &dy[r * d..(r + 1) * d];
-        let rstd = rstd(x, eps);
-        let mean_gx = x
-            .iter()
-            .zip(g)
-            .zip(w)
-            .map(|((x, g), w)| g.to_acc() * w.to_acc() * x.to_acc() * rstd)
-            .sum::<T::Acc>()
-            / n;
-        let res = dres.map(|v| &v[r * d..(r + 1) * d]);
-        for (j, dx) in dx.iter_mut().enumerate() {
-            let xhat = x[j].to_acc() * rstd;
-            let g = g[j].to_acc();
-            let value = rstd * (g * w[j].to_acc() - xhat * mean_gx);
-            *dx = T::from_acc(match res {
-                Some(res) => value + res[j].to_acc(),
-                None => value,
-            });
-            pw[j] = pw[j] + g * xhat;
+        let op = "rms_norm-backward";
+        let x = input::<T>(op, "x", s[0].0, s[0].1)?;
+        let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
+        let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
+        let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
+        let dev = &s[0].0.device;
+        let mut out = output::<T>(dev, (rows + 1) * d)?;
+        let blocks = partial_blocks(rows, d);
+        let mut partial = output::<T::Acc>(dev, blocks * d)?;
+        let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
+        match s.get(3) {
+            None => launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
+            Some((sr, lr)) => {
+                let dres = input::<T>(op, "dres", sr, lr)?;
+                launch!(dev, RMS_NORM, "rms_norm_backward_residual", T, blocks_over_rows(blocks, d);
+                    &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
+            }
         }
-    });
-    for (p, s) in dw.iter_mut().zip(sums) {
-        *p = T::from_acc(s);
+        let mut dw = out.slice_mut(rows * d..);
+        launch!(dev, RMS_NORM, "rms_norm_sum", T, columns_config(d);
+            &partial, &blocks64, &d64, &mut dw);
+        Ok(out)
     }
-    out
-}
-
-/// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
-/// [`backward_cpu`]'s. Two launches, as LayerNorm's backward: dx and per-block partial sums of
-/// d_weight, then the partial sums added in block order (no atomics: the same result on every run).
-#[cfg(feature = "cuda")]
-fn backward_cuda<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-    let op = "rms_norm-backward";
-    let x = input::<T>(op, "x", s[0].0, s[0].1)?;
-    let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
-    let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
-    let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
-    let dev = &s[0].0.device;
-    let mut out = output::<T>(dev, (rows + 1) * d)?;
-    let blocks = partial_blocks(rows, d);
-    let mut partial = output::<T::Acc>(dev, blocks * d)?;
-    let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
-    match s.get(3) {
-        None => launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
-            &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
-        Some((sr, lr)) => {
-            let dres = input::<T>(op, "dres", sr, lr)?;
-            launch!(dev, RMS_NORM, "rms_norm_backward_residual", T, blocks_over_rows(blocks, d);
-                &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
-        }
-    }
-    let mut dw = out.slice_mut(rows * d..);
-    launch!(dev, RMS_NORM, "rms_norm_sum", T, columns_config(d);
-        &partial, &blocks64, &d64, &mut dw);
-    Ok(out)
 }
 
 /// RMSNorm's forward outside candle's graph (for the fused layers).
