@@ -418,7 +418,7 @@ fn plain(args: &Args, dataset: &TextWindows, config: GptConfig) -> Result<f64> {
                 .expect("every parameter has a gradient");
             buffers.accumulate_one(name, g, 1.0 / batch.tokens as f64)?;
         }
-        opt.step(&buffers)?;
+        opt.step(buffers.gradients())?;
         Ok(())
     };
     step(0)?;

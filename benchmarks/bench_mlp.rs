@@ -209,7 +209,7 @@ fn hand_accumulated(args: &Args, x: &Tensor, y: &Tensor, k: usize) -> Result<f64
         for ((name, _), sum) in params.iter().zip(&sums) {
             buffers.accumulate_one(name, sum.as_ref().expect("summed"), 1.0)?;
         }
-        opt.step(&buffers)?;
+        opt.step(buffers.gradients())?;
         Ok(())
     };
     time_steps(args.steps, run)

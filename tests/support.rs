@@ -379,7 +379,10 @@ pub struct CopiesOrCast {
 }
 
 impl accelerate_core::optim::Optimizer for CopiesOrCast {
-    fn step(&mut self, grads: &accelerate_core::GradientBuffers) -> accelerate_core::Result<()> {
+    fn step(
+        &mut self,
+        grads: accelerate_core::optim::Gradients<'_>,
+    ) -> accelerate_core::Result<()> {
         self.inner.step(grads)
     }
 

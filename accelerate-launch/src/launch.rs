@@ -30,6 +30,8 @@ pub fn run(args: cli::Args) -> ExitCode {
     }
 }
 
+/// The job, step by step: the flags checked, the world sized, the store hosted (or found), the
+/// machines joined, then the attempts run until one ends the job.
 fn launch(args: cli::Args) -> Result<ExitCode, String> {
     args.validate()?;
     program::check_program(&args.program)?;
@@ -38,6 +40,53 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         // mpirun starts and supervises the workers (this process becomes mpirun).
         return crate::mpirun::run(&args, hostfile, gpus);
     }
+    let (world_size, cpu) = world_size(&args, gpus)?;
+    let local_world_size = world_size / args.num_machines;
+    let multi_machine = args.num_machines > 1;
+    let job_token = job_token(multi_machine)?;
+    let (master_addr, master_port, store) = host_store(&args, &job_token)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let host_name = host_name();
+    let layout = JobLayout {
+        world_size,
+        local_world_size,
+        machine_rank: args.machine_rank,
+        master_addr,
+        master_port,
+        job_token,
+        restart_count: 0,
+        gradient_accumulation_steps: args.gradient_accumulation_steps,
+        mixed_precision: args.mixed_precision,
+        zero_stage: args.zero_stage,
+        cpu,
+        threads_per_worker: (cores / local_world_size).max(1),
+        ranks_per_gpu: args.ranks_per_gpu,
+        host_name,
+    };
+    let link = join_machines(&args, &layout, store.as_ref())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    // From here on a termination signal stops the launcher at whatever point it comes: forwarded
+    // to running workers, and never followed by another attempt.
+    let signals = runtime.block_on(async { SignalWatch::install() })?;
+    Job {
+        grace: Duration::from_secs_f64(args.grace_period),
+        args,
+        layout,
+        store,
+        link,
+        runtime,
+        signals,
+    }
+    .run()
+}
+
+/// The number of processes of the whole job and whether they train on the CPU, from
+/// `--num-gpus`, `--num-processes`, `--cpu` and the GPUs this machine sees.
+fn world_size(args: &cli::Args, gpus: usize) -> Result<(usize, bool), String> {
     let (world_size, cpu) = match (args.num_gpus, args.num_processes) {
         (Some(n), _) if args.cpu => {
             return Err(format!(
@@ -89,10 +138,13 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
             args.num_machines
         ));
     }
-    let local_world_size = world_size / args.num_machines;
-    let multi_machine = args.num_machines > 1;
+    Ok((world_size, cpu))
+}
 
-    let job_token = match std::env::var(JOB_TOKEN) {
+/// The job's secret: the environment's on several machines (each must know the same), else a
+/// fresh random one.
+fn job_token(multi_machine: bool) -> Result<String, String> {
+    Ok(match std::env::var(JOB_TOKEN) {
         Ok(t) if !t.is_empty() => t,
         _ if multi_machine => {
             return Err(format!(
@@ -105,170 +157,218 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
             let bytes: [u8; 16] = rand::rng().random();
             bytes.iter().map(|b| format!("{b:02x}")).collect()
         }
-    };
+    })
+}
 
-    // The store lives on machine rank 0; single-machine jobs keep it on loopback.
-    let (master_addr, master_port, store) = if args.machine_rank == 0 {
-        let ip = if multi_machine {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        } else {
-            IpAddr::V4(Ipv4Addr::LOCALHOST)
-        };
-        let port = choose_port(ip, args.main_process_port, multi_machine)?;
-        let server = StoreServer::start(SocketAddr::new(ip, port), job_token.clone(), 0)
-            .map_err(|e| format!("cannot start the rendezvous store on port {port}: {e}"))?;
-        let addr = if multi_machine {
-            args.main_process_ip.clone().unwrap_or_default()
-        } else {
-            "127.0.0.1".to_string()
-        };
-        (addr, server.local_addr().port(), Some(server))
-    } else {
-        (
+/// The store's address and port as workers dial it, and the store itself on machine rank 0. The
+/// store lives on machine rank 0; single-machine jobs keep it on loopback.
+fn host_store(
+    args: &cli::Args,
+    job_token: &str,
+) -> Result<(String, u16, Option<StoreServer>), String> {
+    if args.machine_rank != 0 {
+        return Ok((
             args.main_process_ip.clone().unwrap_or_default(),
             args.main_process_port,
             None,
-        )
-    };
-
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let host_name = host_name();
-    let mut layout = JobLayout {
-        world_size,
-        local_world_size,
-        machine_rank: args.machine_rank,
-        master_addr,
-        master_port,
-        job_token,
-        restart_count: 0,
-        gradient_accumulation_steps: args.gradient_accumulation_steps,
-        mixed_precision: args.mixed_precision,
-        zero_stage: args.zero_stage,
-        cpu,
-        threads_per_worker: (cores / local_world_size).max(1),
-        ranks_per_gpu: args.ranks_per_gpu,
-        host_name: host_name.clone(),
-    };
-    // Several machines: this launcher joins the others through the store on machine 0 before
-    // any worker starts, so a wrong token or an unreachable machine 0 is an error right away.
-    let mut link = if multi_machine {
-        let store_addr = match &store {
-            Some(server) => {
-                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), server.local_addr().port())
-            }
-            None => resolve(&layout.master_addr, layout.master_port)?,
-        };
-        Some(MachineLink::join(
-            store_addr,
-            &layout.job_token,
-            args.machine_rank,
-            args.num_machines,
-            &host_name,
-            join_timeout()?,
-        )?)
+        ));
+    }
+    let multi_machine = args.num_machines > 1;
+    let ip = if multi_machine {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
     } else {
-        None
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    // From here on a termination signal stops the launcher at whatever point it comes: forwarded
-    // to running workers, and never followed by another attempt.
-    let mut signals = runtime.block_on(async { SignalWatch::install() })?;
-    let inherited = |v: &str| std::env::var_os(v).is_some();
-    let grace = Duration::from_secs_f64(args.grace_period);
-    use std::io::IsTerminal;
-    let mut attempt = 0u32;
-    loop {
-        if let Some(signal) = signals.received() {
-            eprintln!(
-                "accelerate-launch: received {}; not starting {}",
-                supervise::signal_name(signal),
-                if attempt == 0 {
-                    "the workers".to_string()
-                } else {
-                    format!("restart {attempt}")
-                }
-            );
-            if let Some(link) = &mut link {
-                // The others are waiting for this machine's workers of this attempt.
-                runtime.block_on(link.abandon(attempt, LocalEnd::Interrupted(signal)));
-            }
-            return Ok(ExitCode::from((128 + signal) as u8));
+    let port = choose_port(ip, args.main_process_port, multi_machine)?;
+    let server = StoreServer::start(SocketAddr::new(ip, port), job_token.to_string(), 0)
+        .map_err(|e| format!("cannot start the rendezvous store on port {port}: {e}"))?;
+    let addr = if multi_machine {
+        args.main_process_ip.clone().unwrap_or_default()
+    } else {
+        "127.0.0.1".to_string()
+    };
+    Ok((addr, server.local_addr().port(), Some(server)))
+}
+
+/// Several machines: this launcher joins the others through the store on machine 0 before any
+/// worker starts, so a wrong token or an unreachable machine 0 is an error right away. `None` on
+/// one machine.
+fn join_machines(
+    args: &cli::Args,
+    layout: &JobLayout,
+    store: Option<&StoreServer>,
+) -> Result<Option<MachineLink>, String> {
+    if args.num_machines <= 1 {
+        return Ok(None);
+    }
+    let store_addr = match store {
+        Some(server) => {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), server.local_addr().port())
         }
-        if attempt > 0 && link.is_none() {
-            // A fresh store generation: keys of the failed round are gone, and a straggler of it
-            // is refused instead of joining the new round. (On several machines, machine 0 opens
-            // it before it announces the restart.)
-            if let Some(server) = &store {
-                server.service().set_generation(u64::from(attempt));
+        None => resolve(&layout.master_addr, layout.master_port)?,
+    };
+    Ok(Some(MachineLink::join(
+        store_addr,
+        &layout.job_token,
+        args.machine_rank,
+        args.num_machines,
+        &layout.host_name,
+        join_timeout()?,
+    )?))
+}
+
+/// A job whose store is up and whose machines have joined: runs attempts of the group of workers
+/// until one ends the job.
+struct Job {
+    args: cli::Args,
+    layout: JobLayout,
+    /// The rendezvous store, on machine rank 0.
+    store: Option<StoreServer>,
+    /// The link to the other machines' launchers, on several machines.
+    link: Option<MachineLink>,
+    runtime: tokio::runtime::Runtime,
+    signals: SignalWatch,
+    grace: Duration,
+}
+
+impl Job {
+    /// Runs attempts, each after the restart the previous one asked for, and returns the job's
+    /// exit code.
+    fn run(mut self) -> Result<ExitCode, String> {
+        let mut attempt = 0u32;
+        loop {
+            if let Some(signal) = self.signals.received() {
+                return Ok(self.refuse_to_start(attempt, signal));
             }
-            eprintln!(
-                "accelerate-launch: restarting every rank (restart {attempt} of {})",
-                args.max_restarts
-            );
+            if attempt > 0 && self.link.is_none() {
+                self.open_restart(attempt);
+            }
+            let config = self.group_config(attempt);
+            let ended = if self.link.is_none() {
+                self.run_alone(&config, attempt)?
+            } else {
+                self.run_linked(&config, attempt)?
+            };
+            match ended {
+                Some(code) => return Ok(code),
+                None => attempt += 1,
+            }
         }
-        layout.restart_count = attempt;
-        let workers = (0..local_world_size)
+    }
+
+    /// A signal came before attempt `attempt` started: none starts, and the other machines
+    /// learn that this one gives up.
+    fn refuse_to_start(&mut self, attempt: u32, signal: i32) -> ExitCode {
+        eprintln!(
+            "accelerate-launch: received {}; not starting {}",
+            supervise::signal_name(signal),
+            if attempt == 0 {
+                "the workers".to_string()
+            } else {
+                format!("restart {attempt}")
+            }
+        );
+        if let Some(link) = &mut self.link {
+            // The others are waiting for this machine's workers of this attempt.
+            self.runtime
+                .block_on(link.abandon(attempt, LocalEnd::Interrupted(signal)));
+        }
+        ExitCode::from((128 + signal) as u8)
+    }
+
+    /// On one machine, before restart `attempt`: a fresh store generation, so that keys of the
+    /// failed round are gone and a straggler of it is refused instead of joining the new round.
+    /// (On several machines, machine 0 opens it before it announces the restart.)
+    fn open_restart(&self, attempt: u32) {
+        if let Some(server) = &self.store {
+            server.service().set_generation(u64::from(attempt));
+        }
+        eprintln!(
+            "accelerate-launch: restarting every rank (restart {attempt} of {})",
+            self.args.max_restarts
+        );
+    }
+
+    /// The workers of this machine for attempt `attempt`, and how they are supervised.
+    fn group_config(&mut self, attempt: u32) -> GroupConfig {
+        use std::io::IsTerminal;
+        let inherited = |v: &str| std::env::var_os(v).is_some();
+        self.layout.restart_count = attempt;
+        let workers = (0..self.layout.local_world_size)
             .map(|local| WorkerSpec {
-                rank: layout.global_rank(local),
-                env: layout.worker_env(local, &inherited),
+                rank: self.layout.global_rank(local),
+                env: self.layout.worker_env(local, &inherited),
             })
             .collect();
-        let config = GroupConfig {
-            program: args.program.clone(),
-            args: args.program_args.clone(),
+        GroupConfig {
+            program: self.args.program.clone(),
+            args: self.args.program_args.clone(),
             workers,
-            quiet: args.quiet,
-            tee_dir: args.tee.clone(),
+            quiet: self.args.quiet,
+            tee_dir: self.args.tee.clone(),
             attempt,
-            grace,
+            grace: self.grace,
             rank0_stderr_direct: std::io::stderr().is_terminal(),
-        };
-        let Some(link) = &mut link else {
-            let outcome = runtime.block_on(supervise::run_group(
-                &config,
-                &mut signals,
-                std::future::pending(),
-            ))?;
-            match outcome {
-                Outcome::Success => return Ok(ExitCode::SUCCESS),
-                Outcome::Failed(failure) => {
-                    eprintln!("accelerate-launch: {failure}; stopped the other ranks");
-                    if attempt == args.max_restarts {
-                        if args.max_restarts > 0 {
-                            eprintln!(
-                                "accelerate-launch: giving up after {} restart(s) (--max-restarts)",
-                                args.max_restarts
-                            );
-                        }
-                        return Ok(ExitCode::from(1));
+        }
+    }
+
+    /// One attempt on a single machine: its exit code, or `None` when a failure may be restarted.
+    fn run_alone(
+        &mut self,
+        config: &GroupConfig,
+        attempt: u32,
+    ) -> Result<Option<ExitCode>, String> {
+        let outcome = self.runtime.block_on(supervise::run_group(
+            config,
+            &mut self.signals,
+            std::future::pending(),
+        ))?;
+        let max_restarts = self.args.max_restarts;
+        match outcome {
+            Outcome::Success => Ok(Some(ExitCode::SUCCESS)),
+            Outcome::Failed(failure) => {
+                eprintln!("accelerate-launch: {failure}; stopped the other ranks");
+                if attempt == max_restarts {
+                    if max_restarts > 0 {
+                        eprintln!(
+                            "accelerate-launch: giving up after {max_restarts} restart(s) \
+                             (--max-restarts)"
+                        );
                     }
+                    return Ok(Some(ExitCode::from(1)));
                 }
-                Outcome::Stopped(reason) => {
-                    // Only a link stops a group from outside; there is none here.
-                    eprintln!("accelerate-launch: {reason}");
-                    return Ok(ExitCode::from(1));
-                }
-                Outcome::Interrupted { signal, failure } => {
-                    report_interrupted(signal, failure.as_ref());
-                    return Ok(ExitCode::from((128 + signal) as u8));
-                }
+                Ok(None)
             }
-            attempt += 1;
-            continue;
-        };
-        let outcome = runtime.block_on(supervise::run_group(
-            &config,
-            &mut signals,
+            Outcome::Stopped(reason) => {
+                // Only a link stops a group from outside; there is none here.
+                eprintln!("accelerate-launch: {reason}");
+                Ok(Some(ExitCode::from(1)))
+            }
+            Outcome::Interrupted { signal, failure } => {
+                report_interrupted(signal, failure.as_ref());
+                Ok(Some(ExitCode::from((128 + signal) as u8)))
+            }
+        }
+    }
+
+    /// One attempt on several machines: this machine's outcome reported to the others, then
+    /// machine 0's verdict awaited. The job's exit code, or `None` when every machine restarts.
+    fn run_linked(
+        &mut self,
+        config: &GroupConfig,
+        attempt: u32,
+    ) -> Result<Option<ExitCode>, String> {
+        let link = self.link.as_mut().expect("run_linked runs with a link");
+        let outcome = self.runtime.block_on(supervise::run_group(
+            config,
+            &mut self.signals,
             link.stop_reason(attempt),
         ));
         let outcome = match outcome {
             Ok(outcome) => outcome,
             Err(e) => {
-                runtime.block_on(link.abandon(attempt, LocalEnd::Failed(e.clone())));
+                self.runtime
+                    .block_on(link.abandon(attempt, LocalEnd::Failed(e.clone())));
                 return Err(e);
             }
         };
@@ -287,23 +387,25 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         if let Err(e) = link.report_end(attempt, LocalEnd::from_outcome(&outcome)) {
             eprintln!("accelerate-launch: {e}");
         }
-        if let (Outcome::Interrupted { signal, .. }, true) = (&outcome, args.machine_rank != 0) {
-            return Ok(ExitCode::from((128 + *signal) as u8));
+        if let (Outcome::Interrupted { signal, .. }, true) = (&outcome, self.args.machine_rank != 0)
+        {
+            return Ok(Some(ExitCode::from((128 + *signal) as u8)));
         }
-        let next = runtime.block_on(link.settle(
+        let next = self.runtime.block_on(link.settle(
             attempt,
-            store.as_ref(),
-            args.max_restarts,
-            grace,
-            &mut signals,
+            self.store.as_ref(),
+            self.args.max_restarts,
+            self.grace,
+            &mut self.signals,
         ));
         match next {
             Next::Restart => {
-                attempt += 1;
                 eprintln!(
                     "accelerate-launch: restarting every rank on every machine (restart \
-                     {attempt}, decided by machine 0)"
+                     {}, decided by machine 0)",
+                    attempt + 1
                 );
+                Ok(None)
             }
             Next::Exit { code, reason } => {
                 if !reason.is_empty() {
@@ -311,10 +413,10 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
                 }
                 // A signal this launcher received, during the attempt or while it waited for
                 // the verdict, decides its own exit status.
-                if let Some(signal) = signals.received() {
-                    return Ok(ExitCode::from((128 + signal) as u8));
+                if let Some(signal) = self.signals.received() {
+                    return Ok(Some(ExitCode::from((128 + signal) as u8)));
                 }
-                return Ok(ExitCode::from(code));
+                Ok(Some(ExitCode::from(code)))
             }
         }
     }

@@ -270,7 +270,7 @@ pub(crate) use cuda_dispatch;
 /// `$device`'s stream with `$cfg` and the arguments after it (each passed by reference), loading
 /// the module on first use.
 macro_rules! launch {
-    ($device:expr, $module:expr, $kernel:literal, $t:ty, $cfg:expr; $($arg:expr),* $(,)?) => {{
+    ($device:expr, $module:expr, $kernel:expr, $t:ty, $cfg:expr; $($arg:expr),* $(,)?) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
         // `$device` may be a device or a reference to one.

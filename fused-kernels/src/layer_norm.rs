@@ -6,6 +6,7 @@ use crate::cuda::{
     rows_config, storage, CudaElement, LAYER_NORM,
 };
 use crate::element::{constant, contiguous, dispatch, Element};
+use crate::row_norm::{self, RowNorm};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
@@ -144,181 +145,101 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, d) = rows_of("layer_norm", "x", x.dims())?;
-        let all = x.apply_op3_no_bwd(
-            weight,
-            &dy.contiguous()?,
-            &LayerNormBackward { eps: self.eps },
-        )?;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = all.get(rows)?;
-        let db = all.get(rows + 1)?;
-        debug_assert_eq!(dw.dims(), [d]);
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, params) = row_norm::backward::<Self>(x, weight, dy, self.eps)?;
+        Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
     }
 }
 
-/// The backward op: `(x, weight, dy) → [rows + 2, d]`, the rows of `dx` then `d_weight` and
-/// `d_bias`.
-struct LayerNormBackward {
-    eps: f64,
-}
+impl RowNorm for LayerNorm {
+    const NAME: &'static str = "layer_norm";
+    const BACKWARD_NAME: &'static str = "layer_norm-backward";
+    /// `d_weight`, `d_bias`.
+    const PARAMS: usize = 2;
 
-impl CustomOp3 for LayerNormBackward {
-    fn name(&self) -> &'static str {
-        "layer_norm-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Element>(
-            eps: f64,
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            s3: &CpuStorage,
-            l3: &Layout,
-        ) -> Result<(CpuStorage, Shape)> {
-            let op = "layer_norm-backward";
-            let x = contiguous::<T>(op, "x", s1, l1)?;
-            let w = contiguous::<T>(op, "weight", s2, l2)?;
-            let dy = contiguous::<T>(op, "dy", s3, l3)?;
-            let (rows, d) = rows_of(op, "x", l1.dims())?;
-            let out = backward_cpu(x, w, dy, None, d, eps);
-            Ok((T::storage(out), Shape::from((rows + 2, d))))
+    /// The backward pass on the CPU: `[rows + 2, d]`, the rows of `dx` (plus `dres`, the gradient
+    /// reaching `x` along a residual path, when given), then `d_weight` and `d_bias`.
+    fn backward_cpu<T: Element>(
+        x: &[T],
+        w: &[T],
+        dy: &[T],
+        dres: Option<&[T]>,
+        d: usize,
+        eps: f64,
+    ) -> Vec<T> {
+        let rows = x.len() / d.max(1);
+        let eps = constant::<T::Acc>(eps);
+        let n = constant::<T::Acc>(d as f64);
+        let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 2) * d];
+        let (dx, params) = out.split_at_mut(rows * d);
+        // partial = [d_weight (d), d_bias (d)]
+        let sums = for_each_row_summing(dx, d, 2 * d, |r, dx, partial| {
+            let x = &x[r * d..(r + 1) * d];
+            let g = &dy[r * d..(r + 1) * d];
+            let (mean, rstd) = moments(x, eps);
+            let (mut mean_g, mut mean_gx) = (<T::Acc>::zero(), <T::Acc>::zero());
+            for ((x, g), w) in x.iter().zip(g).zip(w) {
+                let xhat = (x.to_acc() - mean) * rstd;
+                let ghat = g.to_acc() * w.to_acc();
+                mean_g = mean_g + ghat;
+                mean_gx = mean_gx + ghat * xhat;
+            }
+            mean_g = mean_g / n;
+            mean_gx = mean_gx / n;
+            let res = dres.map(|v| &v[r * d..(r + 1) * d]);
+            let (pw, pb) = partial.split_at_mut(d);
+            for (j, dx) in dx.iter_mut().enumerate() {
+                let xhat = (x[j].to_acc() - mean) * rstd;
+                let g = g[j].to_acc();
+                let ghat = g * w[j].to_acc();
+                let value = rstd * (ghat - mean_g - xhat * mean_gx);
+                *dx = T::from_acc(match res {
+                    Some(res) => value + res[j].to_acc(),
+                    None => value,
+                });
+                pw[j] = pw[j] + g * xhat;
+                pb[j] = pb[j] + g;
+            }
+        });
+        for (p, s) in params.iter_mut().zip(sums) {
+            *p = T::from_acc(s);
         }
-        dispatch!(
-            "layer_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
+        out
     }
 
-    /// Two launches: dx and per-block partial sums of d_weight and d_bias over
-    /// at most 512 blocks of rows, then one thread per column adds the partial sums in
-    /// block order. No atomics: the sums come out the same on every run, as on the CPU.
+    /// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
+    /// [`backward_cpu`](Self::backward_cpu)'s. Two launches: dx and per-block partial sums of
+    /// d_weight and d_bias over at most 512 blocks of rows, then one thread per column adds the
+    /// partial sums in block order. No atomics: the sums come out the same on every run, as on the
+    /// CPU.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(
-            eps: f64,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let op = "layer_norm-backward";
-            let (rows, d) = rows_of(op, "x", l1.dims())?;
-            let out = backward_cuda::<T>(&[(s1, l1), (s2, l2), (s3, l3)], eps)?;
-            Ok((storage(out, &s1.device), Shape::from((rows + 2, d))))
+    fn backward_cuda<T: CudaElement>(
+        s: &[(&CudaStorage, &Layout)],
+        eps: f64,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
+        let op = "layer_norm-backward";
+        let x = input::<T>(op, "x", s[0].0, s[0].1)?;
+        let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
+        let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
+        let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
+        let dev = &s[0].0.device;
+        let mut out = output::<T>(dev, (rows + 2) * d)?;
+        let blocks = partial_blocks(rows, 2 * d);
+        let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
+        let (rows64, d64, blocks64, len64) = (rows as u64, d as u64, blocks as u64, 2 * d as u64);
+        match s.get(3) {
+            None => launch!(dev, LAYER_NORM, "layer_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
+            Some((sr, lr)) => {
+                let dres = input::<T>(op, "dres", sr, lr)?;
+                launch!(dev, LAYER_NORM, "layer_norm_backward_residual", T, blocks_over_rows(blocks, d);
+                    &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
+            }
         }
-        cuda_dispatch!(
-            "layer_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
+        let mut params = out.slice_mut(rows * d..);
+        launch!(dev, LAYER_NORM, "layer_norm_sum", T, columns_config(2 * d);
+            &partial, &blocks64, &len64, &mut params);
+        Ok(out)
     }
-}
-
-/// The backward pass on the CPU: `[rows + 2, d]`, the rows of `dx` (plus `dres`, the gradient
-/// reaching `x` along a residual path, when given), then `d_weight` and `d_bias`.
-fn backward_cpu<T: Element>(
-    x: &[T],
-    w: &[T],
-    dy: &[T],
-    dres: Option<&[T]>,
-    d: usize,
-    eps: f64,
-) -> Vec<T> {
-    let rows = x.len() / d.max(1);
-    let eps = constant::<T::Acc>(eps);
-    let n = constant::<T::Acc>(d as f64);
-    let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 2) * d];
-    let (dx, params) = out.split_at_mut(rows * d);
-    // partial = [d_weight (d), d_bias (d)]
-    let sums = for_each_row_summing(dx, d, 2 * d, |r, dx, partial| {
-        let x = &x[r * d..(r + 1) * d];
-        let g = &dy[r * d..(r + 1) * d];
-        let (mean, rstd) = moments(x, eps);
-        let (mut mean_g, mut mean_gx) = (<T::Acc>::zero(), <T::Acc>::zero());
-        for ((x, g), w) in x.iter().zip(g).zip(w) {
-            let xhat = (x.to_acc() - mean) * rstd;
-            let ghat = g.to_acc() * w.to_acc();
-            mean_g = mean_g + ghat;
-            mean_gx = mean_gx + ghat * xhat;
-        }
-        mean_g = mean_g / n;
-        mean_gx = mean_gx / n;
-        let res = dres.map(|v| &v[r * d..(r + 1) * d]);
-        let (pw, pb) = partial.split_at_mut(d);
-        for (j, dx) in dx.iter_mut().enumerate() {
-            let xhat = (x[j].to_acc() - mean) * rstd;
-            let g = g[j].to_acc();
-            let ghat = g * w[j].to_acc();
-            let value = rstd * (ghat - mean_g - xhat * mean_gx);
-            *dx = T::from_acc(match res {
-                Some(res) => value + res[j].to_acc(),
-                None => value,
-            });
-            pw[j] = pw[j] + g * xhat;
-            pb[j] = pb[j] + g;
-        }
-    });
-    for (p, s) in params.iter_mut().zip(sums) {
-        *p = T::from_acc(s);
-    }
-    out
-}
-
-/// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
-/// [`backward_cpu`]'s. Two launches: dx and per-block partial sums of d_weight and d_bias over at
-/// most 512 blocks of rows, then one thread per column adds the partial sums in block order. No
-/// atomics: the sums come out the same on every run, as on the CPU.
-#[cfg(feature = "cuda")]
-fn backward_cuda<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-    let op = "layer_norm-backward";
-    let x = input::<T>(op, "x", s[0].0, s[0].1)?;
-    let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
-    let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
-    let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
-    let dev = &s[0].0.device;
-    let mut out = output::<T>(dev, (rows + 2) * d)?;
-    let blocks = partial_blocks(rows, 2 * d);
-    let mut partial = output::<T::Acc>(dev, blocks * 2 * d)?;
-    let (rows64, d64, blocks64, len64) = (rows as u64, d as u64, blocks as u64, 2 * d as u64);
-    match s.get(3) {
-        None => launch!(dev, LAYER_NORM, "layer_norm_backward", T, blocks_over_rows(blocks, d);
-            &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
-        Some((sr, lr)) => {
-            let dres = input::<T>(op, "dres", sr, lr)?;
-            launch!(dev, LAYER_NORM, "layer_norm_backward_residual", T, blocks_over_rows(blocks, d);
-                &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
-        }
-    }
-    let mut params = out.slice_mut(rows * d..);
-    launch!(dev, LAYER_NORM, "layer_norm_sum", T, columns_config(2 * d);
-        &partial, &blocks64, &len64, &mut params);
-    Ok(out)
 }
 
 /// LayerNorm's forward outside candle's graph (for the fused layers).
@@ -337,51 +258,6 @@ pub(crate) fn backward_raw(
     dres: Option<&Tensor>,
     eps: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (rows, d) = rows_of("layer_norm-backward", "x", x.dims())?;
-    let dy = dy.contiguous()?;
-    let dres = dres.map(|t| t.contiguous()).transpose()?;
-    let mut args = vec![x, weight, &dy];
-    args.extend(dres.as_ref());
-    let all = if crate::raw::on_cuda(x) {
-        #[cfg(feature = "cuda")]
-        {
-            crate::raw::with_cuda("layer_norm-backward", &args, |s| {
-                cuda_dispatch!("layer_norm-backward", s[0].0, backward_cuda_storage(s, eps))
-            })
-            .map(|s| crate::raw::cuda_tensor(s, (rows + 2, d)))?
-        }
-        #[cfg(not(feature = "cuda"))]
-        candle_core::bail!("layer_norm-backward: CUDA tensors need the `cuda` feature")
-    } else {
-        crate::raw::with_cpu("layer_norm-backward", &args, |s| {
-            fn run<T: Element>(
-                s: &[(&CpuStorage, &Layout)],
-                d: usize,
-                eps: f64,
-            ) -> Result<CpuStorage> {
-                let op = "layer_norm-backward";
-                let x = contiguous::<T>(op, "x", s[0].0, s[0].1)?;
-                let w = contiguous::<T>(op, "weight", s[1].0, s[1].1)?;
-                let dy = contiguous::<T>(op, "dy", s[2].0, s[2].1)?;
-                let dres = s
-                    .get(3)
-                    .map(|(s, l)| contiguous::<T>(op, "dres", s, l))
-                    .transpose()?;
-                Ok(T::storage(backward_cpu(x, w, dy, dres, d, eps)))
-            }
-            dispatch!("layer_norm-backward", s[0].0, run(s, d, eps))
-        })
-        .map(|s| crate::raw::cpu_tensor(s, (rows + 2, d)))?
-    };
-    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-    Ok((dx, all.get(rows)?, all.get(rows + 1)?))
-}
-
-/// [`backward_cuda`] wrapped as storage.
-#[cfg(feature = "cuda")]
-fn backward_cuda_storage<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<CudaStorage> {
-    Ok(storage(backward_cuda::<T>(s, eps)?, &s[0].0.device))
+    let (dx, params) = row_norm::backward_raw::<LayerNorm>(x, weight, dy, dres, eps)?;
+    Ok((dx, params.get(0)?, params.get(1)?))
 }

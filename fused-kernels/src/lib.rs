@@ -40,6 +40,7 @@
 
 #![deny(missing_docs)]
 
+mod activation;
 mod add_bias;
 mod attention_block;
 mod attention_reference;
@@ -68,6 +69,7 @@ mod raw;
 mod residual;
 mod rms_norm;
 mod rotary;
+mod row_norm;
 mod rows;
 mod silu;
 mod swiglu;

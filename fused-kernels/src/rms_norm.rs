@@ -6,10 +6,11 @@ use crate::cuda::{
     rows_config, storage, CudaElement, RMS_NORM,
 };
 use crate::element::{constant, contiguous, dispatch, Element};
+use crate::row_norm::{self, RowNorm};
 use crate::rows::{for_each_row, for_each_row_summing, rows_of};
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use num_traits::{Float, Zero};
 
 /// RMSNorm over the last dimension `d` of `x` `[..., d]` with `weight` `[d]`:
@@ -126,168 +127,94 @@ impl CustomOp2 for RmsNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (rows, _) = rows_of("rms_norm", "x", x.dims())?;
-        let all = x.apply_op3_no_bwd(
-            weight,
-            &dy.contiguous()?,
-            &RmsNormBackward { eps: self.eps },
-        )?;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-        Ok((Some(dx), Some(all.get(rows)?)))
+        let (dx, params) = row_norm::backward::<Self>(x, weight, dy, self.eps)?;
+        Ok((Some(dx), Some(params.get(0)?)))
     }
 }
 
-/// The backward op: `(x, weight, dy) → [rows + 1, d]`, the rows of `dx` then `d_weight`.
-struct RmsNormBackward {
-    eps: f64,
-}
+impl RowNorm for RmsNorm {
+    const NAME: &'static str = "rms_norm";
+    const BACKWARD_NAME: &'static str = "rms_norm-backward";
+    /// `d_weight`.
+    const PARAMS: usize = 1;
 
-impl CustomOp3 for RmsNormBackward {
-    fn name(&self) -> &'static str {
-        "rms_norm-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Element>(
-            eps: f64,
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            s3: &CpuStorage,
-            l3: &Layout,
-        ) -> Result<(CpuStorage, Shape)> {
-            let op = "rms_norm-backward";
-            let x = contiguous::<T>(op, "x", s1, l1)?;
-            let w = contiguous::<T>(op, "weight", s2, l2)?;
-            let dy = contiguous::<T>(op, "dy", s3, l3)?;
-            let (rows, d) = rows_of(op, "x", l1.dims())?;
-            let out = backward_cpu(x, w, dy, None, d, eps);
-            Ok((T::storage(out), Shape::from((rows + 1, d))))
+    /// The backward pass on the CPU: `[rows + 1, d]`, the rows of `dx` (plus `dres`, the gradient
+    /// reaching `x` along a residual path, when given), then `d_weight`.
+    fn backward_cpu<T: Element>(
+        x: &[T],
+        w: &[T],
+        dy: &[T],
+        dres: Option<&[T]>,
+        d: usize,
+        eps: f64,
+    ) -> Vec<T> {
+        let rows = x.len() / d.max(1);
+        let eps = constant::<T::Acc>(eps);
+        let n = constant::<T::Acc>(d as f64);
+        let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 1) * d];
+        let (dx, dw) = out.split_at_mut(rows * d);
+        let sums = for_each_row_summing(dx, d, d, |r, dx, pw| {
+            let x = &x[r * d..(r + 1) * d];
+            let g = &dy[r * d..(r + 1) * d];
+            let rstd = rstd(x, eps);
+            let mean_gx = x
+                .iter()
+                .zip(g)
+                .zip(w)
+                .map(|((x, g), w)| g.to_acc() * w.to_acc() * x.to_acc() * rstd)
+                .sum::<T::Acc>()
+                / n;
+            let res = dres.map(|v| &v[r * d..(r + 1) * d]);
+            for (j, dx) in dx.iter_mut().enumerate() {
+                let xhat = x[j].to_acc() * rstd;
+                let g = g[j].to_acc();
+                let value = rstd * (g * w[j].to_acc() - xhat * mean_gx);
+                *dx = T::from_acc(match res {
+                    Some(res) => value + res[j].to_acc(),
+                    None => value,
+                });
+                pw[j] = pw[j] + g * xhat;
+            }
+        });
+        for (p, s) in dw.iter_mut().zip(sums) {
+            *p = T::from_acc(s);
         }
-        dispatch!(
-            "rms_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
+        out
     }
 
-    /// Two launches, as LayerNorm's backward: dx and per-block partial sums of d_weight, then
-    /// the partial sums added in block order (no atomics: the same result on every run).
+    /// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
+    /// [`backward_cpu`](Self::backward_cpu)'s. Two launches, as LayerNorm's backward: dx and
+    /// per-block partial sums of d_weight, then the partial sums added in block order (no atomics:
+    /// the same result on every run).
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(
-            eps: f64,
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-            s3: &CudaStorage,
-            l3: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let (rows, d) = rows_of("rms_norm-backward", "x", l1.dims())?;
-            let out = backward_cuda::<T>(&[(s1, l1), (s2, l2), (s3, l3)], eps)?;
-            Ok((storage(out, &s1.device), Shape::from((rows + 1, d))))
+    fn backward_cuda<T: CudaElement>(
+        s: &[(&CudaStorage, &Layout)],
+        eps: f64,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
+        let op = "rms_norm-backward";
+        let x = input::<T>(op, "x", s[0].0, s[0].1)?;
+        let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
+        let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
+        let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
+        let dev = &s[0].0.device;
+        let mut out = output::<T>(dev, (rows + 1) * d)?;
+        let blocks = partial_blocks(rows, d);
+        let mut partial = output::<T::Acc>(dev, blocks * d)?;
+        let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
+        match s.get(3) {
+            None => launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
+                &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
+            Some((sr, lr)) => {
+                let dres = input::<T>(op, "dres", sr, lr)?;
+                launch!(dev, RMS_NORM, "rms_norm_backward_residual", T, blocks_over_rows(blocks, d);
+                    &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
+            }
         }
-        cuda_dispatch!(
-            "rms_norm-backward",
-            s1,
-            run(self.eps, s1, l1, s2, l2, s3, l3)
-        )
+        let mut dw = out.slice_mut(rows * d..);
+        launch!(dev, RMS_NORM, "rms_norm_sum", T, columns_config(d);
+            &partial, &blocks64, &d64, &mut dw);
+        Ok(out)
     }
-}
-
-/// The backward pass on the CPU: `[rows + 1, d]`, the rows of `dx` (plus `dres`, the gradient
-/// reaching `x` along a residual path, when given), then `d_weight`.
-fn backward_cpu<T: Element>(
-    x: &[T],
-    w: &[T],
-    dy: &[T],
-    dres: Option<&[T]>,
-    d: usize,
-    eps: f64,
-) -> Vec<T> {
-    let rows = x.len() / d.max(1);
-    let eps = constant::<T::Acc>(eps);
-    let n = constant::<T::Acc>(d as f64);
-    let mut out = vec![T::from_acc(<T::Acc>::zero()); (rows + 1) * d];
-    let (dx, dw) = out.split_at_mut(rows * d);
-    let sums = for_each_row_summing(dx, d, d, |r, dx, pw| {
-        let x = &x[r * d..(r + 1) * d];
-        let g = &dy[r * d..(r + 1) * d];
-        let rstd = rstd(x, eps);
-        let mean_gx = x
-            .iter()
-            .zip(g)
-            .zip(w)
-            .map(|((x, g), w)| g.to_acc() * w.to_acc() * x.to_acc() * rstd)
-            .sum::<T::Acc>()
-            / n;
-        let res = dres.map(|v| &v[r * d..(r + 1) * d]);
-        for (j, dx) in dx.iter_mut().enumerate() {
-            let xhat = x[j].to_acc() * rstd;
-            let g = g[j].to_acc();
-            let value = rstd * (g * w[j].to_acc() - xhat * mean_gx);
-            *dx = T::from_acc(match res {
-                Some(res) => value + res[j].to_acc(),
-                None => value,
-            });
-            pw[j] = pw[j] + g * xhat;
-        }
-    });
-    for (p, s) in dw.iter_mut().zip(sums) {
-        *p = T::from_acc(s);
-    }
-    out
-}
-
-/// The backward pass on a CUDA device for `[(x), (weight), (dy), (dres)?]`, laid out as
-/// [`backward_cpu`]'s. Two launches, as LayerNorm's backward: dx and per-block partial sums of
-/// d_weight, then the partial sums added in block order (no atomics: the same result on every run).
-#[cfg(feature = "cuda")]
-fn backward_cuda<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-    let op = "rms_norm-backward";
-    let x = input::<T>(op, "x", s[0].0, s[0].1)?;
-    let w = input::<T>(op, "weight", s[1].0, s[1].1)?;
-    let dy = input::<T>(op, "dy", s[2].0, s[2].1)?;
-    let (rows, d) = rows_of(op, "x", s[0].1.dims())?;
-    let dev = &s[0].0.device;
-    let mut out = output::<T>(dev, (rows + 1) * d)?;
-    let blocks = partial_blocks(rows, d);
-    let mut partial = output::<T::Acc>(dev, blocks * d)?;
-    let (rows64, d64, blocks64) = (rows as u64, d as u64, blocks as u64);
-    match s.get(3) {
-        None => launch!(dev, RMS_NORM, "rms_norm_backward", T, blocks_over_rows(blocks, d);
-            &x, &w, &dy, &mut out, &mut partial, &rows64, &d64, &eps),
-        Some((sr, lr)) => {
-            let dres = input::<T>(op, "dres", sr, lr)?;
-            launch!(dev, RMS_NORM, "rms_norm_backward_residual", T, blocks_over_rows(blocks, d);
-                &x, &w, &dy, &dres, &mut out, &mut partial, &rows64, &d64, &eps)
-        }
-    }
-    let mut dw = out.slice_mut(rows * d..);
-    launch!(dev, RMS_NORM, "rms_norm_sum", T, columns_config(d);
-        &partial, &blocks64, &d64, &mut dw);
-    Ok(out)
 }
 
 /// RMSNorm's forward outside candle's graph (for the fused layers).
@@ -305,51 +232,6 @@ pub(crate) fn backward_raw(
     dres: Option<&Tensor>,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
-    let (rows, d) = rows_of("rms_norm-backward", "x", x.dims())?;
-    let dy = dy.contiguous()?;
-    let dres = dres.map(|t| t.contiguous()).transpose()?;
-    let mut args = vec![x, weight, &dy];
-    args.extend(dres.as_ref());
-    let all = if crate::raw::on_cuda(x) {
-        #[cfg(feature = "cuda")]
-        {
-            crate::raw::with_cuda("rms_norm-backward", &args, |s| {
-                cuda_dispatch!("rms_norm-backward", s[0].0, backward_cuda_storage(s, eps))
-            })
-            .map(|s| crate::raw::cuda_tensor(s, (rows + 1, d)))?
-        }
-        #[cfg(not(feature = "cuda"))]
-        candle_core::bail!("rms_norm-backward: CUDA tensors need the `cuda` feature")
-    } else {
-        crate::raw::with_cpu("rms_norm-backward", &args, |s| {
-            fn run<T: Element>(
-                s: &[(&CpuStorage, &Layout)],
-                d: usize,
-                eps: f64,
-            ) -> Result<CpuStorage> {
-                let op = "rms_norm-backward";
-                let x = contiguous::<T>(op, "x", s[0].0, s[0].1)?;
-                let w = contiguous::<T>(op, "weight", s[1].0, s[1].1)?;
-                let dy = contiguous::<T>(op, "dy", s[2].0, s[2].1)?;
-                let dres = s
-                    .get(3)
-                    .map(|(s, l)| contiguous::<T>(op, "dres", s, l))
-                    .transpose()?;
-                Ok(T::storage(backward_cpu(x, w, dy, dres, d, eps)))
-            }
-            dispatch!("rms_norm-backward", s[0].0, run(s, d, eps))
-        })
-        .map(|s| crate::raw::cpu_tensor(s, (rows + 1, d)))?
-    };
-    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-    Ok((dx, all.get(rows)?))
-}
-
-/// [`backward_cuda`] wrapped as storage.
-#[cfg(feature = "cuda")]
-fn backward_cuda_storage<T: CudaElement>(
-    s: &[(&CudaStorage, &Layout)],
-    eps: f64,
-) -> Result<CudaStorage> {
-    Ok(storage(backward_cuda::<T>(s, eps)?, &s[0].0.device))
+    let (dx, params) = row_norm::backward_raw::<RmsNorm>(x, weight, dy, dres, eps)?;
+    Ok((dx, params.get(0)?))
 }

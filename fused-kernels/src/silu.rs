@@ -1,14 +1,7 @@
 //! SiLU (swish), PyTorch's `F.silu`.
 
-#[cfg(feature = "cuda")]
-use crate::cuda::{
-    cuda_dispatch, elements_config, input, launch, output, storage, CudaElement, ACTIVATIONS,
-};
-use crate::element::{contiguous, dispatch, Element};
-use crate::elementwise::{map_binary, map_unary};
-#[cfg(feature = "cuda")]
-use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use crate::activation::Activation;
+use candle_core::{Result, Tensor};
 use num_traits::Float;
 
 /// SiLU, element-wise: `silu(x) = x · σ(x)` with `σ(x) = 1 / (1 + e^{−x})`.
@@ -19,7 +12,7 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
     if !crate::element::has_kernel(x) {
         return x.silu();
     }
-    x.contiguous()?.apply_op1(Silu)
+    crate::activation::apply::<Silu>(x)
 }
 
 /// `σ(x)`.
@@ -35,94 +28,22 @@ pub(crate) fn silu_slope<A: Float>(x: A) -> A {
     s * (A::one() + x * (A::one() - s))
 }
 
-/// The forward op.
+/// SiLU as an [`Activation`].
 struct Silu;
 
-impl CustomOp1 for Silu {
-    fn name(&self) -> &'static str {
-        "silu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Element>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-            let x = contiguous::<T>("silu", "x", s, l)?;
-            let out = map_unary(x, |x| x * sigmoid(x));
-            Ok((T::storage(out), l.shape().clone()))
-        }
-        dispatch!("silu", s, run(s, l))
-    }
-
+impl Activation for Silu {
+    const NAME: &'static str = "silu";
+    const BACKWARD_NAME: &'static str = "silu-backward";
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            let x = input::<T>("silu", "x", s, l)?;
-            let n = l.shape().elem_count();
-            let dev = &s.device;
-            let mut y = output::<T>(dev, n)?;
-            let n64 = n as u64;
-            launch!(dev, ACTIVATIONS, "silu", T, elements_config(n); &x, &mut y, &n64);
-            Ok((storage(y, dev), l.shape().clone()))
-        }
-        cuda_dispatch!("silu", s, run(s, l))
-    }
-
-    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &SiluBackward)?))
-    }
-}
-
-/// The backward op: `(x, dy) → dx`.
-struct SiluBackward;
-
-impl CustomOp2 for SiluBackward {
-    fn name(&self) -> &'static str {
-        "silu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Element>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-        ) -> Result<(CpuStorage, Shape)> {
-            let x = contiguous::<T>("silu-backward", "x", s1, l1)?;
-            let dy = contiguous::<T>("silu-backward", "dy", s2, l2)?;
-            let out = map_binary(x, dy, |x, g| g * silu_slope(x));
-            Ok((T::storage(out), l1.shape().clone()))
-        }
-        dispatch!("silu-backward", s1, run(s1, l1, s2, l2))
-    }
-
+    const KERNEL: &'static str = "silu";
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        fn run<T: CudaElement>(
-            s1: &CudaStorage,
-            l1: &Layout,
-            s2: &CudaStorage,
-            l2: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let a = input::<T>("silu-backward", "x", s1, l1)?;
-            let b = input::<T>("silu-backward", "dy", s2, l2)?;
-            let n = l1.shape().elem_count();
-            let dev = &s1.device;
-            let mut y = output::<T>(dev, n)?;
-            let n64 = n as u64;
-            launch!(dev, ACTIVATIONS, "silu_backward", T, elements_config(n); &a, &b, &mut y, &n64);
-            Ok((storage(y, dev), l1.shape().clone()))
-        }
-        cuda_dispatch!("silu-backward", s1, run(s1, l1, s2, l2))
+    const BACKWARD_KERNEL: &'static str = "silu_backward";
+
+    fn value<A: Float>(x: A) -> A {
+        x * sigmoid(x)
+    }
+
+    fn slope<A: Float>(x: A) -> A {
+        silu_slope(x)
     }
 }

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, TensorDataset};
-use accelerate_core::optim::{Optimizer, OptimizerState, Sgd, SgdConfig};
-use accelerate_core::{Accelerator, GradientBuffers, ProcessState, Result};
+use accelerate_core::optim::{Gradients, Optimizer, OptimizerState, Sgd, SgdConfig};
+use accelerate_core::{Accelerator, ProcessState, Result};
 use accelerate_tests::ranks_as_threads;
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -159,7 +159,7 @@ fn a_checkpoint_after_a_loop_stopped_early_resumes_inside_that_epoch() {
 struct Counting(Sgd, Arc<AtomicUsize>);
 
 impl Optimizer for Counting {
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()> {
         self.0.step(grads)
     }
     fn learning_rate(&self) -> &accelerate_core::optim::LearningRate {

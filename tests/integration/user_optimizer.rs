@@ -2,8 +2,8 @@
 //! through `Accelerator::prepare` like the library's own: it steps on the micro-steps that sync,
 //! with the window's averaged gradients, and on no other.
 
+use accelerate_core::optim::Gradients;
 use accelerate_core::optim::{LearningRate, Optimizer, OptimizerState};
-use accelerate_core::GradientBuffers;
 use accelerate_core::{Accelerator, Error, ProcessState, Result};
 use candle_core::{Device, Tensor, Var};
 
@@ -14,7 +14,7 @@ struct PlainSgd {
 }
 
 impl Optimizer for PlainSgd {
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()> {
         let lr = self.lr.get();
         for (name, var) in &self.params {
             if let Some(g) = grads.get(name) {

@@ -21,6 +21,7 @@ mod iterable;
 mod iteration;
 mod jsonl;
 mod loader;
+mod loader_stack;
 #[cfg(feature = "cuda")]
 mod pinned;
 mod plan;

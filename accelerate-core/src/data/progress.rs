@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use std::sync::{Arc, OnceLock};
 
-use super::iteration::LoaderStack;
+use super::loader_stack::LoaderStack;
 use super::plan::BatchPlan;
 
 /// The window last handed out by `windows()`: where it starts, its length, and on how many of its

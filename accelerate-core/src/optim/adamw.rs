@@ -255,7 +255,8 @@ mod tests {
                 ..AdamWConfig::default()
             };
             let mut opt = AdamW::new(named(&[("w", &[1.0])], DType::F32), config).unwrap();
-            opt.step(&buffers(opt.params(), &[("w", &[0.5])])).unwrap();
+            opt.step(buffers(opt.params(), &[("w", &[0.5])]).gradients())
+                .unwrap();
             assert_close(&values(&opt.params()[0].1), &[expected], 1e-6, "w");
         }
     }

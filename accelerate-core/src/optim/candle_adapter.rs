@@ -5,9 +5,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::Var;
 
+use super::Gradients;
 use super::{LearningRate, Optimizer, OptimizerState};
 use crate::error::{Error, Result};
-use crate::grads::GradientBuffers;
 
 /// A candle-nn optimizer over named parameters.
 ///
@@ -64,7 +64,7 @@ impl<O: candle_nn::Optimizer> CandleOptimizer<O> {
 }
 
 impl<O: candle_nn::Optimizer> Optimizer for CandleOptimizer<O> {
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()> {
         let mut store = GradStore::default();
         for (name, var) in &self.params {
             if let Some(grad) = grads.get(name) {
@@ -110,13 +110,14 @@ mod tests {
         .unwrap();
         assert_eq!(opt.learning_rate().get(), 0.1);
         // p -= lr · g, and a parameter without gradient stays.
-        opt.step(&buffers(opt.params(), &[("b", &[1.0, -2.0])]))
+        opt.step(buffers(opt.params(), &[("b", &[1.0, -2.0])]).gradients())
             .unwrap();
         assert_close(&values(&opt.params()[1].1), &[0.9, 2.2], 1e-7, "b");
         assert_eq!(values(&opt.params()[0].1), vec![0.5]);
         // A scheduler's rate reaches candle-nn's optimizer.
         opt.learning_rate().set(1.0);
-        opt.step(&buffers(opt.params(), &[("a", &[0.25])])).unwrap();
+        opt.step(buffers(opt.params(), &[("a", &[0.25])]).gradients())
+            .unwrap();
         assert_close(&values(&opt.params()[0].1), &[0.25], 1e-7, "a");
         assert_eq!(candle_nn::Optimizer::learning_rate(opt.inner()), 1.0);
     }
@@ -134,7 +135,7 @@ mod tests {
             config,
         )
         .unwrap();
-        opt.step(&buffers(opt.params(), &[("w", &[0.5, -3.0])]))
+        opt.step(buffers(opt.params(), &[("w", &[0.5, -3.0])]).gradients())
             .unwrap();
         assert_close(&values(&opt.params()[0].1), &[0.9, 1.1], 1e-6, "w");
     }

@@ -56,7 +56,7 @@ fn optimizer<R: Conformance>(config: R, dtype: DType) -> ElementwiseOptimizer<R>
 fn run<R: Conformance>(opt: &mut ElementwiseOptimizer<R>, steps: std::ops::Range<usize>) {
     for s in steps {
         let (ga, gb) = grads_at(s);
-        opt.step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+        opt.step(buffers(opt.params(), &[("a", &ga), ("b", &gb)]).gradients())
             .unwrap();
     }
 }
@@ -140,8 +140,12 @@ pub(crate) fn a_parameter_split_over_threads_equals_the_unsplit_update<R: Confor
     split.parallel_min_elems = 100;
     for s in 0..3 {
         let g = pseudo_random(n, 20 + s);
-        whole.step(&buffers(whole.params(), &[("w", &g)])).unwrap();
-        split.step(&buffers(split.params(), &[("w", &g)])).unwrap();
+        whole
+            .step(buffers(whole.params(), &[("w", &g)]).gradients())
+            .unwrap();
+        split
+            .step(buffers(split.params(), &[("w", &g)]).gradients())
+            .unwrap();
     }
     assert_eq!(values(&whole.params()[0].1), values(&split.params()[0].1));
     assert_eq!(
@@ -157,7 +161,8 @@ pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Con
     let mut ra = config.reference(&A0);
     for s in 0..3 {
         let (ga, _) = grads_at(s);
-        opt.step(&buffers(opt.params(), &[("a", &ga)])).unwrap();
+        opt.step(buffers(opt.params(), &[("a", &ga)]).gradients())
+            .unwrap();
         ra(&ga);
     }
     // Not even weight decay reached "b".
@@ -182,7 +187,7 @@ pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Con
     // Its first gradient is its first update (fresh state), while "a" continues.
     let mut rb = config.reference(&B0);
     let (ga, gb) = grads_at(3);
-    opt.step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+    opt.step(buffers(opt.params(), &[("a", &ga), ("b", &gb)]).gradients())
         .unwrap();
     let tolerance = R::F32_TOLERANCE;
     assert_close(&values(&opt.params()[0].1), &ra(&ga), tolerance, "a");
@@ -216,7 +221,7 @@ pub(crate) fn a_bad_learning_rate_or_gradient_is_refused<R: Conformance>() {
         handle.set(bad);
         let (ga, gb) = grads_at(0);
         let err = opt
-            .step(&buffers(opt.params(), &[("a", &ga), ("b", &gb)]))
+            .step(buffers(opt.params(), &[("a", &ga), ("b", &gb)]).gradients())
             .unwrap_err()
             .to_string();
         assert!(err.contains("learning rate is"), "{err}");
@@ -225,7 +230,7 @@ pub(crate) fn a_bad_learning_rate_or_gradient_is_refused<R: Conformance>() {
     // Gradient buffers built for a parameter "a" of 3 elements where the optimizer's has 5.
     let other = named(&[("a", &[1.0, 2.0, 3.0])], DType::F32);
     let err = opt
-        .step(&buffers(&other, &[("a", &[1.0, 1.0, 1.0])]))
+        .step(buffers(&other, &[("a", &[1.0, 1.0, 1.0])]).gradients())
         .unwrap_err()
         .to_string();
     assert!(err.contains("[3]") && err.contains("[5]"), "{err}");
@@ -640,8 +645,12 @@ pub(crate) fn the_compute_copy_is_the_cast_of_the_updated_master<R: Conformance>
                     let grads = two_group_grads(s, big.len());
                     let grads: Vec<(&str, &[f64])> =
                         grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
-                    plain.step(&buffers(plain.params(), &grads)).unwrap();
-                    fused.step(&buffers(fused.params(), &grads)).unwrap();
+                    plain
+                        .step(buffers(plain.params(), &grads).gradients())
+                        .unwrap();
+                    fused
+                        .step(buffers(fused.params(), &grads).gradients())
+                        .unwrap();
                     for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
                         assert_eq!(bits(got), bits(want), "{label}: master {name}, step {s}");
                     }
@@ -698,8 +707,12 @@ pub(crate) fn a_zero_piece_writes_only_its_piece_of_the_compute_copy<R: Conforma
         let (ga, gb) = grads_at(s);
         let g_big = pseudo_random(big.len(), 60 + s as u32);
         let grads = [("a", &ga[..]), ("b", &gb[..]), ("big", &g_big[..])];
-        plain.step(&buffers(plain.params(), &grads)).unwrap();
-        fused.step(&buffers(fused.params(), &grads)).unwrap();
+        plain
+            .step(buffers(plain.params(), &grads).gradients())
+            .unwrap();
+        fused
+            .step(buffers(fused.params(), &grads).gradients())
+            .unwrap();
     }
     for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
         assert_eq!(bits(got), bits(want), "master {name}");
@@ -817,9 +830,9 @@ pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
                 let grads = two_group_grads(s, big.len());
                 let grads: Vec<(&str, &[f64])> =
                     grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
-                cpu.step(&buffers(cpu.params(), &grads)).unwrap();
+                cpu.step(buffers(cpu.params(), &grads).gradients()).unwrap();
                 cuda_refill(&mut gpu_grads, gpu.params(), &grads);
-                gpu.step(&gpu_grads).unwrap();
+                gpu.step(gpu_grads.gradients()).unwrap();
             }
             assert_eq!(
                 gpu.fallback_updates, 0,

@@ -395,7 +395,7 @@ mod tests {
                     1.0,
                 )
                 .unwrap();
-            opt.step(&grads).unwrap();
+            opt.step(grads.gradients()).unwrap();
             assert_eq!(opt.fallback_updates, 0);
             assert!(opt.wrote_compute_copy("w"));
             let cast = master.as_tensor().to_dtype(dtype).unwrap();

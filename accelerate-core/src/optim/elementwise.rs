@@ -20,11 +20,11 @@ use super::group::ParamGroup;
 use super::kernels;
 use super::rule::UpdateRule;
 use super::state::{key, snapshot, state_dtype, OptimizerState, StateReader};
+use super::Gradients;
 use super::{LearningRate, Optimizer};
 use crate::cpu_slices::{with_f32, with_f32_mut};
 use crate::cpu_slices::{with_half_mut, HalfSliceMut};
 use crate::error::{Error, Result};
-use crate::grads::GradientBuffers;
 
 /// The state of one parameter, created at its first update.
 #[derive(Debug)]
@@ -189,7 +189,7 @@ fn membership_key(name: &str) -> String {
 }
 
 impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()> {
         let lrs = current_lrs(&self.lr)?;
         self.copies_written.fill(false);
         // Parameters queued for the multi-tensor CUDA launch: (index, step, whole copy written).

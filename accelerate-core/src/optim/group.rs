@@ -211,7 +211,7 @@ mod against_pytorch {
                     .accumulate_one(name, &g.to_dtype(dtype).unwrap(), 1.0)
                     .unwrap();
             }
-            opt.step(&grads).unwrap();
+            opt.step(grads.gradients()).unwrap();
             scheduler.step();
             for (name, var) in opt.params() {
                 let torch = flat(&f.tensors[&format!("{prefix}.{step}.{name}")]);

@@ -35,6 +35,7 @@ mod scheduler;
 mod sgd;
 mod state;
 
+pub use crate::grads::Gradients;
 pub use adamw::{AdamW, AdamWConfig};
 pub use candle_adapter::CandleOptimizer;
 pub use elementwise::ElementwiseOptimizer;
@@ -54,12 +55,11 @@ use std::ops::Range;
 use candle_core::Var;
 
 use crate::error::{Error, Result};
-use crate::grads::GradientBuffers;
 
 /// An optimizer over named parameters, with state that can be saved and restored.
 pub trait Optimizer {
     /// One update of every parameter that has a gradient in `grads` (by name); others are skipped.
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()>;
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()>;
 
     /// The learning-rate handle this optimizer reads at every step (clone it for a scheduler).
     fn learning_rate(&self) -> &LearningRate;
@@ -101,7 +101,7 @@ pub trait Optimizer {
 
     /// ZeRO: from now on keep state for, and update, only `pieces[name]` (a range of the
     /// flattened elements) of each parameter, reading its gradient with
-    /// [`GradientBuffers::piece`]; a parameter absent from `pieces` is not updated here (another
+    /// [`Gradients::piece`]; a parameter absent from `pieces` is not updated here (another
     /// rank owns it) but, when it has a gradient, its step count advances. [`state`](Self::state)
     /// then holds 1-D pieces and [`load_state`](Self::load_state) expects them. `prepare` calls
     /// this under `zero_stage(1)` or `(2)`. The default refuses: an optimizer whose state cannot
@@ -132,7 +132,7 @@ mod test_util;
 /// flag) and prepare it like any other: every method forwards to the boxed one, defaults
 /// included, since the boxed type may override them.
 impl Optimizer for Box<dyn Optimizer + Send> {
-    fn step(&mut self, grads: &GradientBuffers) -> Result<()> {
+    fn step(&mut self, grads: Gradients<'_>) -> Result<()> {
         (**self).step(grads)
     }
 

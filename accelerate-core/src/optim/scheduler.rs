@@ -493,7 +493,8 @@ mod tests {
         .unwrap();
         let mut trajectory = vec![];
         for _ in 0..5 {
-            opt.step(&buffers(opt.params(), &[("w", &[1.0])])).unwrap();
+            opt.step(buffers(opt.params(), &[("w", &[1.0])]).gradients())
+                .unwrap();
             s.step();
             trajectory.push(values(&opt.params()[0].1)[0]);
         }

@@ -308,7 +308,8 @@ mod tests {
             },
         )
         .unwrap();
-        opt.step(&buffers(opt.params(), &[("w", &[0.5])])).unwrap();
+        opt.step(buffers(opt.params(), &[("w", &[0.5])]).gradients())
+            .unwrap();
         assert_close(&values(&opt.params()[0].1), &[0.95], 1e-7, "plain");
         // Momentum 0.9, g = 1 twice: buf 1 then 1.9; p = 1 - 0.1 - 0.19.
         let config = SgdConfig {
@@ -318,7 +319,8 @@ mod tests {
         };
         let mut opt = Sgd::new(named(&[("w", &[1.0])], DType::F32), config).unwrap();
         for _ in 0..2 {
-            opt.step(&buffers(opt.params(), &[("w", &[1.0])])).unwrap();
+            opt.step(buffers(opt.params(), &[("w", &[1.0])]).gradients())
+                .unwrap();
         }
         assert_close(&values(&opt.params()[0].1), &[0.71], 1e-7, "momentum");
     }

@@ -33,7 +33,7 @@ impl TrainingState {
             return Ok(());
         }
         let mut optimizer = lock(optimizer);
-        optimizer.step(grads)?;
+        optimizer.step(grads.gradients())?;
         if let Some(zero) = &steps.zero {
             zero.gather_parameters(self.parameters())?;
         }

@@ -11,6 +11,8 @@
 //! Bucket sizes are agreed when the parameters are prepared, so buckets are reduced without a
 //! per-call pre-flight check.
 
+mod overlap;
+
 use std::cell::Cell;
 
 use candle_core::backprop::GradStore;
@@ -18,8 +20,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::grads::{GradientBucket, GradientBuffers, SyncOptions};
+use crate::grads::{GradientBucket, GradientBuffers};
 use crate::zero::ZeroState;
+use overlap::SyncOptions;
 
 /// Whether gradient reduction overlaps bucket preparation when neither the builder nor
 /// [`crate::env::OVERLAP_GRADIENT_REDUCTION`] says. Off: with every core computing, no core is idle
