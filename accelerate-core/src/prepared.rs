@@ -3,9 +3,9 @@
 //! the micro-steps where gradients do not sync, like Accelerate's `AcceleratedOptimizer` and
 //! `AcceleratedScheduler`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::optim::{LearningRate, LrScheduler, Optimizer, OptimizerState, SchedulerState};
 use crate::training::{lock, SharedOptimizer, TrainingState};
 
@@ -13,18 +13,28 @@ use crate::training::{lock, SharedOptimizer, TrainingState};
 ///
 /// The handle owns the optimizer: the loop reaches it only through the handle's calls, each of
 /// which locks it for its own length (the lock exists so that the accelerator can save and
-/// restore its state, `Accelerator::save_state`, without the loop handing it over).
+/// restore its state, `Accelerator::save_state`, without the loop handing it over). A call made
+/// while the optimizer is lent to a closure ([`with_inner`](Self::with_inner)) fails with an
+/// error naming the re-entry instead of waiting forever; the learning rate is readable anywhere.
 pub struct PreparedOptimizer<O> {
     inner: Arc<Mutex<O>>,
+    /// The optimizer's own handle (clones share the values), so that reading the rate takes no
+    /// lock.
+    learning_rate: LearningRate,
     training: Arc<TrainingState>,
 }
 
 impl<O: Optimizer + Send + 'static> PreparedOptimizer<O> {
     pub(crate) fn new(inner: O, training: Arc<TrainingState>) -> Self {
+        let learning_rate = inner.learning_rate().clone();
         let inner = Arc::new(Mutex::new(inner));
         let registered: SharedOptimizer = inner.clone();
         training.register_optimizer(registered);
-        Self { inner, training }
+        Self {
+            inner,
+            learning_rate,
+            training,
+        }
     }
 }
 
@@ -52,38 +62,61 @@ impl<O: Optimizer> PreparedOptimizer<O> {
     /// The current learning rate (of the first parameter group; `learning_rate_handle().get_all()`
     /// has every group's).
     pub fn learning_rate(&self) -> f64 {
-        lock(&self.inner).learning_rate().get()
+        self.learning_rate.get()
     }
 
     /// The optimizer's training learning-rate handle, to build a scheduler from.
     pub fn learning_rate_handle(&self) -> LearningRate {
-        lock(&self.inner).learning_rate().clone()
+        self.learning_rate.clone()
     }
 
     /// The optimizer's savable state.
     pub fn state(&self) -> Result<OptimizerState> {
-        lock(&self.inner).state()
+        self.lent("state()")?.state()
     }
 
     /// Restores a state saved by [`state`](Self::state).
     pub fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        lock(&self.inner).load_state(state)
+        self.lent("load_state()")?.load_state(state)
     }
 
     /// Lends the wrapped optimizer to `read` and returns what it returns
     /// (`opt.with_inner(|o| o.group_configs())`). The optimizer is locked only while `read`
     /// runs, and `read` cannot step it: [`step`](Self::step) takes `&mut self`, which the borrow
-    /// checker refuses while `with_inner` borrows the handle. Do not save or load the
-    /// accelerator's state inside `read`: that locks the optimizer too.
-    pub fn with_inner<R>(&self, read: impl FnOnce(&O) -> R) -> R {
-        read(&lock(&self.inner))
+    /// checker refuses while `with_inner` borrows the handle. Inside `read`, the handle's other
+    /// calls that need the optimizer (`state`, `with_inner`) and `Accelerator::save_state` or
+    /// `load_state` fail with an error naming the re-entry; read what you need from `read`'s
+    /// argument instead.
+    ///
+    /// # Errors
+    /// If called inside another [`with_inner`](Self::with_inner) of the same optimizer.
+    pub fn with_inner<R>(&self, read: impl FnOnce(&O) -> R) -> Result<R> {
+        Ok(read(&*self.lent("with_inner()")?))
     }
 
     /// Lends the wrapped optimizer to `change` to change it in place (a hyper-parameter, say),
     /// locked only while `change` runs; as with [`with_inner`](Self::with_inner), `change`
     /// cannot step it.
-    pub fn with_inner_mut<R>(&mut self, change: impl FnOnce(&mut O) -> R) -> R {
-        change(&mut lock(&self.inner))
+    ///
+    /// # Errors
+    /// If the optimizer is already lent (see [`with_inner`](Self::with_inner)).
+    pub fn with_inner_mut<R>(&mut self, change: impl FnOnce(&mut O) -> R) -> Result<R> {
+        Ok(change(&mut *self.lent("with_inner_mut()")?))
+    }
+
+    /// The optimizer, locked for one call; an error instead of a wait if it is lent already
+    /// (`call` names the call that re-entered). The handle is not `Sync` and the accelerator
+    /// locks it only inside its own calls, so a held lock here can only be this thread's.
+    fn lent(&self, call: &str) -> Result<MutexGuard<'_, O>> {
+        match self.inner.try_lock() {
+            Ok(guard) => Ok(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Ok(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(Error::Optimizer(format!(
+                "PreparedOptimizer::{call} while the optimizer is lent to a with_inner closure: \
+                 read what you need from the closure's argument, or call it after the closure \
+                 returns"
+            ))),
+        }
     }
 }
 
@@ -135,5 +168,53 @@ impl PreparedScheduler {
     /// The wrapped scheduler (a copy: the accelerator shares the original to save its state).
     pub fn inner(&self) -> LrScheduler {
         lock(&self.inner).clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use crate::optim::{Sgd, SgdConfig};
+    use crate::Accelerator;
+
+    /// Calls that need the optimizer, made while it is lent to a `with_inner` closure, fail with
+    /// an error naming the re-entry (a plain lock would wait forever on this thread), and work
+    /// again once the closure has returned.
+    #[test]
+    fn reentry_inside_with_inner_is_an_error_not_a_hang() {
+        let mut acc = Accelerator::builder().build().unwrap();
+        let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let params = acc.prepare(vec![("w".to_string(), w)]).unwrap();
+        let opt = acc
+            .prepare(Sgd::new(params, SgdConfig::default()).unwrap())
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+
+        let (state, nested, saved, lr) = opt
+            .with_inner(|_| {
+                (
+                    opt.state(),
+                    opt.with_inner(|_| ()),
+                    acc.save_state(dir.path().join("inside")),
+                    opt.learning_rate(),
+                )
+            })
+            .unwrap();
+        for (what, err) in [
+            ("state", state.err()),
+            ("with_inner", nested.err()),
+            ("save_state", saved.err()),
+        ] {
+            let message = err.unwrap_or_else(|| panic!("{what} inside with_inner succeeded"));
+            assert!(
+                message.to_string().contains("with_inner"),
+                "{what}: {message}"
+            );
+        }
+        assert_eq!(lr, SgdConfig::default().lr);
+
+        assert!(opt.state().is_ok());
+        acc.save_state(dir.path().join("after")).unwrap();
     }
 }

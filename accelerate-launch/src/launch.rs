@@ -219,16 +219,20 @@ fn join_machines(
 
 /// A job whose store is up and whose machines have joined: runs attempts of the group of workers
 /// until one ends the job.
+///
+/// Fields drop in declaration order, which is the teardown order: the signal watch before the
+/// runtime it was installed on, and this machine's link to the others (its farewell, its
+/// heartbeat) before the store that the other machines reach it through.
 struct Job {
     args: cli::Args,
     layout: JobLayout,
-    /// The rendezvous store, on machine rank 0.
-    store: Option<StoreServer>,
+    grace: Duration,
+    signals: SignalWatch,
+    runtime: tokio::runtime::Runtime,
     /// The link to the other machines' launchers, on several machines.
     link: Option<MachineLink>,
-    runtime: tokio::runtime::Runtime,
-    signals: SignalWatch,
-    grace: Duration,
+    /// The rendezvous store, on machine rank 0.
+    store: Option<StoreServer>,
 }
 
 impl Job {

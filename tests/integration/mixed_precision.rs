@@ -670,7 +670,8 @@ fn train_copies(
                         "{name}, step {s}"
                     );
                 }
-            });
+            })
+            .unwrap();
         }
         opt.zero_grad();
     }

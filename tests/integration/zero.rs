@@ -512,7 +512,7 @@ fn under_bf16_the_compute_copies_written_by_the_update_equal_a_cast_after_every_
                 // l2.weight on rank 1.
                 let wrote = params
                     .iter()
-                    .filter(|(name, _)| opt.with_inner(|o| o.wrote_compute_copy(name)))
+                    .filter(|(name, _)| opt.with_inner(|o| o.wrote_compute_copy(name)).unwrap())
                     .count();
                 let whole = match (keep_copies, cap > 64, rank) {
                     (true, true, 0) => 1,

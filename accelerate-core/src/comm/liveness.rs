@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::cpu::shm::process::{self, HostIdentity};
+use super::host_identity::{self, HostIdentity};
 use super::store::Store;
 use crate::error::{Error, Result};
 
@@ -145,7 +145,7 @@ impl Liveness {
     ) -> Result<Arc<Self>> {
         let card = ProcessCard {
             pid: std::process::id(),
-            start_time: process::own_start_time(),
+            start_time: host_identity::own_start_time(),
             host: HostIdentity::of_this_process(),
             args: std::env::args_os()
                 .map(|a| a.to_string_lossy().into_owned())
@@ -260,7 +260,7 @@ impl Liveness {
         if let Some(card) = &view.card {
             let local = card.host.is_some() && card.host == self.card.host;
             if local {
-                if !process::is_alive(card.pid, card.start_time) {
+                if !host_identity::is_alive(card.pid, card.start_time) {
                     return PeerState::Gone(format!("died (its process {} is gone)", card.pid));
                 }
                 view.last_sign = Some(now);

@@ -21,6 +21,7 @@ pub(crate) mod agreement;
 pub(crate) mod contract;
 pub(crate) mod cpu;
 pub(crate) mod encoding;
+pub(crate) mod host_identity;
 pub(crate) mod join;
 pub(crate) mod keys;
 pub(crate) mod liveness;

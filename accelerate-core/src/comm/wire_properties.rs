@@ -15,11 +15,11 @@ use proptest::sample::Index;
 
 use crate::comm::cpu::frame::{self, FrameKind, Header, OpCode, HEADER_BYTES, MAX_ABORT_BYTES};
 use crate::comm::cpu::rendezvous::{self, Hello, PeerCard, HELLO_BYTES};
-use crate::comm::cpu::shm::process::HostIdentity;
 use crate::comm::cpu::shm::region::{self, Layout, MAX_REASON_BYTES, PIECE_ALIGN};
 use crate::comm::cpu::shm::session::RoundTag;
 use crate::comm::cpu::shm::setup::{decode_record, HostCard, Plan};
 use crate::comm::cpu::{CpuCommOptions, TransportChoice};
+use crate::comm::host_identity::HostIdentity;
 use crate::comm::store::wire::{self, FrameError, Peer, Request, Response};
 use crate::comm::store::wire::{HELLO_FRAME_LIMIT, MAX_FRAME_BYTES};
 use crate::comm::store::StoreServer;

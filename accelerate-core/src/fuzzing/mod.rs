@@ -321,7 +321,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             let host = HostCard {
                 choice: crate::comm::cpu::TransportChoice::Auto,
                 world_size: 2,
-                host: Some(crate::comm::cpu::shm::process::HostIdentity {
+                host: Some(crate::comm::host_identity::HostIdentity {
                     hostname: "node1".into(),
                     boot_id: "5d1c0a2e".into(),
                     pid_namespace: "pid:[4026531836]".into(),

@@ -29,7 +29,6 @@ use half::{bf16, f16};
 use super::multi_tensor::{
     plan_launches, CopyKind, LaunchPlan, TensorSlot, CHUNK, MAX_SETS, SCALARS,
 };
-use super::rule::CudaUpdate;
 use crate::cuda_slices::{cuda_address, cuda_address_mut};
 use crate::error::{Error, Result};
 use crate::runtime_kernels::RuntimeKernels;
@@ -47,6 +46,14 @@ static KERNELS: RuntimeKernels = RuntimeKernels::new("the fused optimizer kernel
 
 /// Threads per block; each block updates one chunk of [`CHUNK`] elements of one tensor.
 const BLOCK: u32 = 256;
+
+/// One parameter's update as the multi-tensor CUDA kernel of its rule runs it: the kernel and the
+/// scalars it reads (see [`UpdateRule::cuda_update`](super::UpdateRule::cuda_update)).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CudaUpdate {
+    pub(crate) kernel: Kernel,
+    pub(crate) scalars: [f32; SCALARS],
+}
 
 /// The kernels' names in [`SOURCE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

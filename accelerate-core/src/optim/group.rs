@@ -360,7 +360,7 @@ mod checkpoint {
         let mut expected = [decay, no_decay];
         expected[0].lr = rates[0];
         expected[1].lr = rates[1];
-        assert_eq!(opt2.with_inner(|o| o.group_configs()), expected);
+        assert_eq!(opt2.with_inner(|o| o.group_configs()).unwrap(), expected);
 
         // Groups with other members, or one group: refused by name, nothing loaded.
         for groups in [

@@ -38,12 +38,12 @@ mod state;
 pub use crate::grads::Gradients;
 pub use adamw::{AdamW, AdamWConfig};
 pub use candle_adapter::CandleOptimizer;
+#[cfg(feature = "cuda")]
+pub use cuda_kernels::CudaUpdate;
 pub use elementwise::ElementwiseOptimizer;
 pub use group::{is_no_decay, split_decay, DecaySplit, ParamGroup};
 pub use lion::{Lion, LionConfig};
 pub use lr::LearningRate;
-#[cfg(feature = "cuda")]
-pub use rule::CudaUpdate;
 pub use rule::{HyperParameter, UpdateRule, Valid};
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};

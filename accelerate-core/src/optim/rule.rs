@@ -5,6 +5,8 @@
 
 use candle_core::Tensor;
 
+#[cfg(feature = "cuda")]
+use super::cuda_kernels::CudaUpdate;
 use super::require;
 use crate::error::{Error, Result};
 
@@ -138,15 +140,6 @@ pub trait UpdateRule: Clone + Default + std::fmt::Debug + Send + 'static {
         let _ = (lr, step, first);
         None
     }
-}
-
-/// One parameter's update as the multi-tensor CUDA kernel of its rule runs it: the kernel and the
-/// scalars it reads (see [`UpdateRule::cuda_update`]).
-#[cfg(feature = "cuda")]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CudaUpdate {
-    pub(crate) kernel: super::cuda_kernels::Kernel,
-    pub(crate) scalars: [f32; super::multi_tensor::SCALARS],
 }
 
 /// The values a hyper-parameter may take; [`UpdateRule::validate`]'s error states the range.

@@ -10,10 +10,12 @@
 //!
 //! ## Locks
 //!
-//! One lock guards the state, taken once per call and never held across a call into user code.
-//! A prepared optimizer or scheduler sits behind its own lock, which its handle takes only for
-//! the length of one of its calls (`PreparedOptimizer::with_inner` lends the optimizer to a
-//! closure that cannot step it). The order is always the accelerator's gradient sync
+//! One lock guards the state, taken once per call. The one call into user code made under it is
+//! `Optimizer::step` (a custom optimizer's too), which must therefore not call back into the
+//! accelerator or a prepared handle. A prepared optimizer or scheduler sits behind its own lock,
+//! which its handle takes only for the length of one of its calls (`PreparedOptimizer::with_inner`
+//! lends the optimizer to a closure that cannot step it; saving or restoring the state inside
+//! that closure is refused with an error, [`lent`], rather than left to wait). The order is always the accelerator's gradient sync
 //! ([`SharedSync`], taken by `backward` only) first, then the state's lock, then an optimizer's
 //! or a scheduler's; nothing takes an earlier lock while holding a later one. The prepared
 //! loaders ([`PreparedLoaders`]) are a leaf: nothing else is locked while they are.
@@ -63,6 +65,23 @@ pub(crate) type SharedSync = Arc<Mutex<GradientSync>>;
 /// Locks `m`, ignoring poison: a panic elsewhere in the loop leaves nothing we cannot keep using.
 pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A registered optimizer, locked to save or restore it; an error naming the cause instead of a
+/// wait when the loop has it lent to a `PreparedOptimizer::with_inner` closure (the only way it
+/// can be held while the accelerator runs: one training process is one thread of control).
+pub(crate) fn lent(
+    optimizer: &SharedOptimizer,
+) -> Result<MutexGuard<'_, dyn Optimizer + Send + 'static>> {
+    match optimizer.try_lock() {
+        Ok(guard) => Ok(guard),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Ok(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => Err(Error::Optimizer(
+            "the accelerator's state was saved or loaded inside PreparedOptimizer::with_inner, \
+             which holds the optimizer: call save_state/load_state after the closure returns"
+                .into(),
+        )),
+    }
 }
 
 /// What a checkpoint keeps of the training state (the parameters are saved beside it), taken at
@@ -471,7 +490,7 @@ impl TrainingState {
         let optimizers = steps
             .optimizers
             .iter()
-            .map(|o| lock(o).state())
+            .map(|o| lent(o)?.state())
             .collect::<Result<_>>()?;
         if !with_shared {
             return Ok(TrainingSnapshot {
@@ -534,7 +553,7 @@ impl TrainingState {
         let old_opt: Vec<OptimizerState> = steps
             .optimizers
             .iter()
-            .map(|o| lock(o).state())
+            .map(|o| lent(o)?.state())
             .collect::<Result<_>>()?;
         let old_sched: Vec<SchedulerState> =
             steps.schedulers.iter().map(|s| lock(s).state()).collect();
@@ -547,7 +566,7 @@ impl TrainingState {
                 var.set(&value.to_device(var.device())?)?;
             }
             for (o, state) in steps.optimizers.iter().zip(&snapshot.optimizers) {
-                lock(o).load_state(state)?;
+                lent(o)?.load_state(state)?;
             }
             for (s, state) in steps.schedulers.iter().zip(&snapshot.schedulers) {
                 lock(s).load_state(state)?;

@@ -25,7 +25,7 @@ pub struct RunArgs {
     pub grad_accum: Option<usize>,
     /// Optimizer steps to train for, overriding the epochs (as transformers' max_steps): the run
     /// goes through as many epochs as they take, and the schedule spans them (default: the steps
-    /// of all epochs).
+    /// of all epochs). A step skipped for an fp16 overflow counts, as in transformers.
     #[arg(long)]
     pub max_steps: Option<u64>,
     /// Learning-rate schedule, counted in optimizer steps.

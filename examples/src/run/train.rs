@@ -141,8 +141,12 @@ impl<'a, B> TrainLoop<'a, B> {
 
         let acc = &*acc;
         let k = acc.gradient_accumulation_steps();
+        // Windows that synced, stepped or skipped (fp16 overflow), as transformers' global_step
+        // counts them: --max-steps, --eval-steps and --checkpoint-every count these, so a run
+        // whose steps keep overflowing still ends.
+        let mut windows = acc.optimizer_steps();
         'epochs: for _epoch in loader.next_epoch()..last_epoch {
-            if args.reached_max_steps(acc.optimizer_steps()) {
+            if args.reached_max_steps(windows) {
                 break;
             }
             for window in loader.windows(k) {
@@ -181,10 +185,11 @@ impl<'a, B> TrainLoop<'a, B> {
                         tokens: tokens as f64,
                     };
                     monitor.end_step(acc, n, done.lr, counts)?;
-                    if args.eval_due(n) {
+                    windows += 1;
+                    if args.eval_due(windows) {
                         evaluator.evaluate(acc, n, &mut self.eval_rows)?;
                     }
-                    if args.end_of_step(acc, n)? {
+                    if args.end_of_step(acc, windows)? {
                         break 'epochs;
                     }
                 }

@@ -16,7 +16,6 @@
 
 mod collectives;
 mod futex;
-pub(crate) mod process;
 pub(crate) mod region;
 pub(crate) mod session;
 pub(crate) mod setup;

@@ -18,11 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::futex;
-use super::process;
 use super::region::{Counter, Region, ABORT_NONE, ABORT_POSTED, ABORT_WRITING};
 use crate::comm::cpu::element::{self, Element};
 use crate::comm::cpu::frame::OpCode;
 use crate::comm::cpu::transport::{busy_hint, Failure, Tag};
+use crate::comm::host_identity;
 use crate::comm::liveness::{Liveness, Patience, Verdict};
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
@@ -566,7 +566,8 @@ impl ShmSession<'_> {
             }
             let pid = self.region.pid(q).load(Ordering::Relaxed);
             let started = self.region.start_time(q).load(Ordering::Relaxed);
-            (!process::is_alive(pid, started)).then(|| (q, format!("died (process {pid} is gone)")))
+            (!host_identity::is_alive(pid, started))
+                .then(|| (q, format!("died (process {pid} is gone)")))
         })
     }
 

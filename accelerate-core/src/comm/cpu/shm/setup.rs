@@ -23,10 +23,10 @@ use std::time::Instant;
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
-use super::process::{self, HostIdentity};
 use super::region::{self, Layout, Region};
 use super::session::ShmLinks;
 use crate::comm::cpu::options::{CpuCommOptions, TransportChoice};
+use crate::comm::host_identity::{self, HostIdentity};
 use crate::comm::keys::{KeySpace, CPU_COMM};
 use crate::comm::store::Store;
 use crate::env::CPU_TRANSPORT;
@@ -131,7 +131,7 @@ pub(crate) fn join(
             .store(std::process::id(), Ordering::Relaxed);
         region
             .start_time(rank)
-            .store(process::own_start_time(), Ordering::Relaxed);
+            .store(host_identity::own_start_time(), Ordering::Relaxed);
     }
     let status: std::result::Result<(), String> = mapped.as_ref().map(|_| ()).map_err(Clone::clone);
     store.set(&key(&format!("mapped{rank}")), &encode(&status)?)?;
