@@ -26,9 +26,37 @@ pub(crate) trait Conformance: UpdateRule + Default + PartialEq {
     /// Configurations `new` refuses, each with a word the error must contain.
     fn invalid_configs() -> Vec<(Self, &'static str)>;
 
-    /// The rule as published, one scalar at a time in f64, for one parameter starting at `p0`:
+    /// The rule as published, one scalar at a time in f64, for one parameter starting at `p`:
     /// each call takes a gradient and returns the parameter after that update.
-    fn reference(&self, p0: &[f64]) -> Reference;
+    fn reference(c: Self, p: Vec<f64>) -> Reference;
+}
+
+/// A hand-written change to a rule's default configuration.
+pub(crate) type Edit<R> = fn(&mut R);
+
+/// The rule's default configuration as one hand-written edit leaves it.
+pub(crate) fn with<R: Default>(edit: Edit<R>) -> R {
+    let mut config = R::default();
+    edit(&mut config);
+    config
+}
+
+/// A rule's named configurations, each the default as one hand-written edit leaves it (the table
+/// of [`Conformance::configs`]).
+pub(crate) fn variants<R: Default>(edits: &[(&'static str, Edit<R>)]) -> Vec<(&'static str, R)> {
+    edits
+        .iter()
+        .map(|&(what, edit)| (what, with(edit)))
+        .collect()
+}
+
+/// Configurations `new` must refuse, each the default with one hand-written edit, and the word its
+/// error must contain (the table of [`Conformance::invalid_configs`]).
+pub(crate) fn refused<R: Default>(edits: &[(Edit<R>, &'static str)]) -> Vec<(R, &'static str)> {
+    edits
+        .iter()
+        .map(|&(edit, word)| (with(edit), word))
+        .collect()
 }
 
 /// The published formula for one parameter: each call takes a gradient and returns the parameter
@@ -81,7 +109,10 @@ fn check_against_reference<R: Conformance>(dtype: DType, force_fallback: bool, t
     for (what, config) in R::configs() {
         let mut opt = optimizer(config.clone(), dtype);
         opt.force_fallback = force_fallback;
-        let (mut ra, mut rb) = (config.reference(&A0), config.reference(&B0));
+        let (mut ra, mut rb) = (
+            R::reference(config.clone(), A0.to_vec()),
+            R::reference(config.clone(), B0.to_vec()),
+        );
         for s in 0..4 {
             run(&mut opt, s..s + 1);
             let (ga, gb) = grads_at(s);
@@ -158,7 +189,7 @@ pub(crate) fn a_parameter_split_over_threads_equals_the_unsplit_update<R: Confor
 pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Conformance>() {
     let config = R::stateful();
     let mut opt = optimizer(config.clone(), DType::F32);
-    let mut ra = config.reference(&A0);
+    let mut ra = R::reference(config.clone(), A0.to_vec());
     for s in 0..3 {
         let (ga, _) = grads_at(s);
         opt.step(buffers(opt.params(), &[("a", &ga)]).gradients())
@@ -185,7 +216,7 @@ pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Con
         assert_eq!(state.scalars["step.a"], 3.0);
     }
     // Its first gradient is its first update (fresh state), while "a" continues.
-    let mut rb = config.reference(&B0);
+    let mut rb = R::reference(config.clone(), B0.to_vec());
     let (ga, gb) = grads_at(3);
     opt.step(buffers(opt.params(), &[("a", &ga), ("b", &gb)]).gradients())
         .unwrap();
@@ -332,7 +363,10 @@ pub(crate) fn each_group_follows_the_formula_with_its_own_hyper_parameters<R: Co
         assert_eq!(opt.learning_rate().get_all(), vec![cb.lr(), ca.lr()]);
         assert_eq!(opt.group_params(), vec![vec!["b"], vec!["a"]]);
         assert!(opt.group_configs() == vec![cb.clone(), ca.clone()]);
-        let (mut ra, mut rb) = (ca.reference(&A0), cb.reference(&B0));
+        let (mut ra, mut rb) = (
+            R::reference(ca.clone(), A0.to_vec()),
+            R::reference(cb.clone(), B0.to_vec()),
+        );
         for s in 0..4 {
             run(&mut opt, s..s + 1);
             let (ga, gb) = grads_at(s);
