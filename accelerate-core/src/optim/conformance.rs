@@ -655,6 +655,30 @@ fn two_group_grads(s: usize, big: usize) -> Vec<(&'static str, Vec<f64>)> {
     vec![("a", ga), ("b", gb), ("big", g_big)]
 }
 
+/// Steps `plain` and `fused` (one that writes compute copies) with the same gradients and
+/// asserts they end the step with bitwise the same masters and state.
+fn step_alike<R: Conformance>(
+    plain: &mut ElementwiseOptimizer<R>,
+    fused: &mut ElementwiseOptimizer<R>,
+    grads: &[(&str, &[f64])],
+    label: &str,
+) {
+    plain
+        .step(buffers(plain.params(), grads).gradients())
+        .unwrap();
+    fused
+        .step(buffers(fused.params(), grads).gradients())
+        .unwrap();
+    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
+        assert_eq!(bits(got), bits(want), "{label}: master {name}");
+    }
+    assert_eq!(
+        contents(&fused.state().unwrap()),
+        contents(&plain.state().unwrap()),
+        "{label}: state"
+    );
+}
+
 /// Mixed precision: an optimizer that writes the compute copies in its update's pass ends every
 /// step with bitwise the masters and state of one that does not, and with copies bitwise equal
 /// to casting those masters with candle's `to_dtype` (what the runtime did after every step):
@@ -679,19 +703,11 @@ pub(crate) fn the_compute_copy_is_the_cast_of_the_updated_master<R: Conformance>
                     let grads = two_group_grads(s, big.len());
                     let grads: Vec<(&str, &[f64])> =
                         grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
-                    plain
-                        .step(buffers(plain.params(), &grads).gradients())
-                        .unwrap();
-                    fused
-                        .step(buffers(fused.params(), &grads).gradients())
-                        .unwrap();
-                    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
-                        assert_eq!(bits(got), bits(want), "{label}: master {name}, step {s}");
-                    }
-                    assert_eq!(
-                        contents(&fused.state().unwrap()),
-                        contents(&plain.state().unwrap()),
-                        "{label}: state, step {s}"
+                    step_alike(
+                        &mut plain,
+                        &mut fused,
+                        &grads,
+                        &format!("{label}, step {s}"),
                     );
                     for ((name, master), (_, copy)) in plain.params().iter().zip(&copies) {
                         if name == "idle" {
@@ -741,20 +757,8 @@ pub(crate) fn a_zero_piece_writes_only_its_piece_of_the_compute_copy<R: Conforma
         let (ga, gb) = grads_at(s);
         let g_big = pseudo_random(big.len(), 60 + s as u32);
         let grads = [("a", &ga[..]), ("b", &gb[..]), ("big", &g_big[..])];
-        plain
-            .step(buffers(plain.params(), &grads).gradients())
-            .unwrap();
-        fused
-            .step(buffers(fused.params(), &grads).gradients())
-            .unwrap();
+        step_alike(&mut plain, &mut fused, &grads, &format!("step {s}"));
     }
-    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
-        assert_eq!(bits(got), bits(want), "master {name}");
-    }
-    assert_eq!(
-        contents(&fused.state().unwrap()),
-        contents(&plain.state().unwrap())
-    );
     let cast = |i: usize| {
         bits(
             &plain.params()[i]
