@@ -28,6 +28,7 @@ pub(crate) mod liveness;
 mod local;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
+mod ranked;
 pub(crate) mod staging;
 pub(crate) mod store;
 #[cfg(test)]

@@ -37,7 +37,7 @@ use candle_core::cuda_backend::cudarc::nccl::{result::NcclError, Comm, Id, NcclT
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
 
 use super::agreement::{self, Collective, Signature};
-use super::contract::{check_dtype, check_in_place, check_into_output, IntoOutput};
+use super::contract::{check_dtype, check_in_place, IntoOutput};
 use super::keys::NcclKeys;
 use super::liveness::{Liveness, Patience, Verdict};
 use super::staging;
@@ -378,6 +378,14 @@ where
 
 /// The collectives on this rank's GPU, and the checks in front of them.
 impl NcclCommunicator {
+    /// Refuses, before the agreement, an `input` or `output` on a device other than this GPU or
+    /// the host (see [`check_device`](Self::check_device)).
+    fn check_pair_devices(&self, input: &Tensor, output: &Tensor, op: &'static str) -> Result<()> {
+        self.check_device(input, op)?;
+        self.check_device(output, op)?;
+        Ok(())
+    }
+
     /// Whether `tensor` must be staged through this GPU (`true`: it is on the host), is on it
     /// (`false`), or is refused (another GPU, another device).
     fn check_device(&self, tensor: &Tensor, op: &'static str) -> Result<bool> {
@@ -536,7 +544,7 @@ impl NcclCommunicator {
         Ok(())
     }
 
-    /// Runs `kind` (checked against the contract, on any devices): a host input is copied to
+    /// Runs `kind` (already checked against the contract, on any devices): a host input is copied to
     /// this GPU, a host output staged through it and written back.
     fn run_with_output(
         &self,
@@ -545,7 +553,6 @@ impl NcclCommunicator {
         output: &Tensor,
         op: ReduceOp,
     ) -> Result<()> {
-        check_into_output(kind, input, output, self.world_size)?;
         let staged = self.check_device(input, kind.name())?;
         self.check_device(output, kind.name())?;
         if input.elem_count() == 0 && output.elem_count() == 0 {
@@ -712,13 +719,7 @@ fn ring_all_reduce_bytes(bytes: usize, n: usize) -> u64 {
 }
 
 impl Communicator for NcclCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
+    crate::comm::ranked::ranked_methods!();
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place("all_reduce", tensor)?;
@@ -782,31 +783,6 @@ impl Communicator for NcclCommunicator {
         } else {
             out
         })
-    }
-
-    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        self.check_device(input, "reduce_scatter")?;
-        self.check_device(output, "reduce_scatter")?;
-        let collective = Collective::ReduceScatter(op);
-        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
-        self.reduce_scatter_agreed(input, output, op)
-    }
-
-    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        self.run_with_output(IntoOutput::ReduceScatter, input, output, op)
-    }
-
-    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        self.check_device(input, "all_gather_into")?;
-        self.check_device(output, "all_gather_into")?;
-        let collective = Collective::AllGatherInto;
-        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
-        self.all_gather_into_agreed(input, output)
-    }
-
-    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        // The reduction is unused by a gather.
-        self.run_with_output(IntoOutput::AllGatherInto, input, output, ReduceOp::Sum)
     }
 
     fn barrier(&self) -> Result<()> {

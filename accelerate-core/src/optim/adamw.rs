@@ -143,7 +143,7 @@ mod tests {
     use candle_core::DType;
 
     use super::*;
-    use crate::optim::conformance::{Conformance, Reference};
+    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
     use crate::optim::test_util::{assert_close, buffers, named, values};
     use crate::optim::Optimizer;
 
@@ -152,68 +152,31 @@ mod tests {
         const F64_TOLERANCE: f64 = 1e-12;
 
         fn configs() -> Vec<(&'static str, Self)> {
-            let base = AdamWConfig {
-                lr: 0.05,
-                weight_decay: 0.0,
-                ..AdamWConfig::default()
-            };
-            vec![
-                ("no weight decay", base),
-                (
-                    "weight decay",
-                    AdamWConfig {
-                        lr: 0.02,
-                        weight_decay: 0.1,
-                        ..base
-                    },
-                ),
-                (
-                    "beta1 0.8",
-                    AdamWConfig {
-                        lr: 0.02,
-                        beta1: 0.8,
-                        beta2: 0.95,
-                        eps: 1e-6,
-                        weight_decay: 0.3,
-                    },
-                ),
+            variants(&[
+                ("no weight decay", |c| (c.lr, c.weight_decay) = (0.05, 0.0)),
+                ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.1)),
+                ("beta1 0.8", |c| {
+                    (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.8, 0.95, 1e-6, 0.3)
+                }),
                 // Weight 1 - beta1 >= 0.5: the other branch of PyTorch's lerp.
-                (
-                    "beta1 0.3",
-                    AdamWConfig {
-                        lr: 0.02,
-                        beta1: 0.3,
-                        beta2: 0.95,
-                        eps: 1e-6,
-                        weight_decay: 0.3,
-                    },
-                ),
-            ]
+                ("beta1 0.3", |c| {
+                    (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.3, 0.95, 1e-6, 0.3)
+                }),
+            ])
         }
 
         fn stateful() -> Self {
-            AdamWConfig {
-                lr: 0.03,
-                weight_decay: 0.1,
-                ..AdamWConfig::default()
-            }
+            with(|c| (c.lr, c.weight_decay) = (0.03, 0.1))
         }
 
         fn invalid_configs() -> Vec<(Self, &'static str)> {
-            let d = AdamWConfig::default();
-            vec![
-                (AdamWConfig { lr: -1e-3, ..d }, "learning rate"),
-                (AdamWConfig { beta1: 1.0, ..d }, "beta1"),
-                (AdamWConfig { beta2: -0.1, ..d }, "beta2"),
-                (AdamWConfig { eps: -1.0, ..d }, "eps"),
-                (
-                    AdamWConfig {
-                        weight_decay: f64::NAN,
-                        ..d
-                    },
-                    "weight_decay",
-                ),
-            ]
+            refused(&[
+                (|c| c.lr = -1e-3, "learning rate"),
+                (|c| c.beta1 = 1.0, "beta1"),
+                (|c| c.beta2 = -0.1, "beta2"),
+                (|c| c.eps = -1.0, "eps"),
+                (|c| c.weight_decay = f64::NAN, "weight_decay"),
+            ])
         }
 
         /// AdamW as published (Loshchilov & Hutter, in PyTorch's formulation), one scalar at a
@@ -221,9 +184,7 @@ mod tests {
         /// p -= lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)`.
         // Indexed loops on purpose: the formula is written out element by element.
         #[allow(clippy::needless_range_loop)]
-        fn reference(&self, p0: &[f64]) -> Reference {
-            let c = *self;
-            let mut p = p0.to_vec();
+        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
             let (mut m, mut v, mut t) = (vec![0.0; p.len()], vec![0.0; p.len()], 0);
             Box::new(move |g| {
                 t += 1;

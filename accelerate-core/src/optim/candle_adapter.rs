@@ -77,13 +77,7 @@ impl<O: candle_nn::Optimizer> Optimizer for CandleOptimizer<O> {
         Ok(())
     }
 
-    fn learning_rate(&self) -> &LearningRate {
-        &self.lr
-    }
-
-    fn params(&self) -> &[(String, Var)] {
-        &self.params
-    }
+    lr_and_params_accessors!();
 
     fn state(&self) -> Result<OptimizerState> {
         Err(self.refuse_state("save"))

@@ -26,9 +26,37 @@ pub(crate) trait Conformance: UpdateRule + Default + PartialEq {
     /// Configurations `new` refuses, each with a word the error must contain.
     fn invalid_configs() -> Vec<(Self, &'static str)>;
 
-    /// The rule as published, one scalar at a time in f64, for one parameter starting at `p0`:
+    /// The rule as published, one scalar at a time in f64, for one parameter starting at `p`:
     /// each call takes a gradient and returns the parameter after that update.
-    fn reference(&self, p0: &[f64]) -> Reference;
+    fn reference(c: Self, p: Vec<f64>) -> Reference;
+}
+
+/// A hand-written change to a rule's default configuration.
+pub(crate) type Edit<R> = fn(&mut R);
+
+/// The rule's default configuration as one hand-written edit leaves it.
+pub(crate) fn with<R: Default>(edit: Edit<R>) -> R {
+    let mut config = R::default();
+    edit(&mut config);
+    config
+}
+
+/// A rule's named configurations, each the default as one hand-written edit leaves it (the table
+/// of [`Conformance::configs`]).
+pub(crate) fn variants<R: Default>(edits: &[(&'static str, Edit<R>)]) -> Vec<(&'static str, R)> {
+    edits
+        .iter()
+        .map(|&(what, edit)| (what, with(edit)))
+        .collect()
+}
+
+/// Configurations `new` must refuse, each the default with one hand-written edit, and the word its
+/// error must contain (the table of [`Conformance::invalid_configs`]).
+pub(crate) fn refused<R: Default>(edits: &[(Edit<R>, &'static str)]) -> Vec<(R, &'static str)> {
+    edits
+        .iter()
+        .map(|&(edit, word)| (with(edit), word))
+        .collect()
 }
 
 /// The published formula for one parameter: each call takes a gradient and returns the parameter
@@ -81,7 +109,10 @@ fn check_against_reference<R: Conformance>(dtype: DType, force_fallback: bool, t
     for (what, config) in R::configs() {
         let mut opt = optimizer(config.clone(), dtype);
         opt.force_fallback = force_fallback;
-        let (mut ra, mut rb) = (config.reference(&A0), config.reference(&B0));
+        let (mut ra, mut rb) = (
+            R::reference(config.clone(), A0.to_vec()),
+            R::reference(config.clone(), B0.to_vec()),
+        );
         for s in 0..4 {
             run(&mut opt, s..s + 1);
             let (ga, gb) = grads_at(s);
@@ -158,7 +189,7 @@ pub(crate) fn a_parameter_split_over_threads_equals_the_unsplit_update<R: Confor
 pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Conformance>() {
     let config = R::stateful();
     let mut opt = optimizer(config.clone(), DType::F32);
-    let mut ra = config.reference(&A0);
+    let mut ra = R::reference(config.clone(), A0.to_vec());
     for s in 0..3 {
         let (ga, _) = grads_at(s);
         opt.step(buffers(opt.params(), &[("a", &ga)]).gradients())
@@ -185,7 +216,7 @@ pub(crate) fn a_parameter_without_gradient_is_untouched_and_gets_no_state<R: Con
         assert_eq!(state.scalars["step.a"], 3.0);
     }
     // Its first gradient is its first update (fresh state), while "a" continues.
-    let mut rb = config.reference(&B0);
+    let mut rb = R::reference(config.clone(), B0.to_vec());
     let (ga, gb) = grads_at(3);
     opt.step(buffers(opt.params(), &[("a", &ga), ("b", &gb)]).gradients())
         .unwrap();
@@ -332,7 +363,10 @@ pub(crate) fn each_group_follows_the_formula_with_its_own_hyper_parameters<R: Co
         assert_eq!(opt.learning_rate().get_all(), vec![cb.lr(), ca.lr()]);
         assert_eq!(opt.group_params(), vec![vec!["b"], vec!["a"]]);
         assert!(opt.group_configs() == vec![cb.clone(), ca.clone()]);
-        let (mut ra, mut rb) = (ca.reference(&A0), cb.reference(&B0));
+        let (mut ra, mut rb) = (
+            R::reference(ca.clone(), A0.to_vec()),
+            R::reference(cb.clone(), B0.to_vec()),
+        );
         for s in 0..4 {
             run(&mut opt, s..s + 1);
             let (ga, gb) = grads_at(s);
@@ -621,6 +655,30 @@ fn two_group_grads(s: usize, big: usize) -> Vec<(&'static str, Vec<f64>)> {
     vec![("a", ga), ("b", gb), ("big", g_big)]
 }
 
+/// Steps `plain` and `fused` (one that writes compute copies) with the same gradients and
+/// asserts they end the step with bitwise the same masters and state.
+fn step_alike<R: Conformance>(
+    plain: &mut ElementwiseOptimizer<R>,
+    fused: &mut ElementwiseOptimizer<R>,
+    grads: &[(&str, &[f64])],
+    label: &str,
+) {
+    plain
+        .step(buffers(plain.params(), grads).gradients())
+        .unwrap();
+    fused
+        .step(buffers(fused.params(), grads).gradients())
+        .unwrap();
+    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
+        assert_eq!(bits(got), bits(want), "{label}: master {name}");
+    }
+    assert_eq!(
+        contents(&fused.state().unwrap()),
+        contents(&plain.state().unwrap()),
+        "{label}: state"
+    );
+}
+
 /// Mixed precision: an optimizer that writes the compute copies in its update's pass ends every
 /// step with bitwise the masters and state of one that does not, and with copies bitwise equal
 /// to casting those masters with candle's `to_dtype` (what the runtime did after every step):
@@ -645,19 +703,11 @@ pub(crate) fn the_compute_copy_is_the_cast_of_the_updated_master<R: Conformance>
                     let grads = two_group_grads(s, big.len());
                     let grads: Vec<(&str, &[f64])> =
                         grads.iter().map(|(n, g)| (*n, g.as_slice())).collect();
-                    plain
-                        .step(buffers(plain.params(), &grads).gradients())
-                        .unwrap();
-                    fused
-                        .step(buffers(fused.params(), &grads).gradients())
-                        .unwrap();
-                    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
-                        assert_eq!(bits(got), bits(want), "{label}: master {name}, step {s}");
-                    }
-                    assert_eq!(
-                        contents(&fused.state().unwrap()),
-                        contents(&plain.state().unwrap()),
-                        "{label}: state, step {s}"
+                    step_alike(
+                        &mut plain,
+                        &mut fused,
+                        &grads,
+                        &format!("{label}, step {s}"),
                     );
                     for ((name, master), (_, copy)) in plain.params().iter().zip(&copies) {
                         if name == "idle" {
@@ -707,20 +757,8 @@ pub(crate) fn a_zero_piece_writes_only_its_piece_of_the_compute_copy<R: Conforma
         let (ga, gb) = grads_at(s);
         let g_big = pseudo_random(big.len(), 60 + s as u32);
         let grads = [("a", &ga[..]), ("b", &gb[..]), ("big", &g_big[..])];
-        plain
-            .step(buffers(plain.params(), &grads).gradients())
-            .unwrap();
-        fused
-            .step(buffers(fused.params(), &grads).gradients())
-            .unwrap();
+        step_alike(&mut plain, &mut fused, &grads, &format!("step {s}"));
     }
-    for ((name, want), (_, got)) in plain.params().iter().zip(fused.params()) {
-        assert_eq!(bits(got), bits(want), "master {name}");
-    }
-    assert_eq!(
-        contents(&fused.state().unwrap()),
-        contents(&plain.state().unwrap())
-    );
     let cast = |i: usize| {
         bits(
             &plain.params()[i]

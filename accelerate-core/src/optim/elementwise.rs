@@ -422,13 +422,7 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
         Ok(())
     }
 
-    fn learning_rate(&self) -> &LearningRate {
-        &self.lr
-    }
-
-    fn params(&self) -> &[(String, Var)] {
-        &self.params
-    }
+    lr_and_params_accessors!();
 
     /// With one group the hyper-parameters are saved under their bare names (`"lr"`, ...); with
     /// several, `"param_groups"` holds their number, `"param_groups.<g>.<name>"` group `g`'s

@@ -150,7 +150,7 @@ mod tests {
     use candle_core::DType;
 
     use super::*;
-    use crate::optim::conformance::{Conformance, Reference};
+    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
     use crate::optim::test_util::{assert_close, buffers, named, values};
     use crate::optim::Optimizer;
 
@@ -159,62 +159,32 @@ mod tests {
         const F64_TOLERANCE: f64 = 1e-14;
 
         fn configs() -> Vec<(&'static str, Self)> {
-            let base = LionConfig {
-                lr: 0.01,
-                ..LionConfig::default()
-            };
-            vec![
-                ("defaults", base),
-                (
-                    "weight decay",
-                    LionConfig {
-                        lr: 0.02,
-                        weight_decay: 0.5,
-                        ..base
-                    },
-                ),
-                (
-                    "other betas",
-                    LionConfig {
-                        lr: 0.03,
-                        beta1: 0.5,
-                        beta2: 0.8,
-                        weight_decay: 0.1,
-                    },
-                ),
-            ]
+            variants(&[
+                ("defaults", |c| c.lr = 0.01),
+                ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.5)),
+                ("other betas", |c| {
+                    (c.lr, c.beta1, c.beta2, c.weight_decay) = (0.03, 0.5, 0.8, 0.1)
+                }),
+            ])
         }
 
         fn stateful() -> Self {
-            LionConfig {
-                lr: 0.02,
-                weight_decay: 0.1,
-                ..LionConfig::default()
-            }
+            with(|c| (c.lr, c.weight_decay) = (0.02, 0.1))
         }
 
         fn invalid_configs() -> Vec<(Self, &'static str)> {
-            let d = LionConfig::default();
-            vec![
-                (LionConfig { lr: -1e-4, ..d }, "learning rate"),
-                (LionConfig { beta1: 1.5, ..d }, "beta1"),
-                (LionConfig { beta2: -0.1, ..d }, "beta2"),
-                (
-                    LionConfig {
-                        weight_decay: f64::INFINITY,
-                        ..d
-                    },
-                    "weight_decay",
-                ),
-            ]
+            refused(&[
+                (|c| c.lr = -1e-4, "learning rate"),
+                (|c| c.beta1 = 1.5, "beta1"),
+                (|c| c.beta2 = -0.1, "beta2"),
+                (|c| c.weight_decay = f64::INFINITY, "weight_decay"),
+            ])
         }
 
         /// Lion as published (Chen et al. 2023, Program 1), one scalar at a time in f64.
         // Indexed loops on purpose: the formula is written out element by element.
         #[allow(clippy::needless_range_loop)]
-        fn reference(&self, p0: &[f64]) -> Reference {
-            let c = *self;
-            let mut p = p0.to_vec();
+        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
             let mut m = vec![0.0; p.len()];
             Box::new(move |g| {
                 for i in 0..p.len() {

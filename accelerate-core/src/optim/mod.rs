@@ -16,6 +16,21 @@
 //! The learning rates (one per group) live in a shared [`LearningRate`] handle that the optimizer
 //! reads at every step and an [`LrScheduler`] writes.
 
+/// [`Optimizer::learning_rate`] and [`Optimizer::params`] for an optimizer that keeps its
+/// learning-rate handle in a field `lr` and its sorted parameters in a field `params`: written
+/// once for every such optimizer, inside its `impl Optimizer` block.
+macro_rules! lr_and_params_accessors {
+    () => {
+        fn learning_rate(&self) -> &$crate::optim::LearningRate {
+            &self.lr
+        }
+
+        fn params(&self) -> &[(String, candle_core::Var)] {
+            &self.params
+        }
+    };
+}
+
 mod adamw;
 mod candle_adapter;
 #[cfg(test)]

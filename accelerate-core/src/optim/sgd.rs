@@ -158,7 +158,7 @@ mod tests {
     use candle_core::DType;
 
     use super::*;
-    use crate::optim::conformance::{Conformance, Reference};
+    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
     use crate::optim::test_util::{assert_close, buffers, named, values};
     use crate::optim::Optimizer;
 
@@ -167,107 +167,46 @@ mod tests {
         const F64_TOLERANCE: f64 = 1e-13;
 
         fn configs() -> Vec<(&'static str, Self)> {
-            let base = SgdConfig {
-                lr: 0.1,
-                ..SgdConfig::default()
-            };
-            vec![
-                ("plain", base),
-                (
-                    "weight decay",
-                    SgdConfig {
-                        weight_decay: 0.2,
-                        ..base
-                    },
-                ),
-                (
-                    "momentum",
-                    SgdConfig {
-                        momentum: 0.9,
-                        ..base
-                    },
-                ),
-                (
-                    "dampening",
-                    SgdConfig {
-                        momentum: 0.9,
-                        dampening: 0.3,
-                        ..base
-                    },
-                ),
-                (
-                    "nesterov",
-                    SgdConfig {
-                        momentum: 0.8,
-                        nesterov: true,
-                        ..base
-                    },
-                ),
-                (
-                    "everything",
-                    SgdConfig {
-                        momentum: 0.7,
-                        weight_decay: 0.05,
-                        nesterov: true,
-                        ..base
-                    },
-                ),
-            ]
+            variants(&[
+                ("plain", |c| c.lr = 0.1),
+                ("weight decay", |c| (c.lr, c.weight_decay) = (0.1, 0.2)),
+                ("momentum", |c| (c.lr, c.momentum) = (0.1, 0.9)),
+                ("dampening", |c| {
+                    (c.lr, c.momentum, c.dampening) = (0.1, 0.9, 0.3)
+                }),
+                ("nesterov", |c| {
+                    (c.lr, c.momentum, c.nesterov) = (0.1, 0.8, true)
+                }),
+                ("everything", |c| {
+                    (c.lr, c.momentum, c.weight_decay, c.nesterov) = (0.1, 0.7, 0.05, true)
+                }),
+            ])
         }
 
         fn stateful() -> Self {
-            SgdConfig {
-                lr: 0.1,
-                momentum: 0.9,
-                dampening: 0.1,
-                weight_decay: 0.01,
-                nesterov: false,
-            }
+            with(|c| {
+                (c.lr, c.momentum, c.dampening, c.weight_decay, c.nesterov) =
+                    (0.1, 0.9, 0.1, 0.01, false)
+            })
         }
 
         fn invalid_configs() -> Vec<(Self, &'static str)> {
-            let d = SgdConfig::default();
-            vec![
-                (SgdConfig { lr: -0.1, ..d }, "learning rate"),
+            refused(&[
+                (|c| c.lr = -0.1, "learning rate"),
+                (|c| c.momentum = -0.5, "momentum"),
+                (|c| c.weight_decay = -1.0, "weight_decay"),
+                (|c| c.nesterov = true, "Nesterov"),
                 (
-                    SgdConfig {
-                        momentum: -0.5,
-                        ..d
-                    },
-                    "momentum",
-                ),
-                (
-                    SgdConfig {
-                        weight_decay: -1.0,
-                        ..d
-                    },
-                    "weight_decay",
-                ),
-                (
-                    SgdConfig {
-                        nesterov: true,
-                        ..d
-                    },
-                    "Nesterov",
-                ),
-                (
-                    SgdConfig {
-                        nesterov: true,
-                        momentum: 0.9,
-                        dampening: 0.1,
-                        ..d
-                    },
+                    |c| (c.nesterov, c.momentum, c.dampening) = (true, 0.9, 0.1),
                     "dampening",
                 ),
-            ]
+            ])
         }
 
         /// SGD as documented for `torch.optim.SGD`, one scalar at a time in f64.
         // Indexed loops on purpose: the formula is written out element by element.
         #[allow(clippy::needless_range_loop)]
-        fn reference(&self, p0: &[f64]) -> Reference {
-            let c = *self;
-            let mut p = p0.to_vec();
+        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
             let mut buf: Option<Vec<f64>> = None;
             Box::new(move |g| {
                 let mut d: Vec<f64> = (0..g.len()).map(|i| g[i] + c.weight_decay * p[i]).collect();

@@ -40,9 +40,7 @@ use self::frame::OpCode;
 use self::shm::{ShmLinks, ShmSession};
 use self::transport::{run_collective, FramePool, RingLinks, RingPosition, Session, Tag};
 use super::agreement::{self, Collective, Signature};
-use super::contract::{
-    check_dtype, check_in_place, check_into_output, gathered_dims, unsupported_dtype, IntoOutput,
-};
+use super::contract::{check_dtype, check_in_place, gathered_dims, unsupported_dtype, IntoOutput};
 use super::staging;
 use super::store::Store;
 use super::{CommStats, Communicator, ReduceOp};
@@ -354,7 +352,7 @@ impl CpuCommunicator {
         Ok(())
     }
 
-    /// Runs `kind` on `input` and `output` (checked against the contract) through the host: a
+    /// Runs `kind` on `input` and `output` (already checked against the contract) through the host: a
     /// GPU input is copied over, a GPU output staged and written back.
     fn run_with_output(
         &self,
@@ -363,7 +361,6 @@ impl CpuCommunicator {
         output: &Tensor,
         op: ReduceOp,
     ) -> Result<()> {
-        check_into_output(kind, input, output, self.world_size)?;
         if self.world_size == 1 {
             // Over one rank both are a copy; counted as every backend counts them.
             staging::write_back(output, input)?;
@@ -399,6 +396,12 @@ impl CpuCommunicator {
                 other => Err(unsupported_dtype(kind.name(), other)),
             }
         })
+    }
+
+    /// Every device is reachable: a GPU tensor goes through the host (see the contract on
+    /// `Communicator`), so nothing to refuse before the agreement.
+    fn check_pair_devices(&self, _input: &Tensor, _output: &Tensor, _op: &str) -> Result<()> {
+        Ok(())
     }
 
     /// The pre-flight agreement (see [`agreement`]): every rank's signature of `collective` on
@@ -474,13 +477,7 @@ impl CpuCommunicator {
 }
 
 impl Communicator for CpuCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
+    crate::comm::ranked::ranked_methods!();
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place("all_reduce", tensor)?;
@@ -527,27 +524,6 @@ impl Communicator for CpuCommunicator {
         };
         let gathered = self.all_gather_host(&host)?;
         Ok(gathered.to_device(tensor.device())?)
-    }
-
-    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        let collective = Collective::ReduceScatter(op);
-        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
-        self.reduce_scatter_agreed(input, output, op)
-    }
-
-    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        self.run_with_output(IntoOutput::ReduceScatter, input, output, op)
-    }
-
-    fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        let collective = Collective::AllGatherInto;
-        self.agree_on(collective, Signature::of_pair(collective, input, output))?;
-        self.all_gather_into_agreed(input, output)
-    }
-
-    fn all_gather_into_agreed(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        // The reduction is unused by a gather.
-        self.run_with_output(IntoOutput::AllGatherInto, input, output, ReduceOp::Sum)
     }
 
     fn barrier(&self) -> Result<()> {

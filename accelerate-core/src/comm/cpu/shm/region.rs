@@ -39,11 +39,13 @@ pub(crate) const PIECE_ALIGN: usize = 64;
 pub(crate) const MAX_REASON_BYTES: usize = 2048;
 const PAGE: usize = 4096;
 
+// The abort record: four 32-bit words one after the other (state, failed rank, reporter, reason
+// length), then the reason's bytes.
 const ABORT_STATE: usize = 128;
-const ABORT_FAILED: usize = 132;
-const ABORT_REPORTER: usize = 136;
-const ABORT_LEN: usize = 140;
-const ABORT_REASON: usize = 144;
+const ABORT_FAILED: usize = ABORT_STATE + 4;
+const ABORT_REPORTER: usize = ABORT_FAILED + 4;
+const ABORT_LEN: usize = ABORT_REPORTER + 4;
+const ABORT_REASON: usize = ABORT_LEN + 4;
 
 // The abort record fits in the header page, the control words in a control block.
 const _: () = assert!(ABORT_REASON + MAX_REASON_BYTES <= HEADER_BYTES);
