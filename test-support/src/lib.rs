@@ -1,5 +1,5 @@
 //! The harness every crate's integration tests share, so that it is written once: the one list
-//! of job variables a test's processes run without ([`env`]), the [`Job`] that starts a process
+//! of job variables a test's processes run without ([`mod@env`]), the [`Job`] that starts a process
 //! bounded in time, the paths of the binaries `cargo test` built, free loopback ports for ranks
 //! that are threads, a test that reruns itself in a child process with other variables, skips
 //! that say why, and a tiny seeded model.
