@@ -19,6 +19,31 @@ use crate::error::{Error, Result};
 /// Words of one rank's signature.
 pub(crate) const WORDS: usize = 4;
 
+/// A backend that runs the pre-flight agreement: it gathers the signatures, the agreement compares
+/// them. The CPU ring and NCCL implement it.
+pub(crate) trait Agree {
+    /// The number of ranks (with one there is nothing to agree on).
+    fn ranks(&self) -> usize;
+
+    /// Every rank's signature `words` for `collective`, this rank's given, in rank order.
+    fn gather_signatures(&self, collective: Collective, words: &[i64]) -> Result<Vec<i64>>;
+
+    /// The agreement on `collective` over `tensor`: every rank's signature gathered and compared;
+    /// all ranks refuse together, naming each rank's, when they differ.
+    fn agree(&self, collective: Collective, tensor: &Tensor) -> Result<()> {
+        self.agree_on(collective, Signature::of(collective, tensor))
+    }
+
+    /// [`agree`](Self::agree) on a signature built by the caller.
+    fn agree_on(&self, collective: Collective, signature: Signature) -> Result<()> {
+        if self.ranks() == 1 {
+            return Ok(());
+        }
+        let all = self.gather_signatures(collective, &signature.words())?;
+        check(collective, &all)
+    }
+}
+
 /// What a rank is about to do in a collective, as exchanged with the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Signature {

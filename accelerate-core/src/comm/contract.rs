@@ -4,6 +4,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::ReduceOp;
 use crate::error::{Error, Result};
 
 /// The dtypes every backend carries.
@@ -63,8 +64,9 @@ pub(crate) fn gathered_dims(dims: &[usize], world_size: usize) -> Vec<usize> {
 /// The two collectives that write into a preallocated output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum IntoOutput {
-    /// `reduce_scatter`: the input holds `world_size` blocks of the output's size.
-    ReduceScatter,
+    /// `reduce_scatter` with its reduction: the input holds `world_size` blocks of the output's
+    /// size.
+    ReduceScatter(ReduceOp),
     /// `all_gather_into`: the output holds `world_size` blocks of the input's size.
     AllGatherInto,
 }
@@ -73,7 +75,7 @@ impl IntoOutput {
     /// The collective's name, as users call it.
     pub(crate) fn name(self) -> &'static str {
         match self {
-            IntoOutput::ReduceScatter => "reduce_scatter",
+            IntoOutput::ReduceScatter(_) => "reduce_scatter",
             IntoOutput::AllGatherInto => "all_gather_into",
         }
     }
@@ -119,12 +121,12 @@ pub(crate) fn check_into_output(
     }
     let (n_in, n_out) = (input.elem_count(), output.elem_count());
     let fits = match kind {
-        IntoOutput::ReduceScatter => n_in == n_out * world_size,
+        IntoOutput::ReduceScatter(_) => n_in == n_out * world_size,
         IntoOutput::AllGatherInto => n_out == n_in * world_size,
     };
     if !fits {
         let rule = match kind {
-            IntoOutput::ReduceScatter => format!(
+            IntoOutput::ReduceScatter(_) => format!(
                 "the input must hold world_size blocks of the output's size: {} = {world_size} \
                  x {n_out} elements (pad the input to a multiple of {world_size})",
                 n_out * world_size

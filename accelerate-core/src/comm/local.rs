@@ -80,8 +80,8 @@ impl Communicator for LocalCommunicator {
         self.reduce_scatter_agreed(input, output, op)
     }
 
-    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, _op: ReduceOp) -> Result<()> {
-        check_into_output(IntoOutput::ReduceScatter, input, output, 1)?;
+    fn reduce_scatter_agreed(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        check_into_output(IntoOutput::ReduceScatter(op), input, output, 1)?;
         // Over one rank the reduction is the identity and the only block is the whole input.
         staging::write_back(output, input)?;
         self.count(|s| s.reduce_scatters += 1);

@@ -36,7 +36,7 @@ use candle_core::cuda_backend::cudarc::nccl::ReduceOp as NcclOp;
 use candle_core::cuda_backend::cudarc::nccl::{result::NcclError, Comm, Id, NcclType};
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
 
-use super::agreement::{self, Collective, Signature};
+use super::agreement::{Agree, Collective, Signature};
 use super::contract::{check_dtype, check_in_place, IntoOutput};
 use super::keys::NcclKeys;
 use super::liveness::{Liveness, Patience, Verdict};
@@ -410,30 +410,6 @@ impl NcclCommunicator {
         )))
     }
 
-    /// The pre-flight agreement (see [`agreement`]): every rank's signature of `collective` on
-    /// `tensor`, gathered on the GPU and compared on the host.
-    fn agree(&self, collective: Collective, tensor: &Tensor) -> Result<()> {
-        self.agree_on(collective, Signature::of(collective, tensor))
-    }
-
-    /// [`agree`](Self::agree) on a signature built by the caller.
-    fn agree_on(&self, collective: Collective, signature: Signature) -> Result<()> {
-        if self.world_size == 1 {
-            return Ok(());
-        }
-        let words = signature.words();
-        let mine = Tensor::new(&words, &self.device)?;
-        // Named as the collective it prepares: a peer that never comes is missing from that one.
-        let all = self.all_gather_on_gpu(&mine, collective.name())?;
-        let bytes = (words.len() * 8) as u64;
-        let n = self.world_size as u64;
-        self.count(|s| {
-            s.agreements += 1;
-            s.bytes_sent += bytes * (n - 1);
-        });
-        agreement::check(collective, &all.to_vec1::<i64>()?)
-    }
-
     /// In-place all-reduce of a contiguous tensor on this GPU.
     fn all_reduce_on_gpu(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         let nop = nccl_op(op, tensor.dtype());
@@ -546,13 +522,7 @@ impl NcclCommunicator {
 
     /// Runs `kind` (already checked against the contract, on any devices): a host input is copied to
     /// this GPU, a host output staged through it and written back.
-    fn run_with_output(
-        &self,
-        kind: IntoOutput,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn run_with_output(&self, kind: IntoOutput, input: &Tensor, output: &Tensor) -> Result<()> {
         let staged = self.check_device(input, kind.name())?;
         self.check_device(output, kind.name())?;
         if input.elem_count() == 0 && output.elem_count() == 0 {
@@ -564,7 +534,7 @@ impl NcclCommunicator {
             input.contiguous()?
         };
         staging::in_place_on(output, &self.device, |out| match kind {
-            IntoOutput::ReduceScatter => self.reduce_scatter_on_gpu(&input, out, op),
+            IntoOutput::ReduceScatter(op) => self.reduce_scatter_on_gpu(&input, out, op),
             IntoOutput::AllGatherInto => {
                 self.pair_on_gpu(&input, out, "all_gather_into", PairKind::Gather)?;
                 let bytes = (input.elem_count() * input.dtype().size_in_bytes()) as u64;
@@ -716,6 +686,26 @@ fn divide_integers(tensor: &Tensor, n: usize) -> Result<()> {
 /// messages; the same figure the CPU ring reports).
 fn ring_all_reduce_bytes(bytes: usize, n: usize) -> u64 {
     (2 * (n - 1) * bytes / n) as u64
+}
+
+impl Agree for NcclCommunicator {
+    fn ranks(&self) -> usize {
+        self.world_size
+    }
+
+    /// Gathered on the GPU, compared on the host.
+    fn gather_signatures(&self, collective: Collective, words: &[i64]) -> Result<Vec<i64>> {
+        let mine = Tensor::new(words, &self.device)?;
+        // Named as the collective it prepares: a peer that never comes is missing from that one.
+        let all = self.all_gather_on_gpu(&mine, collective.name())?;
+        let bytes = (words.len() * 8) as u64;
+        let n = self.world_size as u64;
+        self.count(|s| {
+            s.agreements += 1;
+            s.bytes_sent += bytes * (n - 1);
+        });
+        Ok(all.to_vec1::<i64>()?)
+    }
 }
 
 impl Communicator for NcclCommunicator {

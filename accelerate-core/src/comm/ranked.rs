@@ -7,8 +7,8 @@
 /// fields `rank` and `world_size` and the inherent methods
 /// - `check_pair_devices(&self, input, output, op: &'static str) -> Result<()>`: refuses, before
 ///   the agreement, tensors on a device the backend cannot reach;
-/// - `agree_on(&self, Collective, Signature) -> Result<()>`: the pre-flight agreement;
-/// - `run_with_output(&self, IntoOutput, input, output, ReduceOp) -> Result<()>`: the collective
+/// - [`Agree`](super::agreement::Agree): the pre-flight agreement;
+/// - `run_with_output(&self, IntoOutput, input, output) -> Result<()>`: the collective
 ///   itself, on tensors this macro has checked against the contract.
 macro_rules! ranked_methods {
     () => {
@@ -29,7 +29,7 @@ macro_rules! ranked_methods {
             self.check_pair_devices(input, output, "reduce_scatter")?;
             let collective = $crate::comm::agreement::Collective::ReduceScatter(op);
             let signature = $crate::comm::agreement::Signature::of_pair(collective, input, output);
-            self.agree_on(collective, signature)?;
+            $crate::comm::agreement::Agree::agree_on(self, collective, signature)?;
             self.reduce_scatter_agreed(input, output, op)
         }
 
@@ -39,9 +39,9 @@ macro_rules! ranked_methods {
             output: &candle_core::Tensor,
             op: $crate::comm::ReduceOp,
         ) -> $crate::error::Result<()> {
-            let kind = $crate::comm::contract::IntoOutput::ReduceScatter;
+            let kind = $crate::comm::contract::IntoOutput::ReduceScatter(op);
             $crate::comm::contract::check_into_output(kind, input, output, self.world_size)?;
-            self.run_with_output(kind, input, output, op)
+            self.run_with_output(kind, input, output)
         }
 
         fn all_gather_into(
@@ -52,7 +52,7 @@ macro_rules! ranked_methods {
             self.check_pair_devices(input, output, "all_gather_into")?;
             let collective = $crate::comm::agreement::Collective::AllGatherInto;
             let signature = $crate::comm::agreement::Signature::of_pair(collective, input, output);
-            self.agree_on(collective, signature)?;
+            $crate::comm::agreement::Agree::agree_on(self, collective, signature)?;
             self.all_gather_into_agreed(input, output)
         }
 
@@ -61,10 +61,9 @@ macro_rules! ranked_methods {
             input: &candle_core::Tensor,
             output: &candle_core::Tensor,
         ) -> $crate::error::Result<()> {
-            // The reduction is unused by a gather.
             let kind = $crate::comm::contract::IntoOutput::AllGatherInto;
             $crate::comm::contract::check_into_output(kind, input, output, self.world_size)?;
-            self.run_with_output(kind, input, output, $crate::comm::ReduceOp::Sum)
+            self.run_with_output(kind, input, output)
         }
     };
 }

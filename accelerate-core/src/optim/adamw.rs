@@ -9,7 +9,7 @@
 use candle_core::Tensor;
 
 use super::kernels::{self, AdamWCoefficients};
-use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
+use super::{ElementwiseOptimizer, Step, UpdateRule};
 use crate::error::Result;
 
 /// Hyper-parameters of [`AdamW`].
@@ -63,51 +63,34 @@ impl UpdateRule for AdamWConfig {
     const NAME: &'static str = "AdamW";
     const COUNTS_STEPS: bool = true;
 
-    /// PyTorch's ranges, plus finiteness.
-    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
-        vec![
-            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
-            HyperParameter::real("beta1", &mut self.beta1, Valid::BelowOne),
-            HyperParameter::real("beta2", &mut self.beta2, Valid::BelowOne),
-            HyperParameter::real("eps", &mut self.eps, Valid::NonNegative),
-            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
-        ]
+    super::rule::hyper_parameters! {
+        /// PyTorch's ranges, plus finiteness.
+        lr: NonNegative, beta1: BelowOne, beta2: BelowOne,
+        eps: NonNegative, weight_decay: NonNegative
     }
 
     fn state_names(&self) -> &'static [&'static str] {
         &["exp_avg", "exp_avg_sq"]
     }
 
-    fn f32_kernel(
-        &self,
-        lr: f64,
-        step: u64,
-        _first: bool,
-    ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
-        let c = self.coefficients(lr, step);
+    fn f32_kernel(&self, at: Step) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
+        let c = self.coefficients(at.lr, at.count);
         move |p, g, state| match state {
             [exp_avg, exp_avg_sq] => kernels::adamw(p, g, exp_avg, exp_avg_sq, &c),
             _ => unreachable!("AdamW keeps two state tensors per parameter"),
         }
     }
 
-    fn update_tensors(
-        &self,
-        p: &Tensor,
-        g: &Tensor,
-        state: &mut [Tensor],
-        lr: f64,
-        step: u64,
-        _first: bool,
-    ) -> Result<Tensor> {
-        let [exp_avg, exp_avg_sq] = state else {
+    fn update_tensors(&self, p: &Tensor, g: &Tensor, s: &mut [Tensor], at: Step) -> Result<Tensor> {
+        let Step { lr, count, .. } = at;
+        let [exp_avg, exp_avg_sq] = s else {
             unreachable!("AdamW keeps two state tensors per parameter")
         };
         let p = (p * (1.0 - lr * self.weight_decay))?;
         // lerp(m, g, 1 - β1) = m + (1 - β1)(g - m)
         *exp_avg = (&*exp_avg + ((g - &*exp_avg)? * (1.0 - self.beta1))?)?;
         *exp_avg_sq = ((&*exp_avg_sq * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
-        let t = step as f64;
+        let t = count as f64;
         let step_size = lr / (1.0 - self.beta1.powf(t));
         let bias_correction2_sqrt = (1.0 - self.beta2.powf(t)).sqrt();
         let denom = ((exp_avg_sq.sqrt()? / bias_correction2_sqrt)? + self.eps)?;
@@ -115,8 +98,8 @@ impl UpdateRule for AdamWConfig {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_update(&self, lr: f64, step: u64, _first: bool) -> Option<super::CudaUpdate> {
-        let c = self.coefficients(lr, step);
+    fn cuda_update(&self, at: Step) -> Option<super::CudaUpdate> {
+        let c = self.coefficients(at.lr, at.count);
         let small_weight = if c.one_minus_beta1.abs() < 0.5 {
             1.0
         } else {
@@ -140,68 +123,52 @@ impl UpdateRule for AdamWConfig {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::DType;
-
     use super::*;
-    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
-    use crate::optim::test_util::{assert_close, buffers, named, values};
-    use crate::optim::Optimizer;
+    use crate::optim::test_util::prelude::*;
 
-    impl Conformance for AdamWConfig {
-        const F32_TOLERANCE: f64 = 2e-6;
-        const F64_TOLERANCE: f64 = 1e-12;
-
-        fn configs() -> Vec<(&'static str, Self)> {
-            variants(&[
-                ("no weight decay", |c| (c.lr, c.weight_decay) = (0.05, 0.0)),
-                ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.1)),
-                ("beta1 0.8", |c| {
-                    (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.8, 0.95, 1e-6, 0.3)
-                }),
-                // Weight 1 - beta1 >= 0.5: the other branch of PyTorch's lerp.
-                ("beta1 0.3", |c| {
-                    (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.3, 0.95, 1e-6, 0.3)
-                }),
-            ])
-        }
-
-        fn stateful() -> Self {
-            with(|c| (c.lr, c.weight_decay) = (0.03, 0.1))
-        }
-
-        fn invalid_configs() -> Vec<(Self, &'static str)> {
-            refused(&[
-                (|c| c.lr = -1e-3, "learning rate"),
-                (|c| c.beta1 = 1.0, "beta1"),
-                (|c| c.beta2 = -0.1, "beta2"),
-                (|c| c.eps = -1.0, "eps"),
-                (|c| c.weight_decay = f64::NAN, "weight_decay"),
-            ])
-        }
-
-        /// AdamW as published (Loshchilov & Hutter, in PyTorch's formulation), one scalar at a
-        /// time in f64: `p *= 1 - lr·wd; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²;
-        /// p -= lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)`.
-        // Indexed loops on purpose: the formula is written out element by element.
-        #[allow(clippy::needless_range_loop)]
-        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
-            let (mut m, mut v, mut t) = (vec![0.0; p.len()], vec![0.0; p.len()], 0);
-            Box::new(move |g| {
-                t += 1;
-                for i in 0..p.len() {
-                    p[i] *= 1.0 - c.lr * c.weight_decay;
-                    m[i] = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
-                    v[i] = c.beta2 * v[i] + (1.0 - c.beta2) * g[i] * g[i];
-                    let m_hat = m[i] / (1.0 - c.beta1.powi(t));
-                    let v_hat = v[i] / (1.0 - c.beta2.powi(t));
-                    p[i] -= c.lr * m_hat / (v_hat.sqrt() + c.eps);
-                }
-                p.clone()
-            })
-        }
+    /// AdamW as published (Loshchilov & Hutter, in PyTorch's formulation), one scalar at a
+    /// time in f64: `p *= 1 - lr·wd; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²;
+    /// p -= lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)`.
+    // Indexed loops on purpose: the formula is written out element by element.
+    #[allow(clippy::needless_range_loop)]
+    fn reference(c: AdamWConfig, mut p: Vec<f64>) -> Reference {
+        let (mut m, mut v, mut t) = (vec![0.0; p.len()], vec![0.0; p.len()], 0);
+        Box::new(move |g| {
+            t += 1;
+            for i in 0..p.len() {
+                p[i] *= 1.0 - c.lr * c.weight_decay;
+                m[i] = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
+                v[i] = c.beta2 * v[i] + (1.0 - c.beta2) * g[i] * g[i];
+                let m_hat = m[i] / (1.0 - c.beta1.powi(t));
+                let v_hat = v[i] / (1.0 - c.beta2.powi(t));
+                p[i] -= c.lr * m_hat / (v_hat.sqrt() + c.eps);
+            }
+            p.clone()
+        })
     }
 
-    crate::optim::conformance::suite!(crate::optim::AdamWConfig);
+    crate::optim::conformance::suite! {
+        AdamWConfig, tolerance: (f32 2e-6, f64 1e-12), reference: reference,
+        configs: [
+            ("no weight decay", |c| (c.lr, c.weight_decay) = (0.05, 0.0)),
+            ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.1)),
+            ("beta1 0.8", |c| {
+                (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.8, 0.95, 1e-6, 0.3)
+            }),
+            // Weight 1 - beta1 >= 0.5: the other branch of PyTorch's lerp.
+            ("beta1 0.3", |c| {
+                (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) = (0.02, 0.3, 0.95, 1e-6, 0.3)
+            }),
+        ],
+        stateful: |c| (c.lr, c.weight_decay) = (0.03, 0.1),
+        refused: [
+            (|c| c.lr = -1e-3, "learning rate"),
+            (|c| c.beta1 = 1.0, "beta1"),
+            (|c| c.beta2 = -0.1, "beta2"),
+            (|c| c.eps = -1.0, "eps"),
+            (|c| c.weight_decay = f64::NAN, "weight_decay"),
+        ],
+    }
 
     #[test]
     fn first_step_by_hand() {

@@ -896,10 +896,40 @@ pub(crate) fn the_cuda_kernel_matches_the_cpu_kernel<R: Conformance>() {
     }
 }
 
-/// One `#[test]` per check of the suite for the rule `$rule` (a full path: the tests live in a
-/// module `conformance` of their own), in that module.
+/// Implements [`Conformance`] for `$rule` from its tables (each configuration the default as one
+/// edit leaves it) and its f64 `reference`, and adds one `#[test]` per check of the suite in a module
+/// `conformance` of the caller's.
 macro_rules! suite {
-    ($rule:ty) => {
+    (
+        $rule:ident, tolerance: (f32 $f32:expr, f64 $f64:expr), reference: $reference:path,
+        configs: [$($configs:tt)*],
+        stateful: $stateful:expr,
+        refused: [$($refused:tt)*] $(,)?
+    ) => {
+        impl crate::optim::conformance::Conformance for $rule {
+            const F32_TOLERANCE: f64 = $f32;
+            const F64_TOLERANCE: f64 = $f64;
+
+            fn configs() -> Vec<(&'static str, Self)> {
+                crate::optim::conformance::variants(&[$($configs)*])
+            }
+
+            fn stateful() -> Self {
+                crate::optim::conformance::with($stateful)
+            }
+
+            fn invalid_configs() -> Vec<(Self, &'static str)> {
+                crate::optim::conformance::refused(&[$($refused)*])
+            }
+
+            fn reference(c: Self, p: Vec<f64>) -> crate::optim::conformance::Reference {
+                $reference(c, p)
+            }
+        }
+
+        crate::optim::conformance::suite!(@tests crate::optim::$rule);
+    };
+    (@tests $rule:ty) => {
         mod conformance {
             use crate::optim::conformance as suite;
 

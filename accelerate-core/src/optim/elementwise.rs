@@ -18,7 +18,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::group::ParamGroup;
 use super::kernels;
-use super::rule::UpdateRule;
+use super::rule::{Step, UpdateRule};
 use super::state::{key, snapshot, state_dtype, OptimizerState, StateReader};
 use super::Gradients;
 use super::{LearningRate, Optimizer};
@@ -280,7 +280,11 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
             }
             #[cfg(feature = "cuda")]
             if let Some(update) = rule
-                .cuda_update(lr, step, first)
+                .cuda_update(Step {
+                    lr,
+                    count: step,
+                    first,
+                })
                 .filter(|_| !self.force_fallback)
             {
                 if batch.push(&update, &param, &grad, &state.tensors, copy.as_ref())? {
@@ -294,7 +298,16 @@ impl<R: UpdateRule> Optimizer for ElementwiseOptimizer<R> {
             let dtype = state_dtype(var.dtype());
             let p = param.detach().to_dtype(dtype)?;
             let grad = grad.detach().to_device(var.device())?.to_dtype(dtype)?;
-            let value = rule.update_tensors(&p, &grad, &mut state.tensors, lr, step, first)?;
+            let value = rule.update_tensors(
+                &p,
+                &grad,
+                &mut state.tensors,
+                Step {
+                    lr,
+                    count: step,
+                    first,
+                },
+            )?;
             let value = value.to_dtype(var.dtype())?;
             // The compute copy takes the new value rounded as a cast of the master rounds it.
             let rounded = match &copy {
@@ -652,7 +665,11 @@ fn update_fused<R: UpdateRule>(
     if !var.device().is_cpu() {
         return Ok(false);
     }
-    let kernel = rule.f32_kernel(lr, step, first);
+    let kernel = rule.f32_kernel(Step {
+        lr,
+        count: step,
+        first,
+    });
     let update = |p: &mut [f32], g: &[f32], copy: Option<HalfSliceMut<'_>>| {
         let mut copy = copy;
         with_all_f32_mut(state, Vec::with_capacity(state.len()), &mut |s| {

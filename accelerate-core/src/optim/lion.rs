@@ -7,7 +7,7 @@
 
 use candle_core::Tensor;
 
-use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
+use super::{ElementwiseOptimizer, Step, UpdateRule};
 use crate::error::Result;
 
 /// Hyper-parameters of [`Lion`].
@@ -76,26 +76,16 @@ impl UpdateRule for LionConfig {
     const NAME: &'static str = "Lion";
     const COUNTS_STEPS: bool = false;
 
-    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
-        vec![
-            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
-            HyperParameter::real("beta1", &mut self.beta1, Valid::UpToOne),
-            HyperParameter::real("beta2", &mut self.beta2, Valid::UpToOne),
-            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
-        ]
+    super::rule::hyper_parameters! {
+        lr: NonNegative, beta1: UpToOne, beta2: UpToOne, weight_decay: NonNegative
     }
 
     fn state_names(&self) -> &'static [&'static str] {
         &["exp_avg"]
     }
 
-    fn f32_kernel(
-        &self,
-        lr: f64,
-        _step: u64,
-        _first: bool,
-    ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
-        let c = self.coefficients(lr);
+    fn f32_kernel(&self, at: Step) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
+        let c = self.coefficients(at.lr);
         move |p, g, state| {
             let [exp_avg] = state else {
                 unreachable!("Lion keeps one state tensor per parameter")
@@ -108,16 +98,9 @@ impl UpdateRule for LionConfig {
         }
     }
 
-    fn update_tensors(
-        &self,
-        p: &Tensor,
-        g: &Tensor,
-        state: &mut [Tensor],
-        lr: f64,
-        _step: u64,
-        _first: bool,
-    ) -> Result<Tensor> {
-        let [exp_avg] = state else {
+    fn update_tensors(&self, p: &Tensor, g: &Tensor, s: &mut [Tensor], at: Step) -> Result<Tensor> {
+        let lr = at.lr;
+        let [exp_avg] = s else {
             unreachable!("Lion keeps one state tensor per parameter")
         };
         let c = ((&*exp_avg * self.beta1)? + (g * (1.0 - self.beta1))?)?;
@@ -127,8 +110,8 @@ impl UpdateRule for LionConfig {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_update(&self, lr: f64, _step: u64, _first: bool) -> Option<super::CudaUpdate> {
-        let c = self.coefficients(lr);
+    fn cuda_update(&self, at: Step) -> Option<super::CudaUpdate> {
+        let c = self.coefficients(at.lr);
         Some(super::CudaUpdate {
             kernel: super::cuda_kernels::Kernel::Lion,
             scalars: [
@@ -147,64 +130,48 @@ impl UpdateRule for LionConfig {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::DType;
-
     use super::*;
-    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
-    use crate::optim::test_util::{assert_close, buffers, named, values};
-    use crate::optim::Optimizer;
+    use crate::optim::test_util::prelude::*;
 
-    impl Conformance for LionConfig {
-        const F32_TOLERANCE: f64 = 1e-6;
-        const F64_TOLERANCE: f64 = 1e-14;
-
-        fn configs() -> Vec<(&'static str, Self)> {
-            variants(&[
-                ("defaults", |c| c.lr = 0.01),
-                ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.5)),
-                ("other betas", |c| {
-                    (c.lr, c.beta1, c.beta2, c.weight_decay) = (0.03, 0.5, 0.8, 0.1)
-                }),
-            ])
-        }
-
-        fn stateful() -> Self {
-            with(|c| (c.lr, c.weight_decay) = (0.02, 0.1))
-        }
-
-        fn invalid_configs() -> Vec<(Self, &'static str)> {
-            refused(&[
-                (|c| c.lr = -1e-4, "learning rate"),
-                (|c| c.beta1 = 1.5, "beta1"),
-                (|c| c.beta2 = -0.1, "beta2"),
-                (|c| c.weight_decay = f64::INFINITY, "weight_decay"),
-            ])
-        }
-
-        /// Lion as published (Chen et al. 2023, Program 1), one scalar at a time in f64.
-        // Indexed loops on purpose: the formula is written out element by element.
-        #[allow(clippy::needless_range_loop)]
-        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
-            let mut m = vec![0.0; p.len()];
-            Box::new(move |g| {
-                for i in 0..p.len() {
-                    let update = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
-                    let sign = if update > 0.0 {
-                        1.0
-                    } else if update < 0.0 {
-                        -1.0
-                    } else {
-                        0.0
-                    };
-                    p[i] = p[i] * (1.0 - c.lr * c.weight_decay) - c.lr * sign;
-                    m[i] = c.beta2 * m[i] + (1.0 - c.beta2) * g[i];
-                }
-                p.clone()
-            })
-        }
+    /// Lion as published (Chen et al. 2023, Program 1), one scalar at a time in f64.
+    // Indexed loops on purpose: the formula is written out element by element.
+    #[allow(clippy::needless_range_loop)]
+    fn reference(c: LionConfig, mut p: Vec<f64>) -> Reference {
+        let mut m = vec![0.0; p.len()];
+        Box::new(move |g| {
+            for i in 0..p.len() {
+                let update = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
+                let sign = if update > 0.0 {
+                    1.0
+                } else if update < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
+                p[i] = p[i] * (1.0 - c.lr * c.weight_decay) - c.lr * sign;
+                m[i] = c.beta2 * m[i] + (1.0 - c.beta2) * g[i];
+            }
+            p.clone()
+        })
     }
 
-    crate::optim::conformance::suite!(crate::optim::LionConfig);
+    crate::optim::conformance::suite! {
+        LionConfig, tolerance: (f32 1e-6, f64 1e-14), reference: reference,
+        configs: [
+            ("defaults", |c| c.lr = 0.01),
+            ("weight decay", |c| (c.lr, c.weight_decay) = (0.02, 0.5)),
+            ("other betas", |c| {
+                (c.lr, c.beta1, c.beta2, c.weight_decay) = (0.03, 0.5, 0.8, 0.1)
+            }),
+        ],
+        stateful: |c| (c.lr, c.weight_decay) = (0.02, 0.1),
+        refused: [
+            (|c| c.lr = -1e-4, "learning rate"),
+            (|c| c.beta1 = 1.5, "beta1"),
+            (|c| c.beta2 = -0.1, "beta2"),
+            (|c| c.weight_decay = f64::INFINITY, "weight_decay"),
+        ],
+    }
 
     #[test]
     fn by_hand() {

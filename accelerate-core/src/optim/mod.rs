@@ -59,7 +59,7 @@ pub use elementwise::ElementwiseOptimizer;
 pub use group::{is_no_decay, split_decay, DecaySplit, ParamGroup};
 pub use lion::{Lion, LionConfig};
 pub use lr::LearningRate;
-pub use rule::{HyperParameter, UpdateRule, Valid};
+pub use rule::{HyperParameter, Step, UpdateRule, Valid};
 pub use scheduler::{LrScheduler, Schedule, SchedulerState};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;

@@ -106,17 +106,12 @@ pub trait UpdateRule: Clone + Default + std::fmt::Debug + Send + 'static {
     /// `"<name>.<parameter>"`, PyTorch's names.
     fn state_names(&self) -> &'static [&'static str];
 
-    /// The fused update at learning rate `lr` of a parameter's `step`-th update (from 1):
+    /// The fused update of one parameter at step `at`:
     /// a kernel over the parameter's f32 elements, its gradient's, and its state tensors' (in
     /// [`state_names`](Self::state_names) order). The optimizer runs it once per parameter, or
     /// on matching chunks of all slices on several threads, so it must treat elements
-    /// independently. `first` says the state tensors were just created.
-    fn f32_kernel(
-        &self,
-        lr: f64,
-        step: u64,
-        first: bool,
-    ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync;
+    /// independently.
+    fn f32_kernel(&self, at: Step) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync;
 
     /// The same update with tensor ops: `param` and `grad` are detached copies in the state's
     /// dtype on the parameter's device; `state` is replaced by the new state tensors; the result
@@ -126,20 +121,29 @@ pub trait UpdateRule: Clone + Default + std::fmt::Debug + Send + 'static {
         param: &Tensor,
         grad: &Tensor,
         state: &mut [Tensor],
-        lr: f64,
-        step: u64,
-        first: bool,
+        at: Step,
     ) -> Result<Tensor>;
 
     /// The same update in the multi-tensor CUDA kernel: which kernel of
-    /// `cuda/multi_tensor.cu`, and the scalars of this parameter's update at learning rate `lr`,
-    /// `step` and `first` as in [`f32_kernel`](Self::f32_kernel); `None` (the default) when the
+    /// `cuda/multi_tensor.cu`, and the scalars of this parameter's update at step `at`; `None` (the default) when the
     /// rule has no kernel, and the tensor-op path runs on a GPU instead.
     #[cfg(feature = "cuda")]
-    fn cuda_update(&self, lr: f64, step: u64, first: bool) -> Option<CudaUpdate> {
-        let _ = (lr, step, first);
+    fn cuda_update(&self, at: Step) -> Option<CudaUpdate> {
+        let _ = at;
         None
     }
+}
+
+/// Where in training an update happens: what every update function of a rule is given.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Step {
+    /// The learning rate of this step (the [`LearningRate`](super::LearningRate) handle's value).
+    pub lr: f64,
+    /// How many updates the parameter has had, this one included (from 1; AdamW's bias
+    /// corrections use it).
+    pub count: u64,
+    /// Whether the parameter's state tensors were just created (SGD's first momentum buffer).
+    pub first: bool,
 }
 
 /// The values a hyper-parameter may take; [`UpdateRule::validate`]'s error states the range.
@@ -253,3 +257,20 @@ impl<'a> HyperParameter<'a> {
         )
     }
 }
+
+/// `fn hyper_parameters_mut` for a configuration whose hyper-parameters are its fields of the same
+/// names (so the saved name is the field's): the reals with their valid values, then the flags.
+macro_rules! hyper_parameters {
+    ($(#[$doc:meta])* $($real:ident: $valid:ident),+ $(; flags $($flag:ident),+)? $(,)?) => {
+        $(#[$doc])*
+        fn hyper_parameters_mut(&mut self) -> Vec<$crate::optim::HyperParameter<'_>> {
+            use $crate::optim::{HyperParameter, Valid};
+            vec![
+                $(HyperParameter::real(stringify!($real), &mut self.$real, Valid::$valid),)+
+                $($(HyperParameter::flag(stringify!($flag), &mut self.$flag),)+)?
+            ]
+        }
+    };
+}
+
+pub(crate) use hyper_parameters;

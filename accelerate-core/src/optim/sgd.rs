@@ -8,7 +8,7 @@
 use candle_core::Tensor;
 
 use super::kernels::{self, SgdCoefficients};
-use super::{ElementwiseOptimizer, HyperParameter, UpdateRule, Valid};
+use super::{ElementwiseOptimizer, Step, UpdateRule};
 use crate::error::{Error, Result};
 
 /// Hyper-parameters of [`Sgd`].
@@ -60,15 +60,10 @@ impl UpdateRule for SgdConfig {
     const NAME: &'static str = "SGD";
     const COUNTS_STEPS: bool = false;
 
-    /// PyTorch's ranges, plus finiteness.
-    fn hyper_parameters_mut(&mut self) -> Vec<HyperParameter<'_>> {
-        vec![
-            HyperParameter::real("lr", &mut self.lr, Valid::NonNegative),
-            HyperParameter::real("momentum", &mut self.momentum, Valid::NonNegative),
-            HyperParameter::real("dampening", &mut self.dampening, Valid::Finite),
-            HyperParameter::real("weight_decay", &mut self.weight_decay, Valid::NonNegative),
-            HyperParameter::flag("nesterov", &mut self.nesterov),
-        ]
+    super::rule::hyper_parameters! {
+        /// PyTorch's ranges, plus finiteness.
+        lr: NonNegative, momentum: NonNegative, dampening: Finite, weight_decay: NonNegative;
+        flags nesterov
     }
 
     /// PyTorch's condition on Nesterov momentum.
@@ -92,34 +87,21 @@ impl UpdateRule for SgdConfig {
         }
     }
 
-    fn f32_kernel(
-        &self,
-        lr: f64,
-        _step: u64,
-        first: bool,
-    ) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
-        let c = self.coefficients(lr);
+    fn f32_kernel(&self, at: Step) -> impl Fn(&mut [f32], &[f32], &mut [&mut [f32]]) + Sync {
+        let (c, first) = (self.coefficients(at.lr), at.first);
         move |p, g, state| match state {
             [buffer] => kernels::sgd(p, g, buffer, first, &c),
             _ => kernels::sgd(p, g, &mut [], first, &c),
         }
     }
 
-    fn update_tensors(
-        &self,
-        p: &Tensor,
-        g: &Tensor,
-        state: &mut [Tensor],
-        lr: f64,
-        _step: u64,
-        first: bool,
-    ) -> Result<Tensor> {
+    fn update_tensors(&self, p: &Tensor, g: &Tensor, s: &mut [Tensor], at: Step) -> Result<Tensor> {
         let mut g = g.clone();
         if self.weight_decay != 0.0 {
             g = (&g + (p * self.weight_decay)?)?;
         }
-        if let [buffer] = state {
-            *buffer = if first {
+        if let [buffer] = s {
+            *buffer = if at.first {
                 g.force_contiguous()?
             } else {
                 ((&*buffer * self.momentum)? + (&g * (1.0 - self.dampening))?)?
@@ -130,12 +112,12 @@ impl UpdateRule for SgdConfig {
                 buffer.clone()
             };
         }
-        Ok((p - (g * lr)?)?)
+        Ok((p - (g * at.lr)?)?)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_update(&self, lr: f64, _step: u64, first: bool) -> Option<super::CudaUpdate> {
-        let c = self.coefficients(lr);
+    fn cuda_update(&self, at: Step) -> Option<super::CudaUpdate> {
+        let (c, first) = (self.coefficients(at.lr), at.first);
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         Some(super::CudaUpdate {
             kernel: super::cuda_kernels::Kernel::Sgd,
@@ -155,86 +137,63 @@ impl UpdateRule for SgdConfig {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::DType;
-
     use super::*;
-    use crate::optim::conformance::{refused, variants, with, Conformance, Reference};
-    use crate::optim::test_util::{assert_close, buffers, named, values};
-    use crate::optim::Optimizer;
+    use crate::optim::test_util::prelude::*;
 
-    impl Conformance for SgdConfig {
-        const F32_TOLERANCE: f64 = 1e-6;
-        const F64_TOLERANCE: f64 = 1e-13;
-
-        fn configs() -> Vec<(&'static str, Self)> {
-            variants(&[
-                ("plain", |c| c.lr = 0.1),
-                ("weight decay", |c| (c.lr, c.weight_decay) = (0.1, 0.2)),
-                ("momentum", |c| (c.lr, c.momentum) = (0.1, 0.9)),
-                ("dampening", |c| {
-                    (c.lr, c.momentum, c.dampening) = (0.1, 0.9, 0.3)
-                }),
-                ("nesterov", |c| {
-                    (c.lr, c.momentum, c.nesterov) = (0.1, 0.8, true)
-                }),
-                ("everything", |c| {
-                    (c.lr, c.momentum, c.weight_decay, c.nesterov) = (0.1, 0.7, 0.05, true)
-                }),
-            ])
-        }
-
-        fn stateful() -> Self {
-            with(|c| {
-                (c.lr, c.momentum, c.dampening, c.weight_decay, c.nesterov) =
-                    (0.1, 0.9, 0.1, 0.01, false)
-            })
-        }
-
-        fn invalid_configs() -> Vec<(Self, &'static str)> {
-            refused(&[
-                (|c| c.lr = -0.1, "learning rate"),
-                (|c| c.momentum = -0.5, "momentum"),
-                (|c| c.weight_decay = -1.0, "weight_decay"),
-                (|c| c.nesterov = true, "Nesterov"),
-                (
-                    |c| (c.nesterov, c.momentum, c.dampening) = (true, 0.9, 0.1),
-                    "dampening",
-                ),
-            ])
-        }
-
-        /// SGD as documented for `torch.optim.SGD`, one scalar at a time in f64.
-        // Indexed loops on purpose: the formula is written out element by element.
-        #[allow(clippy::needless_range_loop)]
-        fn reference(c: Self, mut p: Vec<f64>) -> Reference {
-            let mut buf: Option<Vec<f64>> = None;
-            Box::new(move |g| {
-                let mut d: Vec<f64> = (0..g.len()).map(|i| g[i] + c.weight_decay * p[i]).collect();
-                if c.momentum != 0.0 {
-                    let b = match buf.take() {
-                        None => d.clone(),
-                        Some(b) => (0..g.len())
-                            .map(|i| c.momentum * b[i] + (1.0 - c.dampening) * d[i])
-                            .collect(),
-                    };
-                    for i in 0..g.len() {
-                        d[i] = if c.nesterov {
-                            d[i] + c.momentum * b[i]
-                        } else {
-                            b[i]
-                        };
-                    }
-                    buf = Some(b);
-                }
+    /// SGD as documented for `torch.optim.SGD`, one scalar at a time in f64.
+    // Indexed loops on purpose: the formula is written out element by element.
+    #[allow(clippy::needless_range_loop)]
+    fn reference(c: SgdConfig, mut p: Vec<f64>) -> Reference {
+        let mut buf: Option<Vec<f64>> = None;
+        Box::new(move |g| {
+            let mut d: Vec<f64> = (0..g.len()).map(|i| g[i] + c.weight_decay * p[i]).collect();
+            if c.momentum != 0.0 {
+                let b = match buf.take() {
+                    None => d.clone(),
+                    Some(b) => (0..g.len())
+                        .map(|i| c.momentum * b[i] + (1.0 - c.dampening) * d[i])
+                        .collect(),
+                };
                 for i in 0..g.len() {
-                    p[i] -= c.lr * d[i];
+                    d[i] = if c.nesterov {
+                        d[i] + c.momentum * b[i]
+                    } else {
+                        b[i]
+                    };
                 }
-                p.clone()
-            })
-        }
+                buf = Some(b);
+            }
+            for i in 0..g.len() {
+                p[i] -= c.lr * d[i];
+            }
+            p.clone()
+        })
     }
 
-    crate::optim::conformance::suite!(crate::optim::SgdConfig);
+    crate::optim::conformance::suite! {
+        SgdConfig, tolerance: (f32 1e-6, f64 1e-13), reference: reference,
+        configs: [
+            ("plain", |c| c.lr = 0.1),
+            ("weight decay", |c| (c.lr, c.weight_decay) = (0.1, 0.2)),
+            ("momentum", |c| (c.lr, c.momentum) = (0.1, 0.9)),
+            ("dampening", |c| (c.lr, c.momentum, c.dampening) = (0.1, 0.9, 0.3)),
+            ("nesterov", |c| (c.lr, c.momentum, c.nesterov) = (0.1, 0.8, true)),
+            ("everything", |c| {
+                (c.lr, c.momentum, c.weight_decay, c.nesterov) = (0.1, 0.7, 0.05, true)
+            }),
+        ],
+        stateful: |c| {
+            (c.lr, c.momentum, c.dampening, c.weight_decay, c.nesterov) =
+                (0.1, 0.9, 0.1, 0.01, false)
+        },
+        refused: [
+            (|c| c.lr = -0.1, "learning rate"),
+            (|c| c.momentum = -0.5, "momentum"),
+            (|c| c.weight_decay = -1.0, "weight_decay"),
+            (|c| c.nesterov = true, "Nesterov"),
+            (|c| (c.nesterov, c.momentum, c.dampening) = (true, 0.9, 0.1), "dampening"),
+        ],
+    }
 
     #[test]
     fn by_hand() {

@@ -4,6 +4,14 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::grads::{GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
 
+/// What an update rule's test module needs, in one import.
+pub(crate) mod prelude {
+    pub(crate) use super::{assert_close, buffers, named, values};
+    pub(crate) use crate::optim::conformance::Reference;
+    pub(crate) use crate::optim::Optimizer;
+    pub(crate) use candle_core::DType;
+}
+
 /// Reproducible values in [-1, 1) from a fixed LCG, without a dependency.
 pub(crate) fn pseudo_random(n: usize, seed: u32) -> Vec<f64> {
     let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);

@@ -39,7 +39,7 @@ use self::element::Element;
 use self::frame::OpCode;
 use self::shm::{ShmLinks, ShmSession};
 use self::transport::{run_collective, FramePool, RingLinks, RingPosition, Session, Tag};
-use super::agreement::{self, Collective, Signature};
+use super::agreement::{Agree, Collective};
 use super::contract::{check_dtype, check_in_place, gathered_dims, unsupported_dtype, IntoOutput};
 use super::staging;
 use super::store::Store;
@@ -354,19 +354,13 @@ impl CpuCommunicator {
 
     /// Runs `kind` on `input` and `output` (already checked against the contract) through the host: a
     /// GPU input is copied over, a GPU output staged and written back.
-    fn run_with_output(
-        &self,
-        kind: IntoOutput,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn run_with_output(&self, kind: IntoOutput, input: &Tensor, output: &Tensor) -> Result<()> {
         if self.world_size == 1 {
             // Over one rank both are a copy; counted as every backend counts them.
             staging::write_back(output, input)?;
             let mut state = self.lock();
             match kind {
-                IntoOutput::ReduceScatter => state.stats.reduce_scatters += 1,
+                IntoOutput::ReduceScatter(_) => state.stats.reduce_scatters += 1,
                 IntoOutput::AllGatherInto => state.stats.all_gathers += 1,
             }
             return Ok(());
@@ -380,7 +374,9 @@ impl CpuCommunicator {
             macro_rules! by_dtype {
                 ($t:ty) => {
                     match kind {
-                        IntoOutput::ReduceScatter => self.reduce_scatter_as::<$t>(&input, out, op),
+                        IntoOutput::ReduceScatter(op) => {
+                            self.reduce_scatter_as::<$t>(&input, out, op)
+                        }
                         IntoOutput::AllGatherInto => self.all_gather_into_as::<$t>(&input, out),
                     }
                 };
@@ -402,33 +398,6 @@ impl CpuCommunicator {
     /// `Communicator`), so nothing to refuse before the agreement.
     fn check_pair_devices(&self, _input: &Tensor, _output: &Tensor, _op: &str) -> Result<()> {
         Ok(())
-    }
-
-    /// The pre-flight agreement (see [`agreement`]): every rank's signature of `collective` on
-    /// `tensor`, gathered and compared. Nothing to agree on in a world of one rank.
-    fn agree(&self, collective: Collective, tensor: &Tensor) -> Result<()> {
-        self.agree_on(collective, Signature::of(collective, tensor))
-    }
-
-    /// [`agree`](Self::agree) on a signature built by the caller.
-    fn agree_on(&self, collective: Collective, signature: Signature) -> Result<()> {
-        if self.world_size == 1 {
-            return Ok(());
-        }
-        let words = signature.words();
-        let mine = Tensor::new(&words, &Device::Cpu)?;
-        // Tagged as the collective it prepares, so that a peer that never comes is reported as
-        // missing from that collective (the one the user called).
-        let op = match collective {
-            Collective::AllReduce(op) => OpCode::AllReduce(op),
-            Collective::Broadcast(_) => OpCode::Broadcast,
-            Collective::AllGather => OpCode::AllGather,
-            Collective::ReduceScatter(op) => OpCode::ReduceScatter(op),
-            Collective::AllGatherInto => OpCode::AllGatherInto,
-            Collective::Barrier => OpCode::Barrier,
-        };
-        let all = self.all_gather_as::<i64>(&mine, op, |s| s.agreements += 1)?;
-        agreement::check(collective, &all.to_vec1::<i64>()?)
     }
 
     /// In-place all-reduce of a contiguous host tensor of a supported dtype.
@@ -473,6 +442,28 @@ impl CpuCommunicator {
             DType::U8 => self.all_gather_as::<u8>(tensor, op, count),
             other => Err(unsupported_dtype("all_gather", other)),
         }
+    }
+}
+
+impl Agree for CpuCommunicator {
+    fn ranks(&self) -> usize {
+        self.world_size
+    }
+
+    fn gather_signatures(&self, collective: Collective, words: &[i64]) -> Result<Vec<i64>> {
+        let mine = Tensor::new(words, &Device::Cpu)?;
+        // Tagged as the collective it prepares, so that a peer that never comes is reported as
+        // missing from that collective (the one the user called).
+        let op = match collective {
+            Collective::AllReduce(op) => OpCode::AllReduce(op),
+            Collective::Broadcast(_) => OpCode::Broadcast,
+            Collective::AllGather => OpCode::AllGather,
+            Collective::ReduceScatter(op) => OpCode::ReduceScatter(op),
+            Collective::AllGatherInto => OpCode::AllGatherInto,
+            Collective::Barrier => OpCode::Barrier,
+        };
+        let all = self.all_gather_as::<i64>(&mine, op, |s| s.agreements += 1)?;
+        Ok(all.to_vec1::<i64>()?)
     }
 }
 
