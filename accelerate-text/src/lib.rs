@@ -1,0 +1,7 @@
+//! Training on text: Hugging Face tokenizers, corpora of JSONL, Parquet and plain-text files,
+//! packing into fixed-length rows, and token files for corpora read many times, as datasets for
+//! accelerate-core's loaders.
+
+mod error;
+
+pub use error::{Error, Result};
