@@ -21,10 +21,16 @@ libraries every Hugging Face model uses, without Python at test time.
                           `tokenizers.Tokenizer.from_file(tokenizer/tokenizer.json)` gives the same
       chats[]             for every conversation: `apply_chat_template(messages, tokenize=False)` and
                           `apply_chat_template(messages, tokenize=True)["input_ids"]`
+      layouts[]           special-token files (tokenizer_config.json, special_tokens_map.json, either
+                          may be absent) next to tokenizer_legacy/tokenizer.json (special tokens
+                          only in the vocabulary, so PROBE shows which are registered as special
+                          tokens), with the bos/eos/pad ids
+                          transformers reads from them and its ids for PROBE: which file wins
       legacy              the same three for tokenizer_legacy/ (texts: those with special-token
                           strings, and a few others)
   tokenizer_legacy/       the same tokenizer laid out as older model directories are, to check that
-                          the Rust loader reads them as transformers does: the special tokens only in
+                          the Rust loader reads them as transformers does: truncation and padding
+                          saved in tokenizer.json (ignored by tokenizer(text)), the special tokens only in
                           the BPE vocabulary (not in tokenizer.json's added_tokens, so transformers
                           registers them as special tokens on loading), bos_token as an AddedToken
                           object, the chat templates as a named list inside tokenizer_config.json,
@@ -222,6 +228,16 @@ def write_legacy(out_dir, tok_dir):
     with open(os.path.join(tok_dir, "tokenizer.json"), encoding="utf-8") as f:
         tokenizer = json.load(f)
     tokenizer["added_tokens"] = []
+    # Truncation and padding saved in tokenizer.json, which transformers' tokenizer(text) ignores.
+    tokenizer["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    tokenizer["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": PAD,
+    }
     with open(os.path.join(legacy, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tokenizer, f, ensure_ascii=False, indent=2)
     config = {
@@ -282,6 +298,64 @@ def expectations(hf, raw, texts, check_raw):
     return {"special": special, "texts": rows, "chats": chats}
 
 
+PROBE = "a<s>b</s>c<pad>"
+
+ADDED_TOKENS_DECODER = {
+    str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    for i, t in enumerate([PAD, BOS, EOS])
+}
+
+# (tokenizer_config.json or None, special_tokens_map.json or None)
+LAYOUTS = [
+    # The map overrides the config when the config has no added_tokens_decoder.
+    ({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}, {"eos_token": PAD}),
+    # With added_tokens_decoder, the map is not read.
+    (
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+         "added_tokens_decoder": ADDED_TOKENS_DECODER},
+        {"eos_token": PAD, "pad_token": BOS},
+    ),
+    # The map alone, with an AddedToken object.
+    (None, {"bos_token": {"content": BOS, "lstrip": False, "normalized": False, "rstrip": False,
+                          "single_word": False}, "pad_token": EOS}),
+    # An AddedToken object with __type, and a null token.
+    (
+        {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": None,
+         "bos_token": {"__type": "AddedToken", "content": EOS, "lstrip": False, "normalized": False,
+                       "rstrip": False, "single_word": False, "special": True}},
+        None,
+    ),
+    # Neither file.
+    (None, None),
+]
+
+
+def layout_expectations(tok_dir, scratch):
+    rows = []
+    for config, special_map in LAYOUTS:
+        if os.path.isdir(scratch):
+            shutil.rmtree(scratch)
+        os.makedirs(scratch)
+        shutil.copy(os.path.join(tok_dir, "tokenizer.json"), scratch)
+        for name, value in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
+            if value is not None:
+                with open(os.path.join(scratch, name), "w", encoding="utf-8") as f:
+                    json.dump(value, f)
+        hf = AutoTokenizer.from_pretrained(scratch)
+        rows.append({
+            "tokenizer_config": config,
+            "special_tokens_map": special_map,
+            "bos_id": hf.bos_token_id,
+            "eos_id": hf.eos_token_id,
+            "pad_id": hf.pad_token_id,
+            "vocab_size": len(hf),
+            "probe": PROBE,
+            "probe_ids": hf(PROBE)["input_ids"],
+        })
+    shutil.rmtree(scratch)
+    return rows
+
+
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -325,6 +399,7 @@ def main() -> int:
     raw_legacy = Tokenizer.from_file(os.path.join(legacy_dir, "tokenizer.json"))
     assert raw_legacy.encode("a<s>b").ids != legacy_hf("a<s>b")["input_ids"], "the variant checks nothing"
     expected["legacy"] = legacy
+    layouts = layout_expectations(legacy_dir, os.path.join(out, "layout_scratch"))
 
     with open(os.path.join(out, "expected.json"), "w", encoding="utf-8") as f:
         # One entry a line: small, and diffs stay readable.
@@ -332,6 +407,7 @@ def main() -> int:
         f.write(f' "special": {json.dumps(expected["special"], ensure_ascii=False)},\n')
         for key in ("texts", "chats"):
             write_rows(f, key, expected[key], " ", last=False)
+        write_rows(f, "layouts", layouts, " ", last=False)
         f.write(' "legacy": {\n')
         f.write(f'  "special": {json.dumps(legacy["special"], ensure_ascii=False)},\n')
         for key in ("texts", "chats"):
