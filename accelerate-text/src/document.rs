@@ -1,27 +1,27 @@
-//! A document of a corpus: its content (text, or a conversation for the chat template) and
-//! where it came from, so errors and logs can point at the line or row.
+//! [`Document`]: one sample of a corpus, what the tokenizer turns into token ids, and where it came
+//! from (for error messages).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// What a document holds: plain text, or a conversation that the tokenizer's chat template
-/// turns into text.
+/// What a document holds: plain text, or a conversation for the tokenizer's chat template.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Content {
-    /// Plain text, tokenized as it is.
+    /// Text, tokenized as it is.
     Text(String),
-    /// A conversation: the JSON list of `{role, content, ...}` objects as found in the file,
-    /// handed to the chat template as is.
+    /// The JSON list of messages (`{role, content, ...}` objects) as found in the file, handed to
+    /// the chat template as is.
     Messages(serde_json::Value),
 }
 
-/// One document of a corpus with its origin.
+/// One document of a corpus: its content and where it was read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Document {
-    /// The file it was read from (shared by all documents of that file).
+    /// The file it was read from (shared by the file's documents).
     pub source: Arc<PathBuf>,
-    /// Its line (from 1) in a JSONL or text file, or its row in a Parquet file.
+    /// Its line in the file (from 1) for JSON Lines and text files; its row (from 0, as pyarrow
+    /// counts) for Parquet files.
     pub position: usize,
-    /// What it holds.
+    /// The text or the conversation.
     pub content: Content,
 }

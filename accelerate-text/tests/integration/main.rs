@@ -1,7 +1,16 @@
-//! accelerate-text's integration tests, in one harness. The fixtures under tests/fixtures/text/
-//! are written by tests/python/make_text_fixtures.py with Hugging Face's Python `tokenizers` and
-//! `transformers`, so the expectations come from the libraries models are trained with.
+//! accelerate-text's integration tests, in one harness: the tokenizer against ids from Hugging
+//! Face's Python `tokenizers` and `transformers` (tests/fixtures/text/, written by
+//! tests/python/make_text_fixtures.py), corpora against the fixtures' sidecar (written by pyarrow
+//! and `datasets`, tests/fixtures/corpus/), packing against a naive reference, token files against
+//! their byte layout, and the datasets through accelerate-core's loaders.
 
+mod common;
+mod corpus;
+mod packed;
+mod pretokenize;
+mod split;
+mod streamed;
+mod token_file;
 mod tokenizer_conformance;
 mod tokenizer_files;
 
