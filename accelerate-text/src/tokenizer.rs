@@ -345,6 +345,20 @@ impl Tokenizer {
         self.pad
     }
 
+    /// A name for exactly this tokenizer: FNV-1a (64 bits) over the files it was read from, in
+    /// order, each with its name. Token files record it, so that ids made by another tokenizer
+    /// (or another version of its files) are refused instead of silently misread.
+    pub fn fingerprint(&self) -> String {
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for (name, bytes) in &self.files {
+            for &b in name.as_bytes().iter().chain([0u8].iter()).chain(bytes) {
+                hash = (hash ^ u64::from(b)).wrapping_mul(PRIME);
+            }
+        }
+        format!("fnv1a64:{hash:016x}")
+    }
+
     /// The number of ids, added tokens included: transformers' `len(tokenizer)`, the least
     /// vocabulary size a model's embedding needs.
     pub fn vocab_size(&self) -> usize {

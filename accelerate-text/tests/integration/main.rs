@@ -4,6 +4,7 @@
 //! and `datasets`, tests/fixtures/corpus/), packing against a naive reference, token files against
 //! their byte layout, and the datasets through accelerate-core's loaders.
 
+mod command;
 mod common;
 mod corpus;
 mod packed;
