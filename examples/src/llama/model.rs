@@ -21,6 +21,11 @@
 //! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
 //! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
 //!
+//! Packed rows of several documents ([`Llama::forward_segments`], [`Llama::summed_segment_loss`])
+//! run each document piece as a sequence of its own through the same layers (see
+//! [`Segments`]), so a document sees none of the one before it and its rotary positions start at
+//! 0, as with transformers' position ids reset at each document and a block-diagonal mask.
+//!
 //! With [gradient checkpointing](Llama::set_gradient_checkpointing) each decoder layer runs under
 //! [`fused_kernels::checkpoint`]: its activations are recomputed in the backward pass instead of
 //! kept. Gradients are bitwise those without it on the CPU.
