@@ -744,12 +744,14 @@ fn the_example_trains_from_a_model_directory_and_writes_one_that_reads_back() {
     // config.json describes the model, with the special token ids; the other files came along.
     let config = LlamaConfig::from_file(&out.join("config.json")).unwrap();
     assert_eq!(config, llama::ModelDir::open(&model).unwrap().config());
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
-    assert_eq!(
-        (json["bos_token_id"].clone(), json["eos_token_id"].clone()),
-        (1.into(), 2.into())
-    );
+    let read_json = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    let (json, given) = (read_json(&out), read_json(&model));
+    for id in ["bos_token_id", "eos_token_id"] {
+        assert!(given[id].is_u64(), "the fixture names its {id}");
+        assert_eq!(json[id], given[id], "{id}");
+    }
     assert_eq!(json["architectures"][0], "LlamaForCausalLM");
     for f in [
         "tokenizer.json",

@@ -91,6 +91,15 @@ def main() -> int:
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
+    # The text tests' tokenizer, when it is there, gives the special token ids.
+    tokenizer_dir = os.path.join(fixtures, "text", "tokenizer")
+    bos, eos = 1, 2
+    if os.path.isdir(tokenizer_dir):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        assert len(tokenizer) <= 256, f"the tokenizer has {len(tokenizer)} tokens, the model 256"
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     torch.manual_seed(4321)
     config = LlamaConfig(
         vocab_size=256,
@@ -107,8 +116,8 @@ def main() -> int:
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",
-        bos_token_id=1,
-        eos_token_id=2,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.config._attn_implementation = "eager"
@@ -126,7 +135,6 @@ def main() -> int:
     assert len(shards) >= 2, f"expected several shards, got {shards}"
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
 
-    tokenizer_dir = os.path.join(fixtures, "text", "tokenizer")
     if os.path.isdir(tokenizer_dir):
         for name in TOKENIZER_FILES:
             src = os.path.join(tokenizer_dir, name)

@@ -916,6 +916,28 @@ mod tests {
     }
 
     #[test]
+    fn packed_rows_run_in_bf16_within_its_rounding_of_f32() {
+        let c = LlamaConfig::from_flags(11, 2, 16, 4, 2, 24, 160).unwrap();
+        let (_, ids, segments) = packed_batch();
+        let loss = |dtype| {
+            let (_, model) = build_in(c, 7, &Device::Cpu, dtype).unwrap();
+            let (sum, n) = model.summed_segment_loss(&ids, &segments).unwrap();
+            let logits = model.forward_segments(&ids, &segments).unwrap();
+            assert_eq!(logits.dtype(), DType::F32);
+            let sum = sum
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            (sum / n as f32, logits)
+        };
+        let ((l32, g32), (l16, g16)) = (loss(DType::F32), loss(DType::BF16));
+        // bf16 keeps 8 bits of mantissa: a relative error of a few 1e-3 per op.
+        assert!((l32 - l16).abs() < 2e-2 * l32, "{l32} vs {l16}");
+        assert!(max_abs(&(g32 - g16).unwrap()) < 5e-2);
+    }
+
+    #[test]
     fn segment_ids_of_another_shape_are_refused() {
         let (model, _) = sharp_model(16);
         let (ids, _) = pack(&[vec![doc(4, 1)]], 8);
