@@ -7,12 +7,14 @@
 //!
 //! The flags, the data and the training loop are the workload's (`accelerate_examples::llama`'s
 //! `cli` and `train`), shared with the `lora` example; this program builds the model with every
-//! parameter trained and writes `--save-model`.
+//! parameter trained and writes `--save-model` and `--output-dir`.
 
 use std::path::{Path, PathBuf};
 
 use accelerate_core::Accelerator;
-use accelerate_examples::llama::{LlamaArgs, LlamaConfig, LlamaRun};
+use accelerate_examples::llama::{
+    write_model_dir, LlamaArgs, LlamaConfig, LlamaRun, ModelDir, ModelOutput,
+};
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -53,15 +55,59 @@ fn run(args: &Args) -> Result<()> {
     let (varmap, model) = session.build_model()?;
     let acc = &mut session.acc;
     let params = acc.prepare(&varmap)?;
-    if let Some(path) = &args.llama.init_weights {
-        accelerate_core::load_into_vars(path, &params)
-            .with_context(|| format!("--init-weights {}", path.display()))?;
-        acc.model().refresh_compute_parameters()?;
+    if args.llama.model.is_some() || args.llama.init_weights.is_some() {
+        // Into the prepared parameters (the f32 masters under mixed precision), then copied to
+        // the compute copies.
+        session.load_initial_weights(&params)?;
+        session.acc.model().refresh_compute_parameters()?;
     }
     let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     session.announce(&format!("{parameter_count} parameters"));
+    let model_dir = session.model_dir.clone();
     let acc = session.train(&model, params)?;
-    save_model(&acc, model.config(), args.save_model.as_deref())
+    save_model(&acc, model.config(), args.save_model.as_deref())?;
+    write_output_dir(&acc, &args.llama, model.config(), model_dir.as_ref())
+}
+
+/// `--output-dir`: the prepared parameters (the f32 masters under mixed precision) and `config`
+/// as a Hugging Face model directory, with --model's tokenizer files and special token ids,
+/// written by the main process; every rank then agrees on the outcome.
+fn write_output_dir(
+    acc: &Accelerator,
+    args: &LlamaArgs,
+    config: &LlamaConfig,
+    model_dir: Option<&ModelDir>,
+) -> Result<()> {
+    let Some(dir) = &args.output_dir else {
+        return Ok(());
+    };
+    let written = if acc.is_main_process() {
+        let tensors: Vec<(String, Tensor)> = acc
+            .model()
+            .parameters()
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let token_ids = model_dir.map(|m| m.token_ids().clone()).unwrap_or_default();
+        write_model_dir(
+            dir,
+            args.overwrite_output_dir,
+            &ModelOutput {
+                config,
+                token_ids: &token_ids,
+                tensors: &tensors,
+                max_shard_size: args.max_shard_size,
+                carry_from: model_dir.map(ModelDir::dir),
+            },
+        )
+        .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+    } else {
+        Ok(())
+    };
+    acc.agree_across_ranks(dir, "writing the model directory", written)
+        .with_context(|| format!("--output-dir {}", dir.display()))?;
+    acc.print(format!("wrote the model to {}", dir.display()));
+    Ok(())
 }
 
 /// `--save-model`: the prepared parameters (the f32 masters under mixed precision) under Hugging

@@ -7,11 +7,13 @@
 //! On two CPU processes: `accelerate-launch --cpu --num-processes 2 target/release/examples/lora`.
 //!
 //! It takes `llama`'s flags (the same data, model size, optimizer and training loop) and writes
-//! `--save-adapter DIR` as PEFT does, which `--load-adapter DIR` reads back.
+//! `--save-adapter DIR` as PEFT does, which `--load-adapter DIR` reads back, or `--output-dir DIR`
+//! (the adapter and --model's tokenizer files).
 
 use std::path::{Path, PathBuf};
 
 use accelerate_core::{Accelerator, Model};
+use accelerate_examples::llama::model_dir::{copy_carried_files, write_dir_atomically};
 use accelerate_examples::llama::{LlamaArgs, LlamaRun};
 use accelerate_examples::lora::{self, LoraConfig, LoraRunIdentity, LoraTarget};
 use accelerate_examples::run;
@@ -49,8 +51,9 @@ struct Args {
     /// adapter_config.json.
     #[arg(long, value_name = "DIR")]
     save_adapter: Option<PathBuf>,
-    /// base_model_name_or_path of the saved adapter_config.json (default: the --init-weights
-    /// file's directory, else the --config file's, as absolute paths, else null).
+    /// base_model_name_or_path of the saved adapter_config.json (default: the --model directory,
+    /// else the --init-weights file's directory, else the --config file's, as absolute paths,
+    /// else null).
     #[arg(long, value_name = "NAME")]
     base_model_name: Option<String>,
 }
@@ -151,14 +154,12 @@ fn run(args: &Args) -> Result<()> {
     }
     // The base's weights are loaded before `prepare` broadcasts them, once.
     let (varmap, base) = session.build_model()?;
-    if let Some(path) = &args.llama.init_weights {
-        let base_params: Vec<(String, Var)> = {
-            let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
-            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
-        };
-        accelerate_core::load_into_vars(path, &base_params)
-            .with_context(|| format!("--init-weights {}", path.display()))?;
-    }
+    let base_params: Vec<(String, Var)> = {
+        let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+        data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+    };
+    session.load_initial_weights(&base_params)?;
+    drop(base_params);
     let model = lora::with_adapters(&base, &lora, &varmap, args.llama.seed)?;
     drop(base);
     let acc = &mut session.acc;
@@ -194,9 +195,11 @@ fn run(args: &Args) -> Result<()> {
             .check_resumable_from(&checkpoint)
             .context("--resume")
     });
+    let model_dir = session.model_dir.as_ref().map(|m| m.dir().to_path_buf());
     let acc = session.train(&model, params)?;
     let base_model = lora::base_model_name_or_path(
         args.base_model_name.as_deref(),
+        args.llama.model.as_deref(),
         args.llama.init_weights.as_deref(),
         args.llama.config.as_deref(),
     );
@@ -205,7 +208,50 @@ fn run(args: &Args) -> Result<()> {
         &lora,
         base_model.as_deref(),
         args.save_adapter.as_deref(),
+    )?;
+    write_output_dir(
+        &acc,
+        &args.llama,
+        &lora,
+        base_model.as_deref(),
+        model_dir.as_deref(),
     )
+}
+
+/// `--output-dir`: the trained adapters as PEFT writes them (see [`save_adapter`]), with
+/// --model's tokenizer files, as one directory written atomically by the main process; every rank
+/// then agrees on the outcome.
+fn write_output_dir(
+    acc: &Accelerator,
+    args: &LlamaArgs,
+    lora: &LoraConfig,
+    base_model: Option<&str>,
+    model_dir: Option<&Path>,
+) -> Result<()> {
+    let Some(dir) = &args.output_dir else {
+        return Ok(());
+    };
+    let written = if acc.is_main_process() {
+        write_dir_atomically(
+            dir,
+            args.overwrite_output_dir,
+            |_| false,
+            |tmp| {
+                lora::save_adapter(tmp, lora, base_model, acc.model().parameters())?;
+                if let Some(from) = model_dir {
+                    copy_carried_files(from, tmp, false)?;
+                }
+                Ok(())
+            },
+        )
+        .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+    } else {
+        Ok(())
+    };
+    acc.agree_across_ranks(dir, "writing the adapter directory", written)
+        .with_context(|| format!("--output-dir {}", dir.display()))?;
+    acc.print(format!("wrote the adapter to {}", dir.display()));
+    Ok(())
 }
 
 /// `--save-adapter`: the trained adapters (the f32 masters under mixed precision), written by the

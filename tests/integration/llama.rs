@@ -515,3 +515,466 @@ fn transformers_loads_the_saved_model_unchanged() {
         text(&o)
     );
 }
+
+// --- Hugging Face model directories (`--model`, `--output-dir`) and packed rows, on
+// tests/fixtures/llama-dir (tests/python/make_llama_dir_fixture.py): a model transformers saved in
+// four shards with an index, and what transformers computes with it.
+
+fn dir_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/llama-dir")
+}
+
+fn dir_reference() -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(dir_fixture().join("reference.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+/// The fixture directory's model, loaded through `ModelDir`, and its parameters by name.
+fn model_from_dir(dir: &Path) -> (llama::Llama, Vec<(String, Var)>) {
+    let model_dir = llama::ModelDir::open(dir).unwrap();
+    let (varmap, model) = llama::build_in(model_dir.config(), 0, &Device::Cpu, DType::F32).unwrap();
+    let mut params: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    model_dir.load_into(&params).unwrap();
+    (model, params)
+}
+
+/// A copy of `from`'s files in `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn a_sharded_model_directory_loads_the_weights_transformers_computes_with() {
+    let dir = dir_fixture();
+    let shards = llama::ModelDir::open(&dir).unwrap().weight_files().count();
+    assert!(shards >= 2, "the fixture is sharded ({shards} file)");
+    let (model, _) = model_from_dir(&dir);
+    let reference = dir_reference();
+    let input_ids = candle_core::safetensors::load(dir.join("tokens.safetensors"), &Device::Cpu)
+        .unwrap()["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap();
+    let logits = model.forward(&input_ids).unwrap();
+    let d = relative_diff(&logits, &reference["logits"]);
+    assert!(d <= RELATIVE_TOLERANCE, "logits: relative difference {d}");
+    let (b, t) = input_ids.dims2().unwrap();
+    let ours = model
+        .summed_causal_lm_loss(&input_ids)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        / (b * (t - 1)) as f32;
+    let theirs = reference["loss"].to_scalar::<f32>().unwrap();
+    assert!(
+        (ours - theirs).abs() <= RELATIVE_TOLERANCE * theirs,
+        "loss {ours} vs transformers' {theirs}"
+    );
+}
+
+/// The packed rows of the fixture: input_ids, segment_ids (u32).
+fn packed_rows() -> (Tensor, Tensor) {
+    let p = candle_core::safetensors::load(dir_fixture().join("packed.safetensors"), &Device::Cpu)
+        .unwrap();
+    let u32s = |n: &str| p[n].to_dtype(DType::U32).unwrap();
+    (u32s("input_ids"), u32s("segment_ids"))
+}
+
+#[test]
+fn packed_rows_equal_transformers_with_reset_positions_and_a_document_mask() {
+    let (model, params) = model_from_dir(&dir_fixture());
+    let reference = dir_reference();
+    let (ids, segment_ids) = packed_rows();
+    let segments = llama::Segments::new(&segment_ids).unwrap();
+    let logits = model.forward_segments(&ids, &segments).unwrap();
+    // Compared where a document is (transformers' padding rows attend to themselves; ours are
+    // not computed).
+    let inside = segment_ids
+        .ne(0u32)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .unsqueeze(2)
+        .unwrap();
+    let masked = |t: &Tensor| t.broadcast_mul(&inside).unwrap();
+    let d = relative_diff(&masked(&logits), &masked(&reference["packed_logits"]));
+    assert!(
+        d <= RELATIVE_TOLERANCE,
+        "packed logits: relative difference {d}"
+    );
+
+    let token_loss = &reference["packed_token_loss"];
+    let per_row = model.segment_loss_per_row(&ids, &segments).unwrap();
+    let d = relative_diff(&per_row, &token_loss.sum(1).unwrap());
+    assert!(
+        d <= RELATIVE_TOLERANCE,
+        "per-row losses: relative difference {d}"
+    );
+    let predicted_by_transformers = token_loss.ne(0f32).unwrap().to_dtype(DType::F32).unwrap();
+    let (sum, count) = model.summed_segment_loss(&ids, &segments).unwrap();
+    assert_eq!(
+        count as f32,
+        predicted_by_transformers
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    );
+    assert_eq!(count, 4 + 6 + 3 + 9);
+    let theirs = token_loss.sum_all().unwrap().to_scalar::<f32>().unwrap();
+    let ours = sum.to_scalar::<f32>().unwrap();
+    assert!(
+        (ours - theirs).abs() <= RELATIVE_TOLERANCE * theirs,
+        "packed loss {ours} vs transformers' {theirs}"
+    );
+    let grads = sum.backward().unwrap();
+    for (name, var) in &params {
+        let g = grads.get(var.as_tensor()).unwrap();
+        let d = relative_diff(g, &reference[&format!("packed_grad.{name}")]);
+        assert!(d <= RELATIVE_TOLERANCE, "{name}: relative difference {d}");
+    }
+}
+
+/// `--model DIR` and the flags of one-row-per-step SGD on the fixture's tokens.
+fn dir_args(model: &Path, steps: &str) -> Vec<String> {
+    [
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        dir_fixture().join("tokens.safetensors").to_str().unwrap(),
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "4",
+        "--no-shuffle",
+        "--max-steps",
+        steps,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn run_llama_strings(args: &[String]) -> JobOutput {
+    llama_job().args(args.iter().map(String::as_str)).run()
+}
+
+#[test]
+fn the_example_trains_from_a_model_directory_and_writes_one_that_reads_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture with tokenizer files, to see them carried along byte for byte.
+    let model = tmp.path().join("model");
+    copy_dir(&dir_fixture(), &model);
+    std::fs::write(
+        model.join("tokenizer.json"),
+        b"{\"model\": \"a tokenizer\"}",
+    )
+    .unwrap();
+    std::fs::write(model.join("tokenizer_config.json"), b"{\"x\": 1}").unwrap();
+    let out = tmp.path().join("out");
+    let single = tmp.path().join("single/model.safetensors");
+    std::fs::create_dir(tmp.path().join("single")).unwrap();
+    let metrics = tmp.path().join("metrics.jsonl");
+    let mut args = dir_args(&model, "2");
+    args.extend(
+        [
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--max-shard-size",
+            "30KB",
+            "--save-model",
+            single.to_str().unwrap(),
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
+    let o = run_llama_strings(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    // The first step's loss is transformers' loss of the batch: --model loaded its weights.
+    let first = accelerate_tests::metric_losses(&metrics)[0];
+    let theirs = dir_reference()["loss"].to_scalar::<f32>().unwrap() as f64;
+    assert!((first - theirs).abs() < 1e-4, "{first} vs {theirs}");
+
+    // Shards and an index consistent with them, holding what --save-model wrote.
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let weight_map = index["weight_map"].as_object().unwrap();
+    let files: std::collections::BTreeSet<&str> =
+        weight_map.values().map(|f| f.as_str().unwrap()).collect();
+    assert!(files.len() >= 2, "{files:?}");
+    let mut total = 0;
+    let mut written = BTreeMap::new();
+    for file in &files {
+        let held = candle_core::safetensors::load(out.join(file), &Device::Cpu).unwrap();
+        assert!(
+            file.starts_with("model-")
+                && file.ends_with(&format!("-of-{:05}.safetensors", files.len()))
+        );
+        for (name, t) in held {
+            assert_eq!(weight_map[&name], *file, "{name}");
+            total += t.elem_count() * 4;
+            written.insert(name, t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+    }
+    assert_eq!(written.len(), weight_map.len());
+    assert_eq!(index["metadata"]["total_size"], total);
+    let saved = load_flat(&single);
+    assert_eq!(max_abs_diff_flat(&written, &saved), 0.0);
+    assert!(
+        max_abs_diff_flat(&written, &load_flat_dir(&dir_fixture())) > 1e-3,
+        "it trained"
+    );
+    // config.json describes the model, with the special token ids; the other files came along.
+    let config = LlamaConfig::from_file(&out.join("config.json")).unwrap();
+    assert_eq!(config, llama::ModelDir::open(&model).unwrap().config());
+    let read_json = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    let (json, given) = (read_json(&out), read_json(&model));
+    for id in ["bos_token_id", "eos_token_id"] {
+        assert!(given[id].is_u64(), "the fixture names its {id}");
+        assert_eq!(json[id], given[id], "{id}");
+    }
+    assert_eq!(json["architectures"][0], "LlamaForCausalLM");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(model.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    assert!(
+        !out.join("tokens.safetensors").exists(),
+        "only the model's files are written"
+    );
+
+    // Read back by the example through --model: the same weights (no step taken).
+    let again = tmp.path().join("again/model.safetensors");
+    std::fs::create_dir(tmp.path().join("again")).unwrap();
+    let mut args = dir_args(&out, "0");
+    args.extend([
+        "--save-model".to_string(),
+        again.to_str().unwrap().to_string(),
+    ]);
+    let o = run_llama_strings(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_abs_diff_flat(&load_flat(&again), &saved), 0.0);
+}
+
+/// Every weight of a model directory, as `load_flat` reads one file.
+fn load_flat_dir(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    llama::model_dir::read_all_weights(dir)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_non_empty_output_dir_is_refused_before_training_unless_overwriting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), b"keep me").unwrap();
+    let mut args = dir_args(&dir_fixture(), "1");
+    args.extend([
+        "--output-dir".to_string(),
+        out.to_str().unwrap().to_string(),
+    ]);
+    let o = run_llama_strings(&args);
+    assert!(!o.status.success(), "{}", text(&o));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("--output-dir")
+            && e.contains("not empty")
+            && e.contains("notes.txt")
+            && e.contains("--overwrite-output-dir"),
+        "{e}"
+    );
+    assert!(
+        !text(&o).contains("final_loss="),
+        "trained first:\n{}",
+        text(&o)
+    );
+
+    args.push("--overwrite-output-dir".to_string());
+    let o = run_llama_strings(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"keep me");
+    assert!(out.join("model.safetensors").exists() && out.join("config.json").exists());
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert_eq!(left.len(), 1, "no temporary directory is left beside it");
+}
+
+#[test]
+fn bad_model_directories_and_flag_combinations_are_refused_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&dir_fixture(), &model);
+    let index_path = model.join("model.safetensors.index.json");
+    let original = std::fs::read_to_string(&index_path).unwrap();
+    let mut index: serde_json::Value = serde_json::from_str(&original).unwrap();
+    index["weight_map"]["lm_head.weight"] = "../../etc/passwd".into();
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let o = run_llama_strings(&dir_args(&model, "1"));
+    assert!(!o.status.success(), "{}", text(&o));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("--model") && e.contains("\"lm_head.weight\"") && e.contains("not a file name"),
+        "{e}"
+    );
+
+    // A shard the index names is missing.
+    std::fs::write(&index_path, &original).unwrap();
+    std::fs::remove_file(model.join("model-00002-of-00004.safetensors")).unwrap();
+    let o = run_llama_strings(&dir_args(&model, "1"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("model-00002-of-00004.safetensors is missing"),
+        "{e}"
+    );
+
+    // --model with --config or --init-weights.
+    let mut args = dir_args(&dir_fixture(), "1");
+    args.extend([
+        "--config".to_string(),
+        fixture("config.json").to_str().unwrap().to_string(),
+    ]);
+    let o = run_llama_strings(&args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("--model") && e.contains("--config"),
+        "{e}"
+    );
+    let mut args = dir_args(&dir_fixture(), "1");
+    args.extend([
+        "--init-weights".to_string(),
+        fixture("model.safetensors").to_str().unwrap().to_string(),
+    ]);
+    let o = run_llama_strings(&args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("--model") && e.contains("--init-weights"),
+        "{e}"
+    );
+    // A size transformers would not read.
+    let mut args = dir_args(&dir_fixture(), "1");
+    args.extend(["--max-shard-size".to_string(), "5XB".to_string()]);
+    let o = run_llama_strings(&args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("--max-shard-size") && e.contains("500MB"),
+        "{e}"
+    );
+}
+
+/// An output directory of the example, loaded by transformers' `from_pretrained` (and, with
+/// tokenizer files, `AutoTokenizer.from_pretrained`), gives the loss our model gives. Skipped
+/// (saying so) without python3 with torch and transformers; run by hand with
+/// `tests/python/check_llama_output_dir.py`.
+#[test]
+fn transformers_loads_the_output_directory() {
+    let python_ok = Command::new("python3")
+        .args(["-c", "import torch, transformers, safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        eprintln!(
+            "SKIPPED: python3 with torch, transformers and safetensors is not installed \
+             (pip install torch transformers safetensors)"
+        );
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut args = dir_args(&dir_fixture(), "2");
+    args.extend(
+        [
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--max-shard-size",
+            "30KB",
+        ]
+        .map(String::from),
+    );
+    let o = run_llama_strings(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let (model, _) = model_from_dir(&out);
+    let tokens = dir_fixture().join("tokens.safetensors");
+    let input_ids = candle_core::safetensors::load(&tokens, &Device::Cpu).unwrap()["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap();
+    let (b, t) = input_ids.dims2().unwrap();
+    let ours = model
+        .summed_causal_lm_loss(&input_ids)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        / (b * (t - 1)) as f32;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_output_dir.py");
+    let o = Job::new("python3")
+        .arg(&script)
+        .arg(&out)
+        .arg(&tokens)
+        .arg(ours.to_string())
+        .limit(Duration::from_secs(120))
+        .run();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn two_ranks_write_one_output_directory_and_agree_on_a_refusal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut args = dir_args(&dir_fixture(), "2");
+    let batch = args.iter().position(|a| a == "--batch-size").unwrap() + 1;
+    args[batch] = "2".to_string();
+    args.extend([
+        "--output-dir".to_string(),
+        out.to_str().unwrap().to_string(),
+    ]);
+    let o = llama_job().ranks(2).args(&args).run();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(out.join("model.safetensors").exists() && out.join("config.json").exists());
+    let saved = load_flat_dir(&out);
+    assert!(
+        max_abs_diff_flat(&saved, &load_flat_dir(&dir_fixture())) > 1e-3,
+        "it trained"
+    );
+    // The directory now holds files: both ranks stop before training, with the main process's
+    // reason.
+    let o = llama_job().ranks(2).args(&args).run();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("not empty") && !text(&o).contains("final_loss="),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(load_flat_dir(&out), saved, "left as it was");
+}

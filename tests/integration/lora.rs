@@ -562,3 +562,96 @@ fn a_resume_with_other_lora_settings_or_another_base_is_refused_naming_it() {
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(summary_value::<f64>(&o, "steps"), 3.0, "{}", text(&o));
 }
+
+#[test]
+fn output_dir_holds_the_peft_adapter_and_the_model_directorys_tokenizer_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/llama-dir");
+    // The sharded fixture model with tokenizer files, to see them carried along byte for byte.
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for entry in std::fs::read_dir(&fixture_dir).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(
+        model.join("tokenizer.json"),
+        b"{\"model\": \"a tokenizer\"}",
+    )
+    .unwrap();
+    std::fs::write(
+        model.join("special_tokens_map.json"),
+        b"{\"eos_token\": \"</s>\"}",
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let saved = tmp.path().join("saved");
+    let metrics = tmp.path().join("metrics.jsonl");
+    let o = run_lora(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        fixture_dir.join("tokens.safetensors").to_str().unwrap(),
+        "--no-shuffle",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--lr",
+        "0.02",
+        "--lora-r",
+        "4",
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--save-adapter",
+        saved.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Fresh adapters change nothing: the first loss is transformers' on --model's weights.
+    let reference =
+        candle_core::safetensors::load(fixture_dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap();
+    let theirs = reference["loss"].to_scalar::<f32>().unwrap() as f64;
+    let first = accelerate_tests::metric_losses(&metrics)[0];
+    assert!((first - theirs).abs() < 1e-4, "{first} vs {theirs}");
+
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "special_tokens_map.json",
+            "tokenizer.json"
+        ]
+    );
+    let weights = |d: &Path| load_flat(&d.join(lora::ADAPTER_WEIGHTS));
+    assert_eq!(max_abs_diff_flat(&weights(&out), &weights(&saved)), 0.0);
+    let moved = weights(&out)
+        .iter()
+        .filter(|(n, _)| n.contains("lora_B"))
+        .flat_map(|(_, v)| v.iter().map(|x| x.abs()))
+        .fold(0.0, f32::max);
+    assert!(moved > 0.0, "the adapters trained");
+    for f in ["tokenizer.json", "special_tokens_map.json"] {
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(model.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        json["base_model_name_or_path"],
+        std::fs::canonicalize(&model).unwrap().display().to_string()
+    );
+    assert_eq!(json["r"], 4);
+}

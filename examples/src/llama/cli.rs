@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 
 use super::config::{default_intermediate, LlamaConfig};
 use super::data::TokenRows;
+use super::model_dir::{parse_size, DEFAULT_MAX_SHARD_SIZE};
 use crate::gpt::{self, CharVocab};
 use crate::run::{OptimizerKind, RunArgs};
 
@@ -15,6 +16,30 @@ use crate::run::{OptimizerKind, RunArgs};
 /// `#[command(flatten)]`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LlamaArgs {
+    /// A Hugging Face model directory, as save_pretrained writes it: config.json and the weights
+    /// (model.safetensors, or model.safetensors.index.json and its shards); the model's size and
+    /// initial weights, replacing --config and --init-weights. Its tokenizer files go along to
+    /// --output-dir.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Write the trained model into this directory as save_pretrained does (config.json, the
+    /// weights, sharded above --max-shard-size, and --model's tokenizer files and
+    /// generation_config.json), for LlamaForCausalLM.from_pretrained and
+    /// AutoTokenizer.from_pretrained; the `lora` example writes its PEFT adapter there instead
+    /// (adapter_config.json, adapter_model.safetensors) with the tokenizer files. Written
+    /// atomically; an existing directory must be empty unless --overwrite-output-dir.
+    #[arg(long, value_name = "DIR")]
+    pub output_dir: Option<PathBuf>,
+    /// Write into an --output-dir that holds files: the model's own files there (and weights of
+    /// an earlier save) are replaced, every other file is kept.
+    #[arg(long)]
+    pub overwrite_output_dir: bool,
+    /// The largest weight file of --output-dir: bigger weights are split into shards
+    /// model-00001-of-0000N.safetensors named by model.safetensors.index.json. Bytes, or a
+    /// number with KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, as transformers'
+    /// max_shard_size.
+    #[arg(long, value_name = "SIZE", default_value = DEFAULT_MAX_SHARD_SIZE, value_parser = parse_size)]
+    pub max_shard_size: u64,
     /// A Hugging Face LlamaForCausalLM config.json (transformers 4.x or 5.x); replaces --layers,
     /// --width, --heads, --kv-heads, --intermediate and --context.
     #[arg(long, value_name = "FILE")]
@@ -82,8 +107,24 @@ pub struct LlamaArgs {
 
 /// Checks the flags that need no data; every message names the flag and what would be valid.
 pub fn check_flags(args: &LlamaArgs) -> Result<()> {
+    if let Some(dir) = &args.model {
+        for (flag, given) in [
+            ("--config", args.config.is_some()),
+            ("--init-weights", args.init_weights.is_some()),
+        ] {
+            if given {
+                bail!(
+                    "--model {} and {flag} both give the model: --model reads config.json and                      the weights from its directory; pass --model alone, or --config and                      --init-weights without it",
+                    dir.display()
+                );
+            }
+        }
+    }
+    if args.overwrite_output_dir && args.output_dir.is_none() {
+        bail!("--overwrite-output-dir is given without --output-dir; name the directory to write");
+    }
     let mut positive = vec![("--batch-size", args.batch_size)];
-    if args.config.is_none() {
+    if args.config.is_none() && args.model.is_none() {
         positive.extend([
             ("--layers", args.layers),
             ("--width", args.width),
@@ -100,7 +141,7 @@ pub fn check_flags(args: &LlamaArgs) -> Result<()> {
             bail!("{flag} must be at least 1");
         }
     }
-    if args.config.is_none() && !args.heads.is_multiple_of(args.kv_heads) {
+    if args.config.is_none() && args.model.is_none() && !args.heads.is_multiple_of(args.kv_heads) {
         bail!(
             "--kv-heads {} does not divide --heads {}: each key/value head serves a whole group \
              of query heads (e.g. --kv-heads {})",
@@ -118,13 +159,25 @@ pub fn check_flags(args: &LlamaArgs) -> Result<()> {
     Ok(())
 }
 
-/// The training rows and the model's size, and a line saying where the rows came from.
-pub fn data_and_config(args: &LlamaArgs) -> Result<(TokenRows, LlamaConfig, String)> {
-    let from_file = args
-        .config
-        .as_deref()
-        .map(LlamaConfig::from_file)
-        .transpose()?;
+/// The training rows and the model's size (`model_config`: --model's, else --config's, else
+/// from the size flags and the data), and a line saying where the rows came from.
+pub fn data_and_config(
+    args: &LlamaArgs,
+    model_config: Option<LlamaConfig>,
+) -> Result<(TokenRows, LlamaConfig, String)> {
+    let from_file = match model_config {
+        Some(c) => Some(c),
+        None => args
+            .config
+            .as_deref()
+            .map(LlamaConfig::from_file)
+            .transpose()?,
+    };
+    let config_flag = if args.model.is_some() {
+        "--model's config.json"
+    } else {
+        "--config"
+    };
     let flags_config = |vocab: usize, context: usize| {
         LlamaConfig::from_flags(
             vocab,
@@ -158,7 +211,7 @@ pub fn data_and_config(args: &LlamaArgs) -> Result<(TokenRows, LlamaConfig, Stri
         if rows.row_len() > config.max_position_embeddings {
             bail!(
                 "--data {} holds rows of {} tokens, longer than max_position_embeddings {} of \
-                 --config; cut the rows shorter",
+                 {config_flag}; cut the rows shorter",
                 path.display(),
                 rows.row_len(),
                 config.max_position_embeddings
@@ -181,8 +234,9 @@ pub fn data_and_config(args: &LlamaArgs) -> Result<(TokenRows, LlamaConfig, Stri
         Some(c) => {
             if c.vocab_size < vocab.len() {
                 bail!(
-                    "the built-in text has {} distinct characters but --config's vocab_size is \
-                     {}; give --data with token ids below vocab_size, or a larger vocab_size",
+                    "the built-in text has {} distinct characters but the vocab_size of \
+                     {config_flag} is {}; give --data with token ids below vocab_size, or a \
+                     larger vocab_size",
                     vocab.len(),
                     c.vocab_size
                 );

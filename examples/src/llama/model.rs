@@ -21,6 +21,11 @@
 //! Under mixed precision the model is built in the compute dtype; as transformers does, RMSNorm
 //! normalizes in f32, the attention softmax runs in f32, and the logits are returned in f32.
 //!
+//! Packed rows of several documents ([`Llama::forward_segments`], [`Llama::summed_segment_loss`])
+//! run each document piece as a sequence of its own through the same layers (see
+//! [`Segments`]), so a document sees none of the one before it and its rotary positions start at
+//! 0, as with transformers' position ids reset at each document and a block-diagonal mask.
+//!
 //! With [gradient checkpointing](Llama::set_gradient_checkpointing) each decoder layer runs under
 //! [`fused_kernels::checkpoint`]: its activations are recomputed in the backward pass instead of
 //! kept. Gradients are bitwise those without it on the CPU.
@@ -31,6 +36,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::LlamaConfig;
+use super::segments::Segments;
 use crate::frozen_linear::frozen_linear;
 use crate::lora::{LoraAdapter, LoraTarget};
 
@@ -394,6 +400,121 @@ impl Llama {
             &weights.reshape(b * t)?,
         )
     }
+
+    /// Logits `[b, t, vocab]` in f32 of packed rows `input_ids` `[b, t]` (u32) whose documents
+    /// `segments` locates: at each token of a document, what [`forward`](Self::forward) gives
+    /// running that document alone (each token sees the earlier tokens of its own document only,
+    /// its rotary position counting from the document's start). Padding positions (segment 0)
+    /// are not computed; their logits are 0. See [`Segments`] for how the documents are batched.
+    pub fn forward_segments(&self, input_ids: &Tensor, segments: &Segments) -> Result<Tensor> {
+        let (b, t) = check_segments(input_ids, segments)?;
+        let dev = input_ids.device();
+        let flat = input_ids.flatten_all()?;
+        let vocab = self.config.vocab_size;
+        let mut outputs = Vec::new();
+        for g in segments.layouts() {
+            let ids = flat
+                .index_select(&index(g.tokens, dev)?, 0)?
+                .reshape((g.count, g.len))?;
+            let logits = self.lm_head.forward(&self.hidden(&ids)?)?;
+            outputs.push(
+                logits
+                    .to_dtype(DType::F32)?
+                    .reshape((g.count * g.len, vocab))?,
+            );
+        }
+        // The row the padding positions read.
+        outputs.push(Tensor::zeros((1, vocab), DType::F32, dev)?);
+        Tensor::cat(&outputs, 0)?
+            .index_select(&index(segments.scatter_index(), dev)?, 0)?
+            .reshape((b, t, vocab))
+    }
+
+    /// The *sum* of the cross-entropies of predicting token `t + 1` from token `t` wherever both
+    /// are in the same document of the packed rows `input_ids` `[b, t]` (see
+    /// [`forward_segments`](Self::forward_segments)), and how many such tokens there are
+    /// ([`Segments::predicted`]): the loss and the items of item-weighted accumulation. Each
+    /// document's terms are those of [`summed_causal_lm_loss`](Self::summed_causal_lm_loss) on
+    /// the document alone; padding contributes nothing. A batch of padding only gives 0 and 0.
+    pub fn summed_segment_loss(
+        &self,
+        input_ids: &Tensor,
+        segments: &Segments,
+    ) -> Result<(Tensor, usize)> {
+        check_segments(input_ids, segments)?;
+        let dev = input_ids.device();
+        let flat = input_ids.flatten_all()?;
+        let width = self.config.hidden_size;
+        let mut total: Option<Tensor> = None;
+        for g in segments.layouts() {
+            let n = g.count * g.len;
+            let ids = flat
+                .index_select(&index(g.tokens, dev)?, 0)?
+                .reshape((g.count, g.len))?;
+            let h = self.hidden(&ids)?;
+            let targets = flat.index_select(&index(g.targets, dev)?, 0)?;
+            let weights = Tensor::from_vec(g.weights, n, dev)?;
+            let loss = fused_kernels::linear_cross_entropy(
+                &h.reshape((n, width))?,
+                self.lm_head.linear.weight(),
+                &targets,
+                &weights,
+            )?;
+            total = Some(match total {
+                None => loss,
+                Some(sum) => (sum + loss)?,
+            });
+        }
+        let total = match total {
+            Some(t) => t,
+            None => Tensor::zeros((), DType::F32, dev)?,
+        };
+        Ok((total, segments.predicted()))
+    }
+
+    /// The summed cross-entropy of each packed row's predicted tokens `[b]` in f32 (evaluation:
+    /// with [`Segments::predicted_per_row`], the loss per token of each row). Computed from
+    /// [`forward_segments`](Self::forward_segments)' logits.
+    pub fn segment_loss_per_row(&self, input_ids: &Tensor, segments: &Segments) -> Result<Tensor> {
+        let (b, t) = check_segments(input_ids, segments)?;
+        let logits = self.forward_segments(input_ids, segments)?;
+        if t < 2 {
+            return Tensor::zeros(b, DType::F32, input_ids.device());
+        }
+        let v = logits.dim(2)?;
+        let log_probs = candle_nn::ops::log_softmax(
+            &logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?,
+            candle_core::D::Minus1,
+        )?;
+        let targets = input_ids
+            .narrow(1, 1, t - 1)?
+            .contiguous()?
+            .reshape((b * (t - 1), 1))?;
+        let nll = log_probs.gather(&targets, 1)?.neg()?.reshape((b, t - 1))?;
+        let weights = segments
+            .next_token_weights(input_ids.device())?
+            .narrow(1, 0, t - 1)?;
+        (nll * weights)?.sum(1)
+    }
+}
+
+/// `(b, t)` of `input_ids`, which must be the shape `segments` was built for.
+fn check_segments(input_ids: &Tensor, segments: &Segments) -> Result<(usize, usize)> {
+    let dims = input_ids.dims2()?;
+    if dims != segments.dims() {
+        candle_core::bail!(
+            "input_ids {:?} and segment_ids {:?} differ in shape; give one segment id per token",
+            input_ids.dims(),
+            segments.dims()
+        );
+    }
+    Ok(dims)
+}
+
+/// A u32 index tensor on `device`.
+fn index(values: Vec<u32>, device: &Device) -> Result<Tensor> {
+    let n = values.len();
+    Tensor::from_vec(values, n, device)
 }
 
 /// The summed causal-LM loss of `logits` `[b, t, vocab]` (f32) for `input_ids` `[b, t]` (see
@@ -566,5 +687,265 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A model whose weights are large enough that attention is far from uniform (the seeded
+    /// 0.02 makes every token attend almost evenly, which would hide a leak between documents),
+    /// with rotary tables of `context` positions, and its parameters by name.
+    fn sharp_model(context: usize) -> (Llama, Vec<(String, candle_core::Var)>) {
+        let c = LlamaConfig::from_flags(11, 2, 16, 4, 2, 24, context).unwrap();
+        let (varmap, model) = build_in(c, 7, &Device::Cpu, DType::F32).unwrap();
+        let mut params: Vec<(String, candle_core::Var)> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, var) in &params {
+            let scale = if name.ends_with("norm.weight") {
+                1.0
+            } else if name.contains("embed_tokens") {
+                50.0
+            } else {
+                15.0
+            };
+            var.set(&(var.as_tensor() * scale).unwrap()).unwrap();
+        }
+        (model, params)
+    }
+
+    /// Token ids `0..n` scrambled with `seed`, below the vocabulary of 11.
+    fn doc(n: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i * 7 + seed * 3 + i * i) % 11)
+            .collect()
+    }
+
+    /// Rows packed from documents, padded with token 0 in segment 0 to `t` tokens.
+    fn pack(rows: &[Vec<Vec<u32>>], t: usize) -> (Tensor, Segments) {
+        let mut ids = Vec::new();
+        let mut segs = Vec::new();
+        for docs in rows {
+            let mut r: Vec<u32> = docs.iter().flatten().copied().collect();
+            let mut s: Vec<u32> = docs
+                .iter()
+                .enumerate()
+                .flat_map(|(i, d)| std::iter::repeat_n(i as u32 + 1, d.len()))
+                .collect();
+            assert!(r.len() <= t);
+            r.resize(t, 0);
+            s.resize(t, 0);
+            ids.push(r);
+            segs.push(s);
+        }
+        let segments = Segments::new(&Tensor::new(segs, &Device::Cpu).unwrap()).unwrap();
+        (Tensor::new(ids, &Device::Cpu).unwrap(), segments)
+    }
+
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Three documents in one row (100, 40 and 20 tokens: two length groups), one in a second
+    /// row followed by padding, and a row of padding only.
+    fn packed_batch() -> (Vec<Vec<Vec<u32>>>, Tensor, Segments) {
+        let rows = vec![
+            vec![doc(100, 1), doc(40, 2), doc(20, 3)],
+            vec![doc(70, 4)],
+            vec![],
+        ];
+        let (ids, segments) = pack(&rows, 160);
+        (rows, ids, segments)
+    }
+
+    #[test]
+    fn each_packed_document_gets_the_logits_and_losses_of_running_it_alone() {
+        let (model, _) = sharp_model(160);
+        let (rows, ids, segments) = packed_batch();
+        assert_eq!(segments.passes(), 2, "the length groups are exercised");
+        let logits = model.forward_segments(&ids, &segments).unwrap();
+        let mut expected_rows = Vec::new();
+        for (r, docs) in rows.iter().enumerate() {
+            let mut start = 0;
+            let mut row_loss = 0f64;
+            for d in docs {
+                let alone = Tensor::new(d.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap();
+                let want = model.forward(&alone).unwrap().squeeze(0).unwrap();
+                let got = logits.get(r).unwrap().narrow(0, start, d.len()).unwrap();
+                let d_max = max_abs(&(&got - &want).unwrap());
+                assert!(d_max < 1e-5, "row {r} at {start}: |Δlogits| {d_max}");
+                row_loss += model
+                    .summed_causal_lm_loss(&alone)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64;
+                // The comparison could fail: with the row's earlier documents in view, a later
+                // document's logits differ far beyond the tolerance.
+                if start > 0 {
+                    let prefix = ids.get(r).unwrap().narrow(0, 0, start + d.len()).unwrap();
+                    let seen = model.forward(&prefix.unsqueeze(0).unwrap()).unwrap();
+                    let leaked = seen.squeeze(0).unwrap().narrow(0, start, d.len()).unwrap();
+                    assert!(max_abs(&(&leaked - &want).unwrap()) > 1e-2);
+                }
+                start += d.len();
+            }
+            // Padding is not computed: zero logits, finite.
+            if start < 160 {
+                let pad = logits.get(r).unwrap().narrow(0, start, 160 - start);
+                assert_eq!(max_abs(&pad.unwrap()), 0.0);
+            }
+            expected_rows.push(row_loss);
+        }
+        let per_row = model
+            .segment_loss_per_row(&ids, &segments)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (got, want) in per_row.iter().zip(&expected_rows) {
+            assert!(
+                (*got as f64 - want).abs() < 1e-4 * want.max(1.0),
+                "{per_row:?} vs {expected_rows:?}"
+            );
+        }
+        let (sum, count) = model.summed_segment_loss(&ids, &segments).unwrap();
+        let total: f64 = expected_rows.iter().sum();
+        let sum = sum.to_scalar::<f32>().unwrap() as f64;
+        assert!((sum - total).abs() < 1e-4 * total, "{sum} vs {total}");
+        assert_eq!(count, 99 + 39 + 19 + 69);
+        assert_eq!(segments.predicted_per_row(), [99 + 39 + 19, 69, 0]);
+    }
+
+    /// The gradient of every parameter of `loss`.
+    fn gradients(params: &[(String, candle_core::Var)], loss: &Tensor) -> Vec<(String, Tensor)> {
+        let grads = loss.backward().unwrap();
+        params
+            .iter()
+            .map(|(n, v)| {
+                let g = grads
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("no gradient reached {n}"));
+                (n.clone(), g.clone())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_packed_gradient_is_the_sum_of_the_documents_gradients() {
+        let (model, params) = sharp_model(160);
+        let (rows, ids, segments) = packed_batch();
+        let (loss, _) = model.summed_segment_loss(&ids, &segments).unwrap();
+        let packed = gradients(&params, &loss);
+        let mut separate: Option<Vec<(String, Tensor)>> = None;
+        for d in rows.iter().flatten() {
+            let alone = Tensor::new(d.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let g = gradients(&params, &model.summed_causal_lm_loss(&alone).unwrap());
+            separate = Some(match separate {
+                None => g,
+                Some(sum) => sum
+                    .into_iter()
+                    .zip(g)
+                    .map(|((n, a), (_, b))| (n, (a + b).unwrap()))
+                    .collect(),
+            });
+        }
+        for ((name, got), (_, want)) in packed.iter().zip(&separate.unwrap()) {
+            let rel = max_abs(&(got - want).unwrap()) / max_abs(want);
+            assert!(rel < 2e-5, "{name}: relative difference {rel}");
+        }
+    }
+
+    #[test]
+    fn padding_rows_and_tails_contribute_nothing() {
+        let (model, params) = sharp_model(160);
+        let (_, ids, segments) = packed_batch();
+        let (with_padding, n) = model.summed_segment_loss(&ids, &segments).unwrap();
+        let g_with = gradients(&params, &with_padding);
+        // The same two documents' rows without the padding-only row.
+        let (ids2, segments2) = pack(
+            &[vec![doc(100, 1), doc(40, 2), doc(20, 3)], vec![doc(70, 4)]],
+            160,
+        );
+        let (without, n2) = model.summed_segment_loss(&ids2, &segments2).unwrap();
+        let g_without = gradients(&params, &without);
+        assert_eq!(n, n2);
+        assert_eq!(
+            with_padding.to_scalar::<f32>().unwrap(),
+            without.to_scalar::<f32>().unwrap()
+        );
+        for ((name, a), (_, b)) in g_with.iter().zip(&g_without) {
+            assert_eq!(max_abs(&(a - b).unwrap()), 0.0, "{name}");
+        }
+        // A batch of padding only: nothing to predict, a loss of 0.
+        let (ids3, segments3) = pack(&[vec![], vec![]], 8);
+        let (loss, count) = model.summed_segment_loss(&ids3, &segments3).unwrap();
+        assert_eq!((loss.to_scalar::<f32>().unwrap(), count), (0.0, 0));
+        let logits = model.forward_segments(&ids3, &segments3).unwrap();
+        assert_eq!(logits.dims(), [2, 8, 11]);
+        assert_eq!(max_abs(&logits), 0.0);
+    }
+
+    #[test]
+    fn gradient_checkpointing_gives_the_same_packed_loss_and_gradients() {
+        let (mut model, params) = sharp_model(160);
+        let (_, ids, segments) = packed_batch();
+        let (plain, _) = model.summed_segment_loss(&ids, &segments).unwrap();
+        let g_plain = gradients(&params, &plain);
+        model.set_gradient_checkpointing(true);
+        let (checkpointed, _) = model.summed_segment_loss(&ids, &segments).unwrap();
+        let g_checkpointed = gradients(&params, &checkpointed);
+        assert_eq!(
+            plain.to_scalar::<f32>().unwrap(),
+            checkpointed.to_scalar::<f32>().unwrap()
+        );
+        for ((name, a), (_, b)) in g_plain.iter().zip(&g_checkpointed) {
+            assert_eq!(max_abs(&(a - b).unwrap()), 0.0, "{name}");
+        }
+    }
+
+    #[test]
+    fn packed_rows_run_in_bf16_within_its_rounding_of_f32() {
+        let c = LlamaConfig::from_flags(11, 2, 16, 4, 2, 24, 160).unwrap();
+        let (_, ids, segments) = packed_batch();
+        let loss = |dtype| {
+            let (_, model) = build_in(c, 7, &Device::Cpu, dtype).unwrap();
+            let (sum, n) = model.summed_segment_loss(&ids, &segments).unwrap();
+            let logits = model.forward_segments(&ids, &segments).unwrap();
+            assert_eq!(logits.dtype(), DType::F32);
+            let sum = sum
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            (sum / n as f32, logits)
+        };
+        let ((l32, g32), (l16, g16)) = (loss(DType::F32), loss(DType::BF16));
+        // bf16 keeps 8 bits of mantissa: a relative error of a few 1e-3 per op.
+        assert!((l32 - l16).abs() < 2e-2 * l32, "{l32} vs {l16}");
+        assert!(max_abs(&(g32 - g16).unwrap()) < 5e-2);
+    }
+
+    #[test]
+    fn segment_ids_of_another_shape_are_refused() {
+        let (model, _) = sharp_model(16);
+        let (ids, _) = pack(&[vec![doc(4, 1)]], 8);
+        let (_, segments) = pack(&[vec![doc(4, 1)], vec![]], 8);
+        let e = model
+            .summed_segment_loss(&ids, &segments)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("differ in shape"), "{e}");
     }
 }

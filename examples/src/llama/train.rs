@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
 use accelerate_core::Accelerator;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::Var;
 use candle_nn::VarMap;
 
@@ -23,6 +23,7 @@ use super::cli::{check_flags, data_and_config, LlamaArgs};
 use super::config::LlamaConfig;
 use super::data::{RowBatch, TokenRows};
 use super::model::Llama;
+use super::model_dir::{check_output_dir, ModelDir};
 use crate::run::{
     self, per_row_cross_entropy, sample_rows, AfterResumeFn, BatchCounts, Evaluator, SummaryFields,
     TrainLoop,
@@ -36,8 +37,11 @@ pub struct LlamaRun<'a> {
     args: &'a LlamaArgs,
     /// The run's accelerator (configured by the flags, seeded with --seed).
     pub acc: Accelerator,
-    /// The model's size (from --config, or from the size flags and the data's vocabulary).
+    /// The model's size (from --model or --config, or from the size flags and the data's
+    /// vocabulary).
     pub config: LlamaConfig,
+    /// --model's directory, opened (its config read, its weights listed).
+    pub model_dir: Option<ModelDir>,
     dataset: TokenRows,
     source: String,
     after_resume: Option<AfterResume<'a>>,
@@ -53,19 +57,53 @@ impl std::fmt::Debug for AfterResume<'_> {
 }
 
 impl<'a> LlamaRun<'a> {
-    /// Checks `args`, reads the data, and builds the accelerator.
+    /// Checks `args`, opens --model, reads the data, builds the accelerator, and checks that
+    /// --output-dir can be written (on the main process, every rank agreeing), so that a run
+    /// does not end unable to save.
     pub fn start(args: &'a LlamaArgs) -> Result<Self> {
         check_flags(args)?;
-        let (dataset, config, source) = data_and_config(args)?;
+        let model_dir = match &args.model {
+            Some(dir) => {
+                Some(ModelDir::open(dir).with_context(|| format!("--model {}", dir.display()))?)
+            }
+            None => None,
+        };
+        let (dataset, config, source) =
+            data_and_config(args, model_dir.as_ref().map(ModelDir::config))?;
         let acc = args.run.accelerator(args.seed)?;
+        if let Some(dir) = &args.output_dir {
+            let checked = if acc.is_main_process() {
+                check_output_dir(dir, args.overwrite_output_dir)
+                    .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+            } else {
+                Ok(())
+            };
+            acc.agree_across_ranks(dir, "checking the output directory", checked)
+                .with_context(|| format!("--output-dir {}", dir.display()))?;
+        }
         Ok(Self {
             args,
             acc,
             config,
+            model_dir,
             dataset,
             source,
             after_resume: None,
         })
+    }
+
+    /// Sets `params` (the base model's, named as Hugging Face names them) to the initial weights
+    /// of --model or --init-weights; does nothing without either (the seeded weights stay).
+    pub fn load_initial_weights(&self, params: &[(String, Var)]) -> Result<()> {
+        if let Some(model) = &self.model_dir {
+            model
+                .load_into(params)
+                .with_context(|| format!("--model {}", model.dir().display()))?;
+        } else if let Some(path) = &self.args.init_weights {
+            accelerate_core::load_into_vars(path, params)
+                .with_context(|| format!("--init-weights {}", path.display()))?;
+        }
+        Ok(())
     }
 
     /// Runs `check` on every rank once the training loop has loaded --resume's checkpoint (or

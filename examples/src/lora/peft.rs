@@ -70,21 +70,28 @@ fn tempfile_in(dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// `base_model_name_or_path` for a saved adapter: `explicit` if given, else the absolute
-/// directory of the base's `init_weights` file, else of its `config` file (absolute, since a
-/// relative path would later be read against another working directory), else none.
+/// `base_model_name_or_path` for a saved adapter: `explicit` if given, else the base's `model`
+/// directory (`--model`), else the directory of its `init_weights` file, else of its `config`
+/// file, as an absolute path (a relative one would later be read against another working
+/// directory), else none.
 pub fn base_model_name_or_path(
     explicit: Option<&str>,
+    model: Option<&Path>,
     init_weights: Option<&Path>,
     config: Option<&Path>,
 ) -> Option<String> {
     if let Some(name) = explicit {
         return Some(name.to_string());
     }
-    let file = init_weights.or(config)?;
-    let file = std::fs::canonicalize(file)
-        .or_else(|_| std::path::absolute(file))
-        .ok()?;
+    let absolute = |p: &Path| {
+        std::fs::canonicalize(p)
+            .or_else(|_| std::path::absolute(p))
+            .ok()
+    };
+    if let Some(dir) = model {
+        return Some(absolute(dir)?.display().to_string());
+    }
+    let file = absolute(init_weights.or(config)?)?;
     Some(file.parent()?.display().to_string())
 }
 
@@ -163,12 +170,15 @@ mod tests {
     #[test]
     fn the_base_model_path_is_absolute_and_falls_back_to_the_config() {
         let cwd = std::env::current_dir().unwrap();
-        let name = base_model_name_or_path(None, Some(Path::new("model.safetensors")), None);
+        let name = base_model_name_or_path(None, None, Some(Path::new("model.safetensors")), None);
         assert_eq!(name, Some(cwd.display().to_string()));
-        let name = base_model_name_or_path(None, None, Some(Path::new("sub/config.json")));
+        let name = base_model_name_or_path(None, None, None, Some(Path::new("sub/config.json")));
         assert_eq!(name, Some(cwd.join("sub").display().to_string()));
-        let name = base_model_name_or_path(Some("org/m"), Some(Path::new("x")), None);
+        let name = base_model_name_or_path(Some("org/m"), None, Some(Path::new("x")), None);
         assert_eq!(name.as_deref(), Some("org/m"));
-        assert_eq!(base_model_name_or_path(None, None, None), None);
+        // --model names the directory itself.
+        let name = base_model_name_or_path(None, Some(Path::new("tiny")), None, None);
+        assert_eq!(name, Some(cwd.join("tiny").display().to_string()));
+        assert_eq!(base_model_name_or_path(None, None, None, None), None);
     }
 }
