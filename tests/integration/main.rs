@@ -59,6 +59,8 @@ mod several_models;
 mod slurm;
 // Streaming data (JSONL shards) against a single-process reading of the stream.
 mod streaming;
+// Fine-tuning a Hugging Face model directory on a text corpus (tokenizer, packing, token files).
+mod text;
 // The `trainer` example under the launcher: its eval loss, checkpoints, YAML arguments, resume.
 mod trainer;
 // Trackers under the launcher: only the main process writes.

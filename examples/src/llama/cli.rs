@@ -2,6 +2,7 @@
 //! and model size they pick.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use accelerate_core::data::Dataset;
 use anyhow::{bail, Result};
@@ -9,6 +10,7 @@ use anyhow::{bail, Result};
 use super::config::{default_intermediate, LlamaConfig};
 use super::data::TokenRows;
 use super::model_dir::{parse_size, DEFAULT_MAX_SHARD_SIZE};
+use super::text::TextArgs;
 use crate::gpt::{self, CharVocab};
 use crate::run::{OptimizerKind, RunArgs};
 
@@ -68,6 +70,8 @@ pub struct LlamaArgs {
     /// Token rows: safetensors holding `input_ids` [N, T] int64.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
+    #[command(flatten)]
+    pub text: TextArgs,
     /// Rows per micro-batch on each rank.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
@@ -120,6 +124,10 @@ pub fn check_flags(args: &LlamaArgs) -> Result<()> {
             }
         }
     }
+    args.text.check()?;
+    if args.text.given() && args.data.is_some() {
+        bail!("--data and --train-file both name the training data; keep one");
+    }
     if args.overwrite_output_dir && args.output_dir.is_none() {
         bail!("--overwrite-output-dir is given without --output-dir; name the directory to write");
     }
@@ -159,9 +167,97 @@ pub fn check_flags(args: &LlamaArgs) -> Result<()> {
     Ok(())
 }
 
+/// The rows of a run and the model's size they were picked with.
+#[derive(Debug)]
+pub struct RunData {
+    /// The training rows.
+    pub train: TokenRows,
+    /// Rows held out for evaluation by the data flags (--validation-file,
+    /// --validation-split-percentage), if any.
+    pub validation: Option<TokenRows>,
+    /// The model's size.
+    pub config: LlamaConfig,
+    /// Where the rows came from, for the run's first lines.
+    pub source: String,
+}
+
 /// The training rows and the model's size (`model_config`: --model's, else --config's, else
 /// from the size flags and the data), and a line saying where the rows came from.
-pub fn data_and_config(
+pub fn data_and_config(args: &LlamaArgs, model_config: Option<LlamaConfig>) -> Result<RunData> {
+    if args.text.given() {
+        return text_and_config(args, model_config);
+    }
+    let (train, config, source) = rows_and_config(args, model_config)?;
+    Ok(RunData {
+        train,
+        validation: None,
+        config,
+        source,
+    })
+}
+
+/// [`data_and_config`] for --train-file: the tokenizer's vocabulary must fit the model's, and
+/// --block-size its positions (by default the block is the model's context, at most 1024 tokens,
+/// as run_clm.py picks it).
+fn text_and_config(args: &LlamaArgs, model_config: Option<LlamaConfig>) -> Result<RunData> {
+    let tokenizer = Arc::new(args.text.tokenizer(args.model.as_deref())?);
+    let config_flag = if args.model.is_some() {
+        "--model's config.json"
+    } else {
+        "--config"
+    };
+    let from_file = match model_config {
+        Some(c) => Some(c),
+        None => args
+            .config
+            .as_deref()
+            .map(LlamaConfig::from_file)
+            .transpose()?,
+    };
+    let config = match from_file {
+        Some(c) => c,
+        None => LlamaConfig::from_flags(
+            tokenizer.vocab_size(),
+            args.layers,
+            args.width,
+            args.heads,
+            args.kv_heads,
+            args.intermediate
+                .unwrap_or_else(|| default_intermediate(args.width)),
+            args.text.block_size.unwrap_or(args.context),
+        )?,
+    };
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "the tokenizer has {} ids but the vocab_size of {config_flag} is {}: its embedding has              no row for the ids above; use the model's own tokenizer, or a config whose              vocab_size covers the tokenizer",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        );
+    }
+    let block_size = args
+        .text
+        .block_size
+        .unwrap_or(config.max_position_embeddings.min(1024));
+    if block_size > config.max_position_embeddings {
+        bail!(
+            "--block-size {block_size} is longer than max_position_embeddings {} of {config_flag};              pass --block-size {} or less",
+            config.max_position_embeddings,
+            config.max_position_embeddings
+        );
+    }
+    if block_size < 2 {
+        bail!("--block-size must be at least 2 tokens (a row predicts each from the one before)");
+    }
+    let data = args.text.load(&tokenizer, block_size)?;
+    Ok(RunData {
+        train: data.train,
+        validation: data.validation,
+        config,
+        source: data.source,
+    })
+}
+
+fn rows_and_config(
     args: &LlamaArgs,
     model_config: Option<LlamaConfig>,
 ) -> Result<(TokenRows, LlamaConfig, String)> {
@@ -205,7 +301,7 @@ pub fn data_and_config(
                         rows.row_len()
                     );
                 }
-                flags_config(rows.max_token() as usize + 1, args.context)?
+                flags_config(rows.max_token().unwrap_or(0) as usize + 1, args.context)?
             }
         };
         if rows.row_len() > config.max_position_embeddings {

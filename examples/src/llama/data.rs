@@ -1,17 +1,22 @@
-//! The dataset of the `llama` workload: rows of token ids, all of one length `T`, as Hugging Face
-//! tokenizers and `datasets` produce them (`input_ids` `[N, T]` int64 in a safetensors file), or
-//! the built-in text cut into rows.
+//! The dataset of the `llama` workload: rows of token ids, all of one length `T`: as Hugging Face
+//! tokenizers and `datasets` produce them (`input_ids` `[N, T]` int64 in a safetensors file), the
+//! built-in text cut into rows, or documents of a text corpus packed into rows with their
+//! boundaries (accelerate-text's [`PackedRows`]).
 //!
 //! A batch is `input_ids` `[B, T]`; with `labels = input_ids` the causal-LM loss predicts the
-//! `T - 1` tokens after the first of each row, so a batch holds `B · (T - 1)` items for
+//! `T - 1` tokens after the first of each row (in packed rows, only those whose predecessor is of
+//! the same document), and the batch's count of predicted tokens is its number of items for
 //! item-weighted accumulation.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::data::{Batch, Dataset};
+use accelerate_text::{PackedRows, TextBatch, TokenRow};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
+
+use super::segments::Segments;
 
 /// The name of the tensor a `--data` file holds.
 pub const INPUT_IDS: &str = "input_ids";
@@ -19,8 +24,17 @@ pub const INPUT_IDS: &str = "input_ids";
 /// Rows of `row_len` token ids (see the module docs).
 #[derive(Debug, Clone)]
 pub struct TokenRows {
-    tokens: Arc<Vec<u32>>,
+    source: Source,
     row_len: usize,
+}
+
+/// Where the rows' tokens are.
+#[derive(Debug, Clone)]
+enum Source {
+    /// Whole rows, one sequence each.
+    Tokens(Arc<Vec<u32>>),
+    /// Documents packed into rows, their boundaries kept.
+    Packed(Arc<PackedRows>),
 }
 
 /// One batch of rows.
@@ -28,15 +42,20 @@ pub struct TokenRows {
 pub struct RowBatch {
     /// `[B, T]` u32 token ids.
     pub input_ids: Tensor,
-    /// Predicted tokens in the batch: `B · (T - 1)`.
+    /// Predicted tokens in the batch: `B · (T - 1)`, or for packed rows the tokens whose
+    /// predecessor is of the same document.
     pub predicted: usize,
+    /// Where the documents of packed rows are (found on the loader's thread, from the host's
+    /// segment ids, so the step never waits on the device to read them); `None` for rows of one
+    /// sequence each.
+    pub segments: Option<Segments>,
 }
 
 impl Batch for RowBatch {
     fn to_device(self, device: &Device) -> accelerate_core::Result<Self> {
         Ok(Self {
             input_ids: self.input_ids.to_device(device)?,
-            predicted: self.predicted,
+            ..self
         })
     }
 }
@@ -54,9 +73,17 @@ impl TokenRows {
             );
         }
         Ok(Self {
-            tokens: Arc::new(tokens),
+            source: Source::Tokens(Arc::new(tokens)),
             row_len,
         })
+    }
+
+    /// The rows of a packed corpus, `block_size` tokens each.
+    pub fn packed(rows: PackedRows) -> Self {
+        Self {
+            row_len: rows.block_size(),
+            source: Source::Packed(Arc::new(rows)),
+        }
     }
 
     /// `text_tokens` cut into consecutive rows of `row_len` tokens (a partial last row dropped).
@@ -129,43 +156,70 @@ impl TokenRows {
         self.row_len
     }
 
-    /// The largest token id (the vocabulary a model needs is one more).
-    pub fn max_token(&self) -> u32 {
-        self.tokens.iter().copied().max().unwrap_or(0)
+    /// The largest token id of whole rows (the vocabulary a model needs is one more); `None`
+    /// for packed rows, whose tokenizer gives the vocabulary.
+    pub fn max_token(&self) -> Option<u32> {
+        match &self.source {
+            Source::Tokens(tokens) => Some(tokens.iter().copied().max().unwrap_or(0)),
+            Source::Packed(_) => None,
+        }
     }
 }
 
 impl Dataset for TokenRows {
-    /// Row `i`'s token ids.
-    type Item = Vec<u32>;
+    /// Row `i`'s token ids, and for packed rows its segment ids (empty for whole rows).
+    type Item = TokenRow;
     type Batch = RowBatch;
 
     fn len(&self) -> usize {
-        self.tokens.len() / self.row_len
+        match &self.source {
+            Source::Tokens(tokens) => tokens.len() / self.row_len,
+            Source::Packed(rows) => rows.len(),
+        }
     }
 
-    fn get(&self, index: usize) -> accelerate_core::Result<Vec<u32>> {
+    fn get(&self, index: usize) -> accelerate_core::Result<TokenRow> {
         if index >= self.len() {
             return Err(accelerate_core::Error::Data(format!(
                 "row {index} requested from a dataset of {} rows",
                 self.len()
             )));
         }
-        let start = index * self.row_len;
-        Ok(self.tokens[start..start + self.row_len].to_vec())
+        match &self.source {
+            Source::Tokens(tokens) => {
+                let start = index * self.row_len;
+                Ok(TokenRow {
+                    input_ids: tokens[start..start + self.row_len].to_vec(),
+                    segment_ids: Vec::new(),
+                })
+            }
+            Source::Packed(rows) => rows.get(index),
+        }
     }
 
-    fn collate(&self, items: Vec<Vec<u32>>) -> accelerate_core::Result<RowBatch> {
+    fn collate(&self, items: Vec<TokenRow>) -> accelerate_core::Result<RowBatch> {
         let rows = items.len();
         if rows == 0 {
             return Err(accelerate_core::Error::Data(
                 "an empty batch of token rows cannot be collated".into(),
             ));
         }
-        let flat: Vec<u32> = items.into_iter().flatten().collect();
+        if let Source::Packed(_) = self.source {
+            let batch = TextBatch::from_rows(&items, 0)
+                .map_err(|e| accelerate_core::Error::Data(e.to_string()))?;
+            let segments = Segments::new(&batch.segment_ids)
+                .map_err(|e| accelerate_core::Error::Data(format!("{e:#}")))?;
+            return Ok(RowBatch {
+                input_ids: batch.input_ids,
+                predicted: segments.predicted(),
+                segments: Some(segments),
+            });
+        }
+        let flat: Vec<u32> = items.into_iter().flat_map(|r| r.input_ids).collect();
         Ok(RowBatch {
             input_ids: Tensor::from_vec(flat, (rows, self.row_len), &Device::Cpu)?,
             predicted: rows * (self.row_len - 1),
+            segments: None,
         })
     }
 }
@@ -178,7 +232,7 @@ mod tests {
     fn text_is_cut_into_whole_rows() {
         let ds = TokenRows::cut(&(0..23).collect::<Vec<u32>>(), 5).unwrap();
         assert_eq!(ds.len(), 4);
-        assert_eq!(ds.get(1).unwrap(), vec![5, 6, 7, 8, 9]);
+        assert_eq!(ds.get(1).unwrap().input_ids, vec![5, 6, 7, 8, 9]);
         let b = ds
             .collate(vec![ds.get(0).unwrap(), ds.get(3).unwrap()])
             .unwrap();
@@ -202,7 +256,7 @@ mod tests {
         let ids = Tensor::new(&[[1i64, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap();
         let ok = write(dir.path(), INPUT_IDS, ids.clone());
         let ds = TokenRows::from_safetensors(&ok, Some(7)).unwrap();
-        assert_eq!((ds.len(), ds.row_len(), ds.max_token()), (2, 3, 6));
+        assert_eq!((ds.len(), ds.row_len(), ds.max_token()), (2, 3, Some(6)));
         let e = TokenRows::from_safetensors(&ok, Some(6)).unwrap_err();
         assert!(format!("{e:#}").contains("[1, 2] is 6"), "{e:#}");
 

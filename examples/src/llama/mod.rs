@@ -11,6 +11,8 @@
 //!   (`--output-dir`).
 //! - [`data`]: rows of token ids (`input_ids` `[N, T]` of a safetensors file, or a text cut into
 //!   rows).
+//! - [`text`]: a text corpus (`--train-file`): tokenized with a Hugging Face tokenizer and
+//!   packed into rows, or a token file.
 //! - [`cli`]: the flags of a training run ([`LlamaArgs`]), their checks, the data and model size
 //!   they pick.
 //! - [`train`]: the training loop ([`LlamaRun`]), shared by the `llama` and `lora` examples.
@@ -21,6 +23,7 @@ pub mod data;
 pub mod model;
 pub mod model_dir;
 pub mod segments;
+pub mod text;
 pub mod train;
 
 pub use cli::LlamaArgs;
@@ -29,4 +32,5 @@ pub use data::{RowBatch, TokenRows, INPUT_IDS};
 pub use model::{build_in, causal_lm_loss_sum, init_weights, Llama};
 pub use model_dir::{write_model_dir, ModelDir, ModelOutput, TokenIds};
 pub use segments::Segments;
+pub use text::{TextArgs, TextData};
 pub use train::LlamaRun;

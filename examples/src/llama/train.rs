@@ -15,18 +15,18 @@ use std::sync::Arc;
 
 use accelerate_core::data::DataLoader;
 use accelerate_core::Accelerator;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Var;
 use candle_nn::VarMap;
 
-use super::cli::{check_flags, data_and_config, LlamaArgs};
+use super::cli::{check_flags, data_and_config, LlamaArgs, RunData};
 use super::config::LlamaConfig;
 use super::data::{RowBatch, TokenRows};
 use super::model::Llama;
 use super::model_dir::{check_output_dir, ModelDir};
 use crate::run::{
-    self, per_row_cross_entropy, sample_rows, AfterResumeFn, BatchCounts, Evaluator, SummaryFields,
-    TrainLoop,
+    self, per_row_cross_entropy, sample_rows, AfterResumeFn, BatchCounts, Evaluator, Subset,
+    SummaryFields, TrainLoop,
 };
 
 /// A run of the llama workload between its flags and its training: flags checked, data read,
@@ -43,6 +43,7 @@ pub struct LlamaRun<'a> {
     /// --model's directory, opened (its config read, its weights listed).
     pub model_dir: Option<ModelDir>,
     dataset: TokenRows,
+    validation: Option<TokenRows>,
     source: String,
     after_resume: Option<AfterResume<'a>>,
 }
@@ -68,8 +69,18 @@ impl<'a> LlamaRun<'a> {
             }
             None => None,
         };
-        let (dataset, config, source) =
-            data_and_config(args, model_dir.as_ref().map(ModelDir::config))?;
+        let RunData {
+            train: dataset,
+            validation,
+            config,
+            source,
+        } = data_and_config(args, model_dir.as_ref().map(ModelDir::config))?;
+        if validation.is_some() && args.run.eval_fraction.is_some() {
+            bail!(
+                "--eval-fraction and the data's evaluation split (--validation-file or \
+                 --validation-split-percentage) both name the rows to evaluate on; keep one"
+            );
+        }
         let acc = args.run.accelerator(args.seed)?;
         if let Some(dir) = &args.output_dir {
             let checked = if acc.is_main_process() {
@@ -87,6 +98,7 @@ impl<'a> LlamaRun<'a> {
             config,
             model_dir,
             dataset,
+            validation,
             source,
             after_resume: None,
         })
@@ -161,12 +173,15 @@ impl<'a> LlamaRun<'a> {
             args,
             mut acc,
             dataset,
+            validation,
             after_resume,
             ..
         } = self;
         let row_len = dataset.row_len();
-        let (dataset, eval_split) =
-            run::hold_out(dataset, args.run.eval_fraction(), args.seed, "rows")?;
+        let (dataset, eval_split) = match validation {
+            Some(validation) => (Subset::whole(dataset), Some(Subset::whole(validation))),
+            None => run::hold_out(dataset, args.run.eval_fraction(), args.seed, "rows")?,
+        };
         let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
             .shuffle(!args.no_shuffle)
             .seed(args.seed);
@@ -182,7 +197,10 @@ impl<'a> LlamaRun<'a> {
             &args.run,
             args.epochs,
             args.batch_size,
-            |_, batch: &RowBatch| Ok(model.summed_causal_lm_loss(&batch.input_ids)?),
+            |_, batch: &RowBatch| match &batch.segments {
+                None => Ok(model.summed_causal_lm_loss(&batch.input_ids)?),
+                Some(segments) => Ok(model.summed_segment_loss(&batch.input_ids, segments)?.0),
+            },
             // The loss is per predicted token; tokens/s counts every position of every row the
             // model read, as language-model training counts them.
             move |batch: &RowBatch| BatchCounts {
@@ -208,8 +226,18 @@ impl<'a> LlamaRun<'a> {
 }
 
 /// One evaluation row per row of `batch`: the summed causal-LM loss of its predicted tokens and
-/// their number (`T - 1`).
+/// their number (`T - 1`, or in packed rows those whose predecessor is of the same document).
 fn eval_rows(model: &Llama, batch: RowBatch) -> anyhow::Result<candle_core::Tensor> {
+    if let Some(segments) = &batch.segments {
+        let summed = model.segment_loss_per_row(&batch.input_ids, segments)?;
+        let counts: Vec<f32> = segments
+            .predicted_per_row()
+            .iter()
+            .map(|&n| n as f32)
+            .collect();
+        let predicted = candle_core::Tensor::new(counts, batch.input_ids.device())?;
+        return sample_rows(&[&summed, &predicted]);
+    }
     let logits = model.forward(&batch.input_ids)?;
     let (b, t, v) = logits.dims3()?;
     let predicting = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;

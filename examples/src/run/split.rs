@@ -17,6 +17,16 @@ pub struct Subset<D> {
     indices: Vec<usize>,
 }
 
+impl<D: Dataset> Subset<D> {
+    /// Every item of `dataset`, in order: a split given whole (a --validation-file).
+    pub fn whole(dataset: D) -> Self {
+        Self {
+            indices: (0..dataset.len()).collect(),
+            dataset: Arc::new(dataset),
+        }
+    }
+}
+
 impl<D> Subset<D> {
     /// The indices, in the whole dataset, of this subset's items.
     pub fn indices(&self) -> &[usize] {
