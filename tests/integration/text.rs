@@ -256,3 +256,49 @@ fn text_flags_without_what_they_need_are_refused_by_name() {
         assert!(!dir.path().join("never").exists());
     }
 }
+
+#[test]
+fn the_trainer_takes_the_same_packed_rows_and_two_ranks_equal_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |ranks: usize, batch: &str, accumulate: &str, out: &str| {
+        let mut job = Job::example("text_trainer")
+            .env("RAYON_NUM_THREADS", "1")
+            .limit(Duration::from_secs(240))
+            .args(["--model", model_dir().to_str().unwrap(), "--train-file"])
+            .args(corpus())
+            .args([
+                "--block-size",
+                "32",
+                "--max-steps",
+                "4",
+                "--learning-rate",
+                "0.01",
+            ])
+            .args(["--per-device-train-batch-size", batch])
+            .args([
+                "--gradient-accumulation-steps",
+                accumulate,
+                "--disable-tqdm",
+            ])
+            .args(["--output-dir", dir.path().join(out).to_str().unwrap()]);
+        if ranks > 1 {
+            job = job.ranks(ranks);
+        }
+        let o = job.run();
+        assert!(o.status.success(), "{}", text(&o));
+        (
+            summary_value::<f64>(&o, "train_loss"),
+            summary_value::<f64>(&o, "steps"),
+        )
+    };
+    let (single, steps) = run(1, "8", "1", "single");
+    let (dist, _) = run(2, "2", "2", "dist");
+    assert_eq!(steps, 4.0);
+    assert!(
+        (single - dist).abs() < 1e-5,
+        "train_loss {single} (1 process) vs {dist} (2 ranks x K=2)"
+    );
+    // The loss is the packed rows' causal-LM loss of a model that starts from the fixture's
+    // weights: near ln(256) = 5.55 for its random init, far from 0.
+    assert!(single > 3.0 && single < 9.0, "{single}");
+}

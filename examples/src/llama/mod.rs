@@ -33,4 +33,4 @@ pub use model::{build_in, causal_lm_loss_sum, init_weights, Llama};
 pub use model_dir::{write_model_dir, ModelDir, ModelOutput, TokenIds};
 pub use segments::Segments;
 pub use text::{TextArgs, TextData};
-pub use train::LlamaRun;
+pub use train::{row_losses, LlamaRun};

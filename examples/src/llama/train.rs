@@ -226,8 +226,19 @@ impl<'a> LlamaRun<'a> {
 }
 
 /// One evaluation row per row of `batch`: the summed causal-LM loss of its predicted tokens and
-/// their number (`T - 1`, or in packed rows those whose predecessor is of the same document).
+/// their number (see [`row_losses`]).
 fn eval_rows(model: &Llama, batch: RowBatch) -> anyhow::Result<candle_core::Tensor> {
+    let (summed, predicted) = row_losses(model, &batch)?;
+    sample_rows(&[&summed, &predicted])
+}
+
+/// Per row of `batch`: the summed causal-LM loss of its predicted tokens (`[B]` f32) and their
+/// number (`[B]` f32: `T - 1`, or in packed rows those whose predecessor is of the same
+/// document). What evaluation gathers and what the Trainer weights by.
+pub fn row_losses(
+    model: &Llama,
+    batch: &RowBatch,
+) -> anyhow::Result<(candle_core::Tensor, candle_core::Tensor)> {
     if let Some(segments) = &batch.segments {
         let summed = model.segment_loss_per_row(&batch.input_ids, segments)?;
         let counts: Vec<f32> = segments
@@ -236,7 +247,7 @@ fn eval_rows(model: &Llama, batch: RowBatch) -> anyhow::Result<candle_core::Tens
             .map(|&n| n as f32)
             .collect();
         let predicted = candle_core::Tensor::new(counts, batch.input_ids.device())?;
-        return sample_rows(&[&summed, &predicted]);
+        return Ok((summed, predicted));
     }
     let logits = model.forward(&batch.input_ids)?;
     let (b, t, v) = logits.dims3()?;
@@ -246,5 +257,24 @@ fn eval_rows(model: &Llama, batch: RowBatch) -> anyhow::Result<candle_core::Tens
         .reshape((b, t - 1))?
         .sum(1)?;
     let predicted = candle_core::Tensor::full((t - 1) as f32, b, logits.device())?;
-    sample_rows(&[&summed, &predicted])
+    Ok((summed, predicted))
+}
+
+/// The Trainer trains the llama model on the same rows as the loop: per-row sums of the
+/// causal-LM loss, weighted by the predicted tokens of the whole accumulation window.
+impl accelerate_trainer::TrainerModel<RowBatch> for Llama {
+    fn forward(&self, batch: &RowBatch) -> candle_core::Result<accelerate_trainer::ModelOutput> {
+        let (losses, items) =
+            row_losses(self, batch).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        Ok(accelerate_trainer::ModelOutput {
+            losses,
+            items: Some(items),
+            logits: None,
+            labels: None,
+        })
+    }
+
+    fn num_items(&self, batch: &RowBatch) -> candle_core::Result<Option<usize>> {
+        Ok(Some(batch.predicted))
+    }
 }

@@ -1,0 +1,93 @@
+//! Fine-tunes a Hugging Face Llama model directory on a text corpus through the Trainer: the
+//! same packed rows as `llama --train-file`, Hugging Face's TrainingArguments for the rest.
+//!
+//! `cargo run --release --example text_trainer -- --model tests/fixtures/llama-dir
+//! --train-file tests/fixtures/text/corpus.jsonl --block-size 32 --output-dir out`; on two CPU
+//! processes under `accelerate-launch --cpu --num-processes 2`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use accelerate_examples::llama::{self, ModelDir, TextArgs};
+use accelerate_examples::run;
+use accelerate_trainer::{Trainer, TrainingArguments};
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+/// Fine-tune a Llama model directory on a text corpus with the Trainer.
+#[derive(Debug, Parser)]
+struct Args {
+    /// The Hugging Face model directory to start from (config.json, weights, tokenizer).
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    #[command(flatten)]
+    text: TextArgs,
+    #[command(flatten)]
+    training: TrainingArguments,
+}
+
+fn main() {
+    run::exit_on_error(train(&Args::parse()));
+}
+
+fn train(args: &Args) -> Result<()> {
+    args.text.check()?;
+    if !args.text.given() {
+        bail!("--train-file is required: the corpus to fine-tune on");
+    }
+    let model_dir =
+        ModelDir::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
+    let config = model_dir.config();
+    let tokenizer = Arc::new(args.text.tokenizer(Some(&args.model))?);
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "the tokenizer has {} ids but the model's vocab_size is {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        );
+    }
+    let block_size = args
+        .text
+        .block_size
+        .unwrap_or(config.max_position_embeddings.min(1024));
+    if block_size > config.max_position_embeddings {
+        bail!(
+            "--block-size {block_size} is longer than the model's max_position_embeddings {}",
+            config.max_position_embeddings
+        );
+    }
+    let data = args.text.load(&tokenizer, block_size)?;
+    let mut trainer = Trainer::new(args.training.clone())?;
+    let (varmap, model) = llama::build_in(
+        config,
+        trainer.args().seed,
+        trainer.device(),
+        trainer.compute_dtype(),
+    )?;
+    let params: Vec<_> = {
+        let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    model_dir
+        .load_into(&params)
+        .with_context(|| format!("--model {}", args.model.display()))?;
+    trainer
+        .accelerator()
+        .print(format!("data: {}", data.source));
+    let out = trainer.train(
+        &model,
+        &varmap,
+        Arc::new(data.train),
+        data.validation.map(Arc::new),
+    )?;
+    trainer.accelerator().print(format!(
+        "steps={} train_loss={:.6} eval_loss={}",
+        out.global_step,
+        out.training_loss,
+        out.metrics
+            .get("eval_loss")
+            .map_or("none".to_string(), |l| format!("{l:.6}"))
+    ));
+    Ok(())
+}
