@@ -3,6 +3,8 @@
 //! accelerate-core's loaders.
 
 mod batch;
+#[cfg(doctest)]
+mod book;
 mod chat;
 mod core_error;
 mod corpus;
