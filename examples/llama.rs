@@ -17,7 +17,6 @@ use accelerate_examples::llama::{
 };
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
-use candle_core::Tensor;
 use clap::Parser;
 
 /// Train a Llama-architecture language model (built-in sonnets, one character per token, unless
@@ -82,12 +81,7 @@ fn write_output_dir(
         return Ok(());
     };
     let written = if acc.is_main_process() {
-        let tensors: Vec<(String, Tensor)> = acc
-            .model()
-            .parameters()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
+        let tensors = run::parameter_tensors(acc);
         let token_ids = model_dir.map(|m| m.token_ids().clone()).unwrap_or_default();
         write_model_dir(
             dir,
@@ -126,12 +120,7 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
         ));
     }
     let written = if acc.is_main_process() {
-        let tensors: Vec<(String, Tensor)> = acc
-            .model()
-            .parameters()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
+        let tensors = run::parameter_tensors(acc);
         accelerate_core::save_safetensors(path, &tensors).and_then(|()| {
             let json =
                 serde_json::to_vec_pretty(&config.to_hf_json()).expect("a JSON value serializes");

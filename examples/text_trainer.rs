@@ -39,24 +39,9 @@ fn train(args: &Args) -> Result<()> {
         ModelDir::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
     let config = model_dir.config();
     let tokenizer = Arc::new(args.text.tokenizer(Some(&args.model))?);
-    if tokenizer.vocab_size() > config.vocab_size {
-        bail!(
-            "the tokenizer has {} ids but the model's vocab_size is {}",
-            tokenizer.vocab_size(),
-            config.vocab_size
-        );
-    }
-    let block_size = args
+    let data = args
         .text
-        .block_size
-        .unwrap_or(config.max_position_embeddings.min(1024));
-    if block_size > config.max_position_embeddings {
-        bail!(
-            "--block-size {block_size} is longer than the model's max_position_embeddings {}",
-            config.max_position_embeddings
-        );
-    }
-    let data = args.text.load(&tokenizer, block_size)?;
+        .load_for(&tokenizer, &config, "--model's config.json")?;
     let mut trainer = Trainer::new(args.training.clone())?;
     let (varmap, model) = llama::build_in(
         config,
@@ -64,11 +49,7 @@ fn train(args: &Args) -> Result<()> {
         trainer.device(),
         trainer.compute_dtype(),
     )?;
-    let params: Vec<_> = {
-        let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
-    };
+    let params = accelerate_examples::layers::named_vars(&varmap);
     model_dir
         .load_into(&params)
         .with_context(|| format!("--model {}", args.model.display()))?;

@@ -3,10 +3,22 @@
 use std::any::Any;
 
 use accelerate_core::RankRng;
-use candle_core::{Result, Tensor};
-use candle_nn::Linear;
+use candle_core::{Result, Tensor, Var};
+use candle_nn::{Linear, VarMap};
 use fused_kernels::checkpoint::RandomState;
 use rand_chacha::ChaCha8Rng;
+
+/// The variables of `varmap` sorted by name: the order `Accelerator::prepare` gives them, and the
+/// one weights are loaded and compared in.
+pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let data = varmap
+        .data()
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut vars: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
 
 /// A [`RankRng`] as the random state of a checkpointed block ([`fused_kernels::checkpoint`]): the
 /// block's recomputation in the backward pass rewinds the generator to where its forward pass

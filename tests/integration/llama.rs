@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use accelerate_examples::llama::{self, LlamaConfig};
 use accelerate_tests::{
-    load_flat, max_abs_diff_flat, output_text as text, small_llama_args, summary_value, Job,
-    JobOutput,
+    load_flat, max_abs_diff_flat, named_vars, output_text as text, small_llama_args, summary_value,
+    Job, JobOutput,
 };
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -67,14 +67,7 @@ fn relative_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// Our model of `config`, with the fixture's weights, and its parameters by name.
 fn fixture_model(config: LlamaConfig) -> (llama::Llama, Vec<(String, Var)>) {
     let (varmap, model) = llama::build_in(config, 0, &Device::Cpu, DType::F32).unwrap();
-    let mut params: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let params = named_vars(&varmap);
     accelerate_core::load_into_vars(fixture("model.safetensors"), &params).unwrap();
     (model, params)
 }
@@ -452,17 +445,24 @@ fn max_steps_runs_all_its_steps_over_as_many_epochs_as_they_take() {
 /// directory (the weights and the config.json beside them), gives the loss our model gives on the
 /// fixture's tokens. Skipped (saying so) without python3 with torch and transformers; the other
 /// tests need no Python.
-#[test]
-fn transformers_loads_the_saved_model_unchanged() {
-    let python_ok = Command::new("python3")
+/// Whether python3 with torch, transformers and safetensors is installed; says SKIPPED if not.
+fn python_with_transformers() -> bool {
+    let ok = Command::new("python3")
         .args(["-c", "import torch, transformers, safetensors"])
         .output()
         .is_ok_and(|o| o.status.success());
-    if !python_ok {
+    if !ok {
         eprintln!(
             "SKIPPED: python3 with torch, transformers and safetensors is not installed \
              (pip install torch transformers safetensors)"
         );
+    }
+    ok
+}
+
+#[test]
+fn transformers_loads_the_saved_model_unchanged() {
+    if !python_with_transformers() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -485,14 +485,7 @@ fn transformers_loads_the_saved_model_unchanged() {
     assert!(o.status.success(), "{}", text(&o));
     let config = LlamaConfig::from_file(&dir.path().join("config.json")).unwrap();
     let (varmap, model) = llama::build_in(config, 0, &Device::Cpu, DType::F32).unwrap();
-    let mut params: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let params = named_vars(&varmap);
     accelerate_core::load_into_vars(&out, &params).unwrap();
     let input_ids = fixture_tokens();
     let (b, t) = input_ids.dims2().unwrap();
@@ -533,14 +526,7 @@ fn dir_reference() -> HashMap<String, Tensor> {
 fn model_from_dir(dir: &Path) -> (llama::Llama, Vec<(String, Var)>) {
     let model_dir = llama::ModelDir::open(dir).unwrap();
     let (varmap, model) = llama::build_in(model_dir.config(), 0, &Device::Cpu, DType::F32).unwrap();
-    let mut params: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let params = named_vars(&varmap);
     model_dir.load_into(&params).unwrap();
     (model, params)
 }
@@ -855,38 +841,30 @@ fn bad_model_directories_and_flag_combinations_are_refused_naming_them() {
         "{e}"
     );
 
-    // --model with --config or --init-weights.
-    let mut args = dir_args(&dir_fixture(), "1");
-    args.extend([
-        "--config".to_string(),
-        fixture("config.json").to_str().unwrap().to_string(),
-    ]);
-    let o = run_llama_strings(&args);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && e.contains("--model") && e.contains("--config"),
-        "{e}"
-    );
-    let mut args = dir_args(&dir_fixture(), "1");
-    args.extend([
-        "--init-weights".to_string(),
-        fixture("model.safetensors").to_str().unwrap().to_string(),
-    ]);
-    let o = run_llama_strings(&args);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && e.contains("--model") && e.contains("--init-weights"),
-        "{e}"
-    );
-    // A size transformers would not read.
-    let mut args = dir_args(&dir_fixture(), "1");
-    args.extend(["--max-shard-size".to_string(), "5XB".to_string()]);
-    let o = run_llama_strings(&args);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && e.contains("--max-shard-size") && e.contains("500MB"),
-        "{e}"
-    );
+    // --model with --config or --init-weights, and a size transformers would not read: each
+    // refused naming the flags.
+    let config = fixture("config.json");
+    let weights = fixture("model.safetensors");
+    for (extra, says) in [
+        (
+            ["--config", config.to_str().unwrap()],
+            ["--model", "--config"],
+        ),
+        (
+            ["--init-weights", weights.to_str().unwrap()],
+            ["--model", "--init-weights"],
+        ),
+        (["--max-shard-size", "5XB"], ["--max-shard-size", "500MB"]),
+    ] {
+        let mut args = dir_args(&dir_fixture(), "1");
+        args.extend(extra.map(String::from));
+        let o = run_llama_strings(&args);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && says.iter().all(|s| e.contains(s)),
+            "{extra:?}: {e}"
+        );
+    }
 }
 
 /// An output directory of the example, loaded by transformers' `from_pretrained` (and, with
@@ -895,15 +873,7 @@ fn bad_model_directories_and_flag_combinations_are_refused_naming_them() {
 /// `tests/python/check_llama_output_dir.py`.
 #[test]
 fn transformers_loads_the_output_directory() {
-    let python_ok = Command::new("python3")
-        .args(["-c", "import torch, transformers, safetensors"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !python_ok {
-        eprintln!(
-            "SKIPPED: python3 with torch, transformers and safetensors is not installed \
-             (pip install torch transformers safetensors)"
-        );
+    if !python_with_transformers() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -151,7 +151,7 @@ fn a_token_file_trains_exactly_as_its_corpus_and_another_tokenizers_is_refused()
 
     let (from_file, from_corpus) = (dir.path().join("file"), dir.path().join("corpus"));
     let f = llama()
-        .args(fine_tune(&[tokens.clone()], 8, &from_file))
+        .args(fine_tune(std::slice::from_ref(&tokens), 8, &from_file))
         .run();
     assert!(f.status.success(), "{}", text(&f));
     let c = llama().args(fine_tune(&corpus(), 8, &from_corpus)).run();

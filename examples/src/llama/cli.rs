@@ -196,9 +196,7 @@ pub fn data_and_config(args: &LlamaArgs, model_config: Option<LlamaConfig>) -> R
     })
 }
 
-/// [`data_and_config`] for --train-file: the tokenizer's vocabulary must fit the model's, and
-/// --block-size its positions (by default the block is the model's context, at most 1024 tokens,
-/// as run_clm.py picks it).
+/// [`data_and_config`] for --train-file (see [`TextArgs::load_for`]).
 fn text_and_config(args: &LlamaArgs, model_config: Option<LlamaConfig>) -> Result<RunData> {
     let tokenizer = Arc::new(args.text.tokenizer(args.model.as_deref())?);
     let config_flag = if args.model.is_some() {
@@ -227,28 +225,7 @@ fn text_and_config(args: &LlamaArgs, model_config: Option<LlamaConfig>) -> Resul
             args.text.block_size.unwrap_or(args.context),
         )?,
     };
-    if tokenizer.vocab_size() > config.vocab_size {
-        bail!(
-            "the tokenizer has {} ids but the vocab_size of {config_flag} is {}: its embedding has              no row for the ids above; use the model's own tokenizer, or a config whose              vocab_size covers the tokenizer",
-            tokenizer.vocab_size(),
-            config.vocab_size
-        );
-    }
-    let block_size = args
-        .text
-        .block_size
-        .unwrap_or(config.max_position_embeddings.min(1024));
-    if block_size > config.max_position_embeddings {
-        bail!(
-            "--block-size {block_size} is longer than max_position_embeddings {} of {config_flag};              pass --block-size {} or less",
-            config.max_position_embeddings,
-            config.max_position_embeddings
-        );
-    }
-    if block_size < 2 {
-        bail!("--block-size must be at least 2 tokens (a row predicts each from the one before)");
-    }
-    let data = args.text.load(&tokenizer, block_size)?;
+    let data = args.text.load_for(&tokenizer, &config, config_flag)?;
     Ok(RunData {
         train: data.train,
         validation: data.validation,

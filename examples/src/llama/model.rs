@@ -695,14 +695,7 @@ mod tests {
     fn sharp_model(context: usize) -> (Llama, Vec<(String, candle_core::Var)>) {
         let c = LlamaConfig::from_flags(11, 2, 16, 4, 2, 24, context).unwrap();
         let (varmap, model) = build_in(c, 7, &Device::Cpu, DType::F32).unwrap();
-        let mut params: Vec<(String, candle_core::Var)> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = crate::layers::named_vars(&varmap);
         for (name, var) in &params {
             let scale = if name.ends_with("norm.weight") {
                 1.0

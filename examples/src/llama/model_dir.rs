@@ -744,15 +744,7 @@ mod tests {
     /// The parameters of `config()`'s model, seeded, in name order.
     fn params(seed: u64) -> Vec<(String, Var)> {
         let (varmap, _) = crate::llama::build_in(config(), seed, &Device::Cpu, DType::F32).unwrap();
-        let mut p: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect();
-        p.sort_by(|a, b| a.0.cmp(&b.0));
-        p
+        crate::layers::named_vars(&varmap)
     }
 
     fn tensors(params: &[(String, Var)]) -> Vec<(String, Tensor)> {

@@ -11,6 +11,7 @@ use accelerate_core::data::Dataset;
 use accelerate_text::{Corpus, PackedRows, SampleBy, TokenFile, TokenizeFn, Tokenizer};
 use anyhow::{bail, Context, Result};
 
+use super::config::LlamaConfig;
 use super::data::TokenRows;
 
 /// The extension of token files (`accelerate-tokenize --output corpus.tokens`).
@@ -119,6 +120,43 @@ impl TextArgs {
             ),
         };
         Tokenizer::from_dir(dir).with_context(|| format!("the tokenizer of {}", dir.display()))
+    }
+
+    /// The rows for a model of `config` (whose origin `config_flag` names in messages): the
+    /// tokenizer's ids must fit its vocabulary and --block-size its positions; by default the
+    /// block is the model's context, at most 1024 tokens, as run_clm.py picks it.
+    pub fn load_for(
+        &self,
+        tokenizer: &Arc<Tokenizer>,
+        config: &LlamaConfig,
+        config_flag: &str,
+    ) -> Result<TextData> {
+        if tokenizer.vocab_size() > config.vocab_size {
+            bail!(
+                "the tokenizer has {} ids but the vocab_size of {config_flag} is {}: its embedding \
+                 has no row for the ids above; use the model's own tokenizer, or a config whose \
+                 vocab_size covers the tokenizer",
+                tokenizer.vocab_size(),
+                config.vocab_size
+            );
+        }
+        let block_size = self
+            .block_size
+            .unwrap_or(config.max_position_embeddings.min(1024));
+        if block_size > config.max_position_embeddings {
+            bail!(
+                "--block-size {block_size} is longer than max_position_embeddings {} of \
+                 {config_flag}; pass --block-size {} or less",
+                config.max_position_embeddings,
+                config.max_position_embeddings
+            );
+        }
+        if block_size < 2 {
+            bail!(
+                "--block-size must be at least 2 tokens (a row predicts each from the one before)"
+            );
+        }
+        self.load(tokenizer, block_size)
     }
 
     /// Tokenizes and packs the corpora into rows of `block_size` tokens.

@@ -21,7 +21,7 @@ pub use evaluate::{
     correct_predictions, gathered_sums, per_row_cross_entropy, sample_rows, EvalResult, Evaluator,
 };
 pub use flags::{ReportTo, RunArgs, ScheduleKind, DEFAULT_EVAL_FRACTION};
-pub use model_file::save_model;
+pub use model_file::{parameter_tensors, save_model};
 pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
 pub use split::{hold_out, split_indices, Subset};

@@ -14,17 +14,20 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
         return Ok(());
     };
     let written = if acc.is_main_process() {
-        // The prepared parameters: sorted by name, and the f32 masters under mixed precision.
-        let tensors: Vec<(String, Tensor)> = acc
-            .model()
-            .parameters()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        accelerate_core::save_safetensors(path, &tensors)
+        accelerate_core::save_safetensors(path, &parameter_tensors(acc))
     } else {
         Ok(())
     };
     acc.agree_across_ranks(path, "writing the model", written)
         .with_context(|| format!("--save-model {}", path.display()))
+}
+
+/// The prepared parameters as tensors: sorted by name, and the f32 masters under mixed precision
+/// (what a saved model holds).
+pub fn parameter_tensors(acc: &Accelerator) -> Vec<(String, Tensor)> {
+    acc.model()
+        .parameters()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect()
 }
