@@ -192,7 +192,10 @@ fn corpus_file(path: PathBuf, format: Format) -> Result<CorpusFile> {
     })
 }
 
-/// The files of `dir` with a known extension (of `format` when given), sorted by name.
+/// The files of `dir` with a known extension (of `format` when given), sorted by name. Markdown
+/// files count only when named one by one: in a directory they are a dataset card (README.md),
+/// not text to train on. Subdirectories (a Hugging Face dataset's `data/`) are refused by name,
+/// so that no data is silently left out.
 fn directory_files(dir: &Path, format: Option<Format>) -> Result<Vec<(PathBuf, Format)>> {
     let read_error = |e: std::io::Error| {
         Error::Text(format!(
@@ -207,7 +210,19 @@ fn directory_files(dir: &Path, format: Option<Format>) -> Result<Vec<(PathBuf, F
             .file_name()
             .and_then(|n| n.to_str())
             .is_some_and(|n| n.starts_with('.'));
-        if hidden || !path.is_file() {
+        if hidden {
+            continue;
+        }
+        if path.is_dir() {
+            return Err(Error::Text(format!(
+                "the corpus directory {} holds the directory {}, which is not read; pass the \
+                 files or directories of the data themselves",
+                dir.display(),
+                path.display()
+            )));
+        }
+        let markdown = path.extension().and_then(|e| e.to_str()) == Some("md");
+        if markdown || !path.is_file() {
             continue;
         }
         match Format::from_path(&path) {
@@ -229,7 +244,7 @@ fn directory_files(dir: &Path, format: Option<Format>) -> Result<Vec<(PathBuf, F
         1 => Ok(files),
         _ => Err(Error::Text(format!(
             "the corpus directory {} holds files of several formats ({}); name the format to \
-             read, or pass the files themselves",
+             read (--format jsonl|parquet|text), or pass the files themselves",
             dir.display(),
             formats
                 .iter()

@@ -141,7 +141,7 @@ impl TokenFile {
             ));
         }
         let header_len = u64::from_le_bytes(map[8..16].try_into().expect("8 bytes"));
-        if header_len % 8 != 0 || tokens_offset(header_len) > len {
+        if header_len % 8 != 0 || header_len > len.saturating_sub(16) {
             return Err(bad(format!(
                 "its header length {header_len} does not fit in its {len} bytes (truncated?)"
             )));
@@ -165,7 +165,9 @@ impl TokenFile {
         let expected = header
             .tokens
             .checked_mul(width)
-            .map(|ids| align8(tokens_offset(header_len) + ids))
+            .and_then(|ids| tokens_offset(header_len).checked_add(ids))
+            .and_then(|end| end.checked_add(7))
+            .map(|end| end / 8 * 8)
             .and_then(|at| {
                 let offsets = header.documents.checked_add(1)?.checked_mul(8)?;
                 Some((at, at.checked_add(offsets)?))

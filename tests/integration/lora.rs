@@ -627,8 +627,10 @@ fn output_dir_holds_the_peft_adapter_and_the_model_directorys_tokenizer_files() 
         [
             "adapter_config.json",
             "adapter_model.safetensors",
+            "chat_template.jinja",
             "special_tokens_map.json",
-            "tokenizer.json"
+            "tokenizer.json",
+            "tokenizer_config.json"
         ]
     );
     let weights = |d: &Path| load_flat(&d.join(lora::ADAPTER_WEIGHTS));

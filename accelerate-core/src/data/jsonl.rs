@@ -109,8 +109,12 @@ impl Iterator for Lines {
             let (path, lines, number) = self.current.as_mut()?;
             match lines.next() {
                 None => self.current = None,
-                Some(Ok(text)) => {
+                Some(Ok(mut text)) => {
                     *number += 1;
+                    // A byte-order mark (editors on Windows write one) is not part of the JSON.
+                    if *number == 1 && text.starts_with('\u{feff}') {
+                        text.drain(..'\u{feff}'.len_utf8());
+                    }
                     if text.trim().is_empty() {
                         continue;
                     }

@@ -213,7 +213,6 @@ fn a_directory_is_its_files_of_one_format_sorted() {
     std::fs::write(d.join("part-1.jsonl"), "{\"text\": \"a\"}\n").unwrap();
     std::fs::write(d.join(".hidden.jsonl"), "{\"text\": \"hidden\"}\n").unwrap();
     std::fs::write(d.join("LICENSE"), "no extension").unwrap();
-    std::fs::create_dir(d.join("nested.jsonl")).unwrap();
     let corpus = Corpus::new([d]).unwrap();
     let names: Vec<String> = corpus
         .files()
@@ -222,7 +221,7 @@ fn a_directory_is_its_files_of_one_format_sorted() {
             p.file_name().unwrap().to_string_lossy().into_owned()
         })
         .collect();
-    // Sorted by name as strings (as `sorted(os.listdir())`), hidden files and folders left out.
+    // Sorted by name as strings (as `sorted(os.listdir())`), hidden files left out.
     assert_eq!(names, ["part-1.jsonl", "part-10.jsonl", "part-2.jsonl"]);
     let texts: Vec<Content> = read_all(&corpus)
         .unwrap()
@@ -234,7 +233,10 @@ fn a_directory_is_its_files_of_one_format_sorted() {
         ["a", "b", "c"].map(|t| Content::Text(t.into())).to_vec()
     );
 
+    // A dataset card beside the data is left out; a text file is another format.
     std::fs::write(d.join("README.md"), "# a dataset card\n").unwrap();
+    assert_eq!(Corpus::new([d]).unwrap().files().count(), 3);
+    std::fs::write(d.join("notes.txt"), "some text\n").unwrap();
     let e = err(Corpus::new([d]));
     assert!(
         e.contains("holds files of several formats (json, text)"),
@@ -296,4 +298,37 @@ fn select_keeps_a_range_of_the_document_stream_and_passes_errors_on() {
         .select(5..6);
     let e = read_all(&bad).unwrap_err();
     assert!(e.contains("bad_json.jsonl:3"), "{e}");
+}
+
+#[test]
+fn a_byte_order_mark_is_skipped_and_a_dataset_folder_is_read_without_its_card() {
+    let dir = tempfile::tempdir().unwrap();
+    let bom = dir.path().join("bom.jsonl");
+    std::fs::write(
+        &bom,
+        "\u{feff}{\"text\": \"first\"}\n{\"text\": \"second\"}\n",
+    )
+    .unwrap();
+    let docs = read_all(&Corpus::new([&bom]).unwrap()).unwrap();
+    let texts: Vec<_> = docs.iter().map(|d| d.content.clone()).collect();
+    assert_eq!(
+        texts,
+        [
+            Content::Text("first".into()),
+            Content::Text("second".into())
+        ]
+    );
+
+    // A Hugging Face dataset folder: a card beside the data files, left out.
+    let folder = dir.path().join("dataset");
+    std::fs::create_dir(&folder).unwrap();
+    std::fs::write(folder.join("README.md"), "# My dataset\nlicense: mit\n").unwrap();
+    std::fs::write(folder.join("train.txt"), "a line\nanother line\n").unwrap();
+    let docs = read_all(&Corpus::new([&folder]).unwrap()).unwrap();
+    assert_eq!(docs.len(), 2);
+    assert!(docs.iter().all(|d| d.source.ends_with("train.txt")));
+    // A subdirectory (the data of a snapshot under data/) is refused by name, not skipped.
+    std::fs::create_dir(folder.join("data")).unwrap();
+    let e = Corpus::new([&folder]).unwrap_err().to_string();
+    assert!(e.contains("data") && e.contains("not read"), "{e}");
 }

@@ -201,3 +201,43 @@ fn damaged_files_are_refused_naming_the_file_and_the_fix() {
     );
     assert!(file.document(1).is_err());
 }
+
+#[test]
+fn absurd_header_and_count_fields_are_errors_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.tokens");
+    write(&good, TokenDtype::U16, &[vec![1, 2, 3], vec![4]]);
+    let bytes = std::fs::read(&good).unwrap();
+    let header_len = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[16..16 + header_len])
+        .unwrap()
+        .to_string();
+    let cases: Vec<Vec<u8>> = vec![
+        // A header length near 2^64 (and a multiple of 8).
+        [&bytes[..8], &(u64::MAX - 7).to_le_bytes()[..], &bytes[16..]].concat(),
+        // Token and document counts whose byte sizes overflow.
+        {
+            let big = header
+                .replacen("\"tokens\":4", &format!("\"tokens\":{}", u64::MAX / 2), 1)
+                .replacen(
+                    "\"documents\":2",
+                    &format!("\"documents\":{}", u64::MAX - 1),
+                    1,
+                );
+            let mut padded = big.into_bytes();
+            padded.resize(header_len, b' ');
+            [
+                &bytes[..16],
+                &padded[..header_len],
+                &bytes[16 + header_len..],
+            ]
+            .concat()
+        },
+    ];
+    for (i, damaged) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{i}.tokens"));
+        std::fs::write(&path, damaged).unwrap();
+        let e = TokenFile::open(&path).unwrap_err().to_string();
+        assert!(e.contains("re-run the tokenize command"), "case {i}: {e}");
+    }
+}
