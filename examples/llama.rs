@@ -92,6 +92,7 @@ fn write_output_dir(
                 tensors: &tensors,
                 max_shard_size: args.max_shard_size,
                 carry_from: model_dir.map(ModelDir::dir),
+                tokenizer_from: args.text.tokenizer.as_deref(),
             },
         )
         .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))

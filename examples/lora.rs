@@ -238,7 +238,8 @@ fn write_output_dir(
             |_| false,
             |tmp| {
                 lora::save_adapter(tmp, lora, base_model, acc.model().parameters())?;
-                if let Some(from) = model_dir {
+                // The tokenizer trained with: --tokenizer's, else --model's.
+                if let Some(from) = args.text.tokenizer.as_deref().or(model_dir) {
                     copy_carried_files(from, tmp, false)?;
                 }
                 Ok(())

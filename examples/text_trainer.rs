@@ -1,5 +1,7 @@
 //! Fine-tunes a Hugging Face Llama model directory on a text corpus through the Trainer: the
-//! same packed rows as `llama --train-file`, Hugging Face's TrainingArguments for the rest.
+//! same packed rows as `llama --train-file`, Hugging Face's TrainingArguments for the rest. The
+//! trained model is written into --output-dir as a model directory (config.json, weights,
+//! tokenizer), beside the Trainer's checkpoints.
 //!
 //! `cargo run --release --example text_trainer -- --model tests/fixtures/llama-dir
 //! --train-file tests/fixtures/text/corpus.jsonl --block-size 32 --output-dir out`; on two CPU
@@ -8,7 +10,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use accelerate_examples::llama::{self, ModelDir, TextArgs};
+use accelerate_examples::llama::model_dir::{parse_size, DEFAULT_MAX_SHARD_SIZE};
+use accelerate_examples::llama::{self, write_model_dir, ModelDir, ModelOutput, TextArgs};
 use accelerate_examples::run;
 use accelerate_trainer::{Trainer, TrainingArguments};
 use anyhow::{bail, Context, Result};
@@ -62,6 +65,29 @@ fn train(args: &Args) -> Result<()> {
         Arc::new(data.train),
         data.validation.map(Arc::new),
     )?;
+    // The trained model into --output-dir as Trainer.save_model writes it (its checkpoints stay
+    // beside it), with the tokenizer it was trained with.
+    let acc = trainer.accelerator();
+    let out_dir = &trainer.args().output_dir;
+    let written = if acc.is_main_process() {
+        write_model_dir(
+            out_dir,
+            true,
+            &ModelOutput {
+                config: &config,
+                token_ids: model_dir.token_ids(),
+                tensors: &run::parameter_tensors(acc),
+                max_shard_size: parse_size(DEFAULT_MAX_SHARD_SIZE).map_err(anyhow::Error::msg)?,
+                carry_from: Some(&args.model),
+                tokenizer_from: args.text.tokenizer.as_deref(),
+            },
+        )
+        .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+    } else {
+        Ok(())
+    };
+    acc.agree_across_ranks(out_dir, "writing the model directory", written)
+        .with_context(|| format!("--output-dir {}", out_dir.display()))?;
     trainer.accelerator().print(format!(
         "steps={} train_loss={:.6} eval_loss={}",
         out.global_step,

@@ -112,7 +112,19 @@ fn two_ranks_fine_tuning_from_a_model_dir_on_jsonl_equal_one_process_and_the_out
     // The comparison could fail: 4 steps moved the weights far beyond the tolerance.
     assert!(max_abs_diff_flat(&weights(&model_dir()), &b) > 1e-3);
 
-    // The tokenizer travels with the model, byte for byte.
+    // The tokenizer trained with travels with the model, byte for byte: --tokenizer's when given.
+    let other = dir.path().join("other-tokenizer");
+    let legacy = repo("fixtures/text/tokenizer_legacy");
+    let o = llama()
+        .args(with(fine_tune(&corpus(), 8, &other), "--max-steps", "1"))
+        .args(["--tokenizer", legacy.to_str().unwrap()])
+        .run();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        std::fs::read(other.join("tokenizer_config.json")).unwrap(),
+        std::fs::read(legacy.join("tokenizer_config.json")).unwrap()
+    );
+    // The fixture model's tokenizer travels with the model, byte for byte.
     for file in [
         "tokenizer.json",
         "tokenizer_config.json",
@@ -298,6 +310,24 @@ fn the_trainer_takes_the_same_packed_rows_and_two_ranks_equal_one_process() {
         (single - dist).abs() < 1e-5,
         "train_loss {single} (1 process) vs {dist} (2 ranks x K=2)"
     );
+    // Both wrote the trained model as a model directory, tokenizer included: the same weights,
+    // moved from the fixture's. The sums of 2 ranks x 2 micro-batches are added in another order
+    // than one batch's, and AdamW's normalized update (the Trainer's default, with clipping at
+    // 1.0) turns those last-bit differences of near-zero gradients into ~1e-5 of the weights;
+    // 4 steps of lr 0.01 move them by up to 4e-2.
+    let (a, b) = (
+        weights(&dir.path().join("dist")),
+        weights(&dir.path().join("single")),
+    );
+    assert!(
+        max_abs_diff_flat(&a, &b) < 1e-4,
+        "{}",
+        max_abs_diff_flat(&a, &b)
+    );
+    assert!(max_abs_diff_flat(&weights(&model_dir()), &b) > 1e-3);
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(dir.path().join("single").join(file).exists(), "{file}");
+    }
     // The loss is the packed rows' causal-LM loss of a model that starts from the fixture's
     // weights: near ln(256) = 5.55 for its random init, far from 0.
     assert!(single > 3.0 && single < 9.0, "{single}");

@@ -497,6 +497,9 @@ pub struct ModelOutput<'a> {
     /// The directory whose tokenizer files and `generation_config.json` are copied along
     /// (`--model`'s), if any.
     pub carry_from: Option<&'a Path>,
+    /// The directory of the tokenizer the model was trained with, when it is not `carry_from`'s
+    /// (`--tokenizer`): its files are copied instead of `carry_from`'s.
+    pub tokenizer_from: Option<&'a Path>,
 }
 
 /// Writes a model directory that `LlamaForCausalLM.from_pretrained` (and, with tokenizer files
@@ -549,8 +552,11 @@ pub fn write_model_dir(dir: &Path, overwrite: bool, out: &ModelOutput) -> Result
             }
         }
         write_json(&tmp.join(CONFIG), &config)?;
+        if let Some(from) = out.tokenizer_from.or(out.carry_from) {
+            copy_carried_files(from, tmp, false)?;
+        }
         if let Some(from) = out.carry_from {
-            copy_carried_files(from, tmp, true)?;
+            copy_files(from, tmp, &[GENERATION_CONFIG])?;
         }
         Ok(())
     })
@@ -563,8 +569,13 @@ pub fn copy_carried_files(from: &Path, to: &Path, generation: bool) -> Result<Ve
     if generation {
         names.push(GENERATION_CONFIG);
     }
+    copy_files(from, to, &names)
+}
+
+/// Copies those of `names` that exist in `from` into `to`, each atomically; returns them.
+fn copy_files(from: &Path, to: &Path, names: &[&'static str]) -> Result<Vec<&'static str>> {
     let mut copied = Vec::new();
-    for name in names {
+    for &name in names {
         let src = from.join(name);
         if !src.exists() {
             continue;
@@ -768,6 +779,7 @@ mod tests {
                 tensors: &tensors(params),
                 max_shard_size: max,
                 carry_from: None,
+                tokenizer_from: None,
             },
         )
     }
@@ -953,6 +965,7 @@ mod tests {
                 tensors: &tensors(&params(1)),
                 max_shard_size: 1 << 30,
                 carry_from: Some(&from),
+                tokenizer_from: None,
             },
         )
         .unwrap();

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use accelerate_core::data::Dataset;
-use accelerate_text::{Corpus, PackedRows, SampleBy, TokenFile, TokenizeFn, Tokenizer};
+use accelerate_text::{Corpus, Format, PackedRows, SampleBy, TokenFile, TokenizeFn, Tokenizer};
 use anyhow::{bail, Context, Result};
 
 use super::config::LlamaConfig;
@@ -42,11 +42,17 @@ pub struct TextArgs {
     /// records without it use `messages` through the tokenizer's chat template).
     #[arg(long, value_name = "NAME")]
     pub text_column: Option<String>,
+    /// The files' format when their extensions do not say it: jsonl, parquet or text.
+    #[arg(long)]
+    pub format: Option<Format>,
     /// How plain-text files are cut into documents: line (as datasets' text loader),
     /// paragraph or document.
     #[arg(long, default_value = "line")]
     pub sample_by: SampleBy,
-    /// Threads that tokenize the corpus at startup (default: the available cores).
+    /// Threads that tokenize the corpus at startup (default: the available cores shared by the
+    /// processes of this machine, LOCAL_WORLD_SIZE). Every process tokenizes the whole corpus
+    /// into memory (4 bytes per token): tokenize corpora of more than a few GB once with
+    /// accelerate-tokenize and train on the token file.
     #[arg(long, value_name = "N")]
     pub preprocessing_num_workers: Option<usize>,
 }
@@ -162,8 +168,30 @@ impl TextArgs {
     /// Tokenizes and packs the corpora into rows of `block_size` tokens.
     pub fn load(&self, tokenizer: &Arc<Tokenizer>, block_size: usize) -> Result<TextData> {
         let workers = self.preprocessing_num_workers.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+            let local_processes = std::env::var("LOCAL_WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(1)
+                .max(1);
+            (cores / local_processes).max(1)
         });
+        let token_files =
+            token_file(&self.train_file)?.is_some() || token_file(&self.validation_file)?.is_some();
+        if token_files {
+            for (set, flag) in [
+                (self.text_column.is_some(), "--text-column"),
+                (self.format.is_some(), "--format"),
+                (self.sample_by != SampleBy::default(), "--sample-by"),
+            ] {
+                if set {
+                    bail!(
+                        "{flag} has no effect on a token file, whose documents were cut and \
+                         tokenized when it was written; give it to accelerate-tokenize instead"
+                    );
+                }
+            }
+        }
         let tokenize: TokenizeFn = {
             let tokenizer = Arc::clone(tokenizer);
             Arc::new(move |content| tokenizer.encode_document(content))
@@ -248,7 +276,11 @@ impl TextArgs {
 
     /// The corpus of `files` with the flags' field and text cutting.
     fn corpus(&self, files: &[PathBuf]) -> Result<Corpus> {
-        let corpus = Corpus::new(files)?.sample_by(self.sample_by);
+        let corpus = match self.format {
+            Some(format) => Corpus::with_format(files, format)?,
+            None => Corpus::new(files)?,
+        }
+        .sample_by(self.sample_by);
         Ok(match &self.text_column {
             Some(name) => corpus.field(name.clone()),
             None => corpus,
