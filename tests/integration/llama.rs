@@ -445,6 +445,26 @@ fn max_steps_runs_all_its_steps_over_as_many_epochs_as_they_take() {
 /// directory (the weights and the config.json beside them), gives the loss our model gives on the
 /// fixture's tokens. Skipped (saying so) without python3 with torch and transformers; the other
 /// tests need no Python.
+/// Runs `tests/python/<script> <paths...> <ours>` (a check against transformers) and expects it to
+/// succeed printing `ok`.
+fn python_check(script: &str, paths: &[&std::ffi::OsStr], ours: f32) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let o = Job::new("python3")
+        .arg(&script)
+        .args(paths)
+        .arg(ours.to_string())
+        .limit(Duration::from_secs(120))
+        .run();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}",
+        text(&o)
+    );
+}
+
 /// Whether python3 with torch, transformers and safetensors is installed; says SKIPPED if not.
 fn python_with_transformers() -> bool {
     let ok = Command::new("python3")
@@ -493,19 +513,10 @@ fn transformers_loads_the_saved_model_unchanged() {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_save.py");
-    let o = Job::new("python3")
-        .arg(&script)
-        .arg(dir.path())
-        .arg(fixture("tokens.safetensors"))
-        .arg(ours.to_string())
-        .limit(Duration::from_secs(120))
-        .run();
-    assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        String::from_utf8_lossy(&o.stdout).contains("ok"),
-        "{}",
-        text(&o)
+    python_check(
+        "check_llama_save.py",
+        &[dir.path().as_ref(), fixture("tokens.safetensors").as_ref()],
+        ours,
     );
 }
 
@@ -902,19 +913,10 @@ fn transformers_loads_the_output_directory() {
         .to_scalar::<f32>()
         .unwrap()
         / (b * (t - 1)) as f32;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/check_llama_output_dir.py");
-    let o = Job::new("python3")
-        .arg(&script)
-        .arg(&out)
-        .arg(&tokens)
-        .arg(ours.to_string())
-        .limit(Duration::from_secs(120))
-        .run();
-    assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        String::from_utf8_lossy(&o.stdout).contains("ok"),
-        "{}",
-        text(&o)
+    python_check(
+        "check_llama_output_dir.py",
+        &[out.as_ref(), tokens.as_ref()],
+        ours,
     );
 }
 

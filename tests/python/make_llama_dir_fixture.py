@@ -36,7 +36,9 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_llama_fixture import tiny_llama  # noqa: E402
 
 # Small enough that the ~140 KB of weights are split into several shards.
 MAX_SHARD_SIZE = "40KB"
@@ -100,36 +102,8 @@ def main() -> int:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         assert len(tokenizer) <= 256, f"the tokenizer has {len(tokenizer)} tokens, the model 256"
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    torch.manual_seed(4321)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        # Not the default 10000, so a model that ignored the config's theta would not match.
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-        bos_token_id=bos,
-        eos_token_id=eos,
-    )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.config._attn_implementation = "eager"
-    # Weights large enough that attention is far from uniform; norm weights away from 1.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
+    model = tiny_llama(seed=4321, vocab=256, intermediate=64, bos=bos, eos=eos)
+    config = model.config
     model.save_pretrained(out, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
     shards = sorted(glob.glob(os.path.join(out, "model-*-of-*.safetensors")))
     assert len(shards) >= 2, f"expected several shards, got {shards}"

@@ -27,15 +27,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 LR = 0.1
 
 
-def main() -> int:
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "fixtures", "llama")
-    os.makedirs(out, exist_ok=True)
-    torch.manual_seed(1234)
+def tiny_llama(seed: int, vocab: int, intermediate: int, bos, eos) -> LlamaForCausalLM:
+    """The tests' tiny LlamaForCausalLM (f32, eager attention), its weights drawn from `seed`:
+    large enough that attention is far from uniform and every gradient is well above rounding,
+    norm weights away from 1 so a model that ignored them would not match."""
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=32,
+        vocab_size=vocab,
         hidden_size=32,
-        intermediate_size=32,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -47,13 +47,11 @@ def main() -> int:
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",
-        bos_token_id=None,
-        eos_token_id=None,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.config._attn_implementation = "eager"
-    # Weights large enough that attention is far from uniform and every gradient is well above
-    # rounding; norm weights away from 1 so a model that ignored them would not match.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -62,6 +60,15 @@ def main() -> int:
                 p.copy_(torch.randn_like(p))
             else:
                 p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def main() -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "fixtures", "llama")
+    os.makedirs(out, exist_ok=True)
+    model = tiny_llama(seed=1234, vocab=32, intermediate=32, bos=None, eos=None)
+    config = model.config
     model.save_pretrained(out, safe_serialization=True)
     # Not read by the tests (a training fixture has no generation settings).
     os.remove(os.path.join(out, "generation_config.json"))

@@ -134,3 +134,22 @@ pub fn write_jsonl(path: &std::path::Path, n: usize, seed: u64) -> Vec<String> {
     }
     texts
 }
+
+/// A corpus of `n` generated documents in `dir/name` ([`write_jsonl`]), and each document's ids
+/// under the byte tokenizer, read back through the corpus.
+pub fn jsonl_corpus(
+    dir: &std::path::Path,
+    name: &str,
+    n: usize,
+    seed: u64,
+) -> (Corpus, Vec<Vec<u32>>) {
+    let path = dir.join(name);
+    write_jsonl(&path, n, seed);
+    let corpus = Corpus::new([&path]).unwrap();
+    let ids = read_all(&corpus)
+        .unwrap()
+        .iter()
+        .map(|d| byte_ids(&d.content))
+        .collect();
+    (corpus, ids)
+}

@@ -9,19 +9,12 @@ use accelerate_text::{
     pretokenize, Corpus, PackedRows, PretokenizeOptions, TokenDtype, TokenFile, TokenRow,
 };
 
-use crate::common::{batch_rows, byte_ids, byte_tokenizer, naive_rows, read_all, write_jsonl};
+use crate::common::{batch_rows, byte_tokenizer, jsonl_corpus, naive_rows};
 
 /// A corpus of `n` generated documents, their ids by the byte tokenizer, and a token file of it.
 fn setup(n: usize) -> (tempfile::TempDir, Corpus, Vec<Vec<u32>>, Arc<TokenFile>) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("corpus.jsonl");
-    write_jsonl(&path, n, 5);
-    let corpus = Corpus::new([&path]).unwrap();
-    let ids: Vec<Vec<u32>> = read_all(&corpus)
-        .unwrap()
-        .iter()
-        .map(|d| byte_ids(&d.content))
-        .collect();
+    let (corpus, ids) = jsonl_corpus(dir.path(), "corpus.jsonl", n, 5);
     let out = dir.path().join("corpus.tokens");
     let options = PretokenizeOptions::new(TokenDtype::U16, "bytes");
     pretokenize(&corpus, byte_tokenizer(), 3, &out, options).unwrap();

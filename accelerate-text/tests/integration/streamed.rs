@@ -6,7 +6,7 @@ use std::sync::Arc;
 use accelerate_core::data::StreamingLoader;
 use accelerate_text::{Content, Corpus, Error, TokenRow, TokenizeFn, TokenizedCorpus};
 
-use crate::common::{batch_rows, byte_ids, byte_tokenizer, read_all, write_jsonl};
+use crate::common::{batch_rows, byte_ids, byte_tokenizer, jsonl_corpus};
 
 const PAD: u32 = 1;
 
@@ -35,14 +35,7 @@ fn padded(docs: &[Vec<u32>], max_length: usize) -> Vec<TokenRow> {
 #[test]
 fn ranks_get_their_slices_of_each_global_batch_tokenized_and_padded() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("stream.jsonl");
-    write_jsonl(&path, 47, 3);
-    let corpus = Corpus::new([&path]).unwrap();
-    let ids: Vec<Vec<u32>> = read_all(&corpus)
-        .unwrap()
-        .iter()
-        .map(|d| byte_ids(&d.content))
-        .collect();
+    let (corpus, ids) = jsonl_corpus(dir.path(), "stream.jsonl", 47, 3);
     let max_length = 100;
     let dataset =
         Arc::new(TokenizedCorpus::new(corpus, byte_tokenizer(), max_length, PAD).unwrap());
