@@ -445,6 +445,13 @@ fn max_steps_runs_all_its_steps_over_as_many_epochs_as_they_take() {
 /// directory (the weights and the config.json beside them), gives the loss our model gives on the
 /// fixture's tokens. Skipped (saying so) without python3 with torch and transformers; the other
 /// tests need no Python.
+/// The causal-LM loss of `input_ids` per predicted token, as transformers reports it.
+fn mean_causal_lm_loss(model: &llama::Llama, input_ids: &Tensor) -> f32 {
+    let (b, t) = input_ids.dims2().unwrap();
+    let summed = model.summed_causal_lm_loss(input_ids).unwrap();
+    summed.to_scalar::<f32>().unwrap() / (b * (t - 1)) as f32
+}
+
 /// Runs `tests/python/<script> <paths...> <ours>` (a check against transformers) and expects it to
 /// succeed printing `ok`.
 fn python_check(script: &str, paths: &[&std::ffi::OsStr], ours: f32) {
@@ -565,13 +572,7 @@ fn a_sharded_model_directory_loads_the_weights_transformers_computes_with() {
     let logits = model.forward(&input_ids).unwrap();
     let d = relative_diff(&logits, &reference["logits"]);
     assert!(d <= RELATIVE_TOLERANCE, "logits: relative difference {d}");
-    let (b, t) = input_ids.dims2().unwrap();
-    let ours = model
-        .summed_causal_lm_loss(&input_ids)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        / (b * (t - 1)) as f32;
+    let ours = mean_causal_lm_loss(&model, &input_ids);
     let theirs = reference["loss"].to_scalar::<f32>().unwrap();
     assert!(
         (ours - theirs).abs() <= RELATIVE_TOLERANCE * theirs,
@@ -906,13 +907,7 @@ fn transformers_loads_the_output_directory() {
     let input_ids = candle_core::safetensors::load(&tokens, &Device::Cpu).unwrap()["input_ids"]
         .to_dtype(DType::U32)
         .unwrap();
-    let (b, t) = input_ids.dims2().unwrap();
-    let ours = model
-        .summed_causal_lm_loss(&input_ids)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        / (b * (t - 1)) as f32;
+    let ours = mean_causal_lm_loss(&model, &input_ids);
     python_check(
         "check_llama_output_dir.py",
         &[out.as_ref(), tokens.as_ref()],
