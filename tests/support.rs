@@ -314,10 +314,13 @@ pub fn ranks_as_threads<R: Send>(
 ) -> Vec<R> {
     use accelerate_core::{Launcher, ProcessState};
     let port = free_ports(2);
+    // Every rank finishes joining before any runs `f`: rank 0 hosts the store, and a rank 0 whose
+    // `f` needs no collective would otherwise drop it while a peer still reads its last keys.
+    let joined = std::sync::Barrier::new(n);
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (builder, f) = (&builder, &f);
+                let (builder, f, joined) = (&builder, &f, &joined);
                 scope.spawn(move || {
                     let state = ProcessState {
                         rank,
@@ -330,7 +333,9 @@ pub fn ranks_as_threads<R: Send>(
                         restart_count: 0,
                         launcher: Launcher::Torchrun,
                     };
-                    f(builder().process_state(state).build().unwrap())
+                    let accelerator = builder().process_state(state).build();
+                    joined.wait();
+                    f(accelerator.unwrap())
                 })
             })
             .collect();
