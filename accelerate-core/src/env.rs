@@ -35,6 +35,14 @@ pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 /// The ZeRO stage, `0` (plain data parallel), `1` (optimizer state sharded) or `2` (optimizer
 /// state and gradients sharded) (`accelerate-launch --zero-stage N`).
 pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
+/// Under ZeRO stage 3 (fully sharded), the model classes whose every instance is one sharded
+/// unit, comma-separated (Accelerate's `fsdp_transformer_layer_cls_to_wrap`, e.g. `GPT2Block` or
+/// `LlamaDecoderLayer`): a program that declares its units by class reads it.
+pub const FSDP_LAYER_CLASSES: &str = "ACCELERATE_FSDP_LAYER_CLASSES";
+/// Under ZeRO stage 3, what `save_model` and checkpoints write of the parameters:
+/// `FULL_STATE_DICT` (the whole model, gathered unit by unit to the main process) or
+/// `SHARDED_STATE_DICT` (each rank its own pieces) (Accelerate's `fsdp_state_dict_type`).
+pub const FSDP_STATE_DICT_TYPE: &str = "ACCELERATE_FSDP_STATE_DICT_TYPE";
 /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_BUCKET_CAP_MB";
 /// Whether the sync micro-step overlaps the reduction of one gradient bucket with the
