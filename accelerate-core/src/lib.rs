@@ -103,6 +103,7 @@ mod device;
 pub mod env;
 mod error;
 mod files;
+mod fsdp;
 #[cfg(fuzzing)]
 pub mod fuzzing;
 #[cfg(all(test, not(fuzzing)))]
@@ -142,6 +143,7 @@ pub use comm::ReduceOp;
 pub use device::{gpu_present, physical_gpu_count, select_device};
 pub use error::{Error, Result};
 pub use files::{load_into_vars, load_safetensors, save_safetensors, write_atomic};
+pub use fsdp::{ShardedUnit, UnitParams, UnitSpec};
 pub use grads::{GradientBuffers, DEFAULT_BUCKET_CAP_BYTES};
 pub use malloc::keep_freed_memory;
 pub use mixed_precision::{

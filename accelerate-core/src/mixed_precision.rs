@@ -391,10 +391,19 @@ impl MixedPrecisionState {
     /// On the sync micro-step, after the all-reduce: under fp16 checks the gradients for inf/NaN,
     /// records whether the step must be skipped, and updates the scale.
     pub fn after_sync(&mut self, buffers: &GradientBuffers) -> Result<()> {
+        if self.scaler.is_none() {
+            return Ok(());
+        }
+        let overflow = !buffers.all_finite()?;
+        self.after_sync_verdict(overflow)
+    }
+
+    /// [`after_sync`](Self::after_sync) when the ranks already agreed whether some gradient
+    /// overflowed (ZeRO stage 3, where each rank holds only its pieces).
+    pub fn after_sync_verdict(&mut self, overflow: bool) -> Result<()> {
         let Some(scaler) = self.scaler.as_mut() else {
             return Ok(());
         };
-        let overflow = !buffers.all_finite()?;
         self.window_overflowed = overflow;
         scaler.update(overflow)
     }

@@ -13,6 +13,7 @@ use candle_nn::VarMap;
 
 use crate::comm::ReduceOp;
 use crate::error::Result;
+use crate::fsdp::{ShardedUnit, UnitSpec};
 use crate::training::{SharedSync, TrainingState};
 use crate::window::MicroStep;
 use crate::zero::CommLink;
@@ -40,6 +41,19 @@ pub struct Model {
     params: NamedVars,
     frozen: Option<FrozenPredicate>,
     accumulation_steps: Option<usize>,
+    units: Option<Vec<UnitSpec>>,
+}
+
+/// A [`Model`] taken apart for `prepare`.
+pub(crate) struct ModelParts {
+    /// The trained parameters, in the order given.
+    pub trained: NamedVars,
+    /// The frozen parameters, in the order given.
+    pub frozen: NamedVars,
+    /// The model's own K.
+    pub accumulation_steps: Option<usize>,
+    /// The model's units, if it declared them.
+    pub units: Option<Vec<UnitSpec>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -48,6 +62,7 @@ impl std::fmt::Debug for Model {
             .field("parameters", &self.params.len())
             .field("freezes", &self.frozen.is_some())
             .field("accumulation_steps", &self.accumulation_steps)
+            .field("units", &self.units.as_ref().map(Vec::len))
             .finish()
     }
 }
@@ -59,6 +74,7 @@ impl Model {
             params,
             frozen: None,
             accumulation_steps: None,
+            units: None,
         }
     }
 
@@ -86,13 +102,27 @@ impl Model {
         self
     }
 
-    /// The parameters split into `(trained, frozen)`, in the order given, and the model's own K.
-    pub(crate) fn into_parts(self) -> (NamedVars, NamedVars, Option<usize>) {
+    /// Declares the model's units (FSDP's wrapped modules): each is gathered, computed and
+    /// freed as one under ZeRO stage 3, which needs them; every parameter must be in exactly
+    /// one. At the other stages they only group the parameters, so one model code, computing
+    /// each unit through [`PreparedModel::unit`], runs at every stage.
+    pub fn units(mut self, units: Vec<UnitSpec>) -> Self {
+        self.units = Some(units);
+        self
+    }
+
+    /// The parameters split into trained and frozen, in the order given, with the rest.
+    pub(crate) fn into_parts(self) -> ModelParts {
         let (frozen, trained) = match &self.frozen {
             Some(is_frozen) => self.params.into_iter().partition(|(n, _)| is_frozen(n)),
             None => (Vec::new(), self.params),
         };
-        (trained, frozen, self.accumulation_steps)
+        ModelParts {
+            trained,
+            frozen,
+            accumulation_steps: self.accumulation_steps,
+            units: self.units,
+        }
     }
 }
 
@@ -159,6 +189,21 @@ impl PreparedModel {
     /// build this model's optimizer from them.
     pub fn parameters(&self) -> &[(String, Var)] {
         self.training.parameters()
+    }
+
+    /// The unit called `name` (declared with [`Model::units`]), to compute it through
+    /// [`ShardedUnit::forward`].
+    pub fn unit(&self, name: &str) -> Result<ShardedUnit> {
+        self.training.unit(name)
+    }
+
+    /// Every trained parameter whole, by name (sorted), on the host: under ZeRO stage 3
+    /// all-gathered unit by unit (a collective: every rank calls it), else copied. What
+    /// `save_model` writes; also how to read the weights of a sharded model.
+    pub fn whole_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.comm.with("whole_parameters", |comm| {
+            self.training.whole_parameters(comm, true)
+        })
     }
 
     /// The frozen parameters, sorted by name.

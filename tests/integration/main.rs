@@ -26,6 +26,8 @@ mod conformance;
 mod distributed;
 // The examples' held-out evaluation against a single-process one, their trackers and flags.
 mod evaluation;
+// ZeRO stage 3 (fully sharded) against stage 0 and one process, in process.
+mod fsdp;
 // The `gpt` example end to end.
 mod gpt;
 // On the GPU (with `nccl`): NCCL collectives, training against the CPU, restarts, the watchdog.

@@ -141,7 +141,11 @@ impl AcceleratorBuilder {
     /// stages 1 and 2, `optimizer.step()` and (at stage 2) `clip_grad_norm` are collectives: every
     /// rank calls them, on the thread that built the accelerator. They need an optimizer of
     /// [`optim`](crate::optim) (its state can be cut into pieces); candle-nn's keep theirs private.
-    /// Stage 3 (sharding the parameters themselves) is not implemented and refused.
+    ///
+    /// - 3: fully sharded (PyTorch FSDP's `FULL_SHARD`): each rank keeps only its 1/N of the
+    ///   parameters too. The model declares its units ([`Model::units`](crate::Model::units)) and
+    ///   computes each through [`PreparedModel::unit`](crate::PreparedModel::unit); `prepare`
+    ///   returns this rank's pieces, which any optimizer steps as it would whole parameters.
     pub fn zero_stage(mut self, stage: u8) -> Self {
         self.zero_stage = Some(stage);
         self
@@ -217,7 +221,7 @@ impl AcceleratorBuilder {
             Some(stage) => stage,
             None => env::read(
                 env::ZERO_STAGE,
-                "expected 0 (plain data parallel), 1 or 2",
+                "expected 0 (plain data parallel), 1, 2 or 3",
                 |v| v.trim().parse::<u8>().ok(),
             )?
             .unwrap_or(0),
@@ -228,13 +232,13 @@ impl AcceleratorBuilder {
             }
             (e, _) => e,
         })?;
-        if zero_stage == 2 && self.sync_each_batch {
-            return Err(crate::Error::Config(
-                "sync_each_batch(true) with ZeRO stage 2 is not supported: stage 2 keeps only this \
-                 rank's 1/N of the gradients after each reduce-scatter, so a window's running sum \
-                 cannot be averaged again; use zero_stage(1) or sync_each_batch(false)"
-                    .into(),
-            ));
+        if zero_stage >= 2 && self.sync_each_batch {
+            return Err(crate::Error::Config(format!(
+                "sync_each_batch(true) with ZeRO stage {zero_stage} is not supported: stage \
+                 {zero_stage} keeps only this rank's 1/N of the gradients after each \
+                 reduce-scatter, so a window's running sum cannot be averaged again; use \
+                 zero_stage(1) or sync_each_batch(false)"
+            )));
         }
         let overlap_gradient_reduction = match self.overlap_gradient_reduction {
             Some(overlap) => overlap,

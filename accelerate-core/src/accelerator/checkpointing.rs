@@ -192,9 +192,19 @@ impl Accelerator {
     /// [`save_model`](Self::save_model) with shards of at most `max_shard_bytes`.
     pub fn save_model_sharded(&self, dir: impl AsRef<Path>, max_shard_bytes: u64) -> Result<()> {
         let dir = dir.as_ref();
-        let written = if self.is_main_process() {
-            checkpoint::save_model(&self.training().all_parameters(), dir, max_shard_bytes)
-                .map(|_| ())
+        let training = self.training();
+        let written = if training.zero_stage() == 3 {
+            // Every rank takes part in the gathers; the main process writes.
+            let whole = training.whole_parameters(self.comm.as_ref(), self.is_main_process());
+            match whole {
+                Ok(tensors) if self.is_main_process() => {
+                    checkpoint::save_model_tensors(tensors, dir, max_shard_bytes).map(|_| ())
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            }
+        } else if self.is_main_process() {
+            checkpoint::save_model(&training.all_parameters(), dir, max_shard_bytes).map(|_| ())
         } else {
             Ok(())
         };

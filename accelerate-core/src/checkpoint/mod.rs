@@ -29,6 +29,7 @@ use crate::training::{TrainingSnapshot, TrainingState};
 
 pub(crate) use agree::agree_with;
 pub(crate) use custom::{custom_file, SharedCustomState};
+pub(crate) use model::save_model_tensors;
 pub use model::{
     save_model, DEFAULT_MAX_SHARD_BYTES, MODEL_FILE as MODEL_SAFETENSORS, MODEL_INDEX_FILE,
 };

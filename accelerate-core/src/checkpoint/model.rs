@@ -91,10 +91,33 @@ pub fn save_model(
     save_model_steps(params, dir.as_ref(), max_shard_bytes, &mut || Ok(()))
 }
 
+/// [`save_model`] of tensors (a sharded model's parameters, gathered to the host).
+pub(crate) fn save_model_tensors(
+    tensors: Vec<(String, Tensor)>,
+    dir: &Path,
+    max_shard_bytes: u64,
+) -> Result<Vec<PathBuf>> {
+    save_tensors_steps(tensors, dir, max_shard_bytes, &mut || Ok(()))
+}
+
 /// [`save_model`], calling `step` before each change on disk (a file written or removed), so a
 /// test can stop it there as a crash would.
 fn save_model_steps(
     params: &[(String, Var)],
+    dir: &Path,
+    max_shard_bytes: u64,
+    step: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<PathBuf>> {
+    let tensors: Vec<(String, Tensor)> = params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    save_tensors_steps(tensors, dir, max_shard_bytes, step)
+}
+
+/// [`save_model_steps`] of tensors.
+fn save_tensors_steps(
+    tensors: Vec<(String, Tensor)>,
     dir: &Path,
     max_shard_bytes: u64,
     step: &mut dyn FnMut() -> Result<()>,
@@ -107,10 +130,6 @@ fn save_model_steps(
         ));
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let tensors: Vec<(String, Tensor)> = params
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect();
     let total: u64 = tensors.iter().map(|(_, t)| tensor_bytes(t)).sum();
 
     let mut shards: Vec<Vec<(String, Tensor)>> = Vec::new();

@@ -77,6 +77,61 @@ impl GradientBuffers {
         Ok(buffers)
     }
 
+    /// One fully sharded unit's window gradients (ZeRO stage 3): `params` (name and shape, in
+    /// the unit's order) in one bucket of `padded_len` elements, allocated when a micro-step
+    /// first adds into it and released once it has been reduce-scattered.
+    pub(crate) fn for_unit(
+        params: &[(String, candle_core::Shape)],
+        dtype: DType,
+        device: &candle_core::Device,
+        padded_len: usize,
+    ) -> Result<Self> {
+        let empty = Tensor::zeros(0, dtype, &candle_core::Device::Cpu)?;
+        let slots: Vec<Slot> = params
+            .iter()
+            .map(|(name, shape)| Slot {
+                name: name.clone(),
+                view: empty.clone(),
+                shape: shape.clone(),
+                written: false,
+            })
+            .collect();
+        let index = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), i))
+            .collect();
+        Ok(Self {
+            slots,
+            index,
+            buckets: vec![GradientBucket {
+                flat: empty,
+                params: 0..params.len(),
+                len: padded_len,
+                allocated: false,
+                dtype,
+                device: device.clone(),
+            }],
+            missing_flag: None,
+            local_presence: Vec::new(),
+            shard: None,
+        })
+    }
+
+    /// [`for_unit`](Self::for_unit)'s bucket, allocated (zeroed) if no micro-step added into it.
+    pub(crate) fn allocate_unit(&mut self) -> Result<&Tensor> {
+        self.allocate(0)?;
+        Ok(&self.buckets[0].flat)
+    }
+
+    /// Drops every bucket's storage: the window's gradients are forgotten.
+    pub(crate) fn release_all(&mut self) -> Result<()> {
+        for b in 0..self.buckets.len() {
+            self.release(b)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn build(
         params: &[(String, Var)],
         bucket_cap_bytes: usize,

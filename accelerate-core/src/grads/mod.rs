@@ -160,6 +160,12 @@ impl GradientBuffers {
 
     /// L2 norm of all accumulated gradients together.
     pub fn global_norm(&self) -> Result<f64> {
+        Ok(self.sum_of_squares()?.sqrt())
+    }
+
+    /// Σ x² over all accumulated gradients, in f64 (the square of
+    /// [`global_norm`](Self::global_norm), which ranks holding disjoint pieces add up).
+    pub(crate) fn sum_of_squares(&self) -> Result<f64> {
         if self.synced_shard().is_some() {
             return Err(Error::Parameters(
                 "under ZeRO stage 2 each rank holds 1/N of the gradients: their norm is a \
@@ -182,7 +188,7 @@ impl GradientBuffers {
                     .to_scalar::<f64>()?,
             };
         }
-        Ok(sum_sq.sqrt())
+        Ok(sum_sq)
     }
 
     /// Multiplies every accumulated gradient by `factor`, in place.

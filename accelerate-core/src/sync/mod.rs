@@ -40,6 +40,21 @@ pub struct GradientSyncStats {
     pub reduce_scatters: u64,
     /// Bytes of gradient buckets reduced (whole buckets, for all-reduces and reduce-scatters).
     pub bytes: u64,
+    /// Parameter all-gathers issued (ZeRO stage 3: one per unit before its forward and one
+    /// before its backward).
+    pub all_gathers: u64,
+    /// Bytes of parameters all-gathered (whole padded units, in the compute dtype).
+    pub gather_bytes: u64,
+}
+
+impl std::ops::AddAssign for GradientSyncStats {
+    fn add_assign(&mut self, other: Self) {
+        self.all_reduces += other.all_reduces;
+        self.reduce_scatters += other.reduce_scatters;
+        self.bytes += other.bytes;
+        self.all_gathers += other.all_gathers;
+        self.gather_bytes += other.gather_bytes;
+    }
 }
 
 /// How this process averages gradients with the other ranks, and what it has sent so far.
@@ -110,6 +125,13 @@ impl GradientSync {
     /// Gradient all-reduces issued so far and their bytes.
     pub fn stats(&self) -> GradientSyncStats {
         self.stats.get()
+    }
+
+    /// Counts traffic made outside this object (ZeRO stage 3's gathers and unit reductions).
+    pub fn record(&self, traffic: GradientSyncStats) {
+        let mut stats = self.stats.get();
+        stats += traffic;
+        self.stats.set(stats);
     }
 
     /// Adds the backward pass's gradients of `sources` (scaled by `scale`) into `buffers` and
@@ -185,17 +207,7 @@ impl GradientSync {
         block: &Tensor,
         stats: &mut GradientSyncStats,
     ) -> Result<()> {
-        if flat.dtype() == self.reduce_dtype || self.world_size == 1 {
-            comm.reduce_scatter_agreed(flat, block, ReduceOp::Mean)?;
-            stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
-        } else {
-            let wire = flat.to_dtype(self.reduce_dtype)?;
-            let out = Tensor::zeros(block.elem_count(), self.reduce_dtype, block.device())?;
-            comm.reduce_scatter_agreed(&wire, &out, ReduceOp::Mean)?;
-            block.slice_set(&out.to_dtype(block.dtype())?, 0, 0)?;
-            stats.bytes += (wire.elem_count() * wire.dtype().size_in_bytes()) as u64;
-        }
-        stats.reduce_scatters += 1;
+        *stats += reduce_scatter_mean(comm, flat, block, self.reduce_dtype)?;
         Ok(())
     }
 
@@ -259,4 +271,29 @@ impl GradientSync {
         stats.all_reduces += 1;
         Ok(())
     }
+}
+
+/// Reduce-scatters one padded gradient buffer (mean) into this rank's `block`, travelling in
+/// `reduce_dtype` (widened back into `block`'s dtype); returns the traffic it made.
+pub(crate) fn reduce_scatter_mean(
+    comm: &dyn Communicator,
+    flat: &Tensor,
+    block: &Tensor,
+    reduce_dtype: DType,
+) -> Result<GradientSyncStats> {
+    let bytes = if flat.dtype() == reduce_dtype || comm.world_size() == 1 {
+        comm.reduce_scatter_agreed(flat, block, ReduceOp::Mean)?;
+        flat.elem_count() * flat.dtype().size_in_bytes()
+    } else {
+        let wire = flat.to_dtype(reduce_dtype)?;
+        let out = Tensor::zeros(block.elem_count(), reduce_dtype, block.device())?;
+        comm.reduce_scatter_agreed(&wire, &out, ReduceOp::Mean)?;
+        block.slice_set(&out.to_dtype(block.dtype())?, 0, 0)?;
+        wire.elem_count() * wire.dtype().size_in_bytes()
+    };
+    Ok(GradientSyncStats {
+        reduce_scatters: 1,
+        bytes: bytes as u64,
+        ..GradientSyncStats::default()
+    })
 }

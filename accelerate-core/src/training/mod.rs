@@ -43,6 +43,7 @@ use candle_core::{DType, Tensor, Var};
 use crate::comm::Communicator;
 use crate::data::PreparedLoaders;
 use crate::error::{Error, Result};
+use crate::fsdp::{FsdpState, ModelUnits};
 use crate::grads::GradientBuffers;
 use crate::mixed_precision::{
     DynamicLossScaler, LossScalerState, MixedPrecision, MixedPrecisionState,
@@ -112,6 +113,8 @@ pub(crate) struct TrainingState {
     loaders: Arc<PreparedLoaders>,
     /// The configured ZeRO stage.
     zero_config: ZeroConfig,
+    /// The model's units, if it declared them (set once, at prepare).
+    units: OnceLock<ModelUnits>,
     steps: Mutex<Steps>,
 }
 
@@ -122,6 +125,8 @@ struct Steps {
     grads: Option<GradientBuffers>,
     /// Under ZeRO stage 1 or 2, once the parameters were prepared.
     zero: Option<ZeroState>,
+    /// Under ZeRO stage 3, once the parameters were prepared.
+    fsdp: Option<Arc<FsdpState>>,
     mixed: MixedPrecisionState,
     /// Every prepared optimizer, in order of preparation (what checkpoints save as `optimizer_<i>`).
     optimizers: Vec<SharedOptimizer>,
@@ -155,6 +160,10 @@ impl Steps {
         if let Some(g) = self.grads.as_mut() {
             g.zero();
         }
+        if let Some(fsdp) = &self.fsdp {
+            // Releasing storage cannot fail in a way that leaves gradients behind.
+            let _ = fsdp.discard_window();
+        }
         self.unsynced_across_windows = false;
     }
 
@@ -183,10 +192,12 @@ impl TrainingState {
             frozen: OnceLock::new(),
             loaders,
             zero_config,
+            units: OnceLock::new(),
             steps: Mutex::new(Steps {
                 accumulation,
                 grads: None,
                 zero: None,
+                fsdp: None,
                 mixed,
                 optimizers: Vec::new(),
                 schedulers: Vec::new(),
@@ -243,6 +254,53 @@ impl TrainingState {
         steps.no_sync_guards = steps.no_sync_guards.saturating_sub(1);
     }
 
+    /// The configured ZeRO stage.
+    pub fn zero_stage(&self) -> u8 {
+        self.zero_config.stage
+    }
+
+    /// Records the model's units (once, at prepare).
+    fn set_units(&self, units: ModelUnits) -> Result<()> {
+        self.units
+            .set(units)
+            .map_err(|_| Error::Parameters("the model's units were already prepared".into()))
+    }
+
+    /// The handle of the unit called `name`.
+    pub fn unit(&self, name: &str) -> Result<crate::fsdp::ShardedUnit> {
+        match self.units.get() {
+            Some(units) => units.unit(name),
+            None => Err(Error::Config(format!(
+                "unit({name:?}): the model declares no units; prepare it as \
+                 Model::new(params).units(vec![UnitSpec::new(..), ..])"
+            ))),
+        }
+    }
+
+    /// Every trained parameter whole, by name (sorted), on the host (gathered under ZeRO
+    /// stage 3, a collective then, and held only where `keep`).
+    pub fn whole_parameters(
+        &self,
+        comm: &dyn Communicator,
+        keep: bool,
+    ) -> Result<Vec<(String, Tensor)>> {
+        if let Some(ModelUnits::Sharded(state)) = self.units.get() {
+            return state.whole_parameters(comm, keep);
+        }
+        if !keep {
+            return Ok(Vec::new());
+        }
+        self.parameters()
+            .iter()
+            .map(|(n, v)| {
+                Ok((
+                    n.clone(),
+                    v.as_tensor().to_device(&candle_core::Device::Cpu)?.copy()?,
+                ))
+            })
+            .collect()
+    }
+
     /// The prepared parameters, sorted by name (empty before they are prepared).
     pub fn parameters(&self) -> &[(String, Var)] {
         self.params.get().map_or(&[], Vec::as_slice)
@@ -254,6 +312,7 @@ impl TrainingState {
         let id = var.as_tensor().id();
         let is = |(_, v): &(String, Var)| v.as_tensor().id() == id;
         self.parameters().iter().any(is)
+            || matches!(self.units.get(), Some(ModelUnits::Sharded(s)) if s.was_prepared_from(var))
             || self
                 .steps()
                 .mixed
@@ -295,6 +354,13 @@ impl TrainingState {
         let Some(grads) = steps.grads.as_ref() else {
             return Ok(None);
         };
+        if steps.fsdp.is_some() {
+            return Err(Error::Config(format!(
+                "under ZeRO stage 3 each rank keeps only its piece of each parameter and of its \
+                 gradient, so the gradient of {name:?} exists whole on no rank; use \
+                 zero_stage(1) to read whole gradients"
+            )));
+        }
         match grads.get(name) {
             Some(t) => Ok(Some(t.copy()?)),
             None if grads.has_gradient(name) => Err(Error::Config(format!(
@@ -353,6 +419,30 @@ impl TrainingState {
         // micro-step must not add into the abandoned window's sums.
         steps.zero_if_abandoned();
         let loss_scale = steps.mixed.loss_scale();
+        if let Some(fsdp) = steps.fsdp.clone() {
+            let sync_now = steps.no_sync_guards == 0 && step.sync;
+            fsdp.begin_backward(step.loss_scale / loss_scale, sync_now, sync.reduce_dtype())?;
+            let outcome = if loss_scale == 1.0 {
+                loss.backward()
+            } else {
+                (loss.to_dtype(DType::F32)? * loss_scale)?.backward()
+            };
+            fsdp.end_backward();
+            fsdp.check_outer_gradients(&outcome?)?;
+            if sync_now {
+                let buffers = steps.grads.as_mut().ok_or_else(|| {
+                    Error::Parameters("backward before the model's parameters were prepared".into())
+                })?;
+                let nonfinite = fsdp.finish_sync(comm, sync.reduce_dtype(), buffers)?;
+                steps.mixed.after_sync_verdict(nonfinite)?;
+                steps.unsynced_across_windows = false;
+            } else if step.sync {
+                steps.unsynced_across_windows = true;
+            }
+            sync.record(fsdp.take_traffic());
+            steps.accumulation.backward_finished();
+            return Ok(());
+        }
         let mut grad_store = if loss_scale == 1.0 {
             loss.backward()?
         } else {
@@ -418,6 +508,15 @@ impl TrainingState {
             return Ok(None);
         };
         let norm = match (buffers.synced_shard(), &steps.zero) {
+            _ if steps.fsdp.is_some() => {
+                // Each rank holds its pieces, which tile every parameter once.
+                let local = buffers.sum_of_squares()?;
+                self.zero_config.link.with("clip_grad_norm", |comm| {
+                    let total = Tensor::new(&[local], &candle_core::Device::Cpu)?;
+                    comm.all_reduce_agreed(&total, crate::comm::ReduceOp::Sum)?;
+                    Ok(total.to_vec1::<f64>()?[0].sqrt())
+                })?
+            }
             (Some(shard), Some(zero)) => {
                 // Each rank holds 1/N of the gradient: the squares are summed across ranks.
                 let local = shard.sum_of_squares()?;
@@ -465,6 +564,9 @@ impl TrainingState {
     /// own.
     pub fn snapshot(&self, with_shared: bool) -> Result<TrainingSnapshot> {
         let steps = self.steps();
+        if steps.fsdp.is_some() {
+            return Err(stage3_checkpoints());
+        }
         let counters = steps.accumulation.counters();
         // Copies: the buffers are summed into in place after the snapshot is taken.
         let inside_window = counters.taken > 0 || steps.unsynced_across_windows;
@@ -545,6 +647,9 @@ impl TrainingState {
     ) -> Result<()> {
         let mut guard = self.steps();
         let steps = &mut *guard;
+        if steps.fsdp.is_some() {
+            return Err(stage3_checkpoints());
+        }
         let ours = self.parameters();
         let old_params: Vec<Tensor> = ours
             .iter()
@@ -614,6 +719,15 @@ impl TrainingState {
         steps.accumulation.restore(&snapshot.counters);
         Ok(())
     }
+}
+
+/// Why `save_state`/`load_state` refuse a model under ZeRO stage 3 (not built yet).
+fn stage3_checkpoints() -> Error {
+    Error::Config(
+        "save_state and load_state do not support ZeRO stage 3 yet; save the weights with \
+         save_model (gathered unit by unit), or train with zero_stage(2) to checkpoint"
+            .into(),
+    )
 }
 
 #[cfg(test)]

@@ -10,14 +10,13 @@ use super::{lock, SharedOptimizer, SharedScheduler, TrainingState};
 use crate::comm::store::Store;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::fsdp::{FsdpState, ModelUnits, UnitLayout, UnitSpec};
 use crate::grads::{sorted_named_vars, GradientBuffers};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
+use crate::model::ModelParts;
 use crate::optim::{LrScheduler, Optimizer};
 use crate::window::Accumulation;
 use crate::zero::{ShardPlan, ZeroState};
-
-/// Named parameters.
-type NamedVars = Vec<(String, Var)>;
 
 /// What preparing a model needs of the accelerator: where it computes, who this rank is, how it
 /// reaches the other ranks, and the models prepared before.
@@ -52,11 +51,26 @@ pub(crate) struct PreparedParts {
 /// once and left alone after.
 pub(crate) fn prepare_model(
     p: &Preparation<'_>,
-    (trained, frozen, accumulation_steps): (NamedVars, NamedVars, Option<usize>),
+    parts: ModelParts,
     new_state: impl FnOnce() -> Result<TrainingState>,
 ) -> Result<PreparedParts> {
+    let ModelParts {
+        trained,
+        frozen,
+        accumulation_steps,
+        units,
+    } = parts;
     let trained = sorted_named_vars(trained)?;
     let frozen = sorted_named_vars(frozen)?;
+    if p.models[0].zero_stage() == 3 && !frozen.is_empty() {
+        return Err(Error::Config(format!(
+            "ZeRO stage 3 does not shard frozen parameters ({} here, e.g. {:?}); train with \
+             every parameter unfrozen, or use zero_stage(2) for a model with frozen parts \
+             (LoRA)",
+            frozen.len(),
+            frozen[0].0
+        )));
+    }
     if trained.is_empty() {
         return Err(Error::Parameters(if frozen.is_empty() {
             "the model has no parameters to train (an empty VarMap?)".into()
@@ -115,12 +129,18 @@ pub(crate) fn prepare_model(
             p.comm.broadcast(var.as_tensor(), 0)?;
         }
     }
-    training.prepare_parameters(trained, p.bucket_cap_bytes, (p.rank, p.world_size), |var| {
-        if several_ranks {
-            p.comm.broadcast(var.as_tensor(), 0)?;
-        }
-        Ok(())
-    })?;
+    training.prepare_parameters(
+        trained,
+        units.as_deref(),
+        p.bucket_cap_bytes,
+        (p.rank, p.world_size),
+        |var| {
+            if several_ranks {
+                p.comm.broadcast(var.as_tensor(), 0)?;
+            }
+            Ok(())
+        },
+    )?;
     training.set_frozen(frozen);
     Ok(PreparedParts {
         index,
@@ -250,10 +270,33 @@ impl TrainingState {
     pub fn prepare_parameters(
         &self,
         vars: Vec<(String, Var)>,
+        units: Option<&[UnitSpec]>,
         bucket_cap_bytes: usize,
         (rank, world_size): (usize, usize),
         mut broadcast: impl FnMut(&Var) -> Result<()>,
     ) -> Result<Vec<(String, Var)>> {
+        let layout = match units {
+            Some(specs) => {
+                let shapes: Vec<(String, candle_core::Shape)> = vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.shape().clone()))
+                    .collect();
+                Some(UnitLayout::new(&shapes, specs, world_size)?)
+            }
+            None => None,
+        };
+        if self.zero_config.stage == 3 {
+            let layout = layout.ok_or_else(|| {
+                Error::Config(
+                    "ZeRO stage 3 shards the model unit by unit, and this model declares no \
+                     units; prepare Model::new(params).units(..) (one unit per transformer \
+                     block, one for the embeddings, one for the head) and compute each unit \
+                     through PreparedModel::unit(name).forward(..)"
+                        .into(),
+                )
+            })?;
+            return self.prepare_sharded(vars, layout, bucket_cap_bytes, rank, broadcast);
+        }
         let several_ranks = world_size > 1;
         let mut steps = self.steps();
         let (params, weights) = match steps.mixed.mode {
@@ -297,10 +340,52 @@ impl TrainingState {
             steps.zero = Some(zero);
         }
         steps.grads = Some(grads);
+        if let Some(layout) = layout {
+            let compute = steps.mixed.grad_sources(&params).to_vec();
+            self.set_units(ModelUnits::Whole { layout, compute })?;
+        }
         self.params
             .set(params.clone())
             .map_err(|_| Error::Parameters("parameters were already prepared".into()))?;
         Ok(params)
+    }
+
+    /// [`prepare_parameters`](Self::prepare_parameters) under ZeRO stage 3: `vars` (rank 0's
+    /// values once broadcast) are cut by `layout`, and this rank keeps its pieces (f32 masters
+    /// under mixed precision), which are the parameters the optimizer steps. The whole `vars`
+    /// are no longer used: the model drops them, and the units compute from gathered pieces.
+    fn prepare_sharded(
+        &self,
+        vars: Vec<(String, Var)>,
+        layout: UnitLayout,
+        bucket_cap_bytes: usize,
+        rank: usize,
+        mut broadcast: impl FnMut(&Var) -> Result<()>,
+    ) -> Result<Vec<(String, Var)>> {
+        for (_, var) in &vars {
+            broadcast(var)?;
+        }
+        let mut steps = self.steps();
+        let master_dtype = match steps.mixed.mode {
+            MixedPrecision::No => vars[0].1.dtype(),
+            _ => candle_core::DType::F32,
+        };
+        let state = FsdpState::new(
+            layout,
+            rank,
+            &vars,
+            master_dtype,
+            self.zero_config.link.clone(),
+        )?;
+        let pieces = state.pieces().to_vec();
+        steps.grads = Some(GradientBuffers::new(&pieces, bucket_cap_bytes)?);
+        let state = std::sync::Arc::new(state);
+        steps.fsdp = Some(state.clone());
+        self.set_units(ModelUnits::Sharded(state))?;
+        self.params
+            .set(pieces.clone())
+            .map_err(|_| Error::Parameters("parameters were already prepared".into()))?;
+        Ok(pieces)
     }
 
     /// Replaces K before anything of this state was used (a [`Model`](crate::Model) with its

@@ -24,21 +24,17 @@ pub(crate) use plan::ShardPlan;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 
-/// The ZeRO stages this runtime implements: 0 (plain data parallel), 1 and 2.
-pub(crate) const MAX_ZERO_STAGE: u8 = 2;
+/// The ZeRO stages this runtime implements: 0 (plain data parallel), 1, 2 and 3 (fully
+/// sharded, in `fsdp`).
+pub(crate) const MAX_ZERO_STAGE: u8 = 3;
 
 /// Checks a ZeRO stage number.
 pub(crate) fn check_stage(stage: u8) -> Result<u8> {
     match stage {
         0..=MAX_ZERO_STAGE => Ok(stage),
-        3 => Err(Error::Config(
-            "ZeRO stage 3 (sharding the parameters themselves) is not implemented; use 1 \
-             (optimizer state sharded) or 2 (optimizer state and gradients sharded)"
-                .into(),
-        )),
         n => Err(Error::Config(format!(
             "ZeRO stage {n} does not exist; use 0 (plain data parallel), 1 (optimizer state \
-             sharded) or 2 (optimizer state and gradients sharded)"
+             sharded), 2 (optimizer state and gradients sharded) or 3 (parameters sharded too)"
         ))),
     }
 }

@@ -1,0 +1,510 @@
+//! A fully sharded model's state: this rank's pieces of every parameter, the units' window
+//! gradients, and the passes that gather, recompute and reduce unit by unit.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, TensorId, Var};
+
+use super::layout::UnitLayout;
+use super::node::{SeedGradient, UnitNode};
+use super::unit::{Block, Running, UnitParams};
+use crate::comm::{Communicator, ReduceOp};
+use crate::cpu_slices::with_f32;
+use crate::error::{Error, Result};
+use crate::grads::GradientBuffers;
+use crate::sync::{reduce_scatter_mean, GradientSyncStats};
+use crate::training::lock;
+use crate::zero::CommLink;
+
+/// What a backward pass tells the units' backward passes (set by the training state's
+/// `backward` for the length of `loss.backward()`).
+#[derive(Debug)]
+struct BackwardPass {
+    /// The factor each micro-step's gradient is added with (the window's loss scale, the fp16
+    /// scale divided out).
+    scale: f64,
+    /// Whether this micro-step syncs: each unit's window gradient is reduce-scattered as soon as
+    /// its backward is done.
+    sync: bool,
+    /// The dtype gradients travel in.
+    reduce_dtype: DType,
+    /// Which units' backward ran in this pass.
+    ran: Vec<bool>,
+}
+
+/// What changes within a window.
+#[derive(Debug)]
+struct Window {
+    /// Per unit: the window's sum of its gradients, whole (allocated from the window's first
+    /// backward through the unit until its reduce-scatter).
+    grads: Vec<GradientBuffers>,
+    /// Per unit, after the sync: this rank's block of the averaged gradient.
+    synced: Vec<Option<Tensor>>,
+    /// Per parameter (sorted index): whether this rank gave it a gradient in the synced window.
+    present: Vec<bool>,
+    pass: Option<BackwardPass>,
+    /// Traffic not yet handed to the accelerator's counters.
+    traffic: GradientSyncStats,
+}
+
+/// A model prepared under ZeRO stage 3 (see the `fsdp` module).
+pub(crate) struct FsdpState {
+    layout: UnitLayout,
+    rank: usize,
+    /// Every parameter's name and this rank's piece of it (1-D, possibly empty), sorted by name:
+    /// what the optimizer updates.
+    pieces: Vec<(String, Var)>,
+    /// The dtype the units compute in, and their parameters are gathered in.
+    compute_dtype: DType,
+    device: Device,
+    /// Per unit: the one-element variable that keeps the unit's node in the graph.
+    anchors: Vec<Var>,
+    /// The whole parameters the model was prepared from: none may receive a gradient (a model
+    /// reading one outside its units would train on values no optimizer updates).
+    whole_ids: Vec<(String, TensorId)>,
+    link: CommLink,
+    window: Mutex<Window>,
+}
+
+impl std::fmt::Debug for FsdpState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpState")
+            .field("units", &self.layout.units().len())
+            .field("rank", &self.rank)
+            .field("compute_dtype", &self.compute_dtype)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FsdpState {
+    /// Shards `whole` (sorted by name; rank 0's values on every rank) by `layout`: this rank keeps
+    /// its piece of each, in `master_dtype`; units compute in the parameters' own dtype.
+    pub fn new(
+        layout: UnitLayout,
+        rank: usize,
+        whole: &[(String, Var)],
+        master_dtype: DType,
+        link: CommLink,
+    ) -> Result<Self> {
+        let (compute_dtype, device) = match whole.first() {
+            Some((_, v)) => (v.dtype(), v.device().clone()),
+            None => {
+                return Err(Error::Parameters(
+                    "a sharded model without parameters".into(),
+                ))
+            }
+        };
+        if let Some((name, v)) = whole.iter().find(|(_, v)| v.dtype() != compute_dtype) {
+            return Err(Error::Parameters(format!(
+                "parameter {name:?} is {:?} while the others are {compute_dtype:?}; under ZeRO \
+                 stage 3 a model's parameters share one dtype (each unit is gathered as one \
+                 buffer)",
+                v.dtype()
+            )));
+        }
+        let mut pieces = Vec::with_capacity(whole.len());
+        for (p, (name, var)) in whole.iter().enumerate() {
+            let piece = match layout.piece(p, rank) {
+                Some(range) => {
+                    let flat = var.as_tensor().flatten_all()?;
+                    let part = flat.narrow(0, range.start, range.len())?;
+                    Var::from_tensor(&part.to_dtype(master_dtype)?)?
+                }
+                // Empty, on the host: no zero-size allocation on a GPU; it never gets a gradient.
+                None => Var::zeros(0, master_dtype, &Device::Cpu)?,
+            };
+            pieces.push((name.clone(), piece));
+        }
+        let units = layout.units().len();
+        let grads = layout
+            .units()
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| {
+                let params: Vec<(String, candle_core::Shape)> = unit
+                    .params
+                    .iter()
+                    .map(|&p| (whole[p].0.clone(), layout.shape(p).clone()))
+                    .collect();
+                GradientBuffers::for_unit(&params, master_dtype, &device, layout.padded_len(u))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let anchors = (0..units)
+            .map(|_| Ok(Var::zeros(1, DType::F32, &device)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            rank,
+            pieces,
+            compute_dtype,
+            device,
+            anchors,
+            whole_ids: whole
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().id()))
+                .collect(),
+            link,
+            window: Mutex::new(Window {
+                grads,
+                synced: vec![None; units],
+                present: vec![false; whole.len()],
+                pass: None,
+                traffic: GradientSyncStats::default(),
+            }),
+            layout,
+        })
+    }
+
+    /// Every parameter's name and this rank's piece of it, sorted by name.
+    pub fn pieces(&self) -> &[(String, Var)] {
+        &self.pieces
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &UnitLayout {
+        &self.layout
+    }
+
+    /// Whether `var` is one of the whole parameters the model was prepared from.
+    pub fn was_prepared_from(&self, var: &Var) -> bool {
+        let id = var.as_tensor().id();
+        self.whole_ids.iter().any(|(_, i)| *i == id)
+    }
+
+    /// Unit `u`'s flat buffer, all-gathered from every rank's pieces, in `dtype` (padded; the
+    /// parameters at their layout offsets).
+    fn gather(&self, comm: &dyn Communicator, u: usize, dtype: DType) -> Result<Tensor> {
+        let block = self.layout.block(u);
+        let mut parts = Vec::new();
+        let mut filled = 0;
+        for &p in &self.layout.units()[u].params {
+            let piece = self.pieces[p].1.as_tensor();
+            if piece.elem_count() > 0 {
+                filled += piece.elem_count();
+                parts.push(piece.to_dtype(dtype)?);
+            }
+        }
+        if filled < block {
+            parts.push(Tensor::zeros(block - filled, dtype, &self.device)?);
+        }
+        let send = if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            Tensor::cat(&parts, 0)?
+        };
+        drop(parts);
+        let gathered = if comm.world_size() == 1 {
+            send
+        } else {
+            let out = Tensor::zeros(self.layout.padded_len(u), dtype, &self.device)?;
+            comm.all_gather_into_agreed(&send, &out)?;
+            out
+        };
+        Ok(gathered)
+    }
+
+    /// [`gather`](Self::gather) for a training pass, counted as gradient-sync traffic.
+    fn gather_for_pass(&self, comm: &dyn Communicator, u: usize) -> Result<Tensor> {
+        let gathered = self.gather(comm, u, self.compute_dtype)?;
+        let mut window = lock(&self.window);
+        window.traffic.all_gathers += 1;
+        window.traffic.gather_bytes +=
+            (gathered.elem_count() * self.compute_dtype.size_in_bytes()) as u64;
+        Ok(gathered)
+    }
+
+    /// Unit `u`'s parameters as views of its gathered buffer `flat`, by name.
+    fn views(&self, u: usize, flat: &Tensor) -> Result<Vec<(String, Tensor)>> {
+        self.layout.units()[u]
+            .params
+            .iter()
+            .map(|&p| {
+                let shape = self.layout.shape(p);
+                let view = flat
+                    .narrow(0, self.layout.offset(p), shape.elem_count())?
+                    .reshape(shape)?;
+                Ok((self.pieces[p].0.clone(), view))
+            })
+            .collect()
+    }
+
+    fn params(&self, tensors: HashMap<String, Tensor>) -> UnitParams {
+        UnitParams::new(tensors, self.compute_dtype, self.device.clone())
+    }
+
+    /// Unit `u`'s forward: gathers its parameters, runs `block` outside the graph, frees them, and
+    /// returns the output as the unit's node.
+    pub fn forward_unit(self: Arc<Self>, u: usize, x: &Tensor, block: Block) -> Result<Tensor> {
+        let name = self.layout.units()[u].name.clone();
+        let y = {
+            let _running = Running::enter(&name)?;
+            let flat = self.link.with("a sharded unit's forward", |comm| {
+                self.gather_for_pass(comm, u)
+            })?;
+            let params = self.params(self.views(u, &flat)?.into_iter().collect());
+            block(&x.detach(), &params)?
+        };
+        if y.track_op() {
+            return Err(Error::Parameters(format!(
+                "unit {name:?} read a tensor that needs a gradient other than its input and its \
+                 parameters (a parameter kept from before prepare, or another unit's output \
+                 captured by its code); read parameters from the UnitParams it is given and \
+                 pass the one tracked input as the unit's input"
+            )));
+        }
+        let anchor = self.anchors[u].as_tensor().clone();
+        let node = UnitNode {
+            unit: u,
+            output: Mutex::new(Some(y)),
+            state: self,
+            block,
+        };
+        Ok(x.apply_op2(&anchor, node)?)
+    }
+
+    /// Unit `u`'s backward, inside the outer backward pass: gathers its parameters again,
+    /// recomputes it on `x`, differentiates it with `grad_y` as the output's gradient, adds the
+    /// parameters' gradients into the unit's window sum (reduce-scattering it when the
+    /// micro-step syncs), and returns `x`'s gradient if `x` needs one.
+    pub fn backward_unit(
+        &self,
+        u: usize,
+        x: &Tensor,
+        grad_y: &Tensor,
+        block: &Block,
+    ) -> Result<Option<Tensor>> {
+        let name = &self.layout.units()[u].name;
+        let (scale, sync, reduce_dtype) = {
+            let mut window = lock(&self.window);
+            let pass = window.pass.as_mut().ok_or_else(|| {
+                Error::Config(format!(
+                    "the backward pass reached sharded unit {name:?} outside \
+                     accelerator.backward(loss); under ZeRO stage 3 gradients reach the \
+                     parameters only through it"
+                ))
+            })?;
+            if std::mem::replace(&mut pass.ran[u], true) {
+                return Err(Error::Config(format!(
+                    "unit {name:?} ran more than once in one micro-step; under ZeRO stage 3 \
+                     each unit runs once per forward pass (a weight shared by two places \
+                     belongs in one unit that computes both)"
+                )));
+            }
+            (pass.scale, pass.sync, pass.reduce_dtype)
+        };
+        let flat = self.link.with("a sharded unit's backward", |comm| {
+            self.gather_for_pass(comm, u)
+        })?;
+        // Fresh variables, copies: the gathered buffer is freed before the recomputation.
+        let vars: Vec<(String, Var)> = self
+            .views(u, &flat)?
+            .into_iter()
+            .map(|(n, t)| Ok((n, Var::from_tensor(&t)?)))
+            .collect::<Result<_>>()?;
+        drop(flat);
+        let wants_x = x.track_op();
+        let input = if wants_x {
+            Var::from_tensor(&x.detach())?.as_tensor().clone()
+        } else {
+            x.detach()
+        };
+        let grads = {
+            let _running = Running::enter(name)?;
+            let params = self.params(
+                vars.iter()
+                    .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                    .collect(),
+            );
+            let y = block(&input, &params)?;
+            y.apply_op1(SeedGradient {
+                gradient: grad_y.clone(),
+            })?
+            .backward()?
+        };
+        {
+            let mut window = lock(&self.window);
+            let buffers = &mut window.grads[u];
+            for (n, v) in &vars {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    buffers.accumulate_one(n, g, scale)?;
+                }
+            }
+        }
+        let grad_x = if wants_x {
+            Some(match grads.get(&input) {
+                Some(g) => g.clone(),
+                None => x.zeros_like()?,
+            })
+        } else {
+            None
+        };
+        drop(grads);
+        drop(vars);
+        if sync {
+            self.link
+                .with("a sharded unit's gradient reduction", |comm| {
+                    self.reduce_unit(comm, u, reduce_dtype)
+                })?;
+        }
+        Ok(grad_x)
+    }
+
+    /// Reduce-scatters unit `u`'s window gradient (mean) into this rank's block and releases the
+    /// whole one; records which parameters this rank gave a gradient.
+    fn reduce_unit(&self, comm: &dyn Communicator, u: usize, reduce_dtype: DType) -> Result<()> {
+        let mut window = lock(&self.window);
+        let window = &mut *window;
+        let buffers = &mut window.grads[u];
+        for &p in &self.layout.units()[u].params {
+            window.present[p] = buffers.get(&self.pieces[p].0).is_some();
+        }
+        let flat = buffers.allocate_unit()?.clone();
+        let block = Tensor::zeros(self.layout.block(u), flat.dtype(), flat.device())?;
+        window.traffic += reduce_scatter_mean(comm, &flat, &block, reduce_dtype)?;
+        drop(flat);
+        buffers.release_all()?;
+        window.synced[u] = Some(block);
+        Ok(())
+    }
+
+    /// Begins a backward pass (see [`BackwardPass`]); an error if one is already under way.
+    pub fn begin_backward(&self, scale: f64, sync: bool, reduce_dtype: DType) -> Result<()> {
+        let mut window = lock(&self.window);
+        if window.pass.is_some() {
+            return Err(Error::Config(
+                "a backward pass began inside another one".into(),
+            ));
+        }
+        window.pass = Some(BackwardPass {
+            scale,
+            sync,
+            reduce_dtype,
+            ran: vec![false; self.layout.units().len()],
+        });
+        Ok(())
+    }
+
+    /// Ends the backward pass, whatever its outcome.
+    pub fn end_backward(&self) {
+        lock(&self.window).pass = None;
+    }
+
+    /// Refuses a gradient that reached one of the whole parameters the model was prepared from:
+    /// the model read it outside its units, and its gradient would be lost.
+    pub fn check_outer_gradients(&self, grads: &GradStore) -> Result<()> {
+        match self
+            .whole_ids
+            .iter()
+            .find(|(_, id)| grads.get_id(*id).is_some())
+        {
+            Some((name, _)) => Err(Error::Parameters(format!(
+                "parameter {name:?} was read outside the model's units (its gradient reached \
+                 the whole parameter the model was prepared from); under ZeRO stage 3 every \
+                 parameter is read through its unit's ShardedUnit::forward"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The end of a sync micro-step's backward: every unit not yet reduced (one that did not run
+    /// in this pass) is reduced now, in unit order, so every rank makes the same calls; then one
+    /// all-reduce agrees on which parameters got a gradient on some rank and whether some
+    /// rank's gradient is not finite, and this rank's pieces of the averaged gradients are
+    /// written into `pieces_grads` (built over [`pieces`](Self::pieces)). Returns whether some
+    /// rank's gradient was not finite.
+    pub fn finish_sync(
+        &self,
+        comm: &dyn Communicator,
+        reduce_dtype: DType,
+        pieces_grads: &mut GradientBuffers,
+    ) -> Result<bool> {
+        for u in 0..self.layout.units().len() {
+            if lock(&self.window).synced[u].is_none() {
+                self.reduce_unit(comm, u, reduce_dtype)?;
+            }
+        }
+        let mut window = lock(&self.window);
+        let window = &mut *window;
+        let mut nonfinite_here = false;
+        for block in window.synced.iter().flatten() {
+            let finite = match with_f32(block, |xs| xs.iter().all(|x| x.is_finite()))? {
+                Some(f) => f,
+                None => block
+                    .to_dtype(DType::F64)?
+                    .sum_all()?
+                    .to_scalar::<f64>()?
+                    .is_finite(),
+            };
+            nonfinite_here |= !finite;
+        }
+        let mut flags: Vec<f32> = window
+            .present
+            .iter()
+            .map(|&p| f32::from(u8::from(p)))
+            .collect();
+        flags.push(f32::from(u8::from(nonfinite_here)));
+        let flags = Tensor::new(flags.as_slice(), &Device::Cpu)?;
+        if comm.world_size() > 1 {
+            comm.all_reduce_agreed(&flags, ReduceOp::Max)?;
+            window.traffic.all_reduces += 1;
+            window.traffic.bytes += (flags.elem_count() * 4) as u64;
+        }
+        let flags = flags.to_vec1::<f32>()?;
+        for (p, (name, _)) in self.pieces.iter().enumerate() {
+            let (Some(piece), true) = (self.layout.piece(p, self.rank), flags[p] > 0.0) else {
+                continue;
+            };
+            let u = self.layout.unit_of(p);
+            let block = window.synced[u]
+                .as_ref()
+                .expect("every unit was reduced above");
+            let start = self.layout.offset(p) + piece.start - self.rank * self.layout.block(u);
+            let grad = block.narrow(0, start, piece.len())?;
+            pieces_grads.accumulate_one(name, &grad, 1.0)?;
+        }
+        window.synced.iter_mut().for_each(|s| *s = None);
+        window.present.fill(false);
+        Ok(flags[self.pieces.len()] > 0.0)
+    }
+
+    /// Forgets the window's gradients (an abandoned window, or a restored state).
+    pub fn discard_window(&self) -> Result<()> {
+        let mut window = lock(&self.window);
+        for buffers in &mut window.grads {
+            buffers.release_all()?;
+        }
+        window.synced.iter_mut().for_each(|s| *s = None);
+        window.present.fill(false);
+        Ok(())
+    }
+
+    /// The traffic since the last call.
+    pub fn take_traffic(&self) -> GradientSyncStats {
+        std::mem::take(&mut lock(&self.window).traffic)
+    }
+
+    /// Every parameter whole, by name (sorted), on the host, in the pieces' dtype: gathered unit
+    /// by unit, so that no rank's device holds more than one unit at a time. A collective; only
+    /// a rank that `keeps` them holds them on its host (the others return nothing).
+    pub fn whole_parameters(
+        &self,
+        comm: &dyn Communicator,
+        keep: bool,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let dtype = self.pieces.first().map_or(DType::F32, |(_, v)| v.dtype());
+        let mut all = Vec::with_capacity(self.pieces.len());
+        for u in 0..self.layout.units().len() {
+            let flat = self.gather(comm, u, dtype)?;
+            if !keep {
+                continue;
+            }
+            let flat = flat.to_device(&Device::Cpu)?;
+            for (name, view) in self.views(u, &flat)? {
+                all.push((name, view.copy()?));
+            }
+        }
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(all)
+    }
+}
