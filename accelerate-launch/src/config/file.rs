@@ -20,7 +20,7 @@
 //! off and named when on, as any feature we lack.
 //!
 //! `distributed_type: FSDP` runs as our ZeRO too, its `fsdp_config` read as Accelerate reads it
-//! (see [`fsdp`](mod@fsdp)):
+//! (see `config/file/fsdp.rs`):
 //!
 //! | `fsdp_config` key | ours |
 //! |---|---|
