@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use accelerate_core::MixedPrecision;
 use clap::Parser;
 
+use crate::config::file::{layer_classes, StateDictType};
+
 /// Launch a training program as one process per GPU, or per `--num-processes` on the CPU.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "accelerate-launch", version, trailing_var_arg = true)]
@@ -65,10 +67,27 @@ pub struct Args {
     #[arg(long, alias = "mixed_precision", value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
 
-    /// ZeRO stage: 0 (plain data parallel, the default), 1 (optimizer state sharded) or 2
-    /// (optimizer state and gradients sharded); exported as ACCELERATE_ZERO_STAGE.
+    /// ZeRO stage: 0 (plain data parallel, the default), 1 (optimizer state sharded), 2
+    /// (optimizer state and gradients sharded) or 3 (optimizer state, gradients and parameters
+    /// sharded); exported as ACCELERATE_ZERO_STAGE.
     #[arg(long, alias = "zero_stage", value_name = "N", value_parser = parse_zero_stage)]
     pub zero_stage: Option<u8>,
+
+    /// Under ZeRO stage 3, the model classes whose every instance is one sharded unit, separated
+    /// by commas (e.g. LlamaDecoderLayer); exported as ACCELERATE_FSDP_LAYER_CLASSES.
+    #[arg(
+        long,
+        alias = "fsdp_transformer_layer_cls_to_wrap",
+        value_name = "CLASSES",
+        value_parser = parse_layer_classes
+    )]
+    pub fsdp_transformer_layer_cls_to_wrap: Option<String>,
+
+    /// Under ZeRO stage 3, what checkpoints and save_model write of the parameters:
+    /// FULL_STATE_DICT (the whole model, gathered to the main process) or SHARDED_STATE_DICT
+    /// (each rank its own pieces); exported as ACCELERATE_FSDP_STATE_DICT_TYPE.
+    #[arg(long, alias = "fsdp_state_dict_type", value_name = "TYPE")]
+    pub fsdp_state_dict_type: Option<StateDictType>,
 
     /// Restart the whole group up to N times when a rank fails (workers see
     /// ACCELERATE_RESTART_COUNT and resume from their latest checkpoint). On several machines,
@@ -117,22 +136,28 @@ fn parse_port(value: &str) -> Result<u16, String> {
     })
 }
 
-/// The highest ZeRO stage the runtime implements (stage 3, sharding the parameters themselves,
-/// is not).
-pub const MAX_ZERO_STAGE: u8 = 2;
+/// The highest ZeRO stage the runtime implements (3: the parameters sharded too).
+pub const MAX_ZERO_STAGE: u8 = 3;
+
+/// What a ZeRO stage accepts, for messages.
+pub const ZERO_STAGES: &str = "give 0 (plain data parallel), 1 (optimizer state sharded), 2 \
+                               (optimizer state and gradients sharded) or 3 (optimizer state, \
+                               gradients and parameters sharded)";
 
 /// Parses `--zero-stage`, refusing stages the runtime lacks before any worker starts (the
 /// workers' builder would refuse them too, but only after the whole group had started).
 pub(crate) fn parse_zero_stage(value: &str) -> Result<u8, String> {
-    const VALID: &str = "give 0 (plain data parallel), 1 (optimizer state sharded) or 2 \
-                         (optimizer state and gradients sharded)";
     match value.trim().parse::<u8>() {
         Ok(stage) if stage <= MAX_ZERO_STAGE => Ok(stage),
-        Ok(3) => Err(format!(
-            "ZeRO stage 3 (sharding the parameters themselves) is not implemented; {VALID}"
-        )),
-        _ => Err(format!("not a ZeRO stage; {VALID}")),
+        _ => Err(format!("not a ZeRO stage; {ZERO_STAGES}")),
     }
+}
+
+/// Parses `--fsdp-transformer-layer-cls-to-wrap`: class names separated by commas, trimmed.
+fn parse_layer_classes(value: &str) -> Result<String, String> {
+    layer_classes(value)?.ok_or_else(|| {
+        "no class named; give class names separated by commas (e.g. LlamaDecoderLayer)".into()
+    })
 }
 
 impl Args {
@@ -218,11 +243,17 @@ mod tests {
             ("--zero-stage", "0"),
             ("--zero_stage", "2"),
             ("--zero-stage", "1"),
+            ("--zero-stage", "3"),
+            ("--zero_stage", " 3"),
         ] {
             let a = Args::try_parse_from(["l", flag, stage, "p"]).unwrap();
-            assert_eq!(a.zero_stage, Some(stage.parse().unwrap()), "{flag} {stage}");
+            assert_eq!(
+                a.zero_stage,
+                Some(stage.trim().parse().unwrap()),
+                "{flag} {stage}"
+            );
         }
-        for bad in ["3", "4", "x", "1.5", ""] {
+        for bad in ["4", "x", "1.5", "", "256"] {
             let e = Args::try_parse_from(["l", "--zero-stage", bad, "p"])
                 .unwrap_err()
                 .to_string();
@@ -231,17 +262,74 @@ mod tests {
                 "{e}"
             );
             assert!(
-                e.contains("give 0 (plain data parallel), 1 (optimizer"),
+                e.contains("not a ZeRO stage; give 0 (plain data parallel), 1 (optimizer")
+                    && e.contains("or 3 (optimizer state, gradients and parameters sharded)"),
                 "{e}"
             );
         }
-        let e = Args::try_parse_from(["l", "--zero-stage", "3", "p"])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("stage 3") && e.contains("not implemented"),
-            "{e}"
+    }
+
+    #[test]
+    fn fsdp_flags_take_both_spellings_and_are_absent_unless_given() {
+        let a = Args::try_parse_from([
+            "l",
+            "--fsdp_transformer_layer_cls_to_wrap",
+            "LlamaDecoderLayer",
+            "--fsdp-state-dict-type",
+            "SHARDED_STATE_DICT",
+            "p",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.fsdp_transformer_layer_cls_to_wrap.as_deref(),
+            Some("LlamaDecoderLayer")
         );
+        assert_eq!(a.fsdp_state_dict_type, Some(StateDictType::Sharded));
+        let a = Args::try_parse_from([
+            "l",
+            "--fsdp-transformer-layer-cls-to-wrap",
+            "GPT2Block,  GPT2MLP ",
+            "--fsdp_state_dict_type",
+            "full_state_dict",
+            "p",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.fsdp_transformer_layer_cls_to_wrap.as_deref(),
+            Some("GPT2Block,GPT2MLP")
+        );
+        assert_eq!(a.fsdp_state_dict_type, Some(StateDictType::Full));
+        let a = Args::try_parse_from(["l", "p"]).unwrap();
+        assert_eq!(
+            (a.fsdp_transformer_layer_cls_to_wrap, a.fsdp_state_dict_type),
+            (None, None)
+        );
+        for (flag, bad, want) in [
+            (
+                "--fsdp-state-dict-type",
+                "LOCAL_STATE_DICT",
+                "not implemented",
+            ),
+            ("--fsdp-state-dict-type", "FULL", "give FULL_STATE_DICT"),
+            (
+                "--fsdp-transformer-layer-cls-to-wrap",
+                " ",
+                "no class named",
+            ),
+            (
+                "--fsdp-transformer-layer-cls-to-wrap",
+                "A,",
+                "empty class name",
+            ),
+        ] {
+            let e = Args::try_parse_from(["l", flag, bad, "p"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(flag) && e.contains(&format!("'{bad}'")) && e.contains(want),
+                "{e}"
+            );
+        }
     }
 
     #[test]

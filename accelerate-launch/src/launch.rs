@@ -58,6 +58,8 @@ fn launch(args: cli::Args) -> Result<ExitCode, String> {
         gradient_accumulation_steps: args.gradient_accumulation_steps,
         mixed_precision: args.mixed_precision,
         zero_stage: args.zero_stage,
+        fsdp_layer_classes: args.fsdp_transformer_layer_cls_to_wrap.clone(),
+        fsdp_state_dict_type: args.fsdp_state_dict_type,
         cpu,
         threads_per_worker: (cores / local_world_size).max(1),
         ranks_per_gpu: args.ranks_per_gpu,

@@ -248,6 +248,12 @@ pub fn plan(
     if let Some(stage) = args.zero_stage {
         env_vars.push((env::ZERO_STAGE.into(), stage.to_string()));
     }
+    if let Some(classes) = &args.fsdp_transformer_layer_cls_to_wrap {
+        env_vars.push((env::FSDP_LAYER_CLASSES.into(), classes.clone()));
+    }
+    if let Some(kind) = args.fsdp_state_dict_type {
+        env_vars.push((env::FSDP_STATE_DICT_TYPE.into(), kind.as_str().into()));
+    }
     Ok(MpirunJob {
         hostfile: hostfile.to_path_buf(),
         num_processes,
@@ -443,6 +449,46 @@ mod tests {
             (3, "10.0.0.9")
         );
         assert_eq!(job.env[2].1.len(), 32, "a random token when none is set");
+    }
+
+    #[test]
+    fn zero_stage_and_fsdp_settings_are_forwarded_only_when_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = hostfile(dir.path(), "node1 slots=2\n");
+        let job = plan(
+            &args(&[
+                "--cpu",
+                "--zero-stage",
+                "3",
+                "--fsdp-transformer-layer-cls-to-wrap",
+                "GPT2Block, GPT2MLP",
+                "--fsdp-state-dict-type",
+                "SHARDED_STATE_DICT",
+            ]),
+            &file,
+            0,
+            None,
+        )
+        .unwrap();
+        let exported: Vec<_> = job.exported().collect();
+        assert!(exported.contains(&("ACCELERATE_ZERO_STAGE", "3")));
+        assert!(exported.contains(&("ACCELERATE_FSDP_LAYER_CLASSES", "GPT2Block,GPT2MLP")));
+        assert!(exported.contains(&("ACCELERATE_FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")));
+        let text = argv(&job);
+        assert!(
+            text.contains("-x ACCELERATE_FSDP_LAYER_CLASSES")
+                && text.contains("-x ACCELERATE_FSDP_STATE_DICT_TYPE"),
+            "{text}"
+        );
+        let job = plan(&args(&["--cpu"]), &file, 0, None).unwrap();
+        let names: Vec<_> = job.exported().map(|(k, _)| k).collect();
+        for absent in [
+            "ACCELERATE_ZERO_STAGE",
+            "ACCELERATE_FSDP_LAYER_CLASSES",
+            "ACCELERATE_FSDP_STATE_DICT_TYPE",
+        ] {
+            assert!(!names.contains(&absent), "{names:?}");
+        }
     }
 
     fn argv(job: &MpirunJob) -> String {

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use accelerate_core::env;
 
+use crate::config::file::StateDictType;
+
 /// What the launcher knows about the job, enough to build every worker's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobLayout {
@@ -26,8 +28,12 @@ pub struct JobLayout {
     pub gradient_accumulation_steps: Option<usize>,
     /// Mixed-precision mode to export (`no`, `bf16`, `fp16`), if given.
     pub mixed_precision: Option<accelerate_core::MixedPrecision>,
-    /// ZeRO stage to export (0, 1 or 2), if given.
+    /// ZeRO stage to export (0 to 3), if given.
     pub zero_stage: Option<u8>,
+    /// Stage 3's unit classes to export (comma-separated), if given.
+    pub fsdp_layer_classes: Option<String>,
+    /// Stage 3's state dict type to export, if given.
+    pub fsdp_state_dict_type: Option<StateDictType>,
     /// Whether to train on the CPU.
     pub cpu: bool,
     /// Threads each worker may use for compute (cores shared among local workers).
@@ -85,6 +91,12 @@ impl JobLayout {
         if let Some(stage) = self.zero_stage {
             set(env::ZERO_STAGE, stage.to_string());
         }
+        if let Some(classes) = &self.fsdp_layer_classes {
+            set(env::FSDP_LAYER_CLASSES, classes.clone());
+        }
+        if let Some(kind) = self.fsdp_state_dict_type {
+            set(env::FSDP_STATE_DICT_TYPE, kind.as_str().into());
+        }
         if self.cpu {
             set(env::USE_CPU, "1".into());
         } else {
@@ -136,6 +148,8 @@ mod tests {
             gradient_accumulation_steps: Some(4),
             mixed_precision: Some(accelerate_core::MixedPrecision::Bf16),
             zero_stage: Some(2),
+            fsdp_layer_classes: None,
+            fsdp_state_dict_type: None,
             cpu: true,
             threads_per_worker: 3,
             ranks_per_gpu: 1,
@@ -250,6 +264,36 @@ mod tests {
         assert!(!none
             .worker_env(0, &|_| false)
             .contains_key("ACCELERATE_ZERO_STAGE"));
+    }
+
+    #[test]
+    fn fsdp_variables_are_exported_to_every_worker_only_when_given() {
+        // The layout's own are None: nothing exported, the worker's defaults apply.
+        for local in 0..2 {
+            let env = layout().worker_env(local, &|_| false);
+            assert!(!env.contains_key("ACCELERATE_FSDP_LAYER_CLASSES"));
+            assert!(!env.contains_key("ACCELERATE_FSDP_STATE_DICT_TYPE"));
+        }
+        let stage_3 = JobLayout {
+            zero_stage: Some(3),
+            fsdp_layer_classes: Some("GPT2Block,GPT2MLP".into()),
+            fsdp_state_dict_type: Some(StateDictType::Sharded),
+            ..layout()
+        };
+        for local in 0..2 {
+            let env = stage_3.worker_env(local, &|_| false);
+            assert_eq!(env["ACCELERATE_ZERO_STAGE"], "3", "local rank {local}");
+            assert_eq!(env["ACCELERATE_FSDP_LAYER_CLASSES"], "GPT2Block,GPT2MLP");
+            assert_eq!(env["ACCELERATE_FSDP_STATE_DICT_TYPE"], "SHARDED_STATE_DICT");
+        }
+        // Either without the other.
+        let full_only = JobLayout {
+            fsdp_state_dict_type: Some(StateDictType::Full),
+            ..layout()
+        };
+        let env = full_only.worker_env(0, &|_| false);
+        assert_eq!(env["ACCELERATE_FSDP_STATE_DICT_TYPE"], "FULL_STATE_DICT");
+        assert!(!env.contains_key("ACCELERATE_FSDP_LAYER_CLASSES"));
     }
 
     #[test]

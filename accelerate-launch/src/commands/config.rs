@@ -76,7 +76,7 @@ pub struct ConfigArgs {
     #[arg(long, alias = "same_network")]
     pub same_network: bool,
 
-    /// ZeRO stage 0, 1 or 2: writes distributed_type DEEPSPEED with deepspeed_config.zero_stage,
+    /// ZeRO stage 0 to 3: writes distributed_type DEEPSPEED with deepspeed_config.zero_stage,
     /// as Accelerate's DeepSpeed answer does (GPU jobs only, as in Accelerate).
     #[arg(long, alias = "zero_stage", value_name = "N", value_parser = crate::cli::parse_zero_stage)]
     pub zero_stage: Option<u8>,
@@ -114,7 +114,8 @@ pub struct DefaultArgs {
 
 fn parse_distributed_type(value: &str) -> Result<DistributedType, String> {
     match DistributedType::parse(value) {
-        Some(t) if t != DistributedType::DeepSpeed => Ok(t),
+        // FSDP needs an fsdp_config, which neither the flags nor the questions write.
+        Some(t) if !matches!(t, DistributedType::DeepSpeed | DistributedType::Fsdp) => Ok(t),
         _ => Err(
             "give NO, MULTI_CPU or MULTI_GPU (DEEPSPEED: add --zero-stage N to NO or \
                   MULTI_GPU)"
@@ -538,9 +539,16 @@ mod tests {
         .unwrap_err();
         assert!(e.contains("GPU jobs only") && e.contains("--cpu"), "{e}");
         assert!(
-            ConfigArgs::try_parse_from(["config", "--zero-stage", "3"]).is_err(),
-            "stage 3 is not implemented"
+            ConfigArgs::try_parse_from(["config", "--zero-stage", "4"]).is_err(),
+            "there is no stage 4"
         );
+        // Stage 3 is Accelerate's stage-3 answer: zero3_save_16bit_model asked, default no.
+        let a = from_flags(&["--zero-stage", "3"], 2).unwrap();
+        let text = a.to_text();
+        assert!(text.contains("\"zero3_save_16bit_model\": false"), "{text}");
+        let read = ConfigFile::parse(std::path::Path::new("c.yaml"), &text).unwrap();
+        assert_eq!(read.zero_stage, Some(3));
+        assert!(read.ignored.is_empty(), "{:?}", read.ignored);
         assert!(ConfigArgs::try_parse_from(["config", "--rdzv-backend", "etcd"]).is_err());
         // No --max-restarts: Accelerate's ClusterConfig has no such key and refuses unknown ones.
         assert!(ConfigArgs::try_parse_from(["config", "--max-restarts", "2"]).is_err());

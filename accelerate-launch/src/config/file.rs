@@ -2,8 +2,8 @@
 //! named (never silently dropped); a bad value refused with the file, the key, the value and what
 //! the key accepts.
 //!
-//! Accelerate writes many keys for features we lack (TPU, FSDP, dynamo, ...). Where such a key
-//! holds its neutral value (`debug: false`, `tpu_env: []`, `fsdp_config: {}`,
+//! Accelerate writes many keys for features we lack (TPU, dynamo, Megatron-LM, ...). Where such a
+//! key holds its neutral value (`debug: false`, `tpu_env: []`, `fsdp_config: {}`,
 //! `downcast_bf16: 'no'`, `main_training_function: main`) it asks for nothing, and it is accepted
 //! quietly: every file `accelerate config default` writes has a dozen of them. Any other value,
 //! and any key we do not know, is named in [`ConfigFile::ignored`].
@@ -12,16 +12,39 @@
 //! `mpirun` for a multi-CPU job) is `--mpirun-hostfile`; `mpirun_config.mpirun_ccl` (older
 //! Accelerate's oneCCL worker count) has no counterpart and is named when set.
 //!
-//! `distributed_type: DEEPSPEED` with `deepspeed_config.zero_stage` 0, 1 or 2 runs as our ZeRO
-//! of that stage (the same sharding of optimizer state and gradients, without DeepSpeed's
-//! offloading); stage 3 is refused as `--zero-stage 3` is.
+//! `distributed_type: DEEPSPEED` with `deepspeed_config.zero_stage` 0 to 3 runs as our ZeRO of
+//! that stage (the same sharding of optimizer state, gradients and, at stage 3, parameters).
+//! `offload_optimizer_device` and `offload_param_device` other than `none` are refused: we do not
+//! offload, and a job sized for offloading would run out of memory without it. DeepSpeed's other
+//! options (`zero3_init_flag`, `zero3_save_16bit_model`, `gradient_clipping`, ...) are quiet when
+//! off and named when on, as any feature we lack.
+//!
+//! `distributed_type: FSDP` runs as our ZeRO too, its `fsdp_config` read as Accelerate reads it
+//! (see `config/file/fsdp.rs`):
+//!
+//! | `fsdp_config` key | ours |
+//! |---|---|
+//! | `fsdp_version` | 1 (default) or 2; others refused |
+//! | `fsdp_sharding_strategy` (version 1; also `fsdp_reshard_after_forward`) | `FULL_SHARD`/1: stage 3, `SHARD_GRAD_OP`/2: stage 2, `NO_SHARD`/3: stage 0; `HYBRID_SHARD`, `HYBRID_SHARD_ZERO2` refused |
+//! | `fsdp_reshard_after_forward` (version 2) | `true` (default): stage 3, `false`: stage 2 |
+//! | `fsdp_auto_wrap_policy` | `TRANSFORMER_BASED_WRAP` with `fsdp_transformer_layer_cls_to_wrap`: `ACCELERATE_FSDP_LAYER_CLASSES`; at stage 3, no classes, `SIZE_BASED_WRAP` and `NO_WRAP` (the default) refused |
+//! | `fsdp_state_dict_type` | `FULL_STATE_DICT`, `SHARDED_STATE_DICT`: `ACCELERATE_FSDP_STATE_DICT_TYPE`; `LOCAL_STATE_DICT` refused |
+//! | `fsdp_offload_params` | `false`; `true` refused |
+//! | `fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`, `fsdp_use_orig_params`, `fsdp_activation_checkpointing`, `fsdp_forward_prefetch`, `fsdp_backward_prefetch`, `fsdp_min_num_params` | quiet: no effect on what training computes here |
+//! | any other | named in [`ConfigFile::ignored`] as `fsdp_config.KEY` (quiet when neutral) |
+//!
+//! Mixed precision, process counts and the rest come from the top-level keys, as for any type.
 
 use std::path::{Path, PathBuf};
 
 use accelerate_core::MixedPrecision;
 use serde_json::{Map, Value};
 
-use crate::cli::MAX_ZERO_STAGE;
+use crate::cli::{MAX_ZERO_STAGE, ZERO_STAGES};
+
+mod fsdp;
+
+pub use fsdp::{layer_classes, StateDictType};
 
 /// Accelerate's `distributed_type`, the values we run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,9 +55,12 @@ pub enum DistributedType {
     MultiCpu,
     /// One process per GPU.
     MultiGpu,
-    /// DeepSpeed ZeRO stage 0-2, run as our ZeRO (one process per GPU, or on the CPU with
+    /// DeepSpeed ZeRO stage 0-3, run as our ZeRO (one process per GPU, or on the CPU with
     /// `use_cpu`).
     DeepSpeed,
+    /// PyTorch FSDP (`fsdp_config`), run as our ZeRO of the stage its sharding asks for (one
+    /// process per GPU, or on the CPU with `use_cpu`).
+    Fsdp,
 }
 
 impl DistributedType {
@@ -45,6 +71,7 @@ impl DistributedType {
             Self::MultiCpu => "MULTI_CPU",
             Self::MultiGpu => "MULTI_GPU",
             Self::DeepSpeed => "DEEPSPEED",
+            Self::Fsdp => "FSDP",
         }
     }
 
@@ -55,14 +82,15 @@ impl DistributedType {
             "MULTI_CPU" => Some(Self::MultiCpu),
             "MULTI_GPU" => Some(Self::MultiGpu),
             "DEEPSPEED" => Some(Self::DeepSpeed),
+            "FSDP" => Some(Self::Fsdp),
             _ => None,
         }
     }
 }
 
 /// What `distributed_type` accepts, for error messages.
-pub const VALID_DISTRIBUTED_TYPES: &str = "NO, MULTI_CPU or MULTI_GPU (or DEEPSPEED with \
-     deepspeed_config.zero_stage 0, 1 or 2, run as our ZeRO)";
+pub const VALID_DISTRIBUTED_TYPES: &str = "NO, MULTI_CPU or MULTI_GPU (or FSDP with fsdp_config, \
+     or DEEPSPEED with deepspeed_config.zero_stage 0 to 3, run as our ZeRO)";
 
 /// The keys of an Accelerate config file that we map to launcher flags.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,8 +119,15 @@ pub struct ConfigFile {
     pub gpu_ids: Option<String>,
     /// `max_restarts`.
     pub max_restarts: Option<u32>,
-    /// `deepspeed_config.zero_stage` under `distributed_type: DEEPSPEED`.
+    /// `deepspeed_config.zero_stage` under `distributed_type: DEEPSPEED`; under `FSDP`, the stage
+    /// `fsdp_config`'s sharding asks for.
     pub zero_stage: Option<u8>,
+    /// `fsdp_config.fsdp_transformer_layer_cls_to_wrap` under `TRANSFORMER_BASED_WRAP`: the
+    /// classes of stage 3's units, separated by commas (`ACCELERATE_FSDP_LAYER_CLASSES`).
+    pub fsdp_layer_classes: Option<String>,
+    /// `fsdp_config.fsdp_state_dict_type` under `distributed_type: FSDP`, or Accelerate's default
+    /// for the FSDP version (`ACCELERATE_FSDP_STATE_DICT_TYPE`).
+    pub fsdp_state_dict_type: Option<StateDictType>,
     /// `mpirun_config.mpirun_hostfile` of a CPU job (`--mpirun-hostfile`).
     pub mpirun_hostfile: Option<PathBuf>,
     /// Keys we do not support that ask for something (an enabled feature, an unknown key),
@@ -152,7 +187,6 @@ const UNSUPPORTED_KEYS: &[&str] = &[
     "main_training_function",
     "dynamo_backend",
     "dynamo_config",
-    "fsdp_config",
     "megatron_lm_config",
     "ipex_config",
     "fp8_config",
@@ -167,10 +201,11 @@ const UNSUPPORTED_KEYS: &[&str] = &[
     "commands",
 ];
 
-/// Keys inside `deepspeed_config` that our ZeRO has no counterpart for, quiet when neutral.
+/// Keys inside `deepspeed_config` that our ZeRO has no counterpart for, quiet when neutral (off)
+/// and named when on. `zero3_init_flag` (building the model already partitioned) and
+/// `zero3_save_16bit_model` (gathering 16-bit weights on save) are among them: our stage 3 shards
+/// a model built whole when it is prepared, and saves what `fsdp_state_dict_type` says.
 const UNSUPPORTED_DEEPSPEED_KEYS: &[&str] = &[
-    "offload_optimizer_device",
-    "offload_param_device",
     "offload_optimizer_nvme_path",
     "offload_param_nvme_path",
     "zero3_init_flag",
@@ -351,6 +386,18 @@ impl Reader<'_> {
                         let full = format!("deepspeed_config.{key}");
                         match key.as_str() {
                             "zero_stage" => zero_stage = Some(self.zero_stage(&full, value)?),
+                            // A job sized for offloading would run out of memory without it.
+                            "offload_optimizer_device" | "offload_param_device"
+                                if !is_neutral(key, value) =>
+                            {
+                                return Err(self.bad(
+                                    &full,
+                                    value,
+                                    "offloading to the CPU or NVMe is not implemented; set it to \
+                                     none",
+                                ))
+                            }
+                            "offload_optimizer_device" | "offload_param_device" => {}
                             "gradient_accumulation_steps" => {
                                 gradient_accumulation_steps = Some(self.count(&full, value, 1)?);
                             }
@@ -368,7 +415,7 @@ impl Reader<'_> {
                     return Err(self.bad(
                         "deepspeed_config",
                         other,
-                        "expected a mapping (zero_stage: 0, 1 or 2, ...)",
+                        "expected a mapping (zero_stage: 0 to 3, ...)",
                     ))
                 }
                 (_, other) if !is_neutral("deepspeed_config", other) => {
@@ -377,6 +424,17 @@ impl Reader<'_> {
                 }
                 _ => {}
             }
+        }
+
+        let (mut fsdp_layer_classes, mut fsdp_state_dict_type) = (None, None);
+        if distributed_type == DistributedType::Fsdp {
+            let fsdp = self.fsdp(get("fsdp_config"))?;
+            zero_stage = Some(fsdp.zero_stage);
+            fsdp_layer_classes = fsdp.layer_classes;
+            fsdp_state_dict_type = Some(fsdp.state_dict_type);
+        } else if get("fsdp_config").is_some_and(|c| !is_neutral("fsdp_config", c)) {
+            // Accelerate reads it only under distributed_type FSDP.
+            self.ignored.push("fsdp_config".into());
         }
 
         let mut mpirun_hostfile = None;
@@ -436,6 +494,7 @@ impl Reader<'_> {
             "same_network",
             "max_restarts",
             "deepspeed_config",
+            "fsdp_config",
             "mpirun_config",
         ];
         for (key, value) in map {
@@ -461,6 +520,8 @@ impl Reader<'_> {
             gpu_ids,
             max_restarts,
             zero_stage,
+            fsdp_layer_classes,
+            fsdp_state_dict_type,
             mpirun_hostfile,
             ignored: self.ignored,
         })
@@ -509,19 +570,9 @@ impl Reader<'_> {
     }
 
     fn zero_stage(&self, key: &str, value: &Value) -> Result<u8, String> {
-        const VALID: &str = "give 0 (plain data parallel), 1 (optimizer state sharded) or 2 \
-                             (optimizer state and gradients sharded)";
         match value.as_u64() {
             Some(n) if n <= u64::from(MAX_ZERO_STAGE) => Ok(n as u8),
-            Some(3) => Err(self.bad(
-                key,
-                value,
-                &format!(
-                    "ZeRO stage 3 (sharding the parameters themselves) is not implemented; \
-                     {VALID}"
-                ),
-            )),
-            _ => Err(self.bad(key, value, VALID)),
+            _ => Err(self.bad(key, value, ZERO_STAGES)),
         }
     }
 

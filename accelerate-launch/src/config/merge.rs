@@ -8,8 +8,11 @@ use crate::config::file::{ConfigFile, DistributedType};
 /// line (`id` is the field's name, as clap's `ArgMatches::value_source` knows it).
 ///
 /// `distributed_type` decides the processes: `NO` one, `MULTI_CPU` `num_processes` on the CPU,
-/// `MULTI_GPU` (and `DEEPSPEED`) `num_processes` (one per GPU when absent); `use_cpu: true` is
-/// `--cpu`. `mpirun_config.mpirun_hostfile` is `--mpirun-hostfile`. `gpu_ids` is not a flag: the caller exports it as `CUDA_VISIBLE_DEVICES`.
+/// `MULTI_GPU` (and `DEEPSPEED`, `FSDP`) `num_processes` (one per GPU when absent); `use_cpu: true`
+/// is `--cpu`. The ZeRO stage of `deepspeed_config` or `fsdp_config` is `--zero-stage`, and
+/// `fsdp_config`'s layer classes and state dict type are `--fsdp-transformer-layer-cls-to-wrap`
+/// and `--fsdp-state-dict-type`. `mpirun_config.mpirun_hostfile` is `--mpirun-hostfile`.
+/// `gpu_ids` is not a flag: the caller exports it as `CUDA_VISIBLE_DEVICES`.
 pub fn apply(file: &ConfigFile, args: &mut Args, given: &dyn Fn(&str) -> bool) {
     if !given("cpu") && (file.use_cpu || file.distributed_type == DistributedType::MultiCpu) {
         args.cpu = true;
@@ -47,6 +50,15 @@ pub fn apply(file: &ConfigFile, args: &mut Args, given: &dyn Fn(&str) -> bool) {
     }
     if let (false, Some(stage)) = (given("zero_stage"), file.zero_stage) {
         args.zero_stage = Some(stage);
+    }
+    if let (false, Some(classes)) = (
+        given("fsdp_transformer_layer_cls_to_wrap"),
+        &file.fsdp_layer_classes,
+    ) {
+        args.fsdp_transformer_layer_cls_to_wrap = Some(classes.clone());
+    }
+    if let (false, Some(kind)) = (given("fsdp_state_dict_type"), file.fsdp_state_dict_type) {
+        args.fsdp_state_dict_type = Some(kind);
     }
     if let (false, Some(n)) = (given("max_restarts"), file.max_restarts) {
         args.max_restarts = n;

@@ -6,7 +6,7 @@ use accelerate_core::MixedPrecision;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
 
-use super::file::{ConfigFile, DistributedType};
+use super::file::{ConfigFile, DistributedType, StateDictType};
 use super::merge;
 use super::write::ConfigAnswers;
 use crate::cli::Args;
@@ -135,11 +135,11 @@ fn keys_we_do_not_support_are_named_when_they_ask_for_something() {
 fn bad_values_name_the_file_the_key_the_value_and_what_is_valid() {
     for (text, wants) in [
         (
-            "distributed_type: FSDP\n",
+            "distributed_type: XLA\n",
             &[
                 "/cfg/default_config.yaml",
                 "distributed_type",
-                "\"FSDP\"",
+                "\"XLA\"",
                 "MULTI_CPU",
             ][..],
         ),
@@ -168,8 +168,12 @@ fn bad_values_name_the_file_the_key_the_value_and_what_is_valid() {
             &["rdzv_backend", "\"etcd\"", "static"],
         ),
         (
-            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n",
-            &["deepspeed_config.zero_stage", "stage 3", "not implemented"],
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 4\n",
+            &[
+                "deepspeed_config.zero_stage",
+                ": 4:",
+                "or 3 (optimizer state, gradients and",
+            ],
         ),
         ("- a list\n", &["expected a mapping"]),
         ("a: [unclosed\n", &["not valid YAML"]),
@@ -321,4 +325,462 @@ fn mpirun_ccl_and_a_hostfile_outside_a_cpu_job_are_named() {
     let e =
         parse("distributed_type: MULTI_CPU\nmpirun_config:\n  mpirun_hostfile: 3\n").unwrap_err();
     assert!(e.contains("mpirun_config.mpirun_hostfile"), "{e}");
+}
+
+/// The variables every worker of `args` gets (local rank 0 of one machine).
+fn worker_env(args: &Args) -> std::collections::BTreeMap<String, String> {
+    crate::worker_env::JobLayout {
+        world_size: 2,
+        local_world_size: 2,
+        machine_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: args.main_process_port,
+        job_token: "t".into(),
+        restart_count: 0,
+        gradient_accumulation_steps: args.gradient_accumulation_steps,
+        mixed_precision: args.mixed_precision,
+        zero_stage: args.zero_stage,
+        fsdp_layer_classes: args.fsdp_transformer_layer_cls_to_wrap.clone(),
+        fsdp_state_dict_type: args.fsdp_state_dict_type,
+        cpu: false,
+        threads_per_worker: 1,
+        ranks_per_gpu: 1,
+        host_name: "h".into(),
+    }
+    .worker_env(0, &|_| false)
+}
+
+/// What Accelerate 1.x's `accelerate config` writes for FSDP2 on two GPUs (commands/config/
+/// cluster.py's questions: FSDP version 2, reshard after forward yes, no offload,
+/// TRANSFORMER_BASED_WRAP with LlamaDecoderLayer, SHARDED_STATE_DICT, CPU-RAM-efficient loading
+/// yes, activation checkpointing no; then bf16), as `yaml.safe_dump` sorts and spells it.
+const FSDP2_FILE: &str = "compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_version: 2
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+";
+
+#[test]
+fn accelerates_fsdp2_file_is_zero_stage_3_with_its_units_and_state_dict_type() {
+    let file = parse(FSDP2_FILE).unwrap();
+    assert_eq!(file.distributed_type, DistributedType::Fsdp);
+    assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+    assert_eq!(file.zero_stage, Some(3));
+    assert_eq!(
+        file.fsdp_layer_classes.as_deref(),
+        Some("LlamaDecoderLayer")
+    );
+    assert_eq!(file.fsdp_state_dict_type, Some(StateDictType::Sharded));
+    let args = launch_args(&file, &["l", "p"]);
+    assert_eq!(args.num_processes, Some(2));
+    assert!(!args.cpu);
+    let env = worker_env(&args);
+    let get = |k: &str| env.get(k).map(String::as_str);
+    assert_eq!(get("ACCELERATE_ZERO_STAGE"), Some("3"));
+    assert_eq!(
+        get("ACCELERATE_FSDP_LAYER_CLASSES"),
+        Some("LlamaDecoderLayer")
+    );
+    assert_eq!(
+        get("ACCELERATE_FSDP_STATE_DICT_TYPE"),
+        Some("SHARDED_STATE_DICT")
+    );
+    assert_eq!(get("ACCELERATE_MIXED_PRECISION"), Some("bf16"));
+    // reshard_after_forward false keeps the gathered parameters to the backward: SHARD_GRAD_OP.
+    let file = parse(&FSDP2_FILE.replace(
+        "fsdp_reshard_after_forward: true",
+        "fsdp_reshard_after_forward: false",
+    ))
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(2));
+    // Absent, it is Accelerate's default for FSDP2, true; so is SHARDED_STATE_DICT.
+    let file = parse(
+        &FSDP2_FILE
+            .replace("  fsdp_reshard_after_forward: true\n", "")
+            .replace("  fsdp_state_dict_type: SHARDED_STATE_DICT\n", ""),
+    )
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(3));
+    assert_eq!(file.fsdp_state_dict_type, Some(StateDictType::Sharded));
+}
+
+/// An FSDP1 file with `strategy` as its sharding strategy, as Accelerate before 1.6 wrote it.
+fn fsdp1(strategy: &str) -> String {
+    format!(
+        "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n  \
+         fsdp_sharding_strategy: {strategy}\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: GPT2Block\n  fsdp_backward_prefetch: BACKWARD_PRE\n  \
+         fsdp_forward_prefetch: false\n  fsdp_use_orig_params: true\n  \
+         fsdp_sync_module_states: true\n  fsdp_offload_params: false\n"
+    )
+}
+
+#[test]
+fn fsdp1_sharding_strategies_are_zero_stages() {
+    // FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3), SHARD_GRAD_OP
+    // gradients and optimizer state (ZeRO-2), NO_SHARD nothing (DDP); older files hold the
+    // numbers of PyTorch's ShardingStrategy (FULL_SHARD = 1, SHARD_GRAD_OP = 2, NO_SHARD = 3).
+    for (strategy, stage) in [
+        ("FULL_SHARD", 3),
+        ("SHARD_GRAD_OP", 2),
+        ("NO_SHARD", 0),
+        ("1", 3),
+        ("2", 2),
+        ("'3'", 0),
+        ("shard_grad_op", 2),
+    ] {
+        let file = parse(&fsdp1(strategy)).unwrap();
+        assert_eq!(file.zero_stage, Some(stage), "{strategy}");
+        assert!(file.ignored.is_empty(), "{strategy}: {:?}", file.ignored);
+        assert_eq!(file.fsdp_layer_classes.as_deref(), Some("GPT2Block"));
+        // FSDP1's default state dict type in Accelerate.
+        assert_eq!(file.fsdp_state_dict_type, Some(StateDictType::Full));
+        assert_eq!(launch_args(&file, &["l", "p"]).zero_stage, Some(stage));
+    }
+}
+
+#[test]
+fn fsdp1_reads_the_strategy_where_each_accelerate_wrote_it() {
+    // Accelerate 1.6 and later write FSDP1's strategy as fsdp_reshard_after_forward.
+    let file = parse(
+        &fsdp1("SHARD_GRAD_OP").replace("fsdp_sharding_strategy", "fsdp_reshard_after_forward"),
+    )
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(2));
+    assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+    // Accelerate's plugin prefers fsdp_sharding_strategy; the other, disagreeing, is named.
+    let both = fsdp1("SHARD_GRAD_OP") + "  fsdp_reshard_after_forward: FULL_SHARD\n";
+    let file = parse(&both).unwrap();
+    assert_eq!(file.zero_stage, Some(2));
+    assert_eq!(file.ignored, ["fsdp_config.fsdp_reshard_after_forward"]);
+    let agreeing = fsdp1("SHARD_GRAD_OP") + "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n";
+    assert!(parse(&agreeing).unwrap().ignored.is_empty());
+    // FSDP2 reads only fsdp_reshard_after_forward: a sharding strategy beside it is named unless
+    // it says the same.
+    let file = parse(&FSDP2_FILE.replace(
+        "  fsdp_version: 2\n",
+        "  fsdp_version: 2\n  fsdp_sharding_strategy: NO_SHARD\n",
+    ))
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(3));
+    assert_eq!(file.ignored, ["fsdp_config.fsdp_sharding_strategy"]);
+    let file = parse(&FSDP2_FILE.replace(
+        "  fsdp_version: 2\n",
+        "  fsdp_version: 2\n  fsdp_sharding_strategy: FULL_SHARD\n",
+    ))
+    .unwrap();
+    assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+    // The oldest files (2022) have no fsdp_ prefix; Accelerate's launcher adds it.
+    let file = parse(
+        "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: 2\n  offload_params: false\n  \
+         min_num_params: 0\n",
+    )
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(2));
+    assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+}
+
+#[test]
+fn fsdp_units_matter_only_at_stage_3() {
+    // Below stage 3 the parameters are whole on every rank: any wrap policy runs the same.
+    let file = parse(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  \
+         fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n",
+    )
+    .unwrap();
+    assert_eq!((file.zero_stage, file.fsdp_layer_classes), (Some(2), None));
+    assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+    // Classes Accelerate would not read (not TRANSFORMER_BASED_WRAP) are named.
+    let file = parse(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n  \
+         fsdp_auto_wrap_policy: NO_WRAP\n  fsdp_transformer_layer_cls_to_wrap: GPT2Block\n",
+    )
+    .unwrap();
+    assert_eq!((file.zero_stage, file.fsdp_layer_classes), (Some(0), None));
+    assert_eq!(
+        file.ignored,
+        ["fsdp_config.fsdp_transformer_layer_cls_to_wrap"]
+    );
+    // Class lists are trimmed and joined by commas; a YAML list reads the same.
+    let with = |classes: &str| {
+        parse(&FSDP2_FILE.replace(
+            "fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer",
+            &format!("fsdp_transformer_layer_cls_to_wrap: {classes}"),
+        ))
+        .unwrap()
+        .fsdp_layer_classes
+    };
+    assert_eq!(
+        with("'GPT2Block, GPT2MLP '").as_deref(),
+        Some("GPT2Block,GPT2MLP")
+    );
+    assert_eq!(
+        with("[GPT2Block, GPT2MLP]").as_deref(),
+        Some("GPT2Block,GPT2MLP")
+    );
+}
+
+#[test]
+fn other_fsdp_keys_are_quiet_when_neutral_and_named_otherwise() {
+    let file = parse(
+        &(FSDP2_FILE.replace(
+            "  fsdp_version: 2\n",
+            "  fsdp_version: 2\n  fsdp_ignored_modules: null\n  fsdp_sync_module_states: false\n  \
+             fsdp_activation_checkpointing: true\n  fsdp_forward_prefetch: true\n  \
+             fsdp_backward_prefetch: BACKWARD_POST\n  fsdp_use_orig_params: false\n  \
+             fsdp_new_thing: 1\n",
+        ) + "fp8_config: {}\n"),
+    )
+    .unwrap();
+    assert_eq!(file.ignored, ["fsdp_config.fsdp_new_thing"]);
+    assert_eq!(file.zero_stage, Some(3));
+    // Under another distributed type Accelerate does not read fsdp_config at all.
+    let file = parse("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_version: 2\n").unwrap();
+    assert_eq!(
+        (file.ignored.as_slice(), file.zero_stage),
+        (&["fsdp_config".to_string()][..], None)
+    );
+}
+
+#[test]
+fn fsdp_refusals_name_the_key_and_the_value() {
+    let fsdp2 = |from: &str, to: &str| {
+        assert!(FSDP2_FILE.contains(from), "{from}");
+        FSDP2_FILE.replace(from, to)
+    };
+    for (text, wants) in [
+        (
+            fsdp1("HYBRID_SHARD"),
+            &[
+                "fsdp_config.fsdp_sharding_strategy",
+                "\"HYBRID_SHARD\"",
+                "not implemented",
+                "FULL_SHARD",
+            ][..],
+        ),
+        (
+            fsdp1("HYBRID_SHARD_ZERO2"),
+            &[
+                "fsdp_sharding_strategy",
+                "\"HYBRID_SHARD_ZERO2\"",
+                "replicas",
+            ],
+        ),
+        (
+            fsdp1("4"),
+            &[
+                "fsdp_sharding_strategy: 4:",
+                "HYBRID_SHARD",
+                "not implemented",
+            ],
+        ),
+        (
+            fsdp1("ZERO3"),
+            &["fsdp_sharding_strategy", "\"ZERO3\"", "give FULL_SHARD"],
+        ),
+        (
+            fsdp2("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"),
+            &[
+                "fsdp_config.fsdp_auto_wrap_policy",
+                "\"SIZE_BASED_WRAP\"",
+                "not implemented",
+                "TRANSFORMER_BASED_WRAP",
+                "layer class",
+            ],
+        ),
+        (
+            fsdp2("TRANSFORMER_BASED_WRAP", "NO_WRAP"),
+            &[
+                "fsdp_config.fsdp_auto_wrap_policy",
+                "\"NO_WRAP\"",
+                "TRANSFORMER_BASED_WRAP",
+            ],
+        ),
+        (
+            fsdp2("  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n", ""),
+            &["fsdp_config.fsdp_auto_wrap_policy", "absent", "NO_WRAP"],
+        ),
+        (
+            "distributed_type: FSDP\n".to_string(),
+            &["fsdp_config.fsdp_auto_wrap_policy", "absent", "NO_WRAP"],
+        ),
+        (
+            fsdp2(
+                "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+                "",
+            ),
+            &[
+                "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                "no class given",
+                "TRANSFORMER_BASED_WRAP",
+                "LlamaDecoderLayer",
+            ],
+        ),
+        (
+            fsdp2("LlamaDecoderLayer", "A,,B"),
+            &[
+                "fsdp_transformer_layer_cls_to_wrap",
+                "\"A,,B\"",
+                "empty class name",
+            ],
+        ),
+        (
+            fsdp2("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"),
+            &[
+                "fsdp_config.fsdp_state_dict_type",
+                "\"LOCAL_STATE_DICT\"",
+                "not implemented",
+                "SHARDED_STATE_DICT",
+            ],
+        ),
+        (
+            fsdp2("fsdp_offload_params: false", "fsdp_offload_params: true"),
+            &[
+                "fsdp_config.fsdp_offload_params: true",
+                "not implemented",
+                "false",
+            ],
+        ),
+        (
+            fsdp2("fsdp_version: 2", "fsdp_version: 3"),
+            &["fsdp_config.fsdp_version: 3", "give 1", "or 2"],
+        ),
+        (
+            fsdp2(
+                "fsdp_reshard_after_forward: true",
+                "fsdp_reshard_after_forward: FULL_SHARD",
+            ),
+            &[
+                "fsdp_reshard_after_forward",
+                "\"FULL_SHARD\"",
+                "true",
+                "fsdp_version 1",
+            ],
+        ),
+        (
+            fsdp1("FULL_SHARD").replace(
+                "fsdp_sharding_strategy: FULL_SHARD",
+                "fsdp_reshard_after_forward: true",
+            ),
+            &[
+                "fsdp_config.fsdp_reshard_after_forward: true",
+                "fsdp_version 2",
+            ],
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: 1\n  \
+             fsdp_sharding_strategy: 1\n"
+                .to_string(),
+            &[
+                "both fsdp_sharding_strategy and sharding_strategy",
+                "keep one",
+            ],
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config: FULL_SHARD\n".to_string(),
+            &["fsdp_config: \"FULL_SHARD\"", "expected a mapping"],
+        ),
+        (
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  \
+             offload_optimizer_device: cpu\n"
+                .to_string(),
+            &[
+                "deepspeed_config.offload_optimizer_device",
+                "\"cpu\"",
+                "not implemented",
+                "none",
+            ],
+        ),
+        (
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  \
+             offload_param_device: nvme\n  offload_param_nvme_path: /nvme\n"
+                .to_string(),
+            &["deepspeed_config.offload_param_device", "\"nvme\"", "none"],
+        ),
+    ] {
+        let e = parse(&text).unwrap_err();
+        assert!(
+            e.starts_with("config file /cfg/default_config.yaml: "),
+            "{e}"
+        );
+        for want in wants {
+            assert!(e.contains(want), "{text:?}:\n{e}\nlacks {want:?}");
+        }
+    }
+}
+
+#[test]
+fn deepspeed_zero_stage_3_runs_as_our_stage_3() {
+    // cluster.py's DeepSpeed answers at stage 3: no offload, zero.Init on, 16-bit save off.
+    let file = parse(
+        "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  \
+         gradient_accumulation_steps: 1\n  offload_optimizer_device: none\n  \
+         offload_param_device: none\n  zero3_init_flag: true\n  zero3_save_16bit_model: false\n  \
+         zero_stage: 3\n",
+    )
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(3));
+    // zero.Init (building the model already partitioned) is a feature we lack: named.
+    assert_eq!(file.ignored, ["deepspeed_config.zero3_init_flag"]);
+    assert_eq!(
+        (
+            file.fsdp_layer_classes.as_deref(),
+            file.fsdp_state_dict_type
+        ),
+        (None, None)
+    );
+    let env = worker_env(&launch_args(&file, &["l", "p"]));
+    assert_eq!(env["ACCELERATE_ZERO_STAGE"], "3");
+    assert!(!env.contains_key("ACCELERATE_FSDP_LAYER_CLASSES"));
+    assert!(!env.contains_key("ACCELERATE_FSDP_STATE_DICT_TYPE"));
+}
+
+#[test]
+fn fsdp_flags_on_the_command_line_override_the_file() {
+    let file = parse(FSDP2_FILE).unwrap();
+    let args = launch_args(
+        &file,
+        &[
+            "l",
+            "--fsdp-transformer-layer-cls-to-wrap",
+            " GPT2Block , GPT2MLP",
+            "--fsdp_state_dict_type",
+            "full_state_dict",
+            "--zero-stage",
+            "2",
+            "p",
+        ],
+    );
+    assert_eq!(
+        args.fsdp_transformer_layer_cls_to_wrap.as_deref(),
+        Some("GPT2Block,GPT2MLP")
+    );
+    assert_eq!(args.fsdp_state_dict_type, Some(StateDictType::Full));
+    assert_eq!(args.zero_stage, Some(2));
+    let env = worker_env(&args);
+    assert_eq!(env["ACCELERATE_FSDP_LAYER_CLASSES"], "GPT2Block,GPT2MLP");
+    assert_eq!(env["ACCELERATE_FSDP_STATE_DICT_TYPE"], "FULL_STATE_DICT");
+    assert_eq!(env["ACCELERATE_ZERO_STAGE"], "2");
 }

@@ -8,8 +8,9 @@
 //! A ZeRO stage is written as Accelerate's `accelerate config` writes a DeepSpeed answer:
 //! `distributed_type: DEEPSPEED` and `deepspeed_config` with `zero_stage`,
 //! `gradient_accumulation_steps` (Accelerate keeps it only there), `zero3_init_flag: false`,
-//! `offload_optimizer_device`/`offload_param_device: none` from stage 2, and
-//! `deepspeed_multinode_launcher: standard` (a launcher on each machine) on several machines.
+//! `offload_optimizer_device`/`offload_param_device: none` from stage 2,
+//! `zero3_save_16bit_model: false` at stage 3, and `deepspeed_multinode_launcher: standard` (a
+//! launcher on each machine) on several machines.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -51,7 +52,7 @@ pub struct ConfigAnswers {
 /// The `deepspeed_config` answers our ZeRO runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeepSpeedAnswers {
-    /// `zero_stage`: 0, 1 or 2.
+    /// `zero_stage`: 0 to 3.
     pub zero_stage: u8,
     /// `gradient_accumulation_steps` (Accelerate's default 1).
     pub gradient_accumulation_steps: usize,
@@ -111,6 +112,10 @@ impl ConfigAnswers {
             if ds.zero_stage >= 2 {
                 config.insert("offload_optimizer_device", json!("none"));
                 config.insert("offload_param_device", json!("none"));
+            }
+            if ds.zero_stage == 3 {
+                // Accelerate asks it at stage 3 only (default no).
+                config.insert("zero3_save_16bit_model", json!(false));
             }
             if self.num_machines > 1 {
                 config.insert("deepspeed_multinode_launcher", json!("standard"));

@@ -227,7 +227,7 @@ fn a_missing_or_bad_config_file_is_named_and_nothing_starts() {
         o.stderr
     );
     let bad = dir.path().join("bad.yaml");
-    std::fs::write(&bad, "distributed_type: FSDP\nnum_processes: 2\n").unwrap();
+    std::fs::write(&bad, "distributed_type: XLA\nnum_processes: 2\n").unwrap();
     let o = accelerate(
         dir.path(),
         &[
@@ -242,7 +242,7 @@ fn a_missing_or_bad_config_file_is_named_and_nothing_starts() {
     );
     assert_eq!(o.code, 2);
     assert!(
-        o.stderr.contains("distributed_type") && o.stderr.contains("\"FSDP\""),
+        o.stderr.contains("distributed_type") && o.stderr.contains("\"XLA\""),
         "{}",
         o.stderr
     );
@@ -250,14 +250,58 @@ fn a_missing_or_bad_config_file_is_named_and_nothing_starts() {
 }
 
 #[test]
+fn an_fsdp_config_file_reaches_every_worker_as_zero_stage_3() {
+    // Accelerate's FSDP2 answers (TRANSFORMER_BASED_WRAP, SHARDED_STATE_DICT) for two processes,
+    // run here on the CPU.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fsdp.yaml");
+    std::fs::write(
+        &config,
+        "distributed_type: FSDP\nnum_processes: 2\nmain_process_port: 0\nmixed_precision: bf16\n\
+         use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n  \
+         fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  \
+         fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_offload_params: false\n",
+    )
+    .unwrap();
+    let print = "echo \"worker $RANK $WORLD_SIZE stage=$ACCELERATE_ZERO_STAGE \
+                 classes=$ACCELERATE_FSDP_LAYER_CLASSES sd=$ACCELERATE_FSDP_STATE_DICT_TYPE \
+                 mp=$ACCELERATE_MIXED_PRECISION\"";
+    let o = accelerate(
+        dir.path(),
+        &[
+            "launch",
+            "--config-file",
+            config.to_str().unwrap(),
+            "sh",
+            "-c",
+            print,
+        ],
+        &[],
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(!o.stderr.contains("warning"), "{}", o.stderr);
+    let lines: Vec<&str> = o.stdout.lines().filter(|l| l.contains("worker ")).collect();
+    assert_eq!(lines.len(), 2, "{}", o.stdout);
+    for line in lines {
+        assert!(
+            line.ends_with("2 stage=3 classes=LlamaDecoderLayer sd=SHARDED_STATE_DICT mp=bf16"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
 fn a_python_fsdp_default_config_names_the_ways_around_it() {
-    // What Python Accelerate's `accelerate config` leaves for an FSDP setup.
+    // What Python Accelerate's `accelerate config` leaves for an FSDP setup that wraps by
+    // parameter count, which our ZeRO stage 3 does not do.
     let hf_home = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(hf_home.path().join("accelerate")).unwrap();
     std::fs::write(
         hf_home.path().join("accelerate/default_config.yaml"),
         "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  \
-         fsdp_sharding_strategy: FULL_SHARD\nmixed_precision: bf16\nnum_machines: 1\n\
+         fsdp_sharding_strategy: FULL_SHARD\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  \
+         fsdp_min_num_params: 100000000\nmixed_precision: bf16\nnum_machines: 1\n\
          num_processes: 2\nuse_cpu: false\n",
     )
     .unwrap();
@@ -267,7 +311,9 @@ fn a_python_fsdp_default_config_names_the_ways_around_it() {
     let o = accelerate(hf_home.path(), &argv, &[]);
     assert_eq!(o.code, 2, "{}", o.stderr);
     assert!(
-        o.stderr.contains("\"FSDP\"") && o.stderr.contains("--config-file /dev/null"),
+        o.stderr
+            .contains("fsdp_config.fsdp_auto_wrap_policy: \"SIZE_BASED_WRAP\"")
+            && o.stderr.contains("--config-file /dev/null"),
         "{}",
         o.stderr
     );
