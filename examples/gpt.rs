@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
-use accelerate_examples::gpt::{self, CharVocab, Gpt, GptConfig, TextWindows, TokenBatch};
+use accelerate_core::Model;
+use accelerate_examples::gpt::{self, CharVocab, GptConfig, GptUnits, TextWindows, TokenBatch};
 use accelerate_examples::run::{
     self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, RunArgs, SummaryFields,
     TrainLoop,
@@ -200,11 +201,24 @@ fn run(args: &Args) -> Result<()> {
         heads: args.heads,
         layers: args.layers,
     };
-    // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
-    let (varmap, mut model) = gpt::build_in(config, args.seed, &device, acc.compute_dtype())?;
-    model.set_gradient_checkpointing(args.gradient_checkpointing);
-    let params = acc.prepare(&varmap)?;
-    let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    run::check_wrap_classes(gpt::BLOCK_CLASS)?;
+    if acc.zero_stage() == 3 && args.dropout > 0.0 {
+        bail!(
+            "--dropout {} under ZeRO stage 3: each unit runs again in the backward pass, and \
+             its dropout masks would be drawn anew; train with --dropout 0 or a lower stage",
+            args.dropout
+        );
+    }
+    // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters
+    // (at ZeRO stage 3, this rank's pieces of them). The model computes through its units, so
+    // the whole parameters built here are dropped at stage 3 once cut into pieces.
+    let (varmap, _) = gpt::build_in(config, args.seed, &device, acc.compute_dtype())?;
+    let parameter_count: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let prepared =
+        acc.prepare_model(Model::from_varmap(&varmap).units(gpt::unit_specs(&config)))?;
+    drop(varmap);
+    let params = prepared.parameters().to_vec();
+    let model = GptUnits::new(config, prepared, args.gradient_checkpointing);
     acc.print(format!(
         "data: {source}, {chars} characters, vocabulary {}, unigram entropy {entropy:.4} nats per \
          character (the loss of a model that ignores context); {} windows of {}..={} characters{}",
@@ -283,8 +297,8 @@ fn run(args: &Args) -> Result<()> {
 
 /// One evaluation row per window of `batch`: the summed cross-entropy of its real target tokens
 /// (no dropout) and their number.
-fn eval_rows(model: &Gpt, batch: TokenBatch) -> Result<candle_core::Tensor> {
-    let logits = model.forward_with(&batch.inputs, None)?;
+fn eval_rows(model: &GptUnits, batch: TokenBatch) -> Result<candle_core::Tensor> {
+    let logits = model.forward(&batch.inputs)?;
     let (b, t, v) = logits.dims3()?;
     let per_token =
         per_row_cross_entropy(&logits.reshape((b * t, v))?, &batch.targets.flatten_all()?)?

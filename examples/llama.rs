@@ -80,24 +80,27 @@ fn write_output_dir(
     let Some(dir) = &args.output_dir else {
         return Ok(());
     };
+    // Every rank: a collective under ZeRO stage 3.
+    let tensors = run::parameter_tensors(acc);
     let written = if acc.is_main_process() {
-        let tensors = run::parameter_tensors(acc);
-        let token_ids = model_dir.map(|m| m.token_ids().clone()).unwrap_or_default();
-        write_model_dir(
-            dir,
-            args.overwrite_output_dir,
-            &ModelOutput {
-                config,
-                token_ids: &token_ids,
-                tensors: &tensors,
-                max_shard_size: args.max_shard_size,
-                carry_from: model_dir.map(ModelDir::dir),
-                tokenizer_from: args.text.tokenizer.as_deref(),
-            },
-        )
-        .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+        tensors.and_then(|tensors| {
+            let token_ids = model_dir.map(|m| m.token_ids().clone()).unwrap_or_default();
+            write_model_dir(
+                dir,
+                args.overwrite_output_dir,
+                &ModelOutput {
+                    config,
+                    token_ids: &token_ids,
+                    tensors: &tensors,
+                    max_shard_size: args.max_shard_size,
+                    carry_from: model_dir.map(ModelDir::dir),
+                    tokenizer_from: args.text.tokenizer.as_deref(),
+                },
+            )
+            .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+        })
     } else {
-        Ok(())
+        tensors.map(|_| ())
     };
     acc.agree_across_ranks(dir, "writing the model directory", written)
         .with_context(|| format!("--output-dir {}", dir.display()))?;
@@ -120,15 +123,18 @@ fn save_model(acc: &Accelerator, config: &LlamaConfig, path: Option<&Path>) -> R
             path.display()
         ));
     }
+    // Every rank: a collective under ZeRO stage 3.
+    let tensors = run::parameter_tensors(acc);
     let written = if acc.is_main_process() {
-        let tensors = run::parameter_tensors(acc);
-        accelerate_core::save_safetensors(path, &tensors).and_then(|()| {
-            let json =
-                serde_json::to_vec_pretty(&config.to_hf_json()).expect("a JSON value serializes");
-            accelerate_core::write_atomic(path.with_file_name("config.json"), &json)
+        tensors.and_then(|tensors| {
+            accelerate_core::save_safetensors(path, &tensors).and_then(|()| {
+                let json = serde_json::to_vec_pretty(&config.to_hf_json())
+                    .expect("a JSON value serializes");
+                accelerate_core::write_atomic(path.with_file_name("config.json"), &json)
+            })
         })
     } else {
-        Ok(())
+        tensors.map(|_| ())
     };
     acc.agree_across_ranks(path, "writing the model", written)
         .with_context(|| format!("--save-model {}", path.display()))

@@ -69,22 +69,27 @@ fn train(args: &Args) -> Result<()> {
     // beside it), with the tokenizer it was trained with.
     let acc = trainer.accelerator();
     let out_dir = &trainer.args().output_dir;
+    // Every rank: a collective under ZeRO stage 3.
+    let tensors = run::parameter_tensors(acc);
+    let max_shard_size = parse_size(DEFAULT_MAX_SHARD_SIZE).map_err(anyhow::Error::msg)?;
     let written = if acc.is_main_process() {
-        write_model_dir(
-            out_dir,
-            true,
-            &ModelOutput {
-                config: &config,
-                token_ids: model_dir.token_ids(),
-                tensors: &run::parameter_tensors(acc),
-                max_shard_size: parse_size(DEFAULT_MAX_SHARD_SIZE).map_err(anyhow::Error::msg)?,
-                carry_from: Some(&args.model),
-                tokenizer_from: args.text.tokenizer.as_deref(),
-            },
-        )
-        .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+        tensors.and_then(|tensors| {
+            write_model_dir(
+                out_dir,
+                true,
+                &ModelOutput {
+                    config: &config,
+                    token_ids: model_dir.token_ids(),
+                    tensors: &tensors,
+                    max_shard_size,
+                    carry_from: Some(&args.model),
+                    tokenizer_from: args.text.tokenizer.as_deref(),
+                },
+            )
+            .map_err(|e| accelerate_core::Error::Config(format!("{e:#}")))
+        })
     } else {
-        Ok(())
+        tensors.map(|_| ())
     };
     acc.agree_across_ranks(out_dir, "writing the model directory", written)
         .with_context(|| format!("--output-dir {}", out_dir.display()))?;

@@ -67,7 +67,7 @@ pub struct Dropout {
 }
 
 /// `x` through `dropout`, or unchanged without it (evaluation).
-fn drop(x: Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+pub(super) fn drop(x: Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
     match dropout {
         Some(d) if d.p > 0.0 => d
             .rng
@@ -94,14 +94,14 @@ pub struct Gpt {
 /// anything before it; [`fused_kernels::layer_norm`] has one. The parameters are still
 /// candle-nn's (`layer_norm` creates them).
 #[derive(Debug, Clone)]
-struct Norm(LayerNorm);
+pub(super) struct Norm(LayerNorm);
 
 impl Norm {
-    fn new(width: usize, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(width: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self(candle_nn::layer_norm(width, LN_EPS as f64, vb)?))
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let bias = self.0.bias().expect("layer_norm creates a bias");
         fused_kernels::layer_norm(x, self.0.weight(), bias, LN_EPS as f64)
     }
@@ -122,7 +122,7 @@ fn projection(layer: &Linear) -> fused_kernels::Projection {
 }
 
 #[derive(Debug, Clone)]
-struct Block {
+pub(super) struct Block {
     ln_1: Norm,
     c_attn: Linear,
     attn_proj: Linear,
@@ -133,7 +133,7 @@ struct Block {
 }
 
 impl Block {
-    fn new(c: &GptConfig, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(c: &GptConfig, vb: VarBuilder) -> Result<Self> {
         let w = c.width;
         Ok(Self {
             ln_1: Norm::new(w, vb.pp("ln_1"))?,
@@ -146,7 +146,7 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         match dropout {
             Some(d) if d.p > 0.0 => self.forward_unfused(x, dropout),
             _ => {
@@ -188,7 +188,11 @@ impl Block {
 
     /// [`forward`](Self::forward) under [`fused_kernels::checkpoint`]: the same output and
     /// gradients, the activations recomputed in the backward pass (with the same dropout masks).
-    fn forward_checkpointed(&self, x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+    pub(super) fn forward_checkpointed(
+        &self,
+        x: &Tensor,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
         let block = self.clone();
         match dropout.filter(|d| d.p > 0.0).cloned() {
             None => fused_kernels::checkpoint::checkpoint(x, move |x| block.forward(x, None)),
@@ -273,7 +277,7 @@ impl Gpt {
 
     /// [`forward`](Self::forward) in training mode with `dropout` (none when `None`).
     pub fn forward_with(&self, tokens: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
-        linear(&self.lm_head, &self.hidden(tokens, dropout)?)?.to_dtype(DType::F32)
+        logits(&self.hidden(tokens, dropout)?, self.lm_head.weight())
     }
 
     /// The training loss: [`summed_token_loss`] of [`forward_with`](Self::forward_with)'s logits,
@@ -287,34 +291,22 @@ impl Gpt {
         mask: &Tensor,
         dropout: Option<&Dropout>,
     ) -> Result<Tensor> {
-        let h = self.hidden(tokens, dropout)?;
-        let (b, t, w) = h.dims3()?;
-        fused_kernels::linear_cross_entropy(
-            &h.reshape((b * t, w))?,
+        head_loss(
+            &self.hidden(tokens, dropout)?,
             self.lm_head.weight(),
-            &targets.reshape(b * t)?,
-            &mask.reshape(b * t)?.to_dtype(DType::F32)?,
+            targets,
+            mask,
         )
     }
 
     /// The final LayerNorm's output `[b, t, width]`: what the head reads.
     fn hidden(&self, tokens: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
-        let (b, t) = tokens.dims2()?;
-        if t > self.config.context {
-            candle_core::bail!(
-                "a sequence of {t} tokens is longer than the model's context of {}",
-                self.config.context
-            );
-        }
-        let w = self.config.width;
-        // The position embedding of positions 0..t, `[t, w]`, is the same "bias" for every
-        // sequence `[t · w]` (its first rows: a view, whose gradient candle passes through).
-        let positions = self.wpe.embeddings().narrow(0, 0, t)?;
-        let x = fused_kernels::add_bias(
-            &fused_kernels::embedding(tokens, self.wte.embeddings())?.reshape((b, t * w))?,
-            &positions.reshape(t * w)?,
-        )?
-        .reshape((b, t, w))?;
+        let x = embed(
+            tokens,
+            self.wte.embeddings(),
+            self.wpe.embeddings(),
+            &self.config,
+        )?;
         let mut x = drop(x, dropout)?;
         for block in &self.blocks {
             x = if self.gradient_checkpointing {
@@ -325,6 +317,50 @@ impl Gpt {
         }
         self.ln_f.forward(&x)
     }
+}
+
+/// The sum of the token and position embeddings of `tokens` `[b, t]` (u32, `t <= context`):
+/// `[b, t, width]`, before dropout.
+pub(super) fn embed(tokens: &Tensor, wte: &Tensor, wpe: &Tensor, c: &GptConfig) -> Result<Tensor> {
+    let (b, t) = tokens.dims2()?;
+    if t > c.context {
+        candle_core::bail!(
+            "a sequence of {t} tokens is longer than the model's context of {}",
+            c.context
+        );
+    }
+    let w = c.width;
+    // The position embedding of positions 0..t, `[t, w]`, is the same "bias" for every
+    // sequence `[t · w]` (its first rows: a view, whose gradient candle passes through).
+    let positions = wpe.narrow(0, 0, t)?;
+    fused_kernels::add_bias(
+        &fused_kernels::embedding(tokens, wte)?.reshape((b, t * w))?,
+        &positions.reshape(t * w)?,
+    )?
+    .reshape((b, t, w))
+}
+
+/// The training loss of the final LayerNorm's output `h` `[b, t, width]` through the head
+/// `lm_head` `[vocab, width]`: [`summed_token_loss`] by the fused head and cross-entropy
+/// ([`fused_kernels::linear_cross_entropy`]).
+pub(super) fn head_loss(
+    h: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (b, t, w) = h.dims3()?;
+    fused_kernels::linear_cross_entropy(
+        &h.reshape((b * t, w))?,
+        lm_head,
+        &targets.reshape(b * t)?,
+        &mask.reshape(b * t)?.to_dtype(DType::F32)?,
+    )
+}
+
+/// `x · Wᵀ + b` of the head's weight, in f32: the logits.
+pub(super) fn logits(h: &Tensor, lm_head: &Tensor) -> Result<Tensor> {
+    fused_kernels::linear(h, lm_head, None)?.to_dtype(DType::F32)
 }
 
 /// The sum over real tokens of the cross-entropy of `logits` `[b, t, vocab]` against `targets`

@@ -16,6 +16,7 @@ mod optimizer;
 mod resume;
 mod split;
 mod train;
+mod units;
 
 pub use evaluate::{
     correct_predictions, gathered_sums, per_row_cross_entropy, sample_rows, EvalResult, Evaluator,
@@ -26,6 +27,7 @@ pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
 pub use optimizer::OptimizerKind;
 pub use split::{hold_out, split_indices, Subset};
 pub use train::{AfterResumeFn, BatchCounts, SummaryFields, TrainLoop};
+pub use units::check_wrap_classes;
 
 use accelerate_core::Accelerator;
 use anyhow::Result;

@@ -13,21 +13,27 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
     let Some(path) = path else {
         return Ok(());
     };
-    let written = if acc.is_main_process() {
-        accelerate_core::save_safetensors(path, &parameter_tensors(acc))
-    } else {
-        Ok(())
+    let tensors = parameter_tensors(acc);
+    let written = match tensors {
+        Ok(tensors) if acc.is_main_process() => accelerate_core::save_safetensors(path, &tensors),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
     };
     acc.agree_across_ranks(path, "writing the model", written)
         .with_context(|| format!("--save-model {}", path.display()))
 }
 
 /// The prepared parameters as tensors: sorted by name, and the f32 masters under mixed precision
-/// (what a saved model holds).
-pub fn parameter_tensors(acc: &Accelerator) -> Vec<(String, Tensor)> {
-    acc.model()
+/// (what a saved model holds). Every rank calls it: under ZeRO stage 3 it gathers the whole
+/// parameters, unit by unit, to every rank's host (a collective); otherwise it reads them.
+pub fn parameter_tensors(acc: &Accelerator) -> accelerate_core::Result<Vec<(String, Tensor)>> {
+    if acc.zero_stage() == 3 {
+        return acc.model().whole_parameters();
+    }
+    Ok(acc
+        .model()
         .parameters()
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect()
+        .collect())
 }
