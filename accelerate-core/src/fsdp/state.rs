@@ -30,8 +30,6 @@ struct BackwardPass {
     sync: bool,
     /// The dtype gradients travel in.
     reduce_dtype: DType,
-    /// Which units' backward ran in this pass.
-    ran: Vec<bool>,
 }
 
 /// What changes within a window.
@@ -44,6 +42,11 @@ struct Window {
     synced: Vec<Option<Tensor>>,
     /// Per parameter (sorted index): whether this rank gave it a gradient in the synced window.
     present: Vec<bool>,
+    /// Per unit: its forward passes whose backward has not run yet (counted since the last
+    /// backward pass ended). A unit may run several times in one forward pass (Llama's packed
+    /// rows run every unit once per group of documents); its window sum is reduce-scattered
+    /// when its last backward of the sync micro-step is done.
+    pending: Vec<usize>,
     pass: Option<BackwardPass>,
     /// Traffic not yet handed to the accelerator's counters.
     traffic: GradientSyncStats,
@@ -149,6 +152,7 @@ impl FsdpState {
                 grads,
                 synced: vec![None; units],
                 present: vec![false; whole.len()],
+                pending: vec![0; units],
                 pass: None,
                 traffic: GradientSyncStats::default(),
             }),
@@ -253,6 +257,7 @@ impl FsdpState {
                  pass the one tracked input as the unit's input"
             )));
         }
+        lock(&self.window).pending[u] += 1;
         let anchor = self.anchors[u].as_tensor().clone();
         let node = UnitNode {
             unit: u,
@@ -284,14 +289,11 @@ impl FsdpState {
                      parameters only through it"
                 ))
             })?;
-            if std::mem::replace(&mut pass.ran[u], true) {
-                return Err(Error::Config(format!(
-                    "unit {name:?} ran more than once in one micro-step; under ZeRO stage 3 \
-                     each unit runs once per forward pass (a weight shared by two places \
-                     belongs in one unit that computes both)"
-                )));
-            }
-            (pass.scale, pass.sync, pass.reduce_dtype)
+            let (scale, sync, reduce_dtype) = (pass.scale, pass.sync, pass.reduce_dtype);
+            // A forward pass the count missed (none should) leaves the reduction to the end of
+            // the backward pass, which reduces every unit not yet reduced.
+            window.pending[u] = window.pending[u].saturating_sub(1);
+            (scale, sync && window.pending[u] == 0, reduce_dtype)
         };
         let flat = self.link.with("a sharded unit's backward", |comm| {
             self.gather_for_pass(comm, u)
@@ -380,14 +382,15 @@ impl FsdpState {
             scale,
             sync,
             reduce_dtype,
-            ran: vec![false; self.layout.units().len()],
         });
         Ok(())
     }
 
     /// Ends the backward pass, whatever its outcome.
     pub fn end_backward(&self) {
-        lock(&self.window).pass = None;
+        let mut window = lock(&self.window);
+        window.pass = None;
+        window.pending.fill(0);
     }
 
     /// Refuses a gradient that reached one of the whole parameters the model was prepared from:
