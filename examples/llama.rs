@@ -11,9 +11,10 @@
 
 use std::path::{Path, PathBuf};
 
-use accelerate_core::Accelerator;
+use accelerate_core::{Accelerator, Model};
+use accelerate_examples::layers::named_vars;
 use accelerate_examples::llama::{
-    write_model_dir, LlamaArgs, LlamaConfig, LlamaRun, ModelDir, ModelOutput,
+    self, write_model_dir, LlamaArgs, LlamaConfig, LlamaRun, ModelDir, ModelOutput,
 };
 use accelerate_examples::run;
 use anyhow::{bail, Context, Result};
@@ -50,17 +51,31 @@ fn run(args: &Args) -> Result<()> {
             );
         }
     }
+    run::check_wrap_classes(llama::DECODER_LAYER_CLASS)?;
     let mut session = LlamaRun::start(&args.llama)?;
     let (varmap, model) = session.build_model()?;
-    let acc = &mut session.acc;
-    let params = acc.prepare(&varmap)?;
-    if args.llama.model.is_some() || args.llama.init_weights.is_some() {
+    let loads = args.llama.model.is_some() || args.llama.init_weights.is_some();
+    // Under ZeRO stage 3 each rank keeps only its pieces of the prepared parameters: the initial
+    // weights go into the whole model before it is cut (in its compute dtype).
+    let sharded = session.acc.zero_stage() == 3;
+    if loads && sharded {
+        session.load_initial_weights(&named_vars(&varmap))?;
+    }
+    let parameter_count: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let config = *model.config();
+    let prepared = session
+        .acc
+        .prepare_model(Model::from_varmap(&varmap).units(llama::unit_specs(&config)))?;
+    drop(varmap);
+    let params = prepared.parameters().to_vec();
+    if loads && !sharded {
         // Into the prepared parameters (the f32 masters under mixed precision), then copied to
         // the compute copies.
         session.load_initial_weights(&params)?;
         session.acc.model().refresh_compute_parameters()?;
     }
-    let parameter_count: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    // The model computes through its units, at every stage.
+    let model = model.through_units(prepared);
     session.announce(&format!("{parameter_count} parameters"));
     let model_dir = session.model_dir.clone();
     let acc = session.train(&model, params)?;

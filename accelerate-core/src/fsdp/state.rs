@@ -83,15 +83,16 @@ impl std::fmt::Debug for FsdpState {
 
 impl FsdpState {
     /// Shards `whole` (sorted by name; rank 0's values on every rank) by `layout`: this rank keeps
-    /// its piece of each, in `master_dtype`; units compute in the parameters' own dtype.
+    /// its piece of each, in `master_dtype`; units are gathered and compute in `compute_dtype`
+    /// (FSDP's `MixedPrecisionPolicy.param_dtype`), or the parameters' own dtype without one.
     pub fn new(
         layout: UnitLayout,
         rank: usize,
         whole: &[(String, Var)],
-        master_dtype: DType,
+        (master_dtype, compute_dtype): (DType, Option<DType>),
         link: CommLink,
     ) -> Result<Self> {
-        let (compute_dtype, device) = match whole.first() {
+        let (own_dtype, device) = match whole.first() {
             Some((_, v)) => (v.dtype(), v.device().clone()),
             None => {
                 return Err(Error::Parameters(
@@ -99,14 +100,15 @@ impl FsdpState {
                 ))
             }
         };
-        if let Some((name, v)) = whole.iter().find(|(_, v)| v.dtype() != compute_dtype) {
+        if let Some((name, v)) = whole.iter().find(|(_, v)| v.dtype() != own_dtype) {
             return Err(Error::Parameters(format!(
-                "parameter {name:?} is {:?} while the others are {compute_dtype:?}; under ZeRO \
+                "parameter {name:?} is {:?} while the others are {own_dtype:?}; under ZeRO \
                  stage 3 a model's parameters share one dtype (each unit is gathered as one \
                  buffer)",
                 v.dtype()
             )));
         }
+        let compute_dtype = compute_dtype.unwrap_or(own_dtype);
         let mut pieces = Vec::with_capacity(whole.len());
         for (p, (name, var)) in whole.iter().enumerate() {
             let piece = match layout.piece(p, rank) {

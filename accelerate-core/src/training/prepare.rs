@@ -366,17 +366,11 @@ impl TrainingState {
             broadcast(var)?;
         }
         let mut steps = self.steps();
-        let master_dtype = match steps.mixed.mode {
-            MixedPrecision::No => vars[0].1.dtype(),
-            _ => candle_core::DType::F32,
+        let dtypes = match steps.mixed.mode {
+            MixedPrecision::No => (vars[0].1.dtype(), None),
+            mode => (candle_core::DType::F32, Some(mode.compute_dtype())),
         };
-        let state = FsdpState::new(
-            layout,
-            rank,
-            &vars,
-            master_dtype,
-            self.zero_config.link.clone(),
-        )?;
+        let state = FsdpState::new(layout, rank, &vars, dtypes, self.zero_config.link.clone())?;
         let pieces = state.pieces().to_vec();
         steps.grads = Some(GradientBuffers::new(&pieces, bucket_cap_bytes)?);
         let state = std::sync::Arc::new(state);

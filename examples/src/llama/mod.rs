@@ -29,7 +29,9 @@ pub mod train;
 pub use cli::LlamaArgs;
 pub use config::{default_intermediate, LlamaConfig};
 pub use data::{RowBatch, TokenRows, INPUT_IDS};
-pub use model::{build_in, causal_lm_loss_sum, init_weights, Llama};
+pub use model::{
+    build_in, causal_lm_loss_sum, init_weights, unit_specs, Llama, DECODER_LAYER_CLASS,
+};
 pub use model_dir::{write_model_dir, ModelDir, ModelOutput, TokenIds};
 pub use segments::Segments;
 pub use text::{TextArgs, TextData};

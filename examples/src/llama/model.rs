@@ -35,6 +35,8 @@ use candle_nn::{Embedding, Init, Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use accelerate_core::{PreparedModel, UnitSpec};
+
 use super::config::LlamaConfig;
 use super::segments::Segments;
 use crate::frozen_linear::frozen_linear;
@@ -46,15 +48,84 @@ pub const INITIALIZER_RANGE: f32 = 0.02;
 /// The model (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Llama {
-    embed_tokens: Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: Tensor,
-    lm_head: Projection,
+    weights: Weights,
     /// `[max_position_embeddings, head_dim / 2]`: cos and sin of position × inverse frequency.
     cos: Tensor,
     sin: Tensor,
     config: LlamaConfig,
     gradient_checkpointing: bool,
+}
+
+/// Where the model's weights are.
+#[derive(Debug, Clone)]
+enum Weights {
+    /// In the model.
+    Whole(Box<Whole>),
+    /// In a prepared model, which the model computes through unit by unit (see
+    /// [`Llama::through_units`]).
+    Units(PreparedModel),
+}
+
+/// The weights of a model that holds them.
+#[derive(Debug, Clone)]
+struct Whole {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Projection,
+}
+
+/// What the head computes from the final norm's output `h` `[b, t, hidden]`.
+enum Head {
+    /// Logits `[b, t, vocab]` in f32.
+    Logits,
+    /// The summed cross-entropy of `targets` `[b · t]` (u32) weighted by `weights` `[b · t]`
+    /// (f32), by the fused head and cross-entropy.
+    Loss { targets: Tensor, weights: Tensor },
+}
+
+impl Head {
+    /// The head on `h` with the head's weight `lm_head` (`logits` computes the plain logits).
+    fn apply(
+        &self,
+        h: &Tensor,
+        lm_head: &Tensor,
+        logits: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        match self {
+            Head::Logits => logits(h)?.to_dtype(DType::F32),
+            Head::Loss { targets, weights } => {
+                let (b, t, width) = h.dims3()?;
+                fused_kernels::linear_cross_entropy(
+                    &h.reshape((b * t, width))?,
+                    lm_head,
+                    targets,
+                    weights,
+                )
+            }
+        }
+    }
+}
+
+/// The layer class of Llama's decoder layers, as Accelerate's
+/// `fsdp_transformer_layer_cls_to_wrap` names it.
+pub const DECODER_LAYER_CLASS: &str = "LlamaDecoderLayer";
+
+/// The units of a Llama of `config` (FSDP's `TRANSFORMER_BASED_WRAP` of `LlamaDecoderLayer`):
+/// `embed` (`model.embed_tokens`), one per decoder layer (`model.layers.0`, ...), and `head`
+/// (`model.norm`, `lm_head`).
+pub fn unit_specs(config: &LlamaConfig) -> Vec<UnitSpec> {
+    let mut units = vec![UnitSpec::new("embed", ["model.embed_tokens."])];
+    units.extend((0..config.num_hidden_layers).map(|i| {
+        let name = format!("model.layers.{i}");
+        UnitSpec::new(name.clone(), [format!("{name}.")])
+    }));
+    units.push(UnitSpec::new("head", ["model.norm.", "lm_head."]));
+    units
+}
+
+fn unit_error(e: accelerate_core::Error) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
 }
 
 #[derive(Debug, Clone)]
@@ -239,18 +310,20 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let (cos, sin) = rotary_tables(&c, vb.device(), vb.dtype())?;
         Ok(Self {
-            embed_tokens: candle_nn::embedding(
-                c.vocab_size,
-                c.hidden_size,
-                model.pp("embed_tokens"),
-            )?,
-            layers,
-            norm: norm_weight(c.hidden_size, model.pp("norm"))?,
-            lm_head: Projection::new(candle_nn::linear_no_bias(
-                c.hidden_size,
-                c.vocab_size,
-                vb.pp("lm_head"),
-            )?),
+            weights: Weights::Whole(Box::new(Whole {
+                embed_tokens: candle_nn::embedding(
+                    c.vocab_size,
+                    c.hidden_size,
+                    model.pp("embed_tokens"),
+                )?,
+                layers,
+                norm: norm_weight(c.hidden_size, model.pp("norm"))?,
+                lm_head: Projection::new(candle_nn::linear_no_bias(
+                    c.hidden_size,
+                    c.vocab_size,
+                    vb.pp("lm_head"),
+                )?),
+            })),
             cos,
             sin,
             config,
@@ -281,14 +354,20 @@ impl Llama {
     /// first parameter the forward pass reads is differentiated. The frozen base of a LoRA
     /// fine-tune.
     pub fn detached(&self) -> Self {
+        let weights = match &self.weights {
+            Weights::Whole(w) => Weights::Whole(Box::new(Whole {
+                embed_tokens: Embedding::new(
+                    w.embed_tokens.embeddings().detach(),
+                    self.config.hidden_size,
+                ),
+                layers: w.layers.iter().map(DecoderLayer::detached).collect(),
+                norm: w.norm.detach(),
+                lm_head: w.lm_head.detached(),
+            })),
+            Weights::Units(model) => Weights::Units(model.clone()),
+        };
         Self {
-            embed_tokens: Embedding::new(
-                self.embed_tokens.embeddings().detach(),
-                self.config.hidden_size,
-            ),
-            layers: self.layers.iter().map(DecoderLayer::detached).collect(),
-            norm: self.norm.detach(),
-            lm_head: self.lm_head.detached(),
+            weights,
             cos: self.cos.clone(),
             sin: self.sin.clone(),
             config: self.config,
@@ -325,9 +404,22 @@ impl Llama {
         Ok(())
     }
 
+    /// The same model computed through `model`'s units (prepared from this model's parameters
+    /// with [`unit_specs`]), which is how it trains at every ZeRO stage; the model's own tensors
+    /// are dropped (at stage 3 the accelerator keeps only this rank's pieces of them).
+    pub fn through_units(self, model: PreparedModel) -> Self {
+        Self {
+            weights: Weights::Units(model),
+            ..self
+        }
+    }
+
     fn projection(&mut self, layer: usize, target: LoraTarget) -> Result<&mut Projection> {
-        let layers = self.layers.len();
-        match self.layers.get_mut(layer) {
+        let Weights::Whole(whole) = &mut self.weights else {
+            candle_core::bail!("LoRA adapters attach to a model that holds its weights");
+        };
+        let layers = whole.layers.len();
+        match whole.layers.get_mut(layer) {
             Some(l) => Ok(l.projection_mut(target)),
             None => candle_core::bail!("layer {layer} of a model of {layers} layers"),
         }
@@ -336,13 +428,11 @@ impl Llama {
     /// Logits `[b, t, vocab]` in f32 of the next token at every position of `input_ids` `[b, t]`
     /// (u32, `t <= max_position_embeddings`); position `i` sees positions `0..=i` only.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.lm_head
-            .forward(&self.hidden(input_ids)?)?
-            .to_dtype(DType::F32)
+        self.output(input_ids, Head::Logits)
     }
 
-    /// The final RMSNorm's output `[b, t, hidden]`: what the head reads.
-    fn hidden(&self, input_ids: &Tensor) -> Result<Tensor> {
+    /// `head` on the final RMSNorm's output.
+    fn output(&self, input_ids: &Tensor, head: Head) -> Result<Tensor> {
         let (_, t) = input_ids.dims2()?;
         let c = &self.config;
         if t > c.max_position_embeddings {
@@ -354,15 +444,50 @@ impl Llama {
         }
         let cos = self.cos.narrow(0, 0, t)?;
         let sin = self.sin.narrow(0, 0, t)?;
-        let mut x = fused_kernels::embedding(input_ids, self.embed_tokens.embeddings())?;
-        for layer in &self.layers {
-            x = if self.gradient_checkpointing {
-                layer.forward_checkpointed(&x, c, &cos, &sin)?
-            } else {
-                layer.forward(&x, c, &cos, &sin)?
-            };
+        let model = match &self.weights {
+            Weights::Whole(w) => {
+                let mut x = fused_kernels::embedding(input_ids, w.embed_tokens.embeddings())?;
+                for layer in &w.layers {
+                    x = if self.gradient_checkpointing {
+                        layer.forward_checkpointed(&x, c, &cos, &sin)?
+                    } else {
+                        layer.forward(&x, c, &cos, &sin)?
+                    };
+                }
+                let h = fused_kernels::rms_norm(&x, &w.norm, c.rms_norm_eps)?;
+                return head.apply(&h, w.lm_head.linear.weight(), |h| w.lm_head.forward(h));
+            }
+            Weights::Units(model) => model,
+        };
+        let unit = |name: &str| model.unit(name).map_err(unit_error);
+        let mut x = unit("embed")?
+            .forward(input_ids, |ids, p| {
+                fused_kernels::embedding(ids, &p.get("model.embed_tokens.weight")?)
+            })
+            .map_err(unit_error)?;
+        for i in 0..c.num_hidden_layers {
+            let name = format!("model.layers.{i}");
+            let (c, cos, sin) = (*c, cos.clone(), sin.clone());
+            let checkpointing = self.gradient_checkpointing;
+            x = unit(&name)?
+                .forward(&x, move |x, p| {
+                    let layer = DecoderLayer::new(&c, p.var_builder().pp(&name))?;
+                    if checkpointing {
+                        layer.forward_checkpointed(x, &c, &cos, &sin)
+                    } else {
+                        layer.forward(x, &c, &cos, &sin)
+                    }
+                })
+                .map_err(unit_error)?;
         }
-        fused_kernels::rms_norm(&x, &self.norm, c.rms_norm_eps)
+        let eps = c.rms_norm_eps;
+        unit("head")?
+            .forward(&x, move |x, p| {
+                let h = fused_kernels::rms_norm(x, &p.get("model.norm.weight")?, eps)?;
+                let lm_head = p.get("lm_head.weight")?;
+                head.apply(&h, &lm_head, |h| Linear::new(lm_head.clone(), None).forward(h))
+            })
+            .map_err(unit_error)
     }
 
     /// The *sum* over the predicted tokens of transformers' causal-LM loss with
@@ -376,7 +501,6 @@ impl Llama {
         if t < 2 {
             candle_core::bail!("a sequence of {t} token(s) predicts nothing; rows need 2 or more");
         }
-        let h = self.hidden(input_ids)?;
         let dev = input_ids.device();
         let targets = Tensor::cat(
             &[
@@ -392,12 +516,12 @@ impl Llama {
             ],
             1,
         )?;
-        let width = self.config.hidden_size;
-        fused_kernels::linear_cross_entropy(
-            &h.reshape((b * t, width))?,
-            self.lm_head.linear.weight(),
-            &targets.reshape(b * t)?,
-            &weights.reshape(b * t)?,
+        self.output(
+            input_ids,
+            Head::Loss {
+                targets: targets.reshape(b * t)?,
+                weights: weights.reshape(b * t)?,
+            },
         )
     }
 
@@ -416,12 +540,8 @@ impl Llama {
             let ids = flat
                 .index_select(&index(g.tokens, dev)?, 0)?
                 .reshape((g.count, g.len))?;
-            let logits = self.lm_head.forward(&self.hidden(&ids)?)?;
-            outputs.push(
-                logits
-                    .to_dtype(DType::F32)?
-                    .reshape((g.count * g.len, vocab))?,
-            );
+            let logits = self.output(&ids, Head::Logits)?;
+            outputs.push(logits.reshape((g.count * g.len, vocab))?);
         }
         // The row the padding positions read.
         outputs.push(Tensor::zeros((1, vocab), DType::F32, dev)?);
@@ -444,22 +564,15 @@ impl Llama {
         check_segments(input_ids, segments)?;
         let dev = input_ids.device();
         let flat = input_ids.flatten_all()?;
-        let width = self.config.hidden_size;
         let mut total: Option<Tensor> = None;
         for g in segments.layouts() {
             let n = g.count * g.len;
             let ids = flat
                 .index_select(&index(g.tokens, dev)?, 0)?
                 .reshape((g.count, g.len))?;
-            let h = self.hidden(&ids)?;
             let targets = flat.index_select(&index(g.targets, dev)?, 0)?;
             let weights = Tensor::from_vec(g.weights, n, dev)?;
-            let loss = fused_kernels::linear_cross_entropy(
-                &h.reshape((n, width))?,
-                self.lm_head.linear.weight(),
-                &targets,
-                &weights,
-            )?;
+            let loss = self.output(&ids, Head::Loss { targets, weights })?;
             total = Some(match total {
                 None => loss,
                 Some(sum) => (sum + loss)?,
