@@ -373,3 +373,110 @@ fn stage_three_refuses_what_it_cannot_train_and_saves_whole_models() {
     }
     assert_eq!(results[1].2.len(), whole.len(), "rank 1 gathered too");
 }
+
+/// The bytes of `path`.
+fn bytes(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// An example under the launcher on `n` CPU ranks at ZeRO `stage`, one compute thread each.
+fn example_job(name: &str, n: usize, stage: u8) -> accelerate_tests::Job {
+    accelerate_tests::Job::example(name)
+        .ranks(n)
+        .launcher_flags(["--zero-stage", &stage.to_string()])
+        .env("RAYON_NUM_THREADS", "1")
+        .limit(std::time::Duration::from_secs(300))
+}
+
+/// The `gpt` example at stage 3 on 2 and 3 ranks, K = 1 and 2: the model it saves is stage 0's,
+/// byte for byte (the units are recomputed bitwise on the CPU, and the means are the same).
+#[test]
+fn the_gpt_example_at_stage_three_saves_stage_zeros_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for n in [2, 3] {
+        for k in [1, 2] {
+            let saved: Vec<Vec<u8>> = [0u8, 3]
+                .iter()
+                .map(|&stage| {
+                    let path = dir.path().join(format!("gpt-{n}-{k}-{stage}.safetensors"));
+                    let o = example_job("gpt", n, stage)
+                        .args(["--max-steps", "4", "--batch-size", "4", "--width", "32"])
+                        .args(["--context", "32", "--grad-accum", &k.to_string()])
+                        .arg("--save-model")
+                        .arg(&path)
+                        .run();
+                    assert!(o.status.success(), "{}", o.text());
+                    assert_eq!(o.summary::<u8>("zero_stage"), stage);
+                    bytes(&path)
+                })
+                .collect();
+            assert!(
+                saved[0] == saved[1],
+                "n={n} k={k}: stage 3 saved another model than stage 0"
+            );
+        }
+    }
+}
+
+/// The `llama` example fine-tuning the fixture model directory on the JSONL and chat corpus
+/// (packed rows: every unit runs once per group of documents) at stage 3 on 2 ranks with K = 2,
+/// with AdamW and with SGD: the model directory it writes holds stage 0's weights byte for byte.
+/// Under bf16 its losses are stage 0's.
+#[test]
+fn the_llama_example_at_stage_three_fine_tunes_as_stage_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    for optimizer in ["adamw", "sgd"] {
+        let weights: Vec<Vec<u8>> = [0u8, 3]
+            .iter()
+            .map(|&stage| {
+                let out = dir.path().join(format!("llama-{optimizer}-{stage}"));
+                let o = example_job("llama", 2, stage)
+                    .arg("--model")
+                    .arg(root.join("llama-dir"))
+                    .arg("--train-file")
+                    .arg(root.join("text/corpus.jsonl"))
+                    .arg(root.join("text/chat.jsonl"))
+                    .args([
+                        "--block-size",
+                        "32",
+                        "--batch-size",
+                        "4",
+                        "--max-steps",
+                        "4",
+                    ])
+                    .args(["--grad-accum", "2", "--optimizer", optimizer])
+                    .arg("--output-dir")
+                    .arg(&out)
+                    .run();
+                assert!(o.status.success(), "{}", o.text());
+                bytes(&out.join("model.safetensors"))
+            })
+            .collect();
+        assert!(
+            weights[0] == weights[1],
+            "{optimizer}: stage 3 wrote other weights than stage 0"
+        );
+    }
+    let losses: Vec<Vec<f64>> = [0u8, 3]
+        .iter()
+        .map(|&stage| {
+            let metrics = dir.path().join(format!("bf16-{stage}.jsonl"));
+            let o = example_job("llama", 2, stage)
+                .launcher_flags(["--mixed-precision", "bf16"])
+                .args(["--max-steps", "4", "--grad-accum", "2"])
+                .arg("--metrics")
+                .arg(&metrics)
+                .run();
+            assert!(o.status.success(), "{}", o.text());
+            accelerate_tests::metric_losses(&metrics)
+        })
+        .collect();
+    assert_eq!(losses[0].len(), 4);
+    for (a, b) in losses[0].iter().zip(&losses[1]) {
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs(),
+            "bf16: loss {b} at stage 3, {a} at stage 0"
+        );
+    }
+}

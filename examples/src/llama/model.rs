@@ -485,7 +485,9 @@ impl Llama {
             .forward(&x, move |x, p| {
                 let h = fused_kernels::rms_norm(x, &p.get("model.norm.weight")?, eps)?;
                 let lm_head = p.get("lm_head.weight")?;
-                head.apply(&h, &lm_head, |h| Linear::new(lm_head.clone(), None).forward(h))
+                head.apply(&h, &lm_head, |h| {
+                    Linear::new(lm_head.clone(), None).forward(h)
+                })
             })
             .map_err(unit_error)
     }
