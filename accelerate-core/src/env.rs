@@ -32,8 +32,9 @@ pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_
 /// The default mixed-precision mode, `no`, `bf16` or `fp16`
 /// (`accelerate-launch --mixed-precision MODE`).
 pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
-/// The ZeRO stage, `0` (plain data parallel), `1` (optimizer state sharded) or `2` (optimizer
-/// state and gradients sharded) (`accelerate-launch --zero-stage N`).
+/// The ZeRO stage, `0` (plain data parallel), `1` (optimizer state sharded), `2` (optimizer
+/// state and gradients sharded) or `3` (parameters sharded too: fully sharded data parallel)
+/// (`accelerate-launch --zero-stage N`).
 pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
 /// Under ZeRO stage 3 (fully sharded), the model classes whose every instance is one sharded
 /// unit, comma-separated (Accelerate's `fsdp_transformer_layer_cls_to_wrap`, e.g. `GPT2Block` or

@@ -265,7 +265,8 @@ fn stage_two_reduce_scatters_each_bucket_once_per_step_and_nothing_in_between() 
 }
 
 /// A candle-nn optimizer keeps its state private: under ZeRO it is refused at `prepare`, naming
-/// the optimizers that can be sharded; stage 3, and ranks on different stages, are refused too.
+/// the optimizers that can be sharded; a stage that does not exist, and ranks on different stages,
+/// are refused too.
 #[test]
 fn what_cannot_be_sharded_is_refused_by_name() {
     let errs = ranks_as_threads(
@@ -285,13 +286,13 @@ fn what_cannot_be_sharded_is_refused_by_name() {
     );
 
     let err = Accelerator::builder()
-        .zero_stage(3)
+        .zero_stage(4)
         .process_state(ProcessState::single())
         .build()
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("stage 3") && err.contains("not implemented"),
+        err.contains("stage 4 does not exist") && err.contains("3 (parameters sharded too)"),
         "{err}"
     );
 
