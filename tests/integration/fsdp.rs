@@ -480,3 +480,162 @@ fn the_llama_example_at_stage_three_fine_tunes_as_stage_zero() {
         );
     }
 }
+
+/// fp16 at stage 3: only rank 1's gradient overflows, in elements whose averaged gradient rank 0
+/// keeps. Every rank sees it and skips the step alike, the loss scale halves everywhere, nothing
+/// moves; the next, finite step updates every rank alike (`w` is one unit of 8 elements, 4 per
+/// rank).
+#[test]
+fn an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    use accelerate_core::optim::{Sgd, SgdConfig};
+    use accelerate_core::MixedPrecision;
+    let per_rank = ranks_as_threads(
+        2,
+        || {
+            Accelerator::builder()
+                .zero_stage(3)
+                .mixed_precision(MixedPrecision::Fp16)
+        },
+        |mut acc| {
+            let dtype = acc.compute_dtype();
+            let w = candle_core::Var::from_tensor(
+                &Tensor::full(0.5f32, 8, &candle_core::Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let model = acc
+                .prepare_model(
+                    Model::new(vec![("w".to_string(), w)]).units(vec![UnitSpec::new("w", ["w"])]),
+                )
+                .unwrap();
+            let cfg = SgdConfig {
+                lr: 0.1,
+                ..SgdConfig::default()
+            };
+            let params = model.parameters().to_vec();
+            let mut opt = acc.prepare(Sgd::new(params, cfg).unwrap()).unwrap();
+            let rank = acc.process_index();
+            let whole =
+                |m: &PreparedModel| m.whole_parameters().unwrap()[0].1.to_vec1::<f32>().unwrap();
+            let initial = whole(&model);
+            let mut train_on = |x: Vec<f32>| {
+                let x = Tensor::new(x.as_slice(), &candle_core::Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let _m = acc.accumulate();
+                let unit = model.unit("w").unwrap();
+                let wx = unit.forward(&x, |x, p| p.get("w")? * x).unwrap();
+                let loss = wx
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                acc.backward(&loss).unwrap();
+                opt.step().unwrap();
+                opt.zero_grad();
+            };
+            // Rank 1's gradient at elements 0..4 (rank 0's piece) is 1e4 · 2^16: beyond f16's
+            // 65504, so inf in the backward pass; rank 0's is small everywhere.
+            let big = if rank == 1 { 1e4f32 } else { 0.5 };
+            train_on((0..8).map(|i| if i < 4 { big } else { 0.25 }).collect());
+            let skipped = (acc.step_was_skipped(), acc.loss_scale(), whole(&model));
+            // A finite step: x = 0.25 everywhere on both ranks, so every element moves by -0.025.
+            train_on(vec![0.25; 8]);
+            (initial, skipped, acc.step_was_skipped(), whole(&model))
+        },
+    );
+    for (rank, (initial, (skipped, scale, after_skip), skipped_again, after)) in
+        per_rank.into_iter().enumerate()
+    {
+        assert!(skipped, "rank {rank} skipped the overflowing step");
+        assert_eq!(scale, Some(32768.0), "rank {rank}: the scale halved");
+        assert_eq!(after_skip, initial, "rank {rank}: nothing moved");
+        assert!(!skipped_again);
+        for v in &after {
+            assert!((v - (0.5 - 0.1 * 0.25)).abs() < 1e-6, "rank {rank}: {v}");
+        }
+    }
+}
+
+/// bf16 at stage 3 (gathers and compute in bf16, f32 masters, f32 reductions) against stage 2
+/// (bf16 compute copies of f32 masters, f32 reductions): the same arithmetic, so the same
+/// weights, on 2 and 3 ranks with K = 2.
+#[test]
+fn bf16_at_stage_three_trains_as_stage_two() {
+    use accelerate_core::MixedPrecision;
+    for n in [2, 3] {
+        let global = n * 2 * BATCH;
+        let (x, y) = tiny_data(global * STEPS, 5).unwrap();
+        let run = |stage: u8| {
+            ranks_as_threads(
+                n,
+                || {
+                    Accelerator::builder()
+                        .gradient_accumulation_steps(2)
+                        .mixed_precision(MixedPrecision::Bf16)
+                        .zero_stage(stage)
+                },
+                |mut acc| {
+                    let (varmap, _) = accelerate_tests::tiny_mlp(3).unwrap();
+                    let vars: Vec<(String, candle_core::Var)> = named_vars(&varmap)
+                        .into_iter()
+                        .map(|(name, v)| {
+                            let half = v.as_tensor().to_dtype(candle_core::DType::BF16).unwrap();
+                            (name, candle_core::Var::from_tensor(&half).unwrap())
+                        })
+                        .collect();
+                    let model = acc.prepare_model(Model::new(vars).units(units())).unwrap();
+                    let cfg = AdamWConfig {
+                        lr: 0.02,
+                        weight_decay: 0.1,
+                        ..AdamWConfig::default()
+                    };
+                    let params = model.parameters().to_vec();
+                    let mut opt = acc.prepare(AdamW::new(params, cfg).unwrap()).unwrap();
+                    let rank = acc.process_index();
+                    for s in 0..STEPS {
+                        for j in 0..2 {
+                            let start = s * global + (j * n + rank) * BATCH;
+                            let _m = acc.accumulate();
+                            let xb = x
+                                .narrow(0, start, BATCH)
+                                .unwrap()
+                                .to_dtype(candle_core::DType::BF16)
+                                .unwrap();
+                            let logits = forward_units(&model, &xb)
+                                .unwrap()
+                                .to_dtype(candle_core::DType::F32)
+                                .unwrap();
+                            let loss = candle_nn::loss::cross_entropy(
+                                &logits,
+                                &y.narrow(0, start, BATCH).unwrap(),
+                            )
+                            .unwrap();
+                            acc.backward(&loss).unwrap();
+                            opt.step().unwrap();
+                            opt.zero_grad();
+                        }
+                    }
+                    model
+                        .whole_parameters()
+                        .unwrap()
+                        .iter()
+                        .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                        .collect::<Vec<_>>()
+                },
+            )
+        };
+        let (two, three) = (run(2), run(3));
+        let initial = snapshot(&named_vars(&tiny_mlp(3).unwrap().0));
+        assert!(
+            max_diff(&two[0], &initial) > 1e-2,
+            "training moved the weights"
+        );
+        let d = max_diff(&two[0], &three[0]);
+        eprintln!("bf16, n={n}: stage 3 against stage 2, max |Δ| = {d:e}");
+        assert!(d <= 1e-6, "n={n}: max |Δ| = {d}");
+    }
+}
