@@ -8,7 +8,7 @@
 //! on 3 ranks. Ranks are threads of this process (`ranks_as_threads`), over the CPU communicator.
 
 use accelerate_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
-use accelerate_core::{Accelerator, GradientSyncStats, Model, PreparedModel, UnitParams, UnitSpec};
+use accelerate_core::{Accelerator, GradientSyncStats, Model, PreparedModel, UnitSpec};
 use accelerate_tests::{
     named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp, ReferenceOptimizer,
 };
