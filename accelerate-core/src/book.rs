@@ -14,6 +14,10 @@ pub struct MixedPrecision;
 #[doc = include_str!("../../docs/src/memory.md")]
 pub struct Memory;
 
+/// `docs/src/fully-sharded.md`.
+#[doc = include_str!("../../docs/src/fully-sharded.md")]
+pub struct FullySharded;
+
 /// `docs/src/data.md`.
 #[doc = include_str!("../../docs/src/data.md")]
 pub struct Data;

@@ -185,7 +185,9 @@ impl FsdpState {
         let mut parts = Vec::new();
         let mut filled = 0;
         for &p in &self.layout.units()[u].params {
-            let piece = self.pieces[p].1.as_tensor();
+            // Detached: the gathered buffer is outside the graph (alone, the "gather" is the
+            // pieces themselves, which are variables).
+            let piece = self.pieces[p].1.as_tensor().detach();
             if piece.elem_count() > 0 {
                 filled += piece.elem_count();
                 parts.push(piece.to_dtype(dtype)?);
@@ -194,11 +196,7 @@ impl FsdpState {
         if filled < block {
             parts.push(Tensor::zeros(block - filled, dtype, &self.device)?);
         }
-        let send = if parts.len() == 1 {
-            parts.pop().expect("one part")
-        } else {
-            Tensor::cat(&parts, 0)?
-        };
+        let send = Tensor::cat(&parts, 0)?;
         drop(parts);
         let gathered = if comm.world_size() == 1 {
             send
