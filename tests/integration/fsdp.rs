@@ -184,13 +184,13 @@ fn bits(a: &[Vec<f32>]) -> Vec<u32> {
     a.iter().flatten().map(|x| x.to_bits()).collect()
 }
 
-/// Stage 3 on 2 and 3 ranks, K = 1 and 2, SGD with momentum and AdamW: every rank ends with the
+/// Stage 3 on 1, 2 and 3 ranks, K = 1 and 2, SGD with momentum and AdamW: every rank ends with the
 /// parameters of one process training on the global batch, and with stage 0's. The units path
 /// at stage 0 is the plain model bit for bit (it is the same call).
 #[test]
 fn stage_three_trains_as_one_process_on_the_global_batch() {
     for opt in [Opt::SgdMomentum, Opt::AdamW] {
-        for n in [2, 3] {
+        for n in [1, 2, 3] {
             for k in [1, 2] {
                 let expected = reference(n, k, opt);
                 let initial = snapshot(&named_vars(&tiny_mlp(3).unwrap().0));
