@@ -508,7 +508,7 @@ mod on_gpu {
                     assert!(o.status.success(), "{}", output_text(&o));
                     assert_eq!(
                         summary_value::<u8>(&o, "zero_stage"),
-                        stage.parse().unwrap()
+                        stage.parse::<u8>().unwrap()
                     );
                     load_flat(&out)
                 })
