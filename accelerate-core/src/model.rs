@@ -14,7 +14,7 @@ use candle_nn::VarMap;
 use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::fsdp::{ShardedUnit, UnitSpec};
-use crate::training::{SharedSync, TrainingState};
+use crate::training::{ModelParts, SharedSync, TrainingState};
 use crate::window::MicroStep;
 use crate::zero::CommLink;
 
@@ -42,18 +42,6 @@ pub struct Model {
     frozen: Option<FrozenPredicate>,
     accumulation_steps: Option<usize>,
     units: Option<Vec<UnitSpec>>,
-}
-
-/// A [`Model`] taken apart for `prepare`.
-pub(crate) struct ModelParts {
-    /// The trained parameters, in the order given.
-    pub trained: NamedVars,
-    /// The frozen parameters, in the order given.
-    pub frozen: NamedVars,
-    /// The model's own K.
-    pub accumulation_steps: Option<usize>,
-    /// The model's units, if it declared them.
-    pub units: Option<Vec<UnitSpec>>,
 }
 
 impl std::fmt::Debug for Model {

@@ -28,6 +28,7 @@
 
 mod layout;
 mod node;
+mod params;
 mod state;
 mod unit;
 
@@ -38,8 +39,9 @@ use candle_core::Var;
 
 pub(crate) use layout::UnitLayout;
 pub use layout::UnitSpec;
+pub use params::UnitParams;
 pub(crate) use state::FsdpState;
-pub use unit::{ShardedUnit, UnitParams};
+pub use unit::ShardedUnit;
 
 use crate::error::Result;
 use unit::UnitAccess;

@@ -5,24 +5,24 @@
 //! variable that keeps the node in the graph when `x` needs no gradient, as token ids do). Its
 //! forward returns a copy of the output the unit computed outside the graph; nothing of the
 //! unit's computation, and none of its gathered parameters, stays in the graph. Its backward hands
-//! the incoming gradient to [`FsdpState::backward_unit`], which gathers the parameters again,
-//! recomputes the unit and differentiates it, and returns `x`'s gradient.
+//! `x` and the incoming gradient to the unit's backward (the sharded state's, which gathers the
+//! parameters again, recomputes the unit and differentiates it) and returns `x`'s gradient.
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::state::FsdpState;
-use super::unit::Block;
+/// A unit's backward: from the unit's input and its output's gradient, the input's gradient
+/// (`None` when the input needs none).
+pub(crate) type UnitBackward =
+    Arc<dyn Fn(&Tensor, &Tensor) -> crate::error::Result<Option<Tensor>> + Send + Sync>;
 
 /// A unit's output in the graph (see the module documentation).
 pub(crate) struct UnitNode {
-    pub unit: usize,
     /// The output computed by the forward pass, taken (copied) by the op's forward.
     pub output: Mutex<Option<Tensor>>,
-    pub state: Arc<FsdpState>,
-    pub block: Block,
+    pub backward: UnitBackward,
 }
 
 impl UnitNode {
@@ -88,10 +88,8 @@ impl CustomOp2 for UnitNode {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_x = self
-            .state
-            .backward_unit(self.unit, x, grad_res, &self.block)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let grad_x =
+            (self.backward)(x, grad_res).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         Ok((grad_x, None))
     }
 }

@@ -9,13 +9,12 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 
 use super::layout::UnitLayout;
 use super::node::{SeedGradient, UnitNode};
-use super::unit::{Block, Running, UnitParams};
+use super::params::{Block, Running, UnitParams};
 use crate::comm::{Communicator, ReduceOp};
 use crate::cpu_slices::with_f32;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 use crate::sync::{reduce_scatter_mean, GradientSyncStats};
-use crate::training::lock;
 use crate::zero::CommLink;
 
 /// What a backward pass tells the units' backward passes (set by the training state's
@@ -69,6 +68,11 @@ pub(crate) struct FsdpState {
     whole_ids: Vec<(String, TensorId)>,
     link: CommLink,
     window: Mutex<Window>,
+}
+
+/// Locks `m`, ignoring poison: every update under these locks leaves consistent state.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl std::fmt::Debug for FsdpState {
@@ -260,10 +264,8 @@ impl FsdpState {
         lock(&self.window).pending[u] += 1;
         let anchor = self.anchors[u].as_tensor().clone();
         let node = UnitNode {
-            unit: u,
             output: Mutex::new(Some(y)),
-            state: self,
-            block,
+            backward: Arc::new(move |x, grad_y| self.backward_unit(u, x, grad_y, &block)),
         };
         Ok(x.apply_op2(&anchor, node)?)
     }

@@ -32,7 +32,7 @@ mod prepare;
 mod step;
 
 pub(crate) use prepare::{
-    model_of_optimizer, model_of_scheduler, prepare_model, Preparation, PreparedParts,
+    model_of_optimizer, model_of_scheduler, prepare_model, ModelParts, Preparation, PreparedParts,
 };
 
 use std::collections::BTreeMap;

@@ -13,7 +13,6 @@ use crate::error::{Error, Result};
 use crate::fsdp::{FsdpState, ModelUnits, UnitLayout, UnitSpec};
 use crate::grads::{sorted_named_vars, GradientBuffers};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
-use crate::model::ModelParts;
 use crate::optim::{LrScheduler, Optimizer};
 use crate::window::Accumulation;
 use crate::zero::{ShardPlan, ZeroState};
@@ -33,6 +32,18 @@ pub(crate) struct Preparation<'a> {
     pub bucket_config: String,
     /// Every model's training state, the first first (it exists before any model is prepared).
     pub models: &'a [Arc<TrainingState>],
+}
+
+/// A [`Model`](crate::Model) taken apart for `prepare`.
+pub(crate) struct ModelParts {
+    /// The trained parameters, in the order given.
+    pub trained: Vec<(String, Var)>,
+    /// The frozen parameters, in the order given.
+    pub frozen: Vec<(String, Var)>,
+    /// The model's own K.
+    pub accumulation_steps: Option<usize>,
+    /// The model's units, if it declared them.
+    pub units: Option<Vec<UnitSpec>>,
 }
 
 /// A model prepared by [`prepare_model`].
