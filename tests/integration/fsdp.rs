@@ -292,8 +292,8 @@ fn stage_three_needs_units() {
 }
 
 /// What stage 3 refuses, by name: a parameter read outside its unit (its gradient would be
-/// lost), a unit run twice in one pass, and checkpoints of the state (not built yet);
-/// `save_model` writes the whole model, gathered, equal to the parameters.
+/// lost) and a unit run twice in one pass; `save_model` writes the whole model, gathered, equal
+/// to the parameters.
 #[test]
 fn stage_three_refuses_what_it_cannot_train_and_saves_whole_models() {
     let dir = tempfile::tempdir().unwrap();
@@ -323,19 +323,17 @@ fn stage_three_refuses_what_it_cannot_train_and_saves_whole_models() {
             let b = l1.forward(&x, block).unwrap();
             let loss = (a + b).unwrap().sum_all().unwrap();
             let twice = acc.backward(&loss).unwrap_err().to_string();
-            let save = acc.save_state(out.join("state")).unwrap_err().to_string();
             acc.save_model(out.join("model")).unwrap();
             let whole = model.whole_parameters().unwrap();
-            (outside, twice, save, whole)
+            (outside, twice, whole)
         },
     );
-    let (outside, twice, save, whole) = &results[0];
+    let (outside, twice, whole) = &results[0];
     assert!(
         outside.contains("read outside the model's units"),
         "{outside}"
     );
     assert!(twice.contains("ran more than once"), "{twice}");
-    assert!(save.contains("ZeRO stage 3"), "{save}");
     let saved = accelerate_core::load_safetensors(
         out.join("model").join(accelerate_core::MODEL_SAFETENSORS),
         &candle_core::Device::Cpu,
@@ -354,5 +352,5 @@ fn stage_three_refuses_what_it_cannot_train_and_saves_whole_models() {
             "{name}: no step was taken, so the weights are the initial ones"
         );
     }
-    assert_eq!(results[1].3.len(), whole.len(), "rank 1 gathered too");
+    assert_eq!(results[1].2.len(), whole.len(), "rank 1 gathered too");
 }

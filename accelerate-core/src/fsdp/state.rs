@@ -195,7 +195,9 @@ impl FsdpState {
         };
         drop(parts);
         let gathered = if comm.world_size() == 1 {
-            send
+            // Alone, the buffer is made of the pieces themselves (Vars, or ops on them): cut from
+            // the graph, as the all-gather's output is, or a unit would read tracked parameters.
+            send.detach()
         } else {
             let out = Tensor::zeros(self.layout.padded_len(u), dtype, &self.device)?;
             comm.all_gather_into_agreed(&send, &out)?;
