@@ -155,9 +155,8 @@ fn run(plan: Plan<'_>) -> Vec<End> {
                 let _m = acc.accumulate();
                 let start = t * GLOBAL + rank * b;
                 let logits = forward(&model, plan.units, &x.narrow(0, start, b).unwrap()).unwrap();
-                let loss =
-                    candle_nn::loss::cross_entropy(&logits, &y.narrow(0, start, b).unwrap())
-                        .unwrap();
+                let loss = candle_nn::loss::cross_entropy(&logits, &y.narrow(0, start, b).unwrap())
+                    .unwrap();
                 acc.backward(&loss).unwrap();
                 opt.step().unwrap();
                 opt.zero_grad();
@@ -234,7 +233,10 @@ fn assembled(ends: &[End]) -> FlatState {
         }
         for (k, v) in &e.state.scalars {
             let old = scalars.insert(k.clone(), v.to_bits());
-            assert!(old.is_none_or(|o| o == v.to_bits()), "ranks disagree on {k}");
+            assert!(
+                old.is_none_or(|o| o == v.to_bits()),
+                "ranks disagree on {k}"
+            );
         }
     }
     (tensors, scalars)
@@ -323,7 +325,11 @@ fn resumed_on_as_many_ranks_a_stage_three_run_ends_bitwise_where_it_would_have()
                     ..plan
                 });
                 let at_save = agreed(&stopped).to_vec();
-                assert_ne!(bits(&at_save), bits(whole), "{what}: stopped before the end");
+                assert_ne!(
+                    bits(&at_save),
+                    bits(whole),
+                    "{what}: stopped before the end"
+                );
                 let m = manifest(&dir);
                 assert_eq!(m["zero"]["stage"], 3, "{what}");
                 assert_eq!(m["world_size"], 2);
@@ -439,7 +445,11 @@ fn stage_three_checkpoints_load_at_other_world_sizes_and_stages() {
                     "{kind:?} at stage 0 on {n} rank(s), rank {r}: the optimizer state differs"
                 );
             }
-            assert_eq!(bits(agreed(&ends)), bits(&stage_0[0].whole), "{kind:?} n={n}");
+            assert_eq!(
+                bits(agreed(&ends)),
+                bits(&stage_0[0].whole),
+                "{kind:?} n={n}"
+            );
         }
         let ends = loaded(3, 3);
         assert!(
@@ -493,7 +503,11 @@ fn stage_three_checkpoints_load_at_other_world_sizes_and_stages() {
                 && err.contains("--num-processes 2"),
             "rank {r}: {err}"
         );
-        assert_eq!(bits(&e.whole), bits(&initial), "rank {r}: nothing was loaded");
+        assert_eq!(
+            bits(&e.whole),
+            bits(&initial),
+            "rank {r}: nothing was loaded"
+        );
     }
 }
 
@@ -528,7 +542,10 @@ fn stage_zero_and_stage_two_checkpoints_continue_at_stage_three() {
                     "stage {stage} on 2 ranks (saved after micro-step {at}) -> stage 3 on {n}: \
                      max |Δ| = {d:e}"
                 );
-                assert!(d <= 1e-6, "stage {stage} -> 3, n={n}, at {at}: max |Δ| = {d}");
+                assert!(
+                    d <= 1e-6,
+                    "stage {stage} -> 3, n={n}, at {at}: max |Δ| = {d}"
+                );
                 if n == 2 {
                     assert_eq!(bits(got), bits(reference), "stage {stage} -> 3 at {at}");
                 }
@@ -544,7 +561,9 @@ fn stage_zero_and_stage_two_checkpoints_continue_at_stage_three() {
 #[test]
 fn a_missing_or_damaged_rank_file_is_refused_and_nothing_is_loaded() {
     if std::env::var_os(accelerate_core::env::FSDP_STATE_DICT_TYPE).is_some() {
-        eprintln!("skipped: ACCELERATE_FSDP_STATE_DICT_TYPE is set, and this test saves without it");
+        eprintln!(
+            "skipped: ACCELERATE_FSDP_STATE_DICT_TYPE is set, and this test saves without it"
+        );
         return;
     }
     let root = tempfile::tempdir().unwrap();
@@ -554,7 +573,10 @@ fn a_missing_or_damaged_rank_file_is_refused_and_nothing_is_loaded() {
         save: Some((&dir, 2, None)),
         ..plan
     });
-    assert!(dir.join("model.rank_1.safetensors").is_file(), "the default");
+    assert!(
+        dir.join("model.rank_1.safetensors").is_file(),
+        "the default"
+    );
     assert!(!dir.join("model.safetensors").exists());
     let initial = snapshot(&named_vars(&tiny_mlp(3).unwrap().0));
 
@@ -573,9 +595,19 @@ fn a_missing_or_damaged_rank_file_is_refused_and_nothing_is_loaded() {
     let optimizer_flipped = flip("optimizer_0.rank_0.safetensors");
     for (from, n, file, problem) in [
         (&missing, 2, "model.rank_1.safetensors", "missing"),
-        (&model_flipped, 2, "model.rank_0.safetensors", "checksum mismatch"),
+        (
+            &model_flipped,
+            2,
+            "model.rank_0.safetensors",
+            "checksum mismatch",
+        ),
         // On 3 ranks new ranks 0 and 1 take pieces saved by rank 0.
-        (&optimizer_flipped, 3, "optimizer_0.rank_0.safetensors", "checksum mismatch"),
+        (
+            &optimizer_flipped,
+            3,
+            "optimizer_0.rank_0.safetensors",
+            "checksum mismatch",
+        ),
     ] {
         let ends = run(Plan {
             n,

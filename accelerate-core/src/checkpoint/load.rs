@@ -737,13 +737,7 @@ fn read_optimizer_tensors(
             )
         }
     };
-    reshard::tensors_for(
-        &path,
-        Keys::OptimizerState,
-        saved,
-        &layout.shapes(),
-        target,
-    )
+    reshard::tensors_for(&path, Keys::OptimizerState, saved, &layout.shapes(), target)
 }
 
 /// The saved fp16 loss scaler state, checked against this run's scaler. A checkpoint saved without

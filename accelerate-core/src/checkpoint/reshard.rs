@@ -278,7 +278,10 @@ mod tests {
     use candle_core::Device;
 
     fn params() -> Vec<(String, Shape)> {
-        vec![("a.w".into(), Shape::from((2, 3))), ("b".into(), Shape::from(4))]
+        vec![
+            ("a.w".into(), Shape::from((2, 3))),
+            ("b".into(), Shape::from(4)),
+        ]
     }
 
     fn t(v: &[f32]) -> Tensor {
@@ -402,15 +405,14 @@ mod tests {
         .unwrap();
         assert_eq!(values(&out, "exp_avg.a.w"), (vec![4], vec![2., 3., 4., 5.]));
         assert!(!out.contains_key("exp_avg.b"));
-        let out =
-            tensors_for(
-                Path::new("ckpt"),
-                Keys::OptimizerState,
-                SavedTensors::Full(full),
-                &params(),
-                None,
-            )
-                .unwrap();
+        let out = tensors_for(
+            Path::new("ckpt"),
+            Keys::OptimizerState,
+            SavedTensors::Full(full),
+            &params(),
+            None,
+        )
+        .unwrap();
         assert_eq!(values(&out, "exp_avg.a.w").0, vec![2, 3]);
     }
 

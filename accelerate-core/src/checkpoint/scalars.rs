@@ -83,7 +83,9 @@ pub(crate) fn merge_on_main(
         .enumerate()
         .map(|(r, bytes)| {
             serde_json::from_slice(bytes).map_err(|e| {
-                Error::Optimizer(format!("rank {r}'s optimizer scalars did not arrive whole: {e}"))
+                Error::Optimizer(format!(
+                    "rank {r}'s optimizer scalars did not arrive whole: {e}"
+                ))
             })
         })
         .collect::<Result<_>>()?;

@@ -50,7 +50,10 @@ impl StateDictType {
     /// `ACCELERATE_FSDP_STATE_DICT_TYPE`, or [`Sharded`](Self::Sharded) without it; an error
     /// naming the variable and what it accepts for any other value.
     pub fn from_env() -> Result<Self> {
-        Ok(env::read(env::FSDP_STATE_DICT_TYPE, Self::VALID, Self::parse)?.unwrap_or(Self::Sharded))
+        Ok(
+            env::read(env::FSDP_STATE_DICT_TYPE, Self::VALID, Self::parse)?
+                .unwrap_or(Self::Sharded),
+        )
     }
 
     /// PyTorch's number for it, which ranks exchange to agree.
