@@ -15,8 +15,7 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StateDictType {
     /// `FULL_STATE_DICT`: gathered unit by unit to the main process's host and written whole in
-    /// `model.safetensors`, as a stage-0 checkpoint holds them (so a build that predates sharded
-    /// parameters loads it too).
+    /// `model.safetensors`, as a stage-0 checkpoint holds them (manifest format version 2).
     Full,
     /// `SHARDED_STATE_DICT`: every rank writes its own pieces (`model.rank_<r>.safetensors`),
     /// nothing is gathered; a load re-cuts them for its own stage and world size.
