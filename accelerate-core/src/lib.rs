@@ -136,8 +136,8 @@ pub use accelerator::{
 };
 pub use checkpoint::{
     check_no_newer_checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints,
-    prune_checkpoints, prune_checkpoints_keeping, save_model, DEFAULT_MAX_SHARD_BYTES,
-    MODEL_INDEX_FILE, MODEL_SAFETENSORS,
+    prune_checkpoints, prune_checkpoints_keeping, save_model, StateDictType,
+    DEFAULT_MAX_SHARD_BYTES, MODEL_INDEX_FILE, MODEL_SAFETENSORS,
 };
 pub use comm::ReduceOp;
 pub use device::{gpu_present, physical_gpu_count, select_device};

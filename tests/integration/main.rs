@@ -28,6 +28,8 @@ mod distributed;
 mod evaluation;
 // ZeRO stage 3 (fully sharded) against stage 0 and one process, in process.
 mod fsdp;
+// ZeRO stage 3 checkpoints: resumed, re-cut for other ranks and stages, damage refused.
+mod fsdp_checkpoint;
 // The `gpt` example end to end.
 mod gpt;
 // On the GPU (with `nccl`): NCCL collectives, training against the CPU, restarts, the watchdog.

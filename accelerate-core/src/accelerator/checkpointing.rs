@@ -26,7 +26,9 @@ impl Accelerator {
     /// | file | written by | holds |
     /// |---|---|---|
     /// | `model.safetensors` | main process | the parameters, by name (the f32 master weights under mixed precision) |
+    /// | `model.rank_<r>.safetensors` | rank `r`, ZeRO stage 3 with sharded parameters | its pieces of the parameters, in place of `model.safetensors` |
     /// | `optimizer_<i>.safetensors`, `optimizer_<i>.json` | main | optimizer `i`'s tensors (moments, buffers); its kind and scalars (step counts, hyper-parameters) |
+    /// | `optimizer_<i>.rank_<r>.safetensors` | rank `r`, under ZeRO | its pieces of optimizer `i`'s tensors, in place of `optimizer_<i>.safetensors` |
     /// | `scheduler_<i>.json` | main | scheduler `i`'s step count and base learning rate |
     /// | `accumulation.json` | main | the micro-step counter of the current window, K, the optimizer step count |
     /// | `loss_scaler.json` | main, fp16 only | the dynamic loss scale and its growth tracker |
@@ -35,6 +37,13 @@ impl Accelerator {
     /// | `rng_<r>.json` | rank `r` | the exact position of its own generator ([`RankRng`](crate::RankRng)) |
     /// | `custom_checkpoint_<i>.cbor` | main | object `i` registered with [`register_for_checkpointing`](Self::register_for_checkpointing), as CBOR |
     /// | `manifest.json` | main, last | format version, world size, parameter names/shapes/dtypes, size and CRC-32 of every file |
+    ///
+    /// Under ZeRO the manifest lists every rank's pieces by parameter name, and
+    /// [`load_state`](Self::load_state) re-cuts them for its own stage and world size. Under
+    /// stage 3 the parameters are saved as [`StateDictType`](checkpoint::StateDictType) says
+    /// (`ACCELERATE_FSDP_STATE_DICT_TYPE`; each rank's own pieces without it): gathered unit by
+    /// unit to the main process's host and written whole, or each rank's pieces; either loads at
+    /// any stage and number of processes, each rank cutting its pieces on the host.
     ///
     /// The random state is the loaders' and each rank's generator's: the shuffle order of an epoch is a
     /// pure function of the loader's seed and the epoch, so the epoch and the position within it
@@ -57,7 +66,21 @@ impl Accelerator {
     /// (truncation, bit flips, a file from another checkpoint); it is not a defence against someone
     /// forging a file, which a checkpoint directory one can write to cannot have anyway.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
-        checkpoint::save_state(&self.training_view(), dir.as_ref())
+        checkpoint::save_state(&self.training_view(), dir.as_ref(), None)
+    }
+
+    /// [`save_state`](Self::save_state) with the parameters of a model under ZeRO stage 3 saved
+    /// as `parameters` says, whatever `ACCELERATE_FSDP_STATE_DICT_TYPE` holds (the program's
+    /// choice, as Accelerate's `fsdp_plugin.set_state_dict_type` makes it): gathered whole into
+    /// `model.safetensors`, or each rank's pieces in its own `model.rank_<r>.safetensors`. Below
+    /// stage 3 the parameters are whole on every rank and saved whole either way. Every rank
+    /// passes the same choice.
+    pub fn save_state_with(
+        &self,
+        dir: impl AsRef<Path>,
+        parameters: checkpoint::StateDictType,
+    ) -> Result<()> {
+        checkpoint::save_state(&self.training_view(), dir.as_ref(), Some(parameters))
     }
 
     /// Saves the state as `<root>/checkpoint_<N>`, N being the optimizer steps taken, then deletes
@@ -82,7 +105,7 @@ impl Accelerator {
             Ok(())
         };
         view.agree(root, "checking the checkpoint directory", checked)?;
-        checkpoint::save_state(&view, &dir)?;
+        checkpoint::save_state(&view, &dir, None)?;
         // Every rank agreed that the checkpoint is complete: pruning can only warn now (on NFS a
         // file still open elsewhere makes a deletion fail), never fail the save.
         if let (Some(keep), true) = (keep, self.is_main_process()) {

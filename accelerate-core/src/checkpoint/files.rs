@@ -31,6 +31,14 @@ impl ModelFiles {
             m => format!("model_{m}.safetensors"),
         }
     }
+    /// Rank `rank`'s pieces of the parameters, under ZeRO stage 3 with sharded parameters
+    /// (`model.rank_<r>.safetensors`; `model_<m>.rank_<r>.safetensors` for model `m`).
+    pub fn parameter_shard(self, rank: usize) -> String {
+        match self.0 {
+            0 => format!("model.rank_{rank}.safetensors"),
+            m => format!("model_{m}.rank_{rank}.safetensors"),
+        }
+    }
     /// The accumulation counters.
     pub fn accumulation(self) -> String {
         self.prefixed("accumulation.json".into())

@@ -13,10 +13,12 @@ use super::files::{
     self, AccumulationFile, LoaderPosition, LossScalerFile, ModelFiles, OptimizerScalars, RankFile,
     SchedulerFile,
 };
+use super::layout::ModelLayout;
 use super::manifest::{self, Manifest, MANIFEST_FILE};
 use super::naming::latest_checkpoint;
-use super::reshard::{self, SavedTensors};
+use super::reshard::{self, Keys, SavedTensors};
 use super::save::{is_complete, log_recovery};
+use super::scalars;
 use super::staging;
 use super::{custom_file, TrainingView};
 use crate::error::{Error, Result};
@@ -58,6 +60,8 @@ pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
 
 /// One model's part of a checkpoint, read and verified.
 struct LoadedModel {
+    /// The parameters as this run's model holds them: whole, or under ZeRO stage 3 this rank's
+    /// pieces.
     params: BTreeMap<String, Tensor>,
     snapshot: TrainingSnapshot,
 }
@@ -157,7 +161,12 @@ pub(crate) fn load_state(view: &TrainingView<'_>, source: Source<'_>) -> Result<
 /// shards its own pieces come from. Another rank's files are that rank's to verify (every rank
 /// agrees on the outcome before anything changes).
 fn read_all(view: &TrainingView<'_>, manifest: &Manifest, dir: &Path) -> Result<Loaded> {
-    manifest.check_compatible(dir, view.params())?;
+    let layouts: Vec<ModelLayout> = view
+        .models
+        .iter()
+        .map(|m| ModelLayout::of(m, view.world_size))
+        .collect();
+    manifest.check_compatible(dir, &layouts[0].entries())?;
     if manifest.models() != view.models.len() {
         return Err(problem(
             &dir.join(MANIFEST_FILE),
@@ -176,8 +185,10 @@ fn read_all(view: &TrainingView<'_>, manifest: &Manifest, dir: &Path) -> Result<
         rank_file_for_another_world(view, manifest, dir)?
     };
 
-    let models = (0..view.models.len())
-        .map(|m| read_model(view, manifest, dir, m, &rank))
+    let models = layouts
+        .iter()
+        .enumerate()
+        .map(|(m, layout)| read_model(view, manifest, dir, (m, layout), &rank))
         .collect::<Result<Vec<_>>>()?;
 
     let rng_name = files::rng_file(view.rank);
@@ -393,12 +404,13 @@ fn read_custom(
         .collect()
 }
 
-/// Reads and verifies model `m`'s files against this run's model `m`.
+/// Reads and verifies model `m`'s files against this run's model `m`, whose parameters are laid
+/// out as `layout` says.
 fn read_model(
     view: &TrainingView<'_>,
     manifest: &Manifest,
     dir: &Path,
-    m: usize,
+    (m, layout): (usize, &ModelLayout),
     rank: &RankFile,
 ) -> Result<LoadedModel> {
     let training = &view.models[m];
@@ -414,7 +426,7 @@ fn read_model(
             &dir.join(MANIFEST_FILE),
             &format!("model {m} of the "),
             saved,
-            training.parameters(),
+            &layout.entries(),
         )?;
     }
     let (n_opt, n_sched) = training.registered();
@@ -430,42 +442,17 @@ fn read_model(
         ));
     }
 
-    let pname = names.parameters();
-    let path = dir.join(&pname);
-    let params = files::parse_safetensors(&path, &manifest.read_verified(dir, &pname)?)?;
-    let ours = training.parameters();
-    for (name, var) in ours {
-        match params.get(name) {
-            Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
-            Some(t) => {
-                return Err(problem(
-                    &path,
-                    format!(
-                        "tensor {name:?} is {:?} {:?} but the manifest and the model say {:?} {:?}",
-                        t.dims(),
-                        t.dtype(),
-                        var.dims(),
-                        var.dtype()
-                    ),
-                ))
-            }
-            None => return Err(problem(&path, format!("tensor {name:?} is missing"))),
-        }
-    }
-    if params.len() != ours.len() {
-        return Err(problem(
-            &path,
-            format!(
-                "holds {} tensors for {} parameters",
-                params.len(),
-                ours.len()
-            ),
-        ));
-    }
+    let params = read_parameters(view, manifest, dir, m, layout)?;
+    let shapes = layout.shapes();
+    // Under ZeRO stage 3 each rank's optimizer holds state only where it holds a piece.
+    let held = layout
+        .shards_parameters()
+        .then(|| layout.partition().map(|z| z.rank(view.rank)))
+        .flatten();
 
     let mut optimizers = Vec::with_capacity(n_opt);
     for i in 0..n_opt {
-        let tensors = read_optimizer_tensors(view, manifest, dir, m, i)?;
+        let tensors = read_optimizer_tensors(view, manifest, dir, (m, layout), i)?;
         let jname = names.optimizer_json(i);
         let jpath = dir.join(&jname);
         let s: OptimizerScalars = files::parse_json(&jpath, &manifest.read_verified(dir, &jname)?)?;
@@ -476,6 +463,9 @@ fn read_model(
                 .get()
                 .map_err(|e| problem(&jpath, format!("scalar {k:?}: {e}")))?;
             state.scalars.insert(k, v);
+        }
+        if let Some(held) = held {
+            scalars::keep_held_step_counts(&mut state, &shapes, held);
         }
         optimizers.push(state);
     }
@@ -548,8 +538,8 @@ fn read_model(
         let gpath = dir.join(&name);
         let g = files::parse_safetensors(&gpath, &manifest.read_verified(dir, &name)?)?;
         for (name, t) in &g {
-            match ours.iter().find(|(n, _)| n == name) {
-                Some((_, v)) if v.dims() == t.dims() => {}
+            match shapes.iter().find(|(n, _)| n == name) {
+                Some((_, shape)) if shape.dims() == t.dims() => {}
                 _ => {
                     return Err(problem(
                         &gpath,
@@ -577,18 +567,153 @@ fn read_model(
     })
 }
 
-/// Optimizer `i` of model `m`'s tensors as this rank's optimizer loads them: whole without ZeRO,
-/// this rank's pieces of this run's partition under it, whatever stage and world size saved them.
-fn read_optimizer_tensors(
+/// Model `m`'s parameters as this rank's model holds them (laid out as `layout` says): whole
+/// below ZeRO stage 3, this rank's pieces at stage 3 (empty where it holds none), whatever stage
+/// and world size saved them, whole or in pieces. Whole tensors are read on the host and cut
+/// there: nothing but this rank's pieces reaches its device.
+fn read_parameters(
     view: &TrainingView<'_>,
     manifest: &Manifest,
     dir: &Path,
     m: usize,
+    layout: &ModelLayout,
+) -> Result<BTreeMap<String, Tensor>> {
+    let names = ModelFiles(m);
+    let entries = layout.entries();
+    let shapes = layout.shapes();
+    let target = layout
+        .shards_parameters()
+        .then(|| layout.partition().map(|z| z.rank(view.rank)))
+        .flatten();
+    let saved_zero = manifest.model_zero(m).filter(|z| z.sharded_parameters);
+    let mut read_shard = |rank: usize| {
+        let name = names.parameter_shard(rank);
+        files::parse_safetensors(&dir.join(&name), &manifest.read_verified(dir, &name)?)
+    };
+    let (path, saved) = match saved_zero {
+        None => {
+            let pname = names.parameters();
+            let path = dir.join(&pname);
+            let params = files::parse_safetensors(&path, &manifest.read_verified(dir, &pname)?)?;
+            check_whole_parameters(&path, &params, &entries)?;
+            (path, SavedTensors::Full(params))
+        }
+        Some(zero) => {
+            let path = dir.join(MANIFEST_FILE);
+            check_zero_entry(&path, zero, manifest)?;
+            (
+                path,
+                SavedTensors::Pieces {
+                    zero,
+                    read: &mut read_shard,
+                },
+            )
+        }
+    };
+    let mut params = reshard::tensors_for(&path, Keys::Parameters, saved, &shapes, target)?;
+    for (p, (name, _)) in shapes.iter().enumerate() {
+        let dtype = layout.dtype(p);
+        match params.get(name) {
+            Some(t) if t.dtype() == dtype => {}
+            Some(t) => {
+                return Err(problem(
+                    &path,
+                    format!(
+                        "parameter {name:?} was saved as {:?} but the manifest and the model say \
+                         {dtype:?}; the checkpoint is corrupt",
+                        t.dtype()
+                    ),
+                ))
+            }
+            // A piece this rank holds none of: empty, as the model holds it.
+            None if target.is_some_and(|pieces| pieces[p].is_none()) => {
+                params.insert(
+                    name.clone(),
+                    Tensor::zeros(0, dtype, &candle_core::Device::Cpu)?,
+                );
+            }
+            None => {
+                return Err(problem(
+                    &path,
+                    format!(
+                        "parameter {name:?} is in no rank's saved pieces; the checkpoint is \
+                         incomplete or corrupt"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// Checks that `params`, read whole from `path`, are the model's parameters `entries`: every
+/// one, of its shape and dtype, and nothing else.
+fn check_whole_parameters(
+    path: &Path,
+    params: &BTreeMap<String, Tensor>,
+    entries: &[manifest::ParameterEntry],
+) -> Result<()> {
+    for entry in entries {
+        let name = &entry.name;
+        match params.get(name) {
+            Some(t) if t.dims() == entry.shape && t.dtype().as_str() == entry.dtype => {}
+            Some(t) => {
+                return Err(problem(
+                    path,
+                    format!(
+                        "tensor {name:?} is {:?} {:?} but the manifest and the model say {:?} {}",
+                        t.dims(),
+                        t.dtype(),
+                        entry.shape,
+                        entry.dtype
+                    ),
+                ))
+            }
+            None => return Err(problem(path, format!("tensor {name:?} is missing"))),
+        }
+    }
+    if params.len() != entries.len() {
+        return Err(problem(
+            path,
+            format!(
+                "holds {} tensors for {} parameters",
+                params.len(),
+                entries.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a ZeRO entry whose ranks do not match the world that saved the checkpoint.
+fn check_zero_entry(path: &Path, zero: &manifest::ZeroEntry, manifest: &Manifest) -> Result<()> {
+    if zero.world_size != manifest.world_size || zero.pieces.len() != zero.world_size {
+        return Err(problem(
+            path,
+            format!(
+                "its ZeRO entry lists {} rank(s)' pieces for a world of {} saved by {} \
+                 processes; the manifest is corrupt",
+                zero.pieces.len(),
+                zero.world_size,
+                manifest.world_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Optimizer `i` of model `m`'s tensors as this rank's optimizer loads them: whole without ZeRO,
+/// this rank's pieces of this run's partition under it (laid out as `layout` says), whatever
+/// stage and world size saved them.
+fn read_optimizer_tensors(
+    view: &TrainingView<'_>,
+    manifest: &Manifest,
+    dir: &Path,
+    (m, layout): (usize, &ModelLayout),
     i: usize,
 ) -> Result<BTreeMap<String, Tensor>> {
-    let training = &view.models[m];
     let names = ModelFiles(m);
-    let target = training.zero_plan().map(|(_, plan)| plan.pieces(view.rank));
+    let target = layout.partition().map(|z| z.rank(view.rank));
     let mut read_shard = |rank: usize| {
         let name = names.optimizer_shard(i, rank);
         files::parse_safetensors(&dir.join(&name), &manifest.read_verified(dir, &name)?)
@@ -602,18 +727,7 @@ fn read_optimizer_tensors(
         }
         Some(zero) => {
             let path = dir.join(MANIFEST_FILE);
-            if zero.world_size != manifest.world_size || zero.pieces.len() != zero.world_size {
-                return Err(problem(
-                    &path,
-                    format!(
-                        "its ZeRO entry lists {} rank(s)' pieces for a world of {} saved by {} \
-                         processes; the manifest is corrupt",
-                        zero.pieces.len(),
-                        zero.world_size,
-                        manifest.world_size
-                    ),
-                ));
-            }
+            check_zero_entry(&path, zero, manifest)?;
             (
                 path,
                 SavedTensors::Pieces {
@@ -623,7 +737,7 @@ fn read_optimizer_tensors(
             )
         }
     };
-    reshard::optimizer_tensors_for(&path, saved, training.parameters(), target.as_deref())
+    reshard::tensors_for(&path, Keys::OptimizerState, saved, &layout.shapes(), target)
 }
 
 /// The saved fp16 loss scaler state, checked against this run's scaler. A checkpoint saved without

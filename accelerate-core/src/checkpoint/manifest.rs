@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use candle_core::Var;
+use candle_core::{DType, Shape};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -13,10 +13,15 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// The newest checkpoint layout this code writes and reads. Version 2 added several models
 /// (`further_models`), objects registered for checkpointing (`custom_objects`), the gradients
-/// a `no_sync` guard left outside a window and ZeRO's per-rank optimizer pieces (`zero`); a
-/// checkpoint that uses none of them is written as version 1, which older builds read alike, and
-/// one that does is refused by them instead of silently losing that state.
-pub const FORMAT_VERSION: u32 = 2;
+/// a `no_sync` guard left outside a window and ZeRO's per-rank optimizer pieces (`zero`);
+/// version 3 added parameters saved as each rank's pieces (ZeRO stage 3 under
+/// `SHARDED_STATE_DICT`: [`ZeroEntry::sharded_parameters`]). A checkpoint is written as the
+/// oldest version that holds what it uses, which older builds read alike, and one that uses more
+/// is refused by them instead of silently losing that state.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The version of a checkpoint that uses what version 2 added but no sharded parameters.
+pub const FORMAT_VERSION_2: u32 = 2;
 
 /// The oldest checkpoint layout this code reads.
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
@@ -74,16 +79,27 @@ pub struct PieceEntry {
 
 /// How a model's optimizer state was sharded by ZeRO: each rank saved the pieces listed here in
 /// `optimizer_<i>.rank_<r>.safetensors` (1-D tensors `"<what>.<param>"` of the piece's length),
-/// and the main process the scalars in `optimizer_<i>.json`. A load re-cuts them for its own
-/// stage and world size.
+/// and the main process the scalars in `optimizer_<i>.json`. At stage 3 the pieces are also those
+/// of the parameters themselves, which each rank saved in `model.rank_<r>.safetensors` (1-D
+/// tensors named by the parameter) when [`sharded_parameters`](Self::sharded_parameters) says
+/// so. A load re-cuts them for its own stage and world size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ZeroEntry {
-    /// The ZeRO stage (1 or 2).
+    /// The ZeRO stage (1, 2 or 3).
     pub stage: u8,
     /// The number of ranks that saved pieces.
     pub world_size: usize,
     /// Each rank's pieces, in rank order; a parameter a rank owns none of is absent from its list.
     pub pieces: Vec<Vec<PieceEntry>>,
+    /// Whether the parameters were saved as each rank's pieces (`model.rank_<r>.safetensors`;
+    /// stage 3 under `SHARDED_STATE_DICT`) rather than whole in `model.safetensors`; absent, and
+    /// false, otherwise.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sharded_parameters: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl ZeroEntry {
@@ -146,16 +162,13 @@ pub fn file_entry(bytes: &[u8]) -> FileEntry {
     }
 }
 
-/// The manifest entries of `params`.
-pub fn parameter_entries(params: &[(String, Var)]) -> Vec<ParameterEntry> {
-    params
-        .iter()
-        .map(|(n, v)| ParameterEntry {
-            name: n.clone(),
-            shape: v.dims().to_vec(),
-            dtype: v.dtype().as_str().to_string(),
-        })
-        .collect()
+/// The manifest entry of a parameter called `name`, whole.
+pub fn parameter_entry(name: &str, shape: &Shape, dtype: DType) -> ParameterEntry {
+    ParameterEntry {
+        name: name.to_string(),
+        shape: shape.dims().to_vec(),
+        dtype: dtype.as_str().to_string(),
+    }
 }
 
 fn corrupt(path: &Path, problem: impl Into<String>) -> Error {
@@ -240,10 +253,11 @@ impl Manifest {
         Ok((manifest, crc32fast::hash(&bytes)))
     }
 
-    /// Checks that the checkpoint fits this run's model: same parameter names, shapes and
-    /// dtypes. (Another world size is the load's to judge: it depends on where the loaders were.)
-    pub fn check_compatible(&self, dir: &Path, params: &[(String, Var)]) -> Result<()> {
-        check_parameters(&dir.join(MANIFEST_FILE), "", &self.parameters, params)
+    /// Checks that the checkpoint fits this run's model, whose whole parameters are `ours`: same
+    /// parameter names, shapes and dtypes. (Another world size is the load's to judge: it
+    /// depends on where the loaders were.)
+    pub fn check_compatible(&self, dir: &Path, ours: &[ParameterEntry]) -> Result<()> {
+        check_parameters(&dir.join(MANIFEST_FILE), "", &self.parameters, ours)
     }
 
     /// How model `m`'s optimizer state was sharded, if it was.
@@ -282,15 +296,14 @@ impl Manifest {
     }
 }
 
-/// Checks that `params` are the `saved` parameters (names, shapes, dtypes) of the model `which`
-/// names in the message ("" for the first).
+/// Checks that `ours` (a model's whole parameters) are the `saved` parameters (names, shapes,
+/// dtypes) of the model `which` names in the message ("" for the first).
 pub fn check_parameters(
     path: &Path,
     which: &str,
     saved: &[ParameterEntry],
-    params: &[(String, Var)],
+    ours: &[ParameterEntry],
 ) -> Result<()> {
-    let ours = parameter_entries(params);
     if ours != saved {
         let mut problems = Vec::new();
         for p in saved {
@@ -303,7 +316,7 @@ pub fn check_parameters(
                 Some(_) => {}
             }
         }
-        for o in &ours {
+        for o in ours {
             if !saved.iter().any(|p| p.name == o.name) {
                 problems.push(format!(
                     "{:?} of the model is not in the checkpoint",

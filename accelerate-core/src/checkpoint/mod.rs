@@ -4,6 +4,7 @@ mod agree;
 mod custom;
 mod exact;
 mod files;
+mod layout;
 mod load;
 pub mod manifest;
 mod model;
@@ -11,7 +12,9 @@ pub mod naming;
 mod removal;
 mod reshard;
 mod save;
+mod scalars;
 pub mod staging;
+mod state_dict;
 
 #[cfg(test)]
 mod tests;
@@ -19,7 +22,7 @@ mod tests;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{Device, Var};
+use candle_core::Device;
 
 use crate::comm::Communicator;
 use crate::data::PreparedLoaders;
@@ -41,6 +44,7 @@ pub use naming::{
 pub(crate) use load::{load_state, Source};
 pub(crate) use removal::warn;
 pub(crate) use save::save_state;
+pub use state_dict::StateDictType;
 
 /// What saving and loading reach of a training process: who it is, how to wait for the others,
 /// and the state shared with the prepared objects.
@@ -59,11 +63,6 @@ pub(crate) struct TrainingView<'a> {
 }
 
 impl TrainingView<'_> {
-    /// The first model's parameters, sorted by name.
-    pub fn params(&self) -> &[(String, Var)] {
-        self.models[0].parameters()
-    }
-
     /// Every model's snapshot, at this instant, in order of preparation; the shared state
     /// (optimizers, schedulers, loss scaler) on the main process only, which writes it.
     pub fn snapshots(&self) -> Result<Vec<TrainingSnapshot>> {

@@ -1,7 +1,7 @@
 //! A fully sharded model's state: this rank's pieces of every parameter, the units' window
 //! gradients, and the passes that gather, recompute and reduce unit by unit.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
@@ -482,6 +482,51 @@ impl FsdpState {
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
         Ok(())
+    }
+
+    /// A copy of the window's gradient sums so far, whole, by parameter name (the parameters that
+    /// got none yet are absent): what a checkpoint saved inside a window keeps of this rank, as
+    /// stage 0 keeps its own window sums.
+    pub fn window_gradients(&self) -> Result<BTreeMap<String, Tensor>> {
+        let window = lock(&self.window);
+        let mut saved = BTreeMap::new();
+        for buffers in &window.grads {
+            for name in buffers.names() {
+                if let Some(t) = buffers.get(name) {
+                    saved.insert(name.to_string(), t.copy()?);
+                }
+            }
+        }
+        Ok(saved)
+    }
+
+    /// Replaces the window's gradient sums with `saved` (whole gradients by parameter name, as
+    /// [`window_gradients`](Self::window_gradients) gives them), each added into its unit's
+    /// buffer; the parameters `saved` does not name have none. Nothing is kept of the window
+    /// before, nor of a half-done restore when a name or a shape does not fit (the error names
+    /// it).
+    pub fn restore_window(&self, saved: &BTreeMap<String, Tensor>) -> Result<()> {
+        self.discard_window()?;
+        let restored = (|| -> Result<()> {
+            let mut window = lock(&self.window);
+            for (name, t) in saved {
+                let p = self
+                    .pieces
+                    .binary_search_by(|(n, _)| n.as_str().cmp(name))
+                    .map_err(|_| {
+                        Error::Parameters(format!(
+                            "a saved window gradient names no parameter of the model: {name:?}"
+                        ))
+                    })?;
+                let u = self.layout.unit_of(p);
+                window.grads[u].accumulate_one(name, &t.to_device(&self.device)?, 1.0)?;
+            }
+            Ok(())
+        })();
+        if restored.is_err() {
+            self.discard_window()?;
+        }
+        restored
     }
 
     /// The traffic since the last call.

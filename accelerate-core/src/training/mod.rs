@@ -301,6 +301,15 @@ impl TrainingState {
             .collect()
     }
 
+    /// Under ZeRO stage 3 once the parameters are prepared, the sharded model's state (its
+    /// layout, what checkpoints record and re-cut the pieces by).
+    pub fn fsdp(&self) -> Option<Arc<FsdpState>> {
+        match self.units.get() {
+            Some(ModelUnits::Sharded(state)) => Some(state.clone()),
+            _ => None,
+        }
+    }
+
     /// The prepared parameters, sorted by name (empty before they are prepared).
     pub fn parameters(&self) -> &[(String, Var)] {
         self.params.get().map_or(&[], Vec::as_slice)
@@ -559,19 +568,18 @@ impl TrainingState {
 
     /// What a checkpoint saves of this rank's state, at this instant. The optimizers',
     /// schedulers' and loss scaler's states, which only the main process writes, are taken only
-    /// `with_shared` state: each is a full copy of the moments on the host. Under ZeRO the
-    /// optimizers' states (this rank's pieces) are taken on every rank, each of which saves its
-    /// own.
+    /// `with_shared` state: each is a full copy of the moments on the host. Under ZeRO (stage 3
+    /// included) the optimizers' states (this rank's pieces) are taken on every rank, each of
+    /// which saves its own.
     pub fn snapshot(&self, with_shared: bool) -> Result<TrainingSnapshot> {
         let steps = self.steps();
-        if steps.fsdp.is_some() {
-            return Err(stage3_checkpoints());
-        }
         let counters = steps.accumulation.counters();
         // Copies: the buffers are summed into in place after the snapshot is taken.
         let inside_window = counters.taken > 0 || steps.unsynced_across_windows;
-        let window_gradients = match (&steps.grads, inside_window) {
-            (Some(grads), true) => Some(
+        let window_gradients = match (&steps.fsdp, &steps.grads, inside_window) {
+            // Stage 3: the window's sums live whole in the units' buffers until the sync.
+            (Some(fsdp), _, true) => Some(fsdp.window_gradients()?),
+            (None, Some(grads), true) => Some(
                 grads
                     .names()
                     .filter_map(|n| grads.get(n).map(|t| Ok((n.to_string(), t.copy()?))))
@@ -580,7 +588,7 @@ impl TrainingState {
             _ => None,
         };
         // Under ZeRO each rank holds, and saves, its own pieces of the optimizer state.
-        if !with_shared && steps.zero.is_none() {
+        if !with_shared && steps.zero.is_none() && steps.fsdp.is_none() {
             return Ok(TrainingSnapshot {
                 counters,
                 window_gradients,
@@ -613,7 +621,8 @@ impl TrainingState {
         })
     }
 
-    /// A copy of every parameter's value, by name (what [`restore`](Self::restore) takes).
+    /// A copy of every parameter's value, by name (what [`restore`](Self::restore) takes; under
+    /// ZeRO stage 3 this rank's pieces).
     pub fn parameter_values(&self) -> Result<BTreeMap<String, Tensor>> {
         self.parameters()
             .iter()
@@ -637,7 +646,8 @@ impl TrainingState {
         self.steps().mixed.scaler.clone()
     }
 
-    /// Continues from a verified checkpoint: `params` by name, then `snapshot`. If a parameter,
+    /// Continues from a verified checkpoint: `params` by name (as [`parameters`](Self::parameters)
+    /// holds them: under ZeRO stage 3 this rank's pieces), then `snapshot`. If a parameter,
     /// an optimizer or a scheduler still refuses its value, what was already changed is put back
     /// and that error returned. Loaders continue from their saved position at their next `iter()`.
     pub fn restore(
@@ -647,9 +657,6 @@ impl TrainingState {
     ) -> Result<()> {
         let mut guard = self.steps();
         let steps = &mut *guard;
-        if steps.fsdp.is_some() {
-            return Err(stage3_checkpoints());
-        }
         let ours = self.parameters();
         let old_params: Vec<Tensor> = ours
             .iter()
@@ -676,7 +683,14 @@ impl TrainingState {
             for (s, state) in steps.schedulers.iter().zip(&snapshot.schedulers) {
                 lock(s).load_state(state)?;
             }
-            if let (Some(buffers), Some(saved)) = (steps.grads.as_mut(), &snapshot.window_gradients)
+            if let (Some(fsdp), Some(saved)) = (&steps.fsdp, &snapshot.window_gradients) {
+                // Stage 3: the sums go whole into the units' buffers (`params` are the pieces).
+                if let Some(buffers) = steps.grads.as_mut() {
+                    buffers.zero();
+                }
+                fsdp.restore_window(saved)?;
+            } else if let (Some(buffers), Some(saved)) =
+                (steps.grads.as_mut(), &snapshot.window_gradients)
             {
                 buffers.zero();
                 for (name, t) in saved {
@@ -704,6 +718,9 @@ impl TrainingState {
             if let Some(buffers) = steps.grads.as_mut() {
                 buffers.zero();
             }
+            if let Some(fsdp) = &steps.fsdp {
+                fsdp.discard_window()?;
+            }
         }
         steps.unsynced_across_windows =
             snapshot.counters.taken == 0 && snapshot.window_gradients.is_some();
@@ -719,15 +736,6 @@ impl TrainingState {
         steps.accumulation.restore(&snapshot.counters);
         Ok(())
     }
-}
-
-/// Why `save_state`/`load_state` refuse a model under ZeRO stage 3 (not built yet).
-fn stage3_checkpoints() -> Error {
-    Error::Config(
-        "save_state and load_state do not support ZeRO stage 3 yet; save the weights with \
-         save_model (gathered unit by unit), or train with zero_stage(2) to checkpoint"
-            .into(),
-    )
 }
 
 #[cfg(test)]
