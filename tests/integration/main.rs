@@ -28,6 +28,8 @@ mod distributed;
 mod evaluation;
 // ZeRO stage 3 (fully sharded) against stage 0 and one process, in process.
 mod fsdp;
+// ZeRO stage 3's memory under a heap budget, and the `mlp` example fully sharded, via the launcher.
+mod fsdp_memory;
 // The `gpt` example end to end.
 mod gpt;
 // On the GPU (with `nccl`): NCCL collectives, training against the CPU, restarts, the watchdog.
