@@ -165,7 +165,7 @@ fn formula_mib(hidden: usize, row: &Row) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.num_processes.iter().any(|&n| n == 0) {
+    if args.num_processes.contains(&0) {
         bail!("--num-processes takes numbers of ranks, each at least 1");
     }
     let dir = std::env::current_exe()
@@ -199,9 +199,16 @@ fn main() -> Result<()> {
         if mlp { "" } else { "2 ranks, " },
         args.steps,
         args.rounds,
-        if mlp { " training state, formula (MiB) |" } else { "" }
+        if mlp {
+            " training state, formula (MiB) |"
+        } else {
+            ""
+        }
     );
-    println!("|---|{}---:|---:|---:|---:|", if mlp { "---:|" } else { "" });
+    println!(
+        "|---|{}---:|---:|---:|---:|",
+        if mlp { "---:|" } else { "" }
+    );
     let medians: Vec<Report> = reports
         .iter()
         .map(|r| Report {
@@ -248,9 +255,14 @@ fn run_row(args: &Args, dir: &Path, row: &Row) -> Result<Report> {
         }
     }
     let mut cmd = Command::new(&launcher);
-    cmd.args(["--cpu", "--num-processes", &row.ranks.to_string(), "--zero-stage"])
-        .arg(row.zero_stage.to_string())
-        .arg(&example);
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        &row.ranks.to_string(),
+        "--zero-stage",
+    ])
+    .arg(row.zero_stage.to_string())
+    .arg(&example);
     let steps = args.steps.to_string();
     match args.workload {
         Workload::Gpt => {

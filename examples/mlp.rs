@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
 use accelerate_core::{Accelerator, MixedPrecision, Model, PreparedModel};
-use accelerate_examples::{layers, mlp};
 use accelerate_examples::run::{
     self, correct_predictions, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator,
     OptimizerKind, RunArgs, SummaryFields, TrainLoop,
 };
+use accelerate_examples::{layers, mlp};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, Var};
 use clap::Parser;

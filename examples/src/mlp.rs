@@ -251,8 +251,12 @@ mod tests {
         let vars = crate::layers::named_vars(&varmap);
         assert_eq!(vars.len(), 6);
         for (name, var) in vars {
-            let a = g_ours.get(var.as_tensor()).expect("a gradient through the units");
-            let b = g_theirs.get(var.as_tensor()).expect("a gradient through the plain model");
+            let a = g_ours
+                .get(var.as_tensor())
+                .expect("a gradient through the units");
+            let b = g_theirs
+                .get(var.as_tensor())
+                .expect("a gradient through the plain model");
             assert_eq!(bits(a), bits(b), "stage {stage} {mode}: gradient of {name}");
         }
     }

@@ -212,9 +212,7 @@ fn forward(model: &PreparedModel, x: &Tensor, layers: usize) -> Result<Tensor> {
         let name = layer_name(i);
         let (w, b) = (format!("{name}.weight"), format!("{name}.bias"));
         h = model.unit(&name)?.forward(&h, move |x, p| {
-            Linear::new(p.get(&w)?, Some(p.get(&b)?))
-                .forward(x)?
-                .tanh()
+            Linear::new(p.get(&w)?, Some(p.get(&b)?)).forward(x)?.tanh()
         })?;
     }
     Ok(h)
@@ -238,7 +236,7 @@ fn per_rank(acc: &Accelerator, value: f64) -> Result<Vec<f64>> {
 fn run(s: Sizes) -> Result<()> {
     let mut acc = Accelerator::new()?;
     let (n, rank) = (acc.num_processes(), acc.process_index());
-    if s.batch % n != 0 {
+    if !s.batch.is_multiple_of(n) {
         bail!(
             "--batch {} does not split evenly over {n} ranks; give a multiple of {n}",
             s.batch
@@ -248,8 +246,16 @@ fn run(s: Sizes) -> Result<()> {
     // The data: steps global batches and one probe batch, inputs and targets, on every rank.
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let rows = (s.steps + 1) * s.batch;
-    let x = Tensor::from_vec(uniform(&mut rng, rows * s.width, 1.0), (rows, s.width), &Device::Cpu)?;
-    let y = Tensor::from_vec(uniform(&mut rng, rows * s.width, 0.5), (rows, s.width), &Device::Cpu)?;
+    let x = Tensor::from_vec(
+        uniform(&mut rng, rows * s.width, 1.0),
+        (rows, s.width),
+        &Device::Cpu,
+    )?;
+    let y = Tensor::from_vec(
+        uniform(&mut rng, rows * s.width, 0.5),
+        (rows, s.width),
+        &Device::Cpu,
+    )?;
     let base = LIVE.load(Relaxed);
 
     let units: Vec<UnitSpec> = (0..s.layers)

@@ -172,10 +172,22 @@ fn a_model_too_large_for_one_rank_trains_fully_sharded_on_two_and_three() {
              {d_probe:e}, |Δ probe loss| {d_probe_loss:e}, Σθ² {sq} against {ref_sq}",
             BUDGET as f64 / 1048576.0
         );
-        assert!(d_loss <= 1e-6, "{n} ranks: losses {losses:?} vs {ref_losses:?}");
-        assert!(d_probe <= 1e-6, "{n} ranks: probe outputs differ by {d_probe}");
-        assert!(d_probe_loss <= 1e-6, "{n} ranks: probe loss differs by {d_probe_loss}");
-        assert!(((sq - ref_sq) / ref_sq).abs() <= 1e-6, "{n} ranks: Σθ² {sq} vs {ref_sq}");
+        assert!(
+            d_loss <= 1e-6,
+            "{n} ranks: losses {losses:?} vs {ref_losses:?}"
+        );
+        assert!(
+            d_probe <= 1e-6,
+            "{n} ranks: probe outputs differ by {d_probe}"
+        );
+        assert!(
+            d_probe_loss <= 1e-6,
+            "{n} ranks: probe loss differs by {d_probe_loss}"
+        );
+        assert!(
+            ((sq - ref_sq) / ref_sq).abs() <= 1e-6,
+            "{n} ranks: Σθ² {sq} vs {ref_sq}"
+        );
 
         let bases = floats(&run, "base_bytes");
         let setups = floats(&run, "setup_peak_bytes");
@@ -242,7 +254,9 @@ fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
     for (n, k) in [(2, 1), (2, 2), (3, 1)] {
         let mut runs = Vec::new();
         for stage in [0u8, 3] {
-            let out = dir.path().join(format!("model_{n}_{k}_{stage}.safetensors"));
+            let out = dir
+                .path()
+                .join(format!("model_{n}_{k}_{stage}.safetensors"));
             let metrics = dir.path().join(format!("metrics_{n}_{k}_{stage}.jsonl"));
             let o = Job::example("mlp")
                 .ranks(n)
@@ -266,8 +280,18 @@ fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
         assert_eq!(stage0.1.len(), stage3.1.len());
         assert!(stage0.1.len() >= 4, "{:?}", stage0.1);
         assert!(d_model <= 1e-6, "{n} ranks, K={k}: max |Δθ| = {d_model}");
-        assert!(d_loss <= 1e-6, "{n} ranks, K={k}: {:?} vs {:?}", stage3.1, stage0.1);
-        assert!(d_eval <= 1e-6, "{n} ranks, K={k}: eval_loss {} vs {}", stage3.2, stage0.2);
+        assert!(
+            d_loss <= 1e-6,
+            "{n} ranks, K={k}: {:?} vs {:?}",
+            stage3.1,
+            stage0.1
+        );
+        assert!(
+            d_eval <= 1e-6,
+            "{n} ranks, K={k}: eval_loss {} vs {}",
+            stage3.2,
+            stage0.2
+        );
         // Stage 3 moved the weights: the comparison could have failed.
         let initial = dir.path().join("initial.safetensors");
         let init_metrics = dir.path().join("initial.jsonl");
