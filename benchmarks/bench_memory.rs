@@ -1,6 +1,6 @@
-//! The memory table: what each memory switch saves, per rank, on 2 CPU ranks under the launcher.
+//! The memory table: what each memory switch saves, per rank, on CPU ranks under the launcher.
 //!
-//! Every row is one real job, `accelerate-launch --cpu --num-processes 2 [--zero-stage N]
+//! Every row is one real job, `accelerate-launch --cpu --num-processes N [--zero-stage S]
 //! examples/<workload> ... [--gradient-checkpointing]`, run for a fixed number of optimizer steps.
 //! The example reports, on its summary line, the largest peak resident set (`VmHWM`) of its ranks
 //! (`peak_rss_mib=`) and its samples/s (every rank's samples over the wall time of training).
@@ -9,8 +9,10 @@
 //! - `--workload gpt` (the default): the issue's table. Batch 32 per rank, and batch 8 × K = 4
 //!   (the same samples per optimizer step), each plain, with ZeRO-1, with ZeRO-2, with activation
 //!   checkpointing, and with ZeRO-2 and checkpointing together.
-//! - `--workload mlp`: a model whose optimizer state dominates (`--hidden 4096`: 20 M parameters),
-//!   ZeRO stages 0, 1 and 2.
+//! - `--workload mlp`: a model whose parameters and optimizer state dominate (`--hidden 4096`:
+//!   20 M parameters), on 1, 2 and 3 ranks (`--num-processes`): stage 0 on one rank (ZeRO
+//!   shards nothing there), stages 0 to 3 on more. Its table has a column for the training state the formula gives per rank: 16·P bytes
+//!   at stage 0 (AdamW), (8 + 8/N)·P at stage 1, (4 + 12/N)·P at stage 2, 16·P/N at stage 3.
 //!
 //! `cargo build --release --workspace --bins --examples && target/release/bench_memory` (see
 //! BENCHMARKS.md).
@@ -32,7 +34,7 @@ enum Workload {
     Mlp,
 }
 
-/// Peak memory per rank and samples/s of every memory switch, on 2 CPU ranks.
+/// Peak memory per rank and samples/s of every memory switch, on CPU ranks.
 #[derive(Debug, Parser)]
 struct Args {
     /// The example to train.
@@ -59,6 +61,9 @@ struct Args {
     /// mlp: width of the two hidden layers.
     #[arg(long, default_value_t = 4096)]
     hidden: usize,
+    /// mlp: the numbers of ranks, comma-separated; each is a group of rows (gpt: always 2).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3])]
+    num_processes: Vec<usize>,
     /// Only the rows whose label contains this text.
     #[arg(long)]
     only: Option<String>,
@@ -73,6 +78,7 @@ struct Row {
     label: String,
     /// The row the percentages are taken against.
     baseline: usize,
+    ranks: usize,
     batch: usize,
     k: usize,
     zero_stage: u8,
@@ -99,6 +105,7 @@ fn rows(args: &Args) -> Vec<Row> {
                     rows.push(Row {
                         label: format!("{name}{what}"),
                         baseline,
+                        ranks: 2,
                         batch,
                         k,
                         zero_stage,
@@ -108,15 +115,23 @@ fn rows(args: &Args) -> Vec<Row> {
             }
         }
         Workload::Mlp => {
-            for zero_stage in 0..=2 {
-                rows.push(Row {
-                    label: format!("mlp --hidden {}, ZeRO stage {zero_stage}", args.hidden),
-                    baseline: 0,
-                    batch: 64,
-                    k: 1,
-                    zero_stage,
-                    checkpointing: false,
-                });
+            for &ranks in &args.num_processes {
+                let baseline = rows.len();
+                let stages: &[u8] = match ranks {
+                    1 => &[0],
+                    _ => &[0, 1, 2, 3],
+                };
+                for &zero_stage in stages {
+                    rows.push(Row {
+                        label: format!("N={ranks}, ZeRO stage {zero_stage}"),
+                        baseline,
+                        ranks,
+                        batch: 64,
+                        k: 1,
+                        zero_stage,
+                        checkpointing: false,
+                    });
+                }
             }
         }
     }
@@ -130,8 +145,29 @@ struct Report {
     samples_per_s: f64,
 }
 
+/// The mlp's parameters at width `hidden`: 784 → H → H → 10 with biases.
+fn mlp_parameters(hidden: usize) -> f64 {
+    (784 * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10) as f64
+}
+
+/// The training state per rank the formula gives (parameters, gradients, AdamW's two moments, in
+/// f32), in MiB, for the mlp's `row`.
+fn formula_mib(hidden: usize, row: &Row) -> f64 {
+    let (p, n) = (mlp_parameters(hidden), row.ranks as f64);
+    let bytes_per_parameter = match row.zero_stage {
+        0 => 16.0,
+        1 => 8.0 + 8.0 / n,
+        2 => 4.0 + 12.0 / n,
+        _ => 16.0 / n,
+    };
+    bytes_per_parameter * p / 1048576.0
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.num_processes.contains(&0) {
+        bail!("--num-processes takes numbers of ranks, each at least 1");
+    }
     let dir = std::env::current_exe()
         .context("locating the benchmark's own executable")?
         .parent()
@@ -155,13 +191,24 @@ fn main() -> Result<()> {
             eprintln!("round {}: {} done", round + 1, row.label);
         }
     }
+    let mlp = args.workload == Workload::Mlp;
     println!();
     println!(
-        "| configuration (2 ranks, {} steps, median of {} rounds) | peak memory per rank (MiB) \
+        "| configuration ({}{} steps, median of {} rounds) |{} peak memory per rank (MiB) \
          | vs group's first | samples/s | vs group's first |",
-        args.steps, args.rounds
+        if mlp { "" } else { "2 ranks, " },
+        args.steps,
+        args.rounds,
+        if mlp {
+            " training state, formula (MiB) |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "|---|{}---:|---:|---:|---:|",
+        if mlp { "---:|" } else { "" }
+    );
     let medians: Vec<Report> = reports
         .iter()
         .map(|r| Report {
@@ -176,8 +223,12 @@ fn main() -> Result<()> {
             .iter()
             .position(|r| r.label == all[row.baseline].label)
             .map_or(medians[0], |i| medians[i]);
+        let formula = match mlp {
+            true => format!(" {:.0} |", formula_mib(args.hidden, row)),
+            false => String::new(),
+        };
         println!(
-            "| {} | {:.0} | {:+.1} % | {:.2} | {:+.1} % |",
+            "| {} |{formula} {:.0} | {:+.1} % | {:.2} | {:+.1} % |",
             row.label,
             m.peak_mib,
             (m.peak_mib / base.peak_mib - 1.0) * 100.0,
@@ -204,9 +255,14 @@ fn run_row(args: &Args, dir: &Path, row: &Row) -> Result<Report> {
         }
     }
     let mut cmd = Command::new(&launcher);
-    cmd.args(["--cpu", "--num-processes", "2", "--zero-stage"])
-        .arg(row.zero_stage.to_string())
-        .arg(&example);
+    cmd.args([
+        "--cpu",
+        "--num-processes",
+        &row.ranks.to_string(),
+        "--zero-stage",
+    ])
+    .arg(row.zero_stage.to_string())
+    .arg(&example);
     let steps = args.steps.to_string();
     match args.workload {
         Workload::Gpt => {

@@ -2,18 +2,20 @@
 //!
 //! Alone: `cargo run --release --example mlp -- --epochs 1`.
 //! On two CPU processes: `accelerate-launch --cpu --num-processes 2 target/release/examples/mlp`.
+//! Fully sharded (each rank keeps 1/N of the weights): add `--zero-stage 3`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
-use accelerate_examples::mlp;
+use accelerate_core::{Accelerator, MixedPrecision, Model, PreparedModel};
 use accelerate_examples::run::{
     self, correct_predictions, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator,
     OptimizerKind, RunArgs, SummaryFields, TrainLoop,
 };
+use accelerate_examples::{layers, mlp};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 use clap::Parser;
 
 /// Train an MLP on a seeded synthetic classification task (or a safetensors dataset).
@@ -141,17 +143,31 @@ fn run(args: &Args) -> Result<()> {
     let samples = dataset.len();
 
     // In the compute dtype (bf16/f16 under mixed precision); `prepare` returns the f32 masters.
-    let (varmap, model) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
-    let params = acc.prepare(&varmap)?;
-    if let Some(path) = &args.init_weights {
-        accelerate_core::load_into_vars(path, &params).with_context(|| {
-            format!(
-                "--init-weights {} (this model: --hidden {})",
+    let (varmap, _) = mlp::build_in(args.hidden, args.seed, &device, acc.compute_dtype())?;
+    let sharded = acc.zero_stage() == 3;
+    if let (Some(path), true) = (&args.init_weights, sharded) {
+        // Under ZeRO stage 3 `prepare` cuts the whole model into this rank's pieces, so the file
+        // goes into the whole model first; under mixed precision that model is in the compute
+        // dtype, and the f32 masters would start from the file's values rounded.
+        if acc.mixed_precision() != MixedPrecision::No {
+            bail!(
+                "--init-weights {} with --zero-stage 3 and mixed precision {}: the sharded f32 \
+                 masters are cut from the model in the compute dtype, which would round the \
+                 file's weights; use --zero-stage 2, or train without mixed precision",
                 path.display(),
-                args.hidden
-            )
-        })?;
-        acc.model().refresh_compute_parameters()?;
+                acc.mixed_precision()
+            );
+        }
+        load_init_weights(path, &layers::named_vars(&varmap), args.hidden)?;
+    }
+    // One unit per layer: the same model code trains at every ZeRO stage.
+    let model = acc.prepare_model(Model::from_varmap(&varmap).units(mlp::units()))?;
+    // Under ZeRO stage 3 this frees the whole weights: the prepared model holds only its pieces.
+    drop(varmap);
+    let params = model.parameters().to_vec();
+    if let (Some(path), false) = (&args.init_weights, sharded) {
+        load_init_weights(path, &params, args.hidden)?;
+        model.refresh_compute_parameters()?;
     }
 
     let loader = DataLoader::new(Arc::new(dataset), args.batch_size)
@@ -164,7 +180,7 @@ fn run(args: &Args) -> Result<()> {
         args.epochs,
         args.batch_size,
         |_, (x, y): &(Tensor, Tensor)| {
-            let logits = model.forward(x)?;
+            let logits = mlp::forward(&model, x)?;
             Ok(candle_nn::loss::cross_entropy(&logits, y)?)
         },
         |(x, _): &(Tensor, Tensor)| BatchCounts {
@@ -175,7 +191,6 @@ fn run(args: &Args) -> Result<()> {
     );
     train.metrics = args.metrics.as_deref();
     train.data = format!("{samples} samples, ");
-    train.save_model = args.save_model.as_deref();
     train.summary = SummaryFields {
         gradient_sync: true,
         memory: true,
@@ -185,13 +200,41 @@ fn run(args: &Args) -> Result<()> {
     let opt = args
         .optimizer
         .build(params, lr, args.momentum, args.weight_decay)?;
-    train.run(&mut acc, loader, evaluator, opt)
+    train.run(&mut acc, loader, evaluator, opt)?;
+    save_model(&acc, &model, args.save_model.as_deref())
+}
+
+/// `--init-weights`: the file's weights into `params` (whole parameters), named in the error
+/// with the model's width.
+fn load_init_weights(path: &Path, params: &[(String, Var)], hidden: usize) -> Result<()> {
+    accelerate_core::load_into_vars(path, params).with_context(|| {
+        format!(
+            "--init-weights {} (this model: --hidden {hidden})",
+            path.display()
+        )
+    })
+}
+
+/// `--save-model`: the trained weights, whole (under ZeRO stage 3 gathered from every rank's
+/// pieces, a collective; the f32 masters under mixed precision), written by the main process;
+/// every rank then agrees on the outcome, so none exits before the file is complete.
+fn save_model(acc: &Accelerator, model: &PreparedModel, path: Option<&Path>) -> Result<()> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    let whole = model.whole_parameters()?;
+    let written = match acc.is_main_process() {
+        true => accelerate_core::save_safetensors(path, &whole),
+        false => Ok(()),
+    };
+    acc.agree_across_ranks(path, "writing the model", written)
+        .with_context(|| format!("--save-model {}", path.display()))
 }
 
 /// One evaluation row per sample of `batch`: its cross-entropy, 1 item, and whether it was
 /// classified right.
-fn eval_rows(model: &mlp::Mlp, (x, y): (Tensor, Tensor)) -> Result<Tensor> {
-    let logits = model.forward(&x)?;
+fn eval_rows(model: &PreparedModel, (x, y): (Tensor, Tensor)) -> Result<Tensor> {
+    let logits = mlp::forward(model, &x)?;
     let ones = Tensor::ones(x.dim(0)?, DType::F32, x.device())?;
     sample_rows(&[
         &per_row_cross_entropy(&logits, &y)?,

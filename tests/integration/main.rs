@@ -30,6 +30,8 @@ mod evaluation;
 mod fsdp;
 // ZeRO stage 3 checkpoints: resumed, re-cut for other ranks and stages, damage refused.
 mod fsdp_checkpoint;
+// ZeRO stage 3's memory under a heap budget, and the `mlp` example fully sharded, via the launcher.
+mod fsdp_memory;
 // The `gpt` example end to end.
 mod gpt;
 // On the GPU (with `nccl`): NCCL collectives, training against the CPU, restarts, the watchdog.

@@ -58,10 +58,11 @@ pub struct RunArgs {
     /// $ACCELERATE_MIXED_PRECISION, which `accelerate-launch --mixed-precision` sets, else no).
     #[arg(long, value_name = "MODE")]
     pub mixed_precision: Option<MixedPrecision>,
-    /// ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded across the ranks) or 2
-    /// (optimizer state and gradients sharded) (default: $ACCELERATE_ZERO_STAGE, which
+    /// ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded across the ranks), 2
+    /// (optimizer state and gradients sharded) or 3 (parameters sharded too: fully sharded,
+    /// for a model computed through its units) (default: $ACCELERATE_ZERO_STAGE, which
     /// `accelerate-launch --zero-stage` sets, else 0).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=2))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
     /// Report the global loss every N optimizer steps (mean over those steps) and at the end, to
     /// --metrics, --report-to and the progress bar (default 1). Reading the loss is the only host
@@ -343,11 +344,11 @@ mod tests {
 
     #[test]
     fn zero_stage_takes_the_implemented_stages_and_refuses_others_by_name() {
-        for stage in 0..=2u8 {
+        for stage in 0..=3u8 {
             let run = parse(&["--zero-stage", &stage.to_string()]);
             assert_eq!(run.zero_stage, Some(stage));
         }
-        for bad in ["3", "x"] {
+        for bad in ["4", "x"] {
             let e = Only::try_parse_from(["prog", "--zero-stage", bad])
                 .unwrap_err()
                 .to_string();
