@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
-use accelerate_core::{Accelerator, MixedPrecision, Model, PreparedModel};
+use accelerate_core::{MixedPrecision, Model, PreparedModel};
 use accelerate_examples::run::{
     self, correct_predictions, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator,
     OptimizerKind, RunArgs, SummaryFields, TrainLoop,
@@ -201,7 +201,7 @@ fn run(args: &Args) -> Result<()> {
         .optimizer
         .build(params, lr, args.momentum, args.weight_decay)?;
     train.run(&mut acc, loader, evaluator, opt)?;
-    save_model(&acc, &model, args.save_model.as_deref())
+    run::save_model(&acc, args.save_model.as_deref())
 }
 
 /// `--init-weights`: the file's weights into `params` (whole parameters), named in the error
@@ -213,22 +213,6 @@ fn load_init_weights(path: &Path, params: &[(String, Var)], hidden: usize) -> Re
             path.display()
         )
     })
-}
-
-/// `--save-model`: the trained weights, whole (under ZeRO stage 3 gathered from every rank's
-/// pieces, a collective; the f32 masters under mixed precision), written by the main process;
-/// every rank then agrees on the outcome, so none exits before the file is complete.
-fn save_model(acc: &Accelerator, model: &PreparedModel, path: Option<&Path>) -> Result<()> {
-    let Some(path) = path else {
-        return Ok(());
-    };
-    let whole = model.whole_parameters()?;
-    let written = match acc.is_main_process() {
-        true => accelerate_core::save_safetensors(path, &whole),
-        false => Ok(()),
-    };
-    acc.agree_across_ranks(path, "writing the model", written)
-        .with_context(|| format!("--save-model {}", path.display()))
 }
 
 /// One evaluation row per sample of `batch`: its cross-entropy, 1 item, and whether it was

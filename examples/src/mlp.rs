@@ -261,9 +261,9 @@ mod tests {
         }
     }
 
-    /// Stages 0 to 2 in one process; stage 3 trains on 2 and 3 ranks in
-    /// `tests/integration/fsdp_memory.rs` (on one process the runtime refuses it today: there
-    /// the gathered buffer is built from the pieces themselves, which need a gradient).
+    /// Stages 0 to 2 in one process, where candle's own backward pass reaches the parameters.
+    /// At stage 3 the gradients reach only this rank's pieces, through `backward`: its training
+    /// is compared with stage 0's in `tests/integration/fsdp_memory.rs`.
     #[test]
     fn the_units_path_computes_what_the_plain_model_does() {
         use accelerate_core::MixedPrecision;
