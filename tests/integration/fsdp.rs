@@ -256,8 +256,8 @@ fn units_run_several_times_per_pass_train_as_stage_zero() {
 }
 
 /// Gradient traffic at stage 3: each micro-step gathers each unit twice (forward, backward); only
-/// the sync micro-step reduce-scatters, once per unit, plus one small all-reduce that agrees on
-/// presence and overflow; nothing is all-reduced whole.
+/// the sync micro-step reduce-scatters, once per unit, plus two small all-reduces that agree on
+/// the units' run counts and on presence and overflow; nothing is all-reduced whole.
 #[test]
 fn only_the_sync_micro_step_reduces_and_every_pass_gathers() {
     let (n, k) = (2, 2);
@@ -274,11 +274,16 @@ fn only_the_sync_micro_step_reduces_and_every_pass_gathers() {
         "two units, once per optimizer step"
     );
     assert_eq!(
-        stats.all_reduces, STEPS as u64,
-        "the verdict, once per optimizer step"
+        stats.all_reduces,
+        2 * STEPS as u64,
+        "per optimizer step: the units' run counts, then the verdict"
     );
-    // Unit buffers of 56 and 27 elements, padded to 56 and 28 on 2 ranks, in f32.
-    assert_eq!(stats.bytes, STEPS as u64 * ((56 + 28) * 4 + (4 + 1) * 4));
+    // Unit buffers of 56 and 27 elements, padded to 56 and 28 on 2 ranks, in f32; the run
+    // counts of 2 units and their negations; presence of 4 parameters and the overflow flag.
+    assert_eq!(
+        stats.bytes,
+        STEPS as u64 * ((56 + 28) * 4 + 2 * 2 * 4 + (4 + 1) * 4)
+    );
 }
 
 /// `clip_grad_norm` at stage 3 adds the squares of every rank's pieces: stage 0's norm, and the

@@ -8,6 +8,7 @@
 //! `x` and the incoming gradient to the unit's backward (the sharded state's, which gathers the
 //! parameters again, recomputes the unit and differentiates it) and returns `x`'s gradient.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -23,6 +24,18 @@ pub(crate) struct UnitNode {
     /// The output computed by the forward pass, taken (copied) by the op's forward.
     pub output: Mutex<Option<Tensor>>,
     pub backward: UnitBackward,
+    /// Called when the node is dropped without its backward having run (an evaluation's
+    /// forward): the unit no longer waits for that backward.
+    pub abandoned: Box<dyn Fn() + Send + Sync>,
+    pub backward_ran: AtomicBool,
+}
+
+impl Drop for UnitNode {
+    fn drop(&mut self) {
+        if !self.backward_ran.load(Ordering::Relaxed) {
+            (self.abandoned)();
+        }
+    }
 }
 
 impl UnitNode {
@@ -88,6 +101,7 @@ impl CustomOp2 for UnitNode {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.backward_ran.store(true, Ordering::Relaxed);
         let grad_x =
             (self.backward)(x, grad_res).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         Ok((grad_x, None))

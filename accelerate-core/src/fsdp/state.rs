@@ -46,6 +46,12 @@ struct Window {
     /// rows run every unit once per group of documents); its window sum is reduce-scattered
     /// when its last backward of the sync micro-step is done.
     pending: Vec<usize>,
+    /// Counts the backward passes ended; a unit's node dropped without its backward (an
+    /// evaluation's forward) takes back its pending count only within the generation it was
+    /// counted in.
+    generation: u64,
+    /// Per unit: its backward runs in this window, which every rank must agree on.
+    runs: Vec<u64>,
     pass: Option<BackwardPass>,
     /// Traffic not yet handed to the accelerator's counters.
     traffic: GradientSyncStats,
@@ -159,6 +165,8 @@ impl FsdpState {
                 synced: vec![None; units],
                 present: vec![false; whole.len()],
                 pending: vec![0; units],
+                generation: 0,
+                runs: vec![0; units],
                 pass: None,
                 traffic: GradientSyncStats::default(),
             }),
@@ -261,11 +269,23 @@ impl FsdpState {
                  pass the one tracked input as the unit's input"
             )));
         }
-        lock(&self.window).pending[u] += 1;
+        let generation = {
+            let mut window = lock(&self.window);
+            window.pending[u] += 1;
+            window.generation
+        };
         let anchor = self.anchors[u].as_tensor().clone();
+        let state = self.clone();
         let node = UnitNode {
             output: Mutex::new(Some(y)),
             backward: Arc::new(move |x, grad_y| self.backward_unit(u, x, grad_y, &block)),
+            abandoned: Box::new(move || {
+                let mut window = lock(&state.window);
+                if window.generation == generation {
+                    window.pending[u] = window.pending[u].saturating_sub(1);
+                }
+            }),
+            backward_ran: std::sync::atomic::AtomicBool::new(false),
         };
         Ok(x.apply_op2(&anchor, node)?)
     }
@@ -295,6 +315,7 @@ impl FsdpState {
             // A forward pass the count missed (none should) leaves the reduction to the end of
             // the backward pass, which reduces every unit not yet reduced.
             window.pending[u] = window.pending[u].saturating_sub(1);
+            window.runs[u] += 1;
             (scale, sync && window.pending[u] == 0, reduce_dtype)
         };
         let flat = self.link.with("a sharded unit's backward", |comm| {
@@ -393,6 +414,7 @@ impl FsdpState {
         let mut window = lock(&self.window);
         window.pass = None;
         window.pending.fill(0);
+        window.generation += 1;
     }
 
     /// Refuses a gradient that reached one of the whole parameters the model was prepared from:
@@ -422,8 +444,10 @@ impl FsdpState {
         &self,
         comm: &dyn Communicator,
         reduce_dtype: DType,
+        check_finite: bool,
         pieces_grads: &mut GradientBuffers,
     ) -> Result<bool> {
+        self.agree_on_runs(comm)?;
         for u in 0..self.layout.units().len() {
             if lock(&self.window).synced[u].is_none() {
                 self.reduce_unit(comm, u, reduce_dtype)?;
@@ -432,7 +456,7 @@ impl FsdpState {
         let mut window = lock(&self.window);
         let window = &mut *window;
         let mut nonfinite_here = false;
-        for block in window.synced.iter().flatten() {
+        for block in window.synced.iter().flatten().filter(|_| check_finite) {
             let finite = match with_f32(block, |xs| xs.iter().all(|x| x.is_finite()))? {
                 Some(f) => f,
                 None => block
@@ -470,7 +494,44 @@ impl FsdpState {
         }
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
+        window.runs.fill(0);
         Ok(flags[self.pieces.len()] > 0.0)
+    }
+
+    /// Refuses a window in which the ranks ran some unit's backward a different number of
+    /// times: their gathers and reductions were paired wrongly (equal sizes pair silently), so
+    /// its gradients are not the average they should be. One small all-reduce (max) of each
+    /// unit's run count and its negation, before any further reduction.
+    fn agree_on_runs(&self, comm: &dyn Communicator) -> Result<()> {
+        if comm.world_size() == 1 {
+            return Ok(());
+        }
+        let runs: Vec<f32> = {
+            let window = lock(&self.window);
+            let counts = window.runs.iter().map(|&r| r as f32);
+            counts.clone().chain(counts.map(|r| -r)).collect()
+        };
+        let runs = Tensor::new(runs.as_slice(), &Device::Cpu)?;
+        comm.all_reduce_agreed(&runs, ReduceOp::Max)?;
+        {
+            let mut window = lock(&self.window);
+            window.traffic.all_reduces += 1;
+            window.traffic.bytes += (runs.elem_count() * 4) as u64;
+        }
+        let runs = runs.to_vec1::<f32>()?;
+        let units = self.layout.units();
+        let (most, fewest) = runs.split_at(units.len());
+        match (0..units.len()).find(|&u| most[u] != -fewest[u]) {
+            None => Ok(()),
+            Some(u) => Err(Error::Config(format!(
+                "unit {:?} ran its backward pass between {} and {} times in this window on \
+                 different ranks, so their gathers and reductions were paired wrongly; under \
+                 ZeRO stage 3 every rank runs the same units the same number of times per \
+                 micro-step (a data-dependent number of passes, or a rank that skips a batch, \
+                 breaks this)",
+                units[u].name, -fewest[u], most[u]
+            ))),
+        }
     }
 
     /// Forgets the window's gradients (an abandoned window, or a restored state).
@@ -481,6 +542,7 @@ impl FsdpState {
         }
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
+        window.runs.fill(0);
         Ok(())
     }
 

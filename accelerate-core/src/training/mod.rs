@@ -430,25 +430,44 @@ impl TrainingState {
         let loss_scale = steps.mixed.loss_scale();
         if let Some(fsdp) = steps.fsdp.clone() {
             let sync_now = steps.no_sync_guards == 0 && step.sync;
-            fsdp.begin_backward(step.loss_scale / loss_scale, sync_now, sync.reduce_dtype())?;
-            let outcome = if loss_scale == 1.0 {
-                loss.backward()
-            } else {
-                (loss.to_dtype(DType::F32)? * loss_scale)?.backward()
-            };
-            fsdp.end_backward();
-            fsdp.check_outer_gradients(&outcome?)?;
-            if sync_now {
+            let check_finite = steps.mixed.scaler.is_some();
+            let outcome = (|| -> Result<Option<bool>> {
+                fsdp.begin_backward(step.loss_scale / loss_scale, sync_now, sync.reduce_dtype())?;
+                let grads = if loss_scale == 1.0 {
+                    loss.backward()
+                } else {
+                    (loss.to_dtype(DType::F32)? * loss_scale).and_then(|scaled| scaled.backward())
+                };
+                fsdp.end_backward();
+                fsdp.check_outer_gradients(&grads?)?;
+                if !sync_now {
+                    return Ok(None);
+                }
                 let buffers = steps.grads.as_mut().ok_or_else(|| {
                     Error::Parameters("backward before the model's parameters were prepared".into())
                 })?;
-                let nonfinite = fsdp.finish_sync(comm, sync.reduce_dtype(), buffers)?;
-                steps.mixed.after_sync_verdict(nonfinite)?;
-                steps.unsynced_across_windows = false;
-            } else if step.sync {
-                steps.unsynced_across_windows = true;
-            }
+                Ok(Some(fsdp.finish_sync(
+                    comm,
+                    sync.reduce_dtype(),
+                    check_finite,
+                    buffers,
+                )?))
+            })();
             sync.record(fsdp.take_traffic());
+            match outcome {
+                // A failed pass may have added part of its gradients, or reduced some units:
+                // the window is dropped whole, never half kept.
+                Err(e) => {
+                    let _ = fsdp.discard_window();
+                    return Err(e);
+                }
+                Ok(Some(nonfinite)) => {
+                    steps.mixed.after_sync_verdict(nonfinite)?;
+                    steps.unsynced_across_windows = false;
+                }
+                Ok(None) if step.sync => steps.unsynced_across_windows = true,
+                Ok(None) => {}
+            }
             steps.accumulation.backward_finished();
             return Ok(());
         }
