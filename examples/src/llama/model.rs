@@ -30,6 +30,8 @@
 //! [`fused_kernels::checkpoint`]: its activations are recomputed in the backward pass instead of
 //! kept. Gradients are bitwise those without it on the CPU.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -104,6 +106,73 @@ impl Head {
                 )
             }
         }
+    }
+}
+
+/// What [`Llama::output`] makes of its groups.
+enum Combined {
+    /// Each group's logits `[count · len, vocab]` (f32), concatenated.
+    Logits,
+    /// The sum, in order, of each group's summed cross-entropy of `targets[g]` weighted by
+    /// `weights[g]` (both `[count · len]`).
+    Losses {
+        targets: Vec<Tensor>,
+        weights: Vec<Tensor>,
+    },
+}
+
+impl Combined {
+    /// The head of each of `groups` groups.
+    fn heads(self, groups: usize) -> Result<Vec<Head>> {
+        let heads: Vec<Head> = match self {
+            Combined::Logits => (0..groups).map(|_| Head::Logits).collect(),
+            Combined::Losses { targets, weights } => targets
+                .into_iter()
+                .zip(weights)
+                .map(|(targets, weights)| Head::Loss { targets, weights })
+                .collect(),
+        };
+        if heads.len() != groups {
+            candle_core::bail!("{} targets for {groups} groups", heads.len());
+        }
+        Ok(heads)
+    }
+
+    fn is_logits(&self) -> bool {
+        matches!(self, Combined::Logits)
+    }
+}
+
+/// `f` on each group of `x` (the groups' rows `[count · len, hidden]` end to end), as
+/// `[count, len, hidden]`, with its `(count, len, index)`.
+fn per_group(
+    x: &Tensor,
+    shapes: &[(usize, usize)],
+    mut f: impl FnMut((usize, usize, usize), &Tensor) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    let hidden = x.dim(1)?;
+    let mut start = 0;
+    let mut outs = Vec::with_capacity(shapes.len());
+    for (g, &(count, len)) in shapes.iter().enumerate() {
+        let rows = x
+            .narrow(0, start, count * len)?
+            .reshape((count, len, hidden))?;
+        outs.push(f((count, len, g), &rows)?);
+        start += count * len;
+    }
+    Ok(outs)
+}
+
+/// The groups' outputs combined: logits concatenated, losses summed in order.
+fn combine(outs: Vec<Tensor>) -> Result<Tensor> {
+    if outs.iter().all(|o| o.rank() == 0) {
+        let mut outs = outs.into_iter();
+        let first = outs
+            .next()
+            .ok_or_else(|| candle_core::Error::Msg("no group".into()))?;
+        outs.try_fold(first, |sum, loss| sum + loss)
+    } else {
+        Tensor::cat(&outs, 0)
     }
 }
 
@@ -428,68 +497,151 @@ impl Llama {
     /// Logits `[b, t, vocab]` in f32 of the next token at every position of `input_ids` `[b, t]`
     /// (u32, `t <= max_position_embeddings`); position `i` sees positions `0..=i` only.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.output(input_ids, Head::Logits)
+        let (b, t) = input_ids.dims2()?;
+        self.output(std::slice::from_ref(input_ids), Combined::Logits)?
+            .reshape((b, t, self.config.vocab_size))
     }
 
-    /// `head` on the final RMSNorm's output.
-    fn output(&self, input_ids: &Tensor, head: Head) -> Result<Tensor> {
-        let (_, t) = input_ids.dims2()?;
-        let c = &self.config;
-        if t > c.max_position_embeddings {
-            candle_core::bail!(
-                "a sequence of {t} tokens is longer than the model's max_position_embeddings \
-                 of {}",
-                c.max_position_embeddings
-            );
-        }
-        let cos = self.cos.narrow(0, 0, t)?;
-        let sin = self.sin.narrow(0, 0, t)?;
-        let model = match &self.weights {
-            Weights::Whole(w) => {
-                let mut x = fused_kernels::embedding(input_ids, w.embed_tokens.embeddings())?;
-                for layer in &w.layers {
-                    x = if self.gradient_checkpointing {
-                        layer.forward_checkpointed(&x, c, &cos, &sin)?
-                    } else {
-                        layer.forward(&x, c, &cos, &sin)?
-                    };
-                }
-                let h = fused_kernels::rms_norm(&x, &w.norm, c.rms_norm_eps)?;
-                return head.apply(&h, w.lm_head.linear.weight(), |h| w.lm_head.forward(h));
+    /// Runs each of `groups` (`[count, len]` u32 sequences) through the model and the head on
+    /// each one's final RMSNorm output, combined as `combined` says: their logits
+    /// `[count · len, vocab]` (f32) concatenated, or their losses summed in order.
+    ///
+    /// Through units every unit runs once for all the groups, so that under ZeRO stage 3 each
+    /// rank gathers and reduces every unit the same number of times whatever its data (packed
+    /// rows give each rank its own number of groups); a rank without a group runs one token of
+    /// weight 0.
+    fn output(&self, groups: &[Tensor], combined: Combined) -> Result<Tensor> {
+        let c = self.config;
+        let mut shapes = Vec::with_capacity(groups.len());
+        for ids in groups {
+            let (count, t) = ids.dims2()?;
+            if t > c.max_position_embeddings {
+                candle_core::bail!(
+                    "a sequence of {t} tokens is longer than the model's \
+                     max_position_embeddings of {}",
+                    c.max_position_embeddings
+                );
             }
+            shapes.push((count, t));
+        }
+        let model = match &self.weights {
+            Weights::Whole(w) => return self.output_whole(w, groups, combined),
             Weights::Units(model) => model,
         };
+        let logits = combined.is_logits();
+        let (groups, mut heads, empty) = match (groups.is_empty(), combined) {
+            (false, combined) => (groups.to_vec(), combined.heads(groups.len())?, false),
+            // Nothing to run, but every unit runs once on every rank: one token, weight 0.
+            (true, _) => {
+                let dev = self.cos.device();
+                let ids = Tensor::zeros((1, 1), DType::U32, dev)?;
+                shapes.push((1, 1));
+                let weights = Tensor::zeros(1, DType::F32, dev)?;
+                let head = Head::Loss {
+                    targets: Tensor::zeros(1, DType::U32, dev)?,
+                    weights,
+                };
+                (vec![ids], vec![head], true)
+            }
+        };
         let unit = |name: &str| model.unit(name).map_err(unit_error);
+        let ids = Tensor::cat(
+            &groups
+                .iter()
+                .map(|g| g.flatten_all())
+                .collect::<Result<Vec<_>>>()?,
+            0,
+        )?;
         let mut x = unit("embed")?
-            .forward(input_ids, |ids, p| {
-                fused_kernels::embedding(ids, &p.get("model.embed_tokens.weight")?)
+            .forward(&ids, |ids, p| {
+                let n = ids.dim(0)?;
+                let x = fused_kernels::embedding(
+                    &ids.reshape((1, n))?,
+                    &p.get("model.embed_tokens.weight")?,
+                )?;
+                x.reshape((n, x.dim(2)?))
             })
             .map_err(unit_error)?;
+        let shapes = Arc::new(shapes);
         for i in 0..c.num_hidden_layers {
             let name = format!("model.layers.{i}");
-            let (c, cos, sin) = (*c, cos.clone(), sin.clone());
+            let (cos, sin, shapes) = (self.cos.clone(), self.sin.clone(), shapes.clone());
             let checkpointing = self.gradient_checkpointing;
             x = unit(&name)?
                 .forward(&x, move |x, p| {
                     let layer = DecoderLayer::new(&c, p.var_builder().pp(&name))?;
-                    if checkpointing {
-                        layer.forward_checkpointed(x, &c, &cos, &sin)
-                    } else {
-                        layer.forward(x, &c, &cos, &sin)
-                    }
+                    per_group(x, &shapes, |g, x| {
+                        let (cos, sin) = (cos.narrow(0, 0, g.1)?, sin.narrow(0, 0, g.1)?);
+                        let y = if checkpointing {
+                            layer.forward_checkpointed(x, &c, &cos, &sin)?
+                        } else {
+                            layer.forward(x, &c, &cos, &sin)?
+                        };
+                        y.reshape((g.0 * g.1, c.hidden_size))
+                    })
+                    .and_then(|ys| Tensor::cat(&ys, 0))
                 })
                 .map_err(unit_error)?;
         }
         let eps = c.rms_norm_eps;
-        unit("head")?
+        let heads = Arc::new(std::mem::take(&mut heads));
+        let out = unit("head")?
             .forward(&x, move |x, p| {
-                let h = fused_kernels::rms_norm(x, &p.get("model.norm.weight")?, eps)?;
+                let norm = p.get("model.norm.weight")?;
                 let lm_head = p.get("lm_head.weight")?;
-                head.apply(&h, &lm_head, |h| {
-                    Linear::new(lm_head.clone(), None).forward(h)
-                })
+                let outs = per_group(x, &shapes, |g, x| {
+                    let h = fused_kernels::rms_norm(x, &norm, eps)?;
+                    let head = &heads[g.2];
+                    let out = head.apply(&h, &lm_head, |h| {
+                        Linear::new(lm_head.clone(), None).forward(h)
+                    })?;
+                    match head {
+                        Head::Logits => out.reshape((g.0 * g.1, ())),
+                        Head::Loss { .. } => Ok(out),
+                    }
+                })?;
+                combine(outs)
             })
-            .map_err(unit_error)
+            .map_err(unit_error)?;
+        match (empty, logits) {
+            (true, true) => Tensor::zeros((0, c.vocab_size), DType::F32, out.device()),
+            _ => Ok(out),
+        }
+    }
+
+    /// [`output`](Self::output) over the model's own weights, group by group.
+    fn output_whole(&self, w: &Whole, groups: &[Tensor], combined: Combined) -> Result<Tensor> {
+        let c = &self.config;
+        let logits = combined.is_logits();
+        let heads = combined.heads(groups.len())?;
+        let mut outs = Vec::with_capacity(groups.len());
+        for (ids, head) in groups.iter().zip(&heads) {
+            let (count, t) = ids.dims2()?;
+            let cos = self.cos.narrow(0, 0, t)?;
+            let sin = self.sin.narrow(0, 0, t)?;
+            let mut x = fused_kernels::embedding(ids, w.embed_tokens.embeddings())?;
+            for layer in &w.layers {
+                x = if self.gradient_checkpointing {
+                    layer.forward_checkpointed(&x, c, &cos, &sin)?
+                } else {
+                    layer.forward(&x, c, &cos, &sin)?
+                };
+            }
+            let h = fused_kernels::rms_norm(&x, &w.norm, c.rms_norm_eps)?;
+            let out = head.apply(&h, w.lm_head.linear.weight(), |h| w.lm_head.forward(h))?;
+            outs.push(match head {
+                Head::Logits => out.reshape((count * t, c.vocab_size))?,
+                Head::Loss { .. } => out,
+            });
+        }
+        if outs.is_empty() {
+            let dev = self.cos.device();
+            return match logits {
+                true => Tensor::zeros((0, c.vocab_size), DType::F32, dev),
+                false => Tensor::zeros((), DType::F32, dev),
+            };
+        }
+        combine(outs)
     }
 
     /// The *sum* over the predicted tokens of transformers' causal-LM loss with
@@ -519,10 +671,10 @@ impl Llama {
             1,
         )?;
         self.output(
-            input_ids,
-            Head::Loss {
-                targets: targets.reshape(b * t)?,
-                weights: weights.reshape(b * t)?,
+            std::slice::from_ref(input_ids),
+            Combined::Losses {
+                targets: vec![targets.reshape(b * t)?],
+                weights: vec![weights.reshape(b * t)?],
             },
         )
     }
@@ -537,17 +689,18 @@ impl Llama {
         let dev = input_ids.device();
         let flat = input_ids.flatten_all()?;
         let vocab = self.config.vocab_size;
-        let mut outputs = Vec::new();
-        for g in segments.layouts() {
-            let ids = flat
-                .index_select(&index(g.tokens, dev)?, 0)?
-                .reshape((g.count, g.len))?;
-            let logits = self.output(&ids, Head::Logits)?;
-            outputs.push(logits.reshape((g.count * g.len, vocab))?);
-        }
+        let groups = segments
+            .layouts()
+            .into_iter()
+            .map(|g| {
+                flat.index_select(&index(g.tokens, dev)?, 0)?
+                    .reshape((g.count, g.len))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let logits = self.output(&groups, Combined::Logits)?;
         // The row the padding positions read.
-        outputs.push(Tensor::zeros((1, vocab), DType::F32, dev)?);
-        Tensor::cat(&outputs, 0)?
+        let padding = Tensor::zeros((1, vocab), DType::F32, dev)?;
+        Tensor::cat(&[&logits, &padding], 0)?
             .index_select(&index(segments.scatter_index(), dev)?, 0)?
             .reshape((b, t, vocab))
     }
@@ -566,24 +719,17 @@ impl Llama {
         check_segments(input_ids, segments)?;
         let dev = input_ids.device();
         let flat = input_ids.flatten_all()?;
-        let mut total: Option<Tensor> = None;
+        let (mut groups, mut targets, mut weights) = (Vec::new(), Vec::new(), Vec::new());
         for g in segments.layouts() {
             let n = g.count * g.len;
-            let ids = flat
-                .index_select(&index(g.tokens, dev)?, 0)?
-                .reshape((g.count, g.len))?;
-            let targets = flat.index_select(&index(g.targets, dev)?, 0)?;
-            let weights = Tensor::from_vec(g.weights, n, dev)?;
-            let loss = self.output(&ids, Head::Loss { targets, weights })?;
-            total = Some(match total {
-                None => loss,
-                Some(sum) => (sum + loss)?,
-            });
+            groups.push(
+                flat.index_select(&index(g.tokens, dev)?, 0)?
+                    .reshape((g.count, g.len))?,
+            );
+            targets.push(flat.index_select(&index(g.targets, dev)?, 0)?);
+            weights.push(Tensor::from_vec(g.weights, n, dev)?);
         }
-        let total = match total {
-            Some(t) => t,
-            None => Tensor::zeros((), DType::F32, dev)?,
-        };
+        let total = self.output(&groups, Combined::Losses { targets, weights })?;
         Ok((total, segments.predicted()))
     }
 
