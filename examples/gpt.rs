@@ -218,7 +218,10 @@ fn run(args: &Args) -> Result<()> {
         acc.prepare_model(Model::from_varmap(&varmap).units(gpt::unit_specs(&config)))?;
     drop(varmap);
     let params = prepared.parameters().to_vec();
-    let model = GptUnits::new(config, prepared, args.gradient_checkpointing);
+    // At stage 3 every unit is recomputed in the backward pass anyway: checkpointing inside it
+    // would run its forward a third time.
+    let checkpointing = args.gradient_checkpointing && acc.zero_stage() < 3;
+    let model = GptUnits::new(config, prepared, checkpointing);
     acc.print(format!(
         "data: {source}, {chars} characters, vocabulary {}, unigram entropy {entropy:.4} nats per \
          character (the loss of a model that ignores context); {} windows of {}..={} characters{}",

@@ -59,6 +59,16 @@ fn run(args: &Args) -> Result<()> {
     // weights go into the whole model before it is cut (in its compute dtype).
     let sharded = session.acc.zero_stage() == 3;
     if loads && sharded {
+        // That model is in the compute dtype: under mixed precision the f32 masters would
+        // start from the loaded weights rounded.
+        let mode = session.acc.mixed_precision();
+        if mode != accelerate_core::MixedPrecision::No {
+            bail!(
+                "--model/--init-weights with --zero-stage 3 and mixed precision {mode}: the \
+                 sharded f32 masters are cut from the model in the compute dtype, which would \
+                 round the loaded weights; use --zero-stage 2, or train without mixed precision"
+            );
+        }
         session.load_initial_weights(&named_vars(&varmap))?;
     }
     let parameter_count: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
@@ -74,8 +84,12 @@ fn run(args: &Args) -> Result<()> {
         session.load_initial_weights(&params)?;
         session.acc.model().refresh_compute_parameters()?;
     }
-    // The model computes through its units, at every stage.
-    let model = model.through_units(prepared);
+    // The model computes through its units, at every stage. At stage 3 every unit is recomputed
+    // in the backward pass anyway: checkpointing inside it would run its forward a third time.
+    let mut model = model.through_units(prepared);
+    if sharded {
+        model.set_gradient_checkpointing(false);
+    }
     session.announce(&format!("{parameter_count} parameters"));
     let model_dir = session.model_dir.clone();
     let acc = session.train(&model, params)?;
