@@ -456,3 +456,58 @@ pub fn tensor_bits(t: &Tensor) -> Vec<u32> {
         d => panic!("tensor_bits of a {d:?} tensor"),
     }
 }
+
+/// The update rules the sharding comparisons (ZeRO stages 1 to 3) train the tiny MLP with:
+/// SGD (lr 0.1, momentum 0.9) and AdamW (lr 0.02, weight decay 0.1).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Opt {
+    /// `torch.optim.SGD(lr=0.1, momentum=0.9)`.
+    SgdMomentum,
+    /// `torch.optim.AdamW(lr=0.02, weight_decay=0.1)`.
+    AdamW,
+}
+
+/// The tiny MLP (seed 3) after `steps` steps of one process on the whole global batch of
+/// `n · k · batch` samples of `tiny_data(_, 5)` per step, with PyTorch's rules written out
+/// ([`ReferenceOptimizer`]): what `n` ranks × K = `k` micro-batches of `batch` must end with.
+pub fn global_batch_reference(
+    n: usize,
+    k: usize,
+    batch: usize,
+    steps: usize,
+    opt: Opt,
+) -> Vec<Vec<f32>> {
+    let global = n * k * batch;
+    let (x, y) = tiny_data(global * steps, 5).unwrap();
+    let (varmap, model) = tiny_mlp(3).unwrap();
+    let params = named_vars(&varmap);
+    let mut optimizer = match opt {
+        Opt::SgdMomentum => ReferenceOptimizer::sgd(0.1, 0.9),
+        Opt::AdamW => ReferenceOptimizer::adamw(0.02, 0.1),
+    };
+    for s in 0..steps {
+        let logits = model
+            .forward(&x.narrow(0, s * global, global).unwrap())
+            .unwrap();
+        let loss =
+            candle_nn::loss::cross_entropy(&logits, &y.narrow(0, s * global, global).unwrap())
+                .unwrap();
+        optimizer.step(&params, &loss.backward().unwrap()).unwrap();
+    }
+    snapshot(&params)
+}
+
+/// Largest absolute difference between two flattened parameter lists of the same layout.
+pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The bit patterns of a flattened parameter list, to compare bit for bit.
+pub fn bits(a: &[Vec<f32>]) -> Vec<u32> {
+    a.iter().flatten().map(|x| x.to_bits()).collect()
+}

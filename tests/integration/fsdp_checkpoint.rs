@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 
 use accelerate_core::optim::{AdamW, AdamWConfig, OptimizerState};
 use accelerate_core::{Accelerator, Model, PreparedModel, StateDictType, UnitSpec};
-use accelerate_tests::{named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp};
+use accelerate_tests::{
+    bits, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp,
+};
 use candle_core::{Module, Tensor};
 use candle_nn::Linear;
 
@@ -182,19 +184,6 @@ fn agreed(ends: &[End]) -> &[Vec<f32>] {
         assert_eq!(bits(&e.whole), bits(&ends[0].whole), "rank {r} differs");
     }
     &ends[0].whole
-}
-
-fn bits(a: &[Vec<f32>]) -> Vec<u32> {
-    a.iter().flatten().map(|x| x.to_bits()).collect()
-}
-
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// An optimizer state as bits: tensors flattened, and scalars, by key.

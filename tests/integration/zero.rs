@@ -8,18 +8,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use accelerate_core::optim::{AdamW, AdamWConfig, CandleOptimizer, Sgd, SgdConfig};
 use accelerate_core::{Accelerator, ProcessState};
 use accelerate_tests::{
-    named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp, ReferenceOptimizer,
+    bits, global_batch_reference, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data,
+    tiny_mlp, Opt,
 };
 use candle_core::{Device, Tensor};
 
 const BATCH: usize = 3;
 const STEPS: usize = 4;
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Opt {
-    SgdMomentum,
-    AdamW,
-}
 
 /// What one run gives: each rank's parameters after training, and the norms `clip_grad_norm`
 /// reported at each optimizer step.
@@ -105,36 +100,7 @@ fn train(
 
 /// One process, the whole global batch per step, PyTorch's rules (`ReferenceOptimizer`).
 fn reference(n: usize, k: usize, opt: Opt) -> Vec<Vec<f32>> {
-    let global = n * k * BATCH;
-    let (x, y) = tiny_data(global * STEPS, 5).unwrap();
-    let (varmap, model) = tiny_mlp(3).unwrap();
-    let params = named_vars(&varmap);
-    let mut optimizer = match opt {
-        Opt::SgdMomentum => ReferenceOptimizer::sgd(0.1, 0.9),
-        Opt::AdamW => ReferenceOptimizer::adamw(0.02, 0.1),
-    };
-    for s in 0..STEPS {
-        let logits = model
-            .forward(&x.narrow(0, s * global, global).unwrap())
-            .unwrap();
-        let loss =
-            candle_nn::loss::cross_entropy(&logits, &y.narrow(0, s * global, global).unwrap())
-                .unwrap();
-        optimizer.step(&params, &loss.backward().unwrap()).unwrap();
-    }
-    snapshot(&params)
-}
-
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn bits(a: &[Vec<f32>]) -> Vec<u32> {
-    a.iter().flatten().map(|x| x.to_bits()).collect()
+    global_batch_reference(n, k, BATCH, STEPS, opt)
 }
 
 /// Stages 1 and 2 on 2 and 3 ranks, K = 1 and 2, SGD with momentum and AdamW, one bucket for the

@@ -11,7 +11,7 @@ use super::layout::UnitLayout;
 use super::node::{SeedGradient, UnitNode};
 use super::params::{Block, Running, UnitParams};
 use crate::comm::{Communicator, ReduceOp};
-use crate::cpu_slices::with_f32;
+use crate::cpu_slices::all_finite;
 use crate::error::{Error, Result};
 use crate::grads::GradientBuffers;
 use crate::sync::{reduce_scatter_mean, GradientSyncStats};
@@ -457,15 +457,7 @@ impl FsdpState {
         let window = &mut *window;
         let mut nonfinite_here = false;
         for block in window.synced.iter().flatten().filter(|_| check_finite) {
-            let finite = match with_f32(block, |xs| xs.iter().all(|x| x.is_finite()))? {
-                Some(f) => f,
-                None => block
-                    .to_dtype(DType::F64)?
-                    .sum_all()?
-                    .to_scalar::<f64>()?
-                    .is_finite(),
-            };
-            nonfinite_here |= !finite;
+            nonfinite_here |= !all_finite(block)?;
         }
         let mut flags: Vec<f32> = window
             .present

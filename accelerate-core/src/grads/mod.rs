@@ -221,19 +221,7 @@ impl GradientBuffers {
             return Ok(shard.finite_everywhere());
         }
         for slot in self.slots.iter().filter(|s| s.written) {
-            let fast = with_f32(&slot.view, |xs| xs.iter().all(|x| x.is_finite()))?;
-            let finite = match fast {
-                Some(f) => f,
-                None => {
-                    let s = slot
-                        .view
-                        .to_dtype(DType::F64)?
-                        .sum_all()?
-                        .to_scalar::<f64>()?;
-                    s.is_finite()
-                }
-            };
-            if !finite {
+            if !crate::cpu_slices::all_finite(&slot.view)? {
                 return Ok(false);
             }
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::ShardPlan;
-use crate::cpu_slices::{with_f32, with_f32_mut};
+use crate::cpu_slices::{all_finite, with_f32, with_f32_mut};
 use crate::error::{Error, Result};
 
 /// After a stage-2 sync micro-step: this rank's block of each gradient bucket, averaged across
@@ -138,15 +138,7 @@ impl GradientShard {
     /// Whether this rank's blocks are all finite.
     pub fn local_finite(&self) -> Result<bool> {
         for block in self.allocated() {
-            let finite = match with_f32(block, |xs| xs.iter().all(|x| x.is_finite()))? {
-                Some(f) => f,
-                None => block
-                    .to_dtype(DType::F64)?
-                    .sum_all()?
-                    .to_scalar::<f64>()?
-                    .is_finite(),
-            };
-            if !finite {
+            if !all_finite(block)? {
                 return Ok(false);
             }
         }
