@@ -176,6 +176,19 @@ impl<F: FnOnce(&mut CpuStorage, Range<usize>) -> Option<R>, R> InplaceOp1 for Cl
     }
 }
 
+/// Whether every element of `tensor` is finite (no inf, no NaN): over the f32 slice where there
+/// is one, else through an f64 sum, which is finite exactly when every element is.
+pub fn all_finite(tensor: &Tensor) -> Result<bool> {
+    match with_f32(tensor, |xs| xs.iter().all(|x| x.is_finite()))? {
+        Some(finite) => Ok(finite),
+        None => Ok(tensor
+            .to_dtype(candle_core::DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?
+            .is_finite()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,18 +229,5 @@ mod tests {
         assert_eq!(with_f32(&t.t().unwrap(), |xs| xs.len()).unwrap(), None);
         let d = Tensor::zeros(3, candle_core::DType::F64, &Device::Cpu).unwrap();
         assert_eq!(with_f32_mut(&d, |xs| xs.len()).unwrap(), None);
-    }
-}
-
-/// Whether every element of `tensor` is finite (no inf, no NaN): over the f32 slice where there
-/// is one, else through an f64 sum, which is finite exactly when every element is.
-pub fn all_finite(tensor: &Tensor) -> Result<bool> {
-    match with_f32(tensor, |xs| xs.iter().all(|x| x.is_finite()))? {
-        Some(finite) => Ok(finite),
-        None => Ok(tensor
-            .to_dtype(candle_core::DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?
-            .is_finite()),
     }
 }
