@@ -511,3 +511,39 @@ pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 pub fn bits(a: &[Vec<f32>]) -> Vec<u32> {
     a.iter().flatten().map(|x| x.to_bits()).collect()
 }
+
+/// `opt` with its rule's settings ([`Opt`]) over `params`, prepared by `acc`, as one call that
+/// steps it and zeroes the gradients (a no-op on micro-steps that do not sync).
+pub fn prepared_step(
+    acc: &mut accelerate_core::Accelerator,
+    params: Vec<(String, Var)>,
+    opt: Opt,
+) -> Box<dyn FnMut()> {
+    use accelerate_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+    match opt {
+        Opt::SgdMomentum => {
+            let cfg = SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..SgdConfig::default()
+            };
+            let mut o = acc.prepare(Sgd::new(params, cfg).unwrap()).unwrap();
+            Box::new(move || {
+                o.step().unwrap();
+                o.zero_grad();
+            })
+        }
+        Opt::AdamW => {
+            let cfg = AdamWConfig {
+                lr: 0.02,
+                weight_decay: 0.1,
+                ..AdamWConfig::default()
+            };
+            let mut o = acc.prepare(AdamW::new(params, cfg).unwrap()).unwrap();
+            Box::new(move || {
+                o.step().unwrap();
+                o.zero_grad();
+            })
+        }
+    }
+}

@@ -7,11 +7,11 @@
 //! units are cut so that rank pieces straddle parameters and the last block is padded, on 2 and
 //! on 3 ranks. Ranks are threads of this process (`ranks_as_threads`), over the CPU communicator.
 
-use accelerate_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::{Accelerator, GradientSyncStats, Model, PreparedModel, UnitSpec};
 use accelerate_tests::{
-    bits, global_batch_reference, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data,
-    tiny_mlp, Opt,
+    bits, global_batch_reference, max_diff, named_vars, prepared_step, ranks_as_threads, snapshot,
+    tiny_data, tiny_mlp, Opt,
 };
 use candle_core::{Module, Tensor};
 use candle_nn::Linear;
@@ -76,34 +76,7 @@ fn train(
                 .prepare_model(Model::new(named_vars(&varmap)).units(units()))
                 .unwrap();
             let params = model.parameters().to_vec();
-            let mut step: Box<dyn FnMut()> = match opt {
-                Opt::SgdMomentum => {
-                    let cfg = SgdConfig {
-                        lr: 0.1,
-                        momentum: 0.9,
-                        ..SgdConfig::default()
-                    };
-                    let mut o = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
-                    Box::new(move || {
-                        o.step().unwrap();
-                        o.zero_grad();
-                    })
-                }
-                Opt::AdamW => {
-                    let cfg = AdamWConfig {
-                        lr: 0.02,
-                        weight_decay: 0.1,
-                        ..AdamWConfig::default()
-                    };
-                    let mut o = acc
-                        .prepare(AdamW::new(params.clone(), cfg).unwrap())
-                        .unwrap();
-                    Box::new(move || {
-                        o.step().unwrap();
-                        o.zero_grad();
-                    })
-                }
-            };
+            let mut step = prepared_step(&mut acc, params.clone(), opt);
             let rank = acc.process_index();
             let mut norms = Vec::new();
             for s in 0..STEPS {

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use accelerate_core::optim::{AdamW, AdamWConfig, CandleOptimizer, Sgd, SgdConfig};
 use accelerate_core::{Accelerator, ProcessState};
 use accelerate_tests::{
-    bits, global_batch_reference, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data,
-    tiny_mlp, Opt,
+    bits, global_batch_reference, max_diff, named_vars, prepared_step, ranks_as_threads, snapshot,
+    tiny_data, tiny_mlp, Opt,
 };
 use candle_core::{Device, Tensor};
 
@@ -44,34 +44,7 @@ fn train(
         |mut acc| {
             let (varmap, model) = tiny_mlp(3).unwrap();
             let params = acc.prepare(&varmap).unwrap();
-            let mut step: Box<dyn FnMut()> = match opt {
-                Opt::SgdMomentum => {
-                    let cfg = SgdConfig {
-                        lr: 0.1,
-                        momentum: 0.9,
-                        ..SgdConfig::default()
-                    };
-                    let mut o = acc.prepare(Sgd::new(params.clone(), cfg).unwrap()).unwrap();
-                    Box::new(move || {
-                        o.step().unwrap();
-                        o.zero_grad();
-                    })
-                }
-                Opt::AdamW => {
-                    let cfg = AdamWConfig {
-                        lr: 0.02,
-                        weight_decay: 0.1,
-                        ..AdamWConfig::default()
-                    };
-                    let mut o = acc
-                        .prepare(AdamW::new(params.clone(), cfg).unwrap())
-                        .unwrap();
-                    Box::new(move || {
-                        o.step().unwrap();
-                        o.zero_grad();
-                    })
-                }
-            };
+            let mut step = prepared_step(&mut acc, params.clone(), opt);
             let rank = acc.process_index();
             let mut norms = Vec::new();
             for s in 0..STEPS {
