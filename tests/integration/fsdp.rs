@@ -225,6 +225,77 @@ fn only_the_sync_micro_step_reduces_and_every_pass_gathers() {
     );
 }
 
+/// `keep_gathered_in_window(true)`: each unit is gathered once per window (K = 2: 1 gather where
+/// re-gathering makes 4) and the training is the same, bit for bit; an evaluation forward after
+/// the step sees the updated weights (its logits equal the re-gathering run's).
+#[test]
+fn kept_gathered_units_train_alike_with_one_gather_per_window() {
+    let (n, k) = (2, 2);
+    let global = n * k * BATCH;
+    let (x, y) = tiny_data(global * STEPS, 5).unwrap();
+    let run = |keep: bool| {
+        ranks_as_threads(
+            n,
+            || {
+                Accelerator::builder()
+                    .gradient_accumulation_steps(k)
+                    .zero_stage(3)
+                    .keep_gathered_in_window(keep)
+            },
+            |mut acc| {
+                let (varmap, _) = tiny_mlp(3).unwrap();
+                let model = acc
+                    .prepare_model(Model::new(named_vars(&varmap)).units(units()))
+                    .unwrap();
+                let mut step = prepared_step(&mut acc, model.parameters().to_vec(), Opt::AdamW);
+                let rank = acc.process_index();
+                let mut evals = Vec::new();
+                for s in 0..STEPS {
+                    for j in 0..k {
+                        let start = s * global + (j * n + rank) * BATCH;
+                        let _m = acc.accumulate();
+                        let logits =
+                            forward_units(&model, &x.narrow(0, start, BATCH).unwrap()).unwrap();
+                        let loss = candle_nn::loss::cross_entropy(
+                            &logits,
+                            &y.narrow(0, start, BATCH).unwrap(),
+                        )
+                        .unwrap();
+                        acc.backward(&loss).unwrap();
+                        step();
+                    }
+                    let eval = forward_units(&model, &x.narrow(0, 0, BATCH).unwrap()).unwrap();
+                    evals.push(eval.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                }
+                let whole: Vec<Vec<f32>> = model
+                    .whole_parameters()
+                    .unwrap()
+                    .iter()
+                    .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                    .collect();
+                (whole, evals, acc.gradient_sync_stats())
+            },
+        )
+    };
+    let (regather, kept) = (run(false), run(true));
+    assert_eq!(bits(&kept[0].0), bits(&regather[0].0), "the same training");
+    assert_eq!(
+        kept[0].1, regather[0].1,
+        "evaluations see the updated weights"
+    );
+    // Gathers are counted by the next backward pass, so the last evaluation's are not. Two
+    // units; re-gathering: every micro-step gathers each unit for its forward and its backward
+    // (2·2·K per step), every evaluation each unit once. Kept: the first window gathers each
+    // unit once; each evaluation after a step gathers the updated units, which the next window
+    // then uses (2 per step in all).
+    let steps = STEPS as u64;
+    assert_eq!(
+        regather[0].2.all_gathers,
+        steps * 2 * 2 * k as u64 + (steps - 1) * 2
+    );
+    assert_eq!(kept[0].2.all_gathers, steps * 2);
+}
+
 /// `clip_grad_norm` at stage 3 adds the squares of every rank's pieces: stage 0's norm, and the
 /// clipped training matches stage 0's.
 #[test]

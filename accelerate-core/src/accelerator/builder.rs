@@ -33,6 +33,7 @@ pub struct AcceleratorBuilder {
     gradient_reduce_dtype: Option<DType>,
     overlap_gradient_reduction: Option<bool>,
     sync_each_batch: bool,
+    keep_gathered_in_window: bool,
     zero_stage: Option<u8>,
     report_to: Vec<TrackerKind>,
     logging_dir: Option<std::path::PathBuf>,
@@ -125,6 +126,16 @@ impl AcceleratorBuilder {
     /// the rounding grows with K. Default: off.
     pub fn sync_each_batch(mut self, each: bool) -> Self {
         self.sync_each_batch = each;
+        self
+    }
+
+    /// Under ZeRO stage 3, keeps each unit's gathered parameters from its first gather in an
+    /// accumulation window until the window's sync (Accelerate's choice for the micro-steps that
+    /// do not sync): one all-gather per unit per window instead of two per micro-step, for the
+    /// whole model held in the compute dtype during the window. The results are the same.
+    /// Default: off (re-gather; each rank holds 1/N of the model between uses).
+    pub fn keep_gathered_in_window(mut self, keep: bool) -> Self {
+        self.keep_gathered_in_window = keep;
         self
     }
 
@@ -271,7 +282,8 @@ impl AcceleratorBuilder {
         }
         let rng = RankRng::new(seed, state.rank);
         let comm: Arc<dyn crate::comm::Communicator> = Arc::from(membership.comm);
-        let zero = ZeroConfig::new(zero_stage, &comm);
+        let mut zero = ZeroConfig::new(zero_stage, &comm);
+        zero.keep_gathered = self.keep_gathered_in_window;
         let sync = Arc::new(std::sync::Mutex::new(sync));
         let first = Arc::new(TrainingState::new(
             accumulation,

@@ -52,6 +52,8 @@ struct Window {
     generation: u64,
     /// Per unit: its backward runs in this window, which every rank must agree on.
     runs: Vec<u64>,
+    /// Per unit, when gathered units are kept for the window: its gathered buffer.
+    gathered: Vec<Option<Tensor>>,
     pass: Option<BackwardPass>,
     /// Traffic not yet handed to the accelerator's counters.
     traffic: GradientSyncStats,
@@ -73,6 +75,9 @@ pub(crate) struct FsdpState {
     /// reading one outside its units would train on values no optimizer updates).
     whole_ids: Vec<(String, TensorId)>,
     link: CommLink,
+    /// Whether a unit's gathered buffer is kept from its first gather in a window until the
+    /// window's sync (or an optimizer step), instead of gathered for every pass.
+    keep_gathered: bool,
     window: Mutex<Window>,
 }
 
@@ -101,6 +106,7 @@ impl FsdpState {
         whole: &[(String, Var)],
         (master_dtype, compute_dtype): (DType, Option<DType>),
         link: CommLink,
+        keep_gathered: bool,
     ) -> Result<Self> {
         let (own_dtype, device) = match whole.first() {
             Some((_, v)) => (v.dtype(), v.device().clone()),
@@ -160,6 +166,7 @@ impl FsdpState {
                 .map(|(n, v)| (n.clone(), v.as_tensor().id()))
                 .collect(),
             link,
+            keep_gathered,
             window: Mutex::new(Window {
                 grads,
                 synced: vec![None; units],
@@ -167,6 +174,7 @@ impl FsdpState {
                 pending: vec![0; units],
                 generation: 0,
                 runs: vec![0; units],
+                gathered: vec![None; units],
                 pass: None,
                 traffic: GradientSyncStats::default(),
             }),
@@ -221,13 +229,29 @@ impl FsdpState {
     }
 
     /// [`gather`](Self::gather) for a training pass, counted as gradient-sync traffic.
+    /// With gathered units kept for the window, the kept buffer when there is one.
     fn gather_for_pass(&self, comm: &dyn Communicator, u: usize) -> Result<Tensor> {
+        if let Some(kept) = &lock(&self.window).gathered[u] {
+            return Ok(kept.clone());
+        }
         let gathered = self.gather(comm, u, self.compute_dtype)?;
         let mut window = lock(&self.window);
         window.traffic.all_gathers += 1;
         window.traffic.gather_bytes +=
             (gathered.elem_count() * self.compute_dtype.size_in_bytes()) as u64;
+        if self.keep_gathered {
+            window.gathered[u] = Some(gathered.clone());
+        }
         Ok(gathered)
+    }
+
+    /// Drops the kept gathered units: the pieces are about to change (an optimizer step), or
+    /// the window ended.
+    pub fn release_gathered(&self) {
+        lock(&self.window)
+            .gathered
+            .iter_mut()
+            .for_each(|g| *g = None);
     }
 
     /// Unit `u`'s parameters as views of its gathered buffer `flat`, by name.
@@ -487,6 +511,7 @@ impl FsdpState {
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
         window.runs.fill(0);
+        window.gathered.iter_mut().for_each(|g| *g = None);
         Ok(flags[self.pieces.len()] > 0.0)
     }
 
@@ -535,6 +560,7 @@ impl FsdpState {
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
         window.runs.fill(0);
+        window.gathered.iter_mut().for_each(|g| *g = None);
         Ok(())
     }
 

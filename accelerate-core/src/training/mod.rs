@@ -676,6 +676,10 @@ impl TrainingState {
     ) -> Result<()> {
         let mut guard = self.steps();
         let steps = &mut *guard;
+        if let Some(fsdp) = &steps.fsdp {
+            // Kept gathered units hold the values about to be replaced.
+            fsdp.release_gathered();
+        }
         let ours = self.parameters();
         let old_params: Vec<Tensor> = ours
             .iter()

@@ -381,7 +381,14 @@ impl TrainingState {
             MixedPrecision::No => (vars[0].1.dtype(), None),
             mode => (candle_core::DType::F32, Some(mode.compute_dtype())),
         };
-        let state = FsdpState::new(layout, rank, &vars, dtypes, self.zero_config.link.clone())?;
+        let state = FsdpState::new(
+            layout,
+            rank,
+            &vars,
+            dtypes,
+            self.zero_config.link.clone(),
+            self.zero_config.keep_gathered,
+        )?;
         let pieces = state.pieces().to_vec();
         steps.grads = Some(GradientBuffers::new(&pieces, bucket_cap_bytes)?);
         let state = std::sync::Arc::new(state);

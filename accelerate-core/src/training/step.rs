@@ -32,6 +32,10 @@ impl TrainingState {
             steps.accumulation.record_skipped_step();
             return Ok(());
         }
+        if let Some(fsdp) = &steps.fsdp {
+            // Kept gathered units would go stale with the update.
+            fsdp.release_gathered();
+        }
         let mut optimizer = lock(optimizer);
         optimizer.step(grads.gradients())?;
         if let Some(zero) = &steps.zero {

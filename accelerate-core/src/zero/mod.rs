@@ -42,10 +42,13 @@ pub(crate) fn check_stage(stage: u8) -> Result<u8> {
 /// The configured stage and the way to the communicator, given to each model's training state.
 #[derive(Debug, Clone)]
 pub(crate) struct ZeroConfig {
-    /// 0, 1 or 2.
+    /// 0 to 3.
     pub stage: u8,
-    /// The communicator (used only under stages 1 and 2).
+    /// The communicator (used only under stages 1 to 3).
     pub link: CommLink,
+    /// Stage 3: whether a unit gathered in a window stays gathered until the window's sync
+    /// (see `AcceleratorBuilder::keep_gathered_in_window`).
+    pub keep_gathered: bool,
 }
 
 impl ZeroConfig {
@@ -54,6 +57,7 @@ impl ZeroConfig {
         Self {
             stage,
             link: CommLink::new(comm),
+            keep_gathered: false,
         }
     }
 }
