@@ -194,6 +194,15 @@ impl PreparedModel {
         })
     }
 
+    /// [`whole_parameters`](Self::whole_parameters) held by the main process only: every rank
+    /// takes part in the gathers, the others get an empty list. What a writer on the main
+    /// process needs, without the whole model on every rank's host.
+    pub fn whole_parameters_on_main(&self) -> Result<Vec<(String, Tensor)>> {
+        self.comm.with("whole_parameters_on_main", |comm| {
+            self.training.whole_parameters(comm, comm.rank() == 0)
+        })
+    }
+
     /// The frozen parameters, sorted by name.
     pub fn frozen_parameters(&self) -> &[(String, Var)] {
         self.training.frozen()

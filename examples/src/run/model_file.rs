@@ -24,11 +24,12 @@ pub fn save_model(acc: &Accelerator, path: Option<&Path>) -> Result<()> {
 }
 
 /// The prepared parameters as tensors: sorted by name, and the f32 masters under mixed precision
-/// (what a saved model holds). Every rank calls it: under ZeRO stage 3 it gathers the whole
-/// parameters, unit by unit, to every rank's host (a collective); otherwise it reads them.
+/// (what a saved model holds), for the main process to write. Every rank calls it: under ZeRO
+/// stage 3 it gathers the whole parameters, unit by unit, to the main process's host (a
+/// collective; the other ranks get an empty list); otherwise it reads them.
 pub fn parameter_tensors(acc: &Accelerator) -> accelerate_core::Result<Vec<(String, Tensor)>> {
     if acc.zero_stage() == 3 {
-        return acc.model().whole_parameters();
+        return acc.model().whole_parameters_on_main();
     }
     Ok(acc
         .model()
