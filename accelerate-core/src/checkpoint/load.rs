@@ -598,17 +598,7 @@ fn read_parameters(
             check_whole_parameters(&path, &params, &entries)?;
             (path, SavedTensors::Full(params))
         }
-        Some(zero) => {
-            let path = dir.join(MANIFEST_FILE);
-            check_zero_entry(&path, zero, manifest)?;
-            (
-                path,
-                SavedTensors::Pieces {
-                    zero,
-                    read: &mut read_shard,
-                },
-            )
-        }
+        Some(zero) => saved_pieces(dir, zero, manifest, &mut read_shard)?,
     };
     let mut params = reshard::tensors_for(&path, Keys::Parameters, saved, &shapes, target)?;
     for (p, (name, _)) in shapes.iter().enumerate() {
@@ -686,6 +676,19 @@ fn check_whole_parameters(
 }
 
 /// Refuses a ZeRO entry whose ranks do not match the world that saved the checkpoint.
+/// The per-rank pieces `zero` records, read by `read`, once the entry is checked against the
+/// manifest, with the manifest's path to name them in errors.
+fn saved_pieces<'a>(
+    dir: &Path,
+    zero: &'a manifest::ZeroEntry,
+    manifest: &Manifest,
+    read: &'a mut dyn FnMut(usize) -> Result<BTreeMap<String, Tensor>>,
+) -> Result<(PathBuf, SavedTensors<'a>)> {
+    let path = dir.join(MANIFEST_FILE);
+    check_zero_entry(&path, zero, manifest)?;
+    Ok((path, SavedTensors::Pieces { zero, read }))
+}
+
 fn check_zero_entry(path: &Path, zero: &manifest::ZeroEntry, manifest: &Manifest) -> Result<()> {
     if zero.world_size != manifest.world_size || zero.pieces.len() != zero.world_size {
         return Err(problem(
@@ -725,17 +728,7 @@ fn read_optimizer_tensors(
             let tensors = files::parse_safetensors(&path, &manifest.read_verified(dir, &name)?)?;
             (path, SavedTensors::Full(tensors))
         }
-        Some(zero) => {
-            let path = dir.join(MANIFEST_FILE);
-            check_zero_entry(&path, zero, manifest)?;
-            (
-                path,
-                SavedTensors::Pieces {
-                    zero,
-                    read: &mut read_shard,
-                },
-            )
-        }
+        Some(zero) => saved_pieces(dir, zero, manifest, &mut read_shard)?,
     };
     reshard::tensors_for(&path, Keys::OptimizerState, saved, &layout.shapes(), target)
 }

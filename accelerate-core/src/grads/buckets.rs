@@ -96,26 +96,15 @@ impl GradientBuffers {
                 written: false,
             })
             .collect();
-        let index = slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
-        Ok(Self {
-            slots,
-            index,
-            buckets: vec![GradientBucket {
-                flat: empty,
-                params: 0..params.len(),
-                len: padded_len,
-                allocated: false,
-                dtype,
-                device: device.clone(),
-            }],
-            missing_flag: None,
-            local_presence: Vec::new(),
-            shard: None,
-        })
+        let bucket = GradientBucket {
+            flat: empty,
+            params: 0..params.len(),
+            len: padded_len,
+            allocated: false,
+            dtype,
+            device: device.clone(),
+        };
+        Ok(Self::from_parts(slots, vec![bucket], None))
     }
 
     /// [`for_unit`](Self::for_unit)'s bucket, allocated (zeroed) if no micro-step added into it.
@@ -192,19 +181,28 @@ impl GradientBuffers {
             });
             start = end;
         }
+        Ok(Self::from_parts(slots, buckets, missing_flag))
+    }
+
+    /// Buffers of `slots` in `buckets`, indexed by name, not sharded.
+    fn from_parts(
+        slots: Vec<Slot>,
+        buckets: Vec<GradientBucket>,
+        missing_flag: Option<Tensor>,
+    ) -> Self {
         let index = slots
             .iter()
             .enumerate()
             .map(|(i, s)| (s.name.clone(), i))
             .collect();
-        Ok(Self {
+        Self {
             slots,
             index,
             buckets,
             missing_flag,
             local_presence: Vec::new(),
             shard: None,
-        })
+        }
     }
 
     /// Gives bucket `b` zeroed storage (if it has none) and its parameters views into it; they
