@@ -44,6 +44,17 @@ pub const FSDP_LAYER_CLASSES: &str = "ACCELERATE_FSDP_LAYER_CLASSES";
 /// `FULL_STATE_DICT` (the whole model, gathered unit by unit to the main process) or
 /// `SHARDED_STATE_DICT` (each rank its own pieces) (Accelerate's `fsdp_state_dict_type`).
 pub const FSDP_STATE_DICT_TYPE: &str = "ACCELERATE_FSDP_STATE_DICT_TYPE";
+/// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose forward runs: a
+/// number (0 for none; default 1), or `true`/`false` (Accelerate's `fsdp_forward_prefetch`).
+pub const FSDP_FORWARD_PREFETCH: &str = "ACCELERATE_FSDP_FORWARD_PREFETCH";
+/// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose backward runs: a
+/// number (0 for none; default 1), or Accelerate's `fsdp_backward_prefetch` (`BACKWARD_PRE` or
+/// `BACKWARD_POST`: one; `NO_PREFETCH`: none).
+pub const FSDP_BACKWARD_PREFETCH: &str = "ACCELERATE_FSDP_BACKWARD_PREFETCH";
+/// Under ZeRO stage 3, an on/off switch: keep each unit gathered from its first gather in an
+/// accumulation window until the window's sync, instead of gathering it for every pass
+/// (`AcceleratorBuilder::keep_gathered_in_window`; default off).
+pub const FSDP_KEEP_GATHERED: &str = "ACCELERATE_FSDP_KEEP_GATHERED";
 /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`).
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_BUCKET_CAP_MB";
 /// Whether the sync micro-step overlaps the reduction of one gradient bucket with the

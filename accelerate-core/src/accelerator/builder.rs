@@ -33,7 +33,8 @@ pub struct AcceleratorBuilder {
     gradient_reduce_dtype: Option<DType>,
     overlap_gradient_reduction: Option<bool>,
     sync_each_batch: bool,
-    keep_gathered_in_window: bool,
+    keep_gathered_in_window: Option<bool>,
+    fsdp_prefetch: Option<crate::fsdp::PrefetchDepth>,
     zero_stage: Option<u8>,
     report_to: Vec<TrackerKind>,
     logging_dir: Option<std::path::PathBuf>,
@@ -133,9 +134,26 @@ impl AcceleratorBuilder {
     /// accumulation window until the window's sync (Accelerate's choice for the micro-steps that
     /// do not sync): one all-gather per unit per window instead of two per micro-step, for the
     /// whole model held in the compute dtype during the window. The results are the same.
-    /// Default: off (re-gather; each rank holds 1/N of the model between uses).
+    /// Default: `ACCELERATE_FSDP_KEEP_GATHERED`, else off (re-gather; each rank holds 1/N of the
+    /// model between uses).
     pub fn keep_gathered_in_window(mut self, keep: bool) -> Self {
-        self.keep_gathered_in_window = keep;
+        self.keep_gathered_in_window = Some(keep);
+        self
+    }
+
+    /// Under ZeRO stage 3, how many units are all-gathered ahead of the one that runs, in the
+    /// forward and in the backward pass (FSDP's forward and backward prefetch): a thread with a
+    /// communicator of its own gathers them while this thread computes, in the order the units
+    /// ran before. Each unit ahead holds one more unit's gathered parameters; the results are
+    /// the same with any depth. 0 gathers each unit when it runs, on this thread.
+    ///
+    /// On the CPU communicators only: on NCCL the gathers run on the compute stream, in order,
+    /// whatever this says.
+    ///
+    /// Default: `ACCELERATE_FSDP_FORWARD_PREFETCH` and `ACCELERATE_FSDP_BACKWARD_PREFETCH`, else
+    /// one unit ahead in both passes.
+    pub fn fsdp_prefetch(mut self, forward: usize, backward: usize) -> Self {
+        self.fsdp_prefetch = Some(crate::fsdp::PrefetchDepth { forward, backward });
         self
     }
 
@@ -243,6 +261,15 @@ impl AcceleratorBuilder {
             }
             (e, _) => e,
         })?;
+        let keep_gathered = match self.keep_gathered_in_window {
+            Some(keep) => keep,
+            None => env::read(env::FSDP_KEEP_GATHERED, env::SWITCH_VALUES, env::switch)?
+                .unwrap_or(false),
+        };
+        let prefetch = match self.fsdp_prefetch {
+            Some(depth) => depth,
+            None => crate::fsdp::PrefetchDepth::from_env()?,
+        };
         if zero_stage >= 2 && self.sync_each_batch {
             return Err(crate::Error::Config(format!(
                 "sync_each_batch(true) with ZeRO stage {zero_stage} is not supported: stage \
@@ -283,7 +310,8 @@ impl AcceleratorBuilder {
         let rng = RankRng::new(seed, state.rank);
         let comm: Arc<dyn crate::comm::Communicator> = Arc::from(membership.comm);
         let mut zero = ZeroConfig::new(zero_stage, &comm);
-        zero.keep_gathered = self.keep_gathered_in_window;
+        zero.keep_gathered = keep_gathered;
+        zero.prefetch = prefetch;
         let sync = Arc::new(std::sync::Mutex::new(sync));
         let first = Arc::new(TrainingState::new(
             accumulation,

@@ -58,12 +58,14 @@ impl Accelerator {
         let sync = lock(&self.sync);
         let bucket_config = format!(
             "gradient buckets: cap {} bytes, reduced in {:?}, mixed precision {}, overlap {}, \
-             ZeRO stage {}",
+             ZeRO stage {} (units gathered ahead {:?}, kept in the window {})",
             self.bucket_cap_bytes,
             sync.reduce_dtype(),
             self.training().mixed_precision(),
             sync.overlap_configured(),
-            self.zero.stage
+            self.zero.stage,
+            self.zero.prefetch,
+            self.zero.keep_gathered
         );
         drop(sync);
         let preparation = Preparation {

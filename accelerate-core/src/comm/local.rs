@@ -111,4 +111,11 @@ impl Communicator for LocalCommunicator {
     fn transport_name(&self) -> &'static str {
         "local"
     }
+
+    fn connect_sibling(
+        &self,
+        _store: Option<&dyn super::store::Store>,
+    ) -> Result<Option<Box<dyn Communicator + Send>>> {
+        Ok(Some(Box::new(LocalCommunicator::new())))
+    }
 }

@@ -208,4 +208,15 @@ pub trait Communicator {
     /// How the data moves, for logs and bug reports: `local` (a world of one rank), `tcp` (the
     /// TCP ring), `shm` (shared memory inside one machine) or `nccl`.
     fn transport_name(&self) -> &'static str;
+
+    /// Connects a second communicator among the same ranks, with this one's options, whose
+    /// collectives run in an order of their own: ZeRO stage 3 gathers the next units on it, from
+    /// a thread of their own, while this one serves the training thread. A collective of every
+    /// rank (the rendezvous goes through `store`, which a world of several ranks needs).
+    /// `Ok(None)` where the backend offers none: NCCL, whose collectives would need a CUDA
+    /// stream of their own, ordered with the compute stream by events.
+    fn connect_sibling(
+        &self,
+        store: Option<&dyn store::Store>,
+    ) -> Result<Option<Box<dyn Communicator + Send>>>;
 }

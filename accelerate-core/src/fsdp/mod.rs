@@ -29,6 +29,7 @@
 mod layout;
 mod node;
 mod params;
+mod prefetch;
 mod state;
 mod unit;
 
@@ -40,6 +41,7 @@ use candle_core::Var;
 pub(crate) use layout::UnitLayout;
 pub use layout::UnitSpec;
 pub use params::UnitParams;
+pub(crate) use prefetch::{PrefetchDepth, Prefetcher};
 pub(crate) use state::FsdpState;
 pub use unit::ShardedUnit;
 

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 use super::layout::UnitLayout;
 use super::node::{SeedGradient, UnitNode};
 use super::params::{Block, Running, UnitParams};
+use super::prefetch::{Pass, Prefetcher};
 use crate::comm::{Communicator, ReduceOp};
 use crate::cpu_slices::all_finite;
 use crate::error::{Error, Result};
@@ -78,6 +79,9 @@ pub(crate) struct FsdpState {
     /// Whether a unit's gathered buffer is kept from its first gather in a window until the
     /// window's sync (or an optimizer step), instead of gathered for every pass.
     keep_gathered: bool,
+    /// Gathers the units expected next on a thread of their own (none: each unit is gathered
+    /// on the training thread when it runs).
+    prefetch: Option<Prefetcher>,
     window: Mutex<Window>,
 }
 
@@ -100,13 +104,14 @@ impl FsdpState {
     /// Shards `whole` (sorted by name; rank 0's values on every rank) by `layout`: this rank keeps
     /// its piece of each, in `master_dtype`; units are gathered and compute in `compute_dtype`
     /// (FSDP's `MixedPrecisionPolicy.param_dtype`), or the parameters' own dtype without one.
+    /// `prefetch` gathers units ahead of their use.
     pub fn new(
         layout: UnitLayout,
         rank: usize,
         whole: &[(String, Var)],
         (master_dtype, compute_dtype): (DType, Option<DType>),
         link: CommLink,
-        keep_gathered: bool,
+        (keep_gathered, prefetch): (bool, Option<Prefetcher>),
     ) -> Result<Self> {
         let (own_dtype, device) = match whole.first() {
             Some((_, v)) => (v.dtype(), v.device().clone()),
@@ -167,6 +172,7 @@ impl FsdpState {
                 .collect(),
             link,
             keep_gathered,
+            prefetch,
             window: Mutex::new(Window {
                 grads,
                 synced: vec![None; units],
@@ -198,9 +204,10 @@ impl FsdpState {
         self.whole_ids.iter().any(|(_, i)| *i == id)
     }
 
-    /// Unit `u`'s flat buffer, all-gathered from every rank's pieces, in `dtype` (padded; the
-    /// parameters at their layout offsets).
-    fn gather(&self, comm: &dyn Communicator, u: usize, dtype: DType) -> Result<Tensor> {
+    /// This rank's block of unit `u`'s flat buffer, in `dtype`: its pieces in layout order, then
+    /// zeros to the block's length. Always a buffer of its own (a gather on another thread reads
+    /// it while the pieces may be read or written here).
+    fn send_buffer(&self, u: usize, dtype: DType) -> Result<Tensor> {
         let block = self.layout.block(u);
         let mut parts = Vec::new();
         let mut filled = 0;
@@ -216,8 +223,17 @@ impl FsdpState {
         if filled < block {
             parts.push(Tensor::zeros(block - filled, dtype, &self.device)?);
         }
-        let send = Tensor::cat(&parts, 0)?;
-        drop(parts);
+        Ok(match parts.as_slice() {
+            // `cat` of one tensor (and a cast to its own dtype) shares the piece's storage.
+            [one] => one.copy()?,
+            _ => Tensor::cat(&parts, 0)?,
+        })
+    }
+
+    /// Unit `u`'s flat buffer, all-gathered from every rank's pieces, in `dtype` (padded; the
+    /// parameters at their layout offsets).
+    fn gather(&self, comm: &dyn Communicator, u: usize, dtype: DType) -> Result<Tensor> {
+        let send = self.send_buffer(u, dtype)?;
         let gathered = if comm.world_size() == 1 {
             send
         } else {
@@ -228,26 +244,57 @@ impl FsdpState {
         Ok(gathered)
     }
 
-    /// [`gather`](Self::gather) for a training pass, counted as gradient-sync traffic.
-    /// With gathered units kept for the window, the kept buffer when there is one.
-    fn gather_for_pass(&self, comm: &dyn Communicator, u: usize) -> Result<Tensor> {
-        if let Some(kept) = &lock(&self.window).gathered[u] {
-            return Ok(kept.clone());
-        }
-        let gathered = self.gather(comm, u, self.compute_dtype)?;
+    /// [`gather`](Self::gather) for unit `u` about to run in `pass`, counted as gradient-sync
+    /// traffic: from the prefetch thread when there is one (which gathers the units expected next
+    /// meanwhile). With gathered units kept for the window, the kept buffer when there is one.
+    fn gather_for_pass(&self, comm: &dyn Communicator, u: usize, pass: Pass) -> Result<Tensor> {
+        let kept = |v: usize| lock(&self.window).gathered[v].is_some();
+        let count = |units: &[usize]| {
+            let mut window = lock(&self.window);
+            for &v in units {
+                window.traffic.all_gathers += 1;
+                window.traffic.gather_bytes +=
+                    (self.layout.padded_len(v) * self.compute_dtype.size_in_bytes()) as u64;
+            }
+        };
+        let gathered = match &self.prefetch {
+            Some(prefetch) => {
+                let send = |v: usize| {
+                    let send = self.send_buffer(v, self.compute_dtype)?;
+                    Ok((send, self.layout.padded_len(v)))
+                };
+                let (gathered, asked) = prefetch.take(u, pass, &kept, &send)?;
+                count(&asked);
+                gathered
+            }
+            None if kept(u) => None,
+            None => {
+                let gathered = self.gather(comm, u, self.compute_dtype)?;
+                count(&[u]);
+                Some(gathered)
+            }
+        };
         let mut window = lock(&self.window);
-        window.traffic.all_gathers += 1;
-        window.traffic.gather_bytes +=
-            (gathered.elem_count() * self.compute_dtype.size_in_bytes()) as u64;
+        let gathered = match gathered {
+            Some(g) => g,
+            None => {
+                return Ok(window.gathered[u]
+                    .clone()
+                    .expect("a unit without a gathered buffer is kept"))
+            }
+        };
         if self.keep_gathered {
             window.gathered[u] = Some(gathered.clone());
         }
         Ok(gathered)
     }
 
-    /// Drops the kept gathered units: the pieces are about to change (an optimizer step), or
-    /// the window ended.
+    /// Drops the kept gathered units and those gathered ahead: the pieces are about to change
+    /// (an optimizer step, a restore), or the window ended.
     pub fn release_gathered(&self) {
+        if let Some(prefetch) = &self.prefetch {
+            prefetch.release();
+        }
         lock(&self.window)
             .gathered
             .iter_mut()
@@ -280,7 +327,7 @@ impl FsdpState {
         let y = {
             let _running = Running::enter(&name)?;
             let flat = self.link.with("a sharded unit's forward", |comm| {
-                self.gather_for_pass(comm, u)
+                self.gather_for_pass(comm, u, Pass::Forward)
             })?;
             let params = self.params(self.views(u, &flat)?.into_iter().collect());
             block(&x.detach(), &params)?
@@ -343,7 +390,7 @@ impl FsdpState {
             (scale, sync && window.pending[u] == 0, reduce_dtype)
         };
         let flat = self.link.with("a sharded unit's backward", |comm| {
-            self.gather_for_pass(comm, u)
+            self.gather_for_pass(comm, u, Pass::Backward)
         })?;
         // Fresh variables, copies: the gathered buffer is freed before the recomputation.
         let vars: Vec<(String, Var)> = self
@@ -551,8 +598,10 @@ impl FsdpState {
         }
     }
 
-    /// Forgets the window's gradients (an abandoned window, or a restored state).
+    /// Forgets the window's gradients (an abandoned window, or a restored state), and the
+    /// units gathered for it.
     pub fn discard_window(&self) -> Result<()> {
+        self.release_gathered();
         let mut window = lock(&self.window);
         for buffers in &mut window.grads {
             buffers.release_all()?;
@@ -560,7 +609,6 @@ impl FsdpState {
         window.synced.iter_mut().for_each(|s| *s = None);
         window.present.fill(false);
         window.runs.fill(0);
-        window.gathered.iter_mut().for_each(|g| *g = None);
         Ok(())
     }
 

@@ -259,6 +259,11 @@ impl TrainingState {
         self.zero_config.stage
     }
 
+    /// Under ZeRO stage 3: how many units are gathered ahead.
+    pub fn fsdp_prefetch(&self) -> crate::fsdp::PrefetchDepth {
+        self.zero_config.prefetch
+    }
+
     /// Records the model's units (once, at prepare).
     fn set_units(&self, units: ModelUnits) -> Result<()> {
         self.units

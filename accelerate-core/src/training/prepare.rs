@@ -10,7 +10,7 @@ use super::{lock, SharedOptimizer, SharedScheduler, TrainingState};
 use crate::comm::store::Store;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::fsdp::{FsdpState, ModelUnits, UnitLayout, UnitSpec};
+use crate::fsdp::{FsdpState, ModelUnits, PrefetchDepth, Prefetcher, UnitLayout, UnitSpec};
 use crate::grads::{sorted_named_vars, GradientBuffers};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
 use crate::optim::{LrScheduler, Optimizer};
@@ -53,6 +53,23 @@ pub(crate) struct PreparedParts {
     pub training: Arc<TrainingState>,
     /// Whether `training` is a new state, to add to the accelerator's models.
     pub is_new: bool,
+}
+
+/// The prefetch thread of a fully sharded model of `units` units, over a sibling of the
+/// accelerator's communicator (a collective of every rank); `None` when `depth` gathers nothing
+/// ahead or the backend has no sibling (NCCL).
+fn prefetcher(
+    p: &Preparation<'_>,
+    units: usize,
+    depth: PrefetchDepth,
+) -> Result<Option<Prefetcher>> {
+    if !depth.any() {
+        return Ok(None);
+    }
+    match p.comm.connect_sibling(p.store)? {
+        Some(sibling) => Ok(Some(Prefetcher::start(sibling, units, depth)?)),
+        None => Ok(None),
+    }
 }
 
 /// Prepares a model of `trained` and `frozen` parameters, with its own K if
@@ -140,9 +157,15 @@ pub(crate) fn prepare_model(
             p.comm.broadcast(var.as_tensor(), 0)?;
         }
     }
+    let prefetch = match &units {
+        Some(specs) if several_ranks && p.models[0].zero_stage() == 3 => {
+            prefetcher(p, specs.len(), p.models[0].fsdp_prefetch())?
+        }
+        _ => None,
+    };
     training.prepare_parameters(
         trained,
-        units.as_deref(),
+        (units.as_deref(), prefetch),
         p.bucket_cap_bytes,
         (p.rank, p.world_size),
         |var| {
@@ -281,7 +304,7 @@ impl TrainingState {
     pub fn prepare_parameters(
         &self,
         vars: Vec<(String, Var)>,
-        units: Option<&[UnitSpec]>,
+        (units, prefetch): (Option<&[UnitSpec]>, Option<Prefetcher>),
         bucket_cap_bytes: usize,
         (rank, world_size): (usize, usize),
         mut broadcast: impl FnMut(&Var) -> Result<()>,
@@ -306,7 +329,13 @@ impl TrainingState {
                         .into(),
                 )
             })?;
-            return self.prepare_sharded(vars, layout, bucket_cap_bytes, rank, broadcast);
+            return self.prepare_sharded(
+                vars,
+                (layout, prefetch),
+                bucket_cap_bytes,
+                rank,
+                broadcast,
+            );
         }
         let several_ranks = world_size > 1;
         let mut steps = self.steps();
@@ -368,7 +397,7 @@ impl TrainingState {
     fn prepare_sharded(
         &self,
         vars: Vec<(String, Var)>,
-        layout: UnitLayout,
+        (layout, prefetch): (UnitLayout, Option<Prefetcher>),
         bucket_cap_bytes: usize,
         rank: usize,
         mut broadcast: impl FnMut(&Var) -> Result<()>,
@@ -387,7 +416,7 @@ impl TrainingState {
             &vars,
             dtypes,
             self.zero_config.link.clone(),
-            self.zero_config.keep_gathered,
+            (self.zero_config.keep_gathered, prefetch),
         )?;
         let pieces = state.pieces().to_vec();
         steps.grads = Some(GradientBuffers::new(&pieces, bucket_cap_bytes)?);

@@ -49,6 +49,8 @@ pub(crate) struct ZeroConfig {
     /// Stage 3: whether a unit gathered in a window stays gathered until the window's sync
     /// (see `AcceleratorBuilder::keep_gathered_in_window`).
     pub keep_gathered: bool,
+    /// Stage 3: how many units are gathered ahead (see `AcceleratorBuilder::fsdp_prefetch`).
+    pub prefetch: crate::fsdp::PrefetchDepth,
 }
 
 impl ZeroConfig {
@@ -58,6 +60,7 @@ impl ZeroConfig {
             stage,
             link: CommLink::new(comm),
             keep_gathered: false,
+            prefetch: crate::fsdp::PrefetchDepth::DEFAULT,
         }
     }
 }

@@ -155,7 +155,11 @@ impl CpuCommunicator {
         } else {
             Link::Alone
         };
-        Ok(Self {
+        Ok(Self::over(link, rank, world_size, options))
+    }
+
+    fn over(link: Link, rank: usize, world_size: usize, options: CpuCommOptions) -> Self {
+        Self {
             rank,
             world_size,
             options,
@@ -165,7 +169,7 @@ impl CpuCommunicator {
                 stats: CommStats::default(),
                 broken: None,
             }),
-        })
+        }
     }
 
     /// The transport in use; `None` for a world of one rank, which needs none.
@@ -558,5 +562,21 @@ impl Communicator for CpuCommunicator {
             Some(Transport::Tcp) => "tcp",
             Some(Transport::Shm) => "shm",
         }
+    }
+
+    fn connect_sibling(
+        &self,
+        store: Option<&dyn Store>,
+    ) -> Result<Option<Box<dyn Communicator + Send>>> {
+        let sibling = match store {
+            Some(store) => Self::connect(store, self.rank, self.world_size, self.options.clone())?,
+            None if self.world_size == 1 => Self::over(Link::Alone, 0, 1, self.options.clone()),
+            None => {
+                return Err(Error::Config(
+                    "a second communicator among several ranks needs the rendezvous store".into(),
+                ))
+            }
+        };
+        Ok(Some(Box::new(sibling)))
     }
 }
