@@ -61,14 +61,30 @@ fn train(
     path: Path,
     clip: Option<f64>,
 ) -> Vec<RankResult> {
+    train_with(n, k, stage, (opt, path, clip), None)
+}
+
+/// [`train`] with the units gathered `prefetch` = (forward, backward) units ahead (`None`: the
+/// default).
+fn train_with(
+    n: usize,
+    k: usize,
+    stage: u8,
+    (opt, path, clip): (Opt, Path, Option<f64>),
+    prefetch: Option<(usize, usize)>,
+) -> Vec<RankResult> {
     let global = n * k * BATCH;
     let (x, y) = tiny_data(global * STEPS, 5).unwrap();
     ranks_as_threads(
         n,
         || {
-            Accelerator::builder()
+            let builder = Accelerator::builder()
                 .gradient_accumulation_steps(k)
-                .zero_stage(stage)
+                .zero_stage(stage);
+            match prefetch {
+                Some((forward, backward)) => builder.fsdp_prefetch(forward, backward),
+                None => builder,
+            }
         },
         |mut acc| {
             let (varmap, mlp) = tiny_mlp(3).unwrap();
@@ -179,7 +195,8 @@ fn stage_three_trains_as_one_process_on_the_global_batch() {
 fn units_run_several_times_per_pass_train_as_stage_zero() {
     for n in [2, 3] {
         let plain = train(n, 2, 0, Opt::AdamW, Path::Split, None);
-        let sharded = train(n, 2, 3, Opt::AdamW, Path::Split, None);
+        // Gathered as each unit runs: the counts below are those of the design.
+        let sharded = train_with(n, 2, 3, (Opt::AdamW, Path::Split, None), Some((0, 0)));
         let d = max_diff(&sharded[0].0, &plain[0].0);
         eprintln!("split batches, n={n}: stage 3 against stage 0, max |Δ| = {d:e}");
         assert!(d <= 1e-6, "n={n}: max |Δ| = {d}");
@@ -200,7 +217,7 @@ fn units_run_several_times_per_pass_train_as_stage_zero() {
 #[test]
 fn only_the_sync_micro_step_reduces_and_every_pass_gathers() {
     let (n, k) = (2, 2);
-    let runs = train(n, k, 3, Opt::AdamW, Path::Units, None);
+    let runs = train_with(n, k, 3, (Opt::AdamW, Path::Units, None), Some((0, 0)));
     let stats = runs[0].2;
     let micro_steps = (STEPS * k) as u64;
     assert_eq!(stats.all_gathers, 2 * 2 * micro_steps);
@@ -225,6 +242,44 @@ fn only_the_sync_micro_step_reduces_and_every_pass_gathers() {
     );
 }
 
+/// Prefetch (units gathered ahead on a thread of their own) changes when the units are
+/// gathered, not what: every depth trains bit for bit as gathering each unit when it runs, on 2
+/// and 3 ranks. Where the units run in the same order every pass, no gather is wasted: as many
+/// as without prefetch, of which those the order predicts are issued ahead: after the first
+/// forward pass, the second unit's gather in each forward, and from the first backward pass on,
+/// the first unit's gather in each backward.
+#[test]
+fn prefetch_gathers_ahead_and_trains_bitwise_as_without() {
+    let k = 2;
+    let micro_steps = (STEPS * k) as u64;
+    for n in [2, 3] {
+        let off = train_with(n, k, 3, (Opt::AdamW, Path::Units, None), Some((0, 0)));
+        assert_eq!(off[0].2.gathers_ahead, 0);
+        for (depth, ahead) in [
+            ((1, 1), 2 * micro_steps - 1),
+            ((2, 2), 2 * micro_steps - 1),
+            ((1, 0), micro_steps - 1),
+            ((0, 1), micro_steps),
+        ] {
+            let on = train_with(n, k, 3, (Opt::AdamW, Path::Units, None), Some(depth));
+            assert_eq!(bits(&on[0].0), bits(&off[0].0), "n={n} {depth:?}");
+            assert_eq!(on[0].2.all_gathers, off[0].2.all_gathers, "n={n} {depth:?}");
+            assert_eq!(
+                on[0].2.gather_bytes, off[0].2.gather_bytes,
+                "n={n} {depth:?}"
+            );
+            assert_eq!(on[0].2.gathers_ahead, ahead, "n={n} {depth:?}");
+        }
+    }
+    // Units run twice per pass: the order mispredicts at the passes' ends (a few gathers more),
+    // and the training is still the same.
+    let off = train_with(2, k, 3, (Opt::SgdMomentum, Path::Split, None), Some((0, 0)));
+    let on = train_with(2, k, 3, (Opt::SgdMomentum, Path::Split, None), Some((2, 2)));
+    assert_eq!(bits(&on[0].0), bits(&off[0].0));
+    assert!(on[0].2.gathers_ahead > 0);
+    assert!(on[0].2.all_gathers >= off[0].2.all_gathers);
+}
+
 /// `keep_gathered_in_window(true)`: each unit is gathered once per window (K = 2: 1 gather where
 /// re-gathering makes 4) and the training is the same, bit for bit; an evaluation forward after
 /// the step sees the updated weights (its logits equal the re-gathering run's).
@@ -233,7 +288,7 @@ fn kept_gathered_units_train_alike_with_one_gather_per_window() {
     let (n, k) = (2, 2);
     let global = n * k * BATCH;
     let (x, y) = tiny_data(global * STEPS, 5).unwrap();
-    let run = |keep: bool| {
+    let run = |keep: bool, ahead: usize| {
         ranks_as_threads(
             n,
             || {
@@ -241,6 +296,7 @@ fn kept_gathered_units_train_alike_with_one_gather_per_window() {
                     .gradient_accumulation_steps(k)
                     .zero_stage(3)
                     .keep_gathered_in_window(keep)
+                    .fsdp_prefetch(ahead, ahead)
             },
             |mut acc| {
                 let (varmap, _) = tiny_mlp(3).unwrap();
@@ -277,8 +333,15 @@ fn kept_gathered_units_train_alike_with_one_gather_per_window() {
             },
         )
     };
-    let (regather, kept) = (run(false), run(true));
+    let (regather, kept) = (run(false, 0), run(true, 0));
     assert_eq!(bits(&kept[0].0), bits(&regather[0].0), "the same training");
+    let kept_ahead = run(true, 1);
+    assert_eq!(
+        bits(&kept_ahead[0].0),
+        bits(&regather[0].0),
+        "with prefetch too"
+    );
+    assert_eq!(kept_ahead[0].1, regather[0].1);
     assert_eq!(
         kept[0].1, regather[0].1,
         "evaluations see the updated weights"

@@ -253,6 +253,7 @@ impl FsdpState {
             let mut window = lock(&self.window);
             for &v in units {
                 window.traffic.all_gathers += 1;
+                window.traffic.gathers_ahead += u64::from(v != u);
                 window.traffic.gather_bytes +=
                     (self.layout.padded_len(v) * self.compute_dtype.size_in_bytes()) as u64;
             }

@@ -45,6 +45,9 @@ pub struct GradientSyncStats {
     pub all_gathers: u64,
     /// Bytes of parameters all-gathered (whole padded units, in the compute dtype).
     pub gather_bytes: u64,
+    /// Of [`all_gathers`](Self::all_gathers), those issued ahead of the unit's run, on the
+    /// prefetch thread, while another unit computed (ZeRO stage 3's prefetch).
+    pub gathers_ahead: u64,
 }
 
 impl std::ops::AddAssign for GradientSyncStats {
@@ -54,6 +57,7 @@ impl std::ops::AddAssign for GradientSyncStats {
         self.bytes += other.bytes;
         self.all_gathers += other.all_gathers;
         self.gather_bytes += other.gather_bytes;
+        self.gathers_ahead += other.gathers_ahead;
     }
 }
 
