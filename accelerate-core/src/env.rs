@@ -45,7 +45,7 @@ pub const FSDP_LAYER_CLASSES: &str = "ACCELERATE_FSDP_LAYER_CLASSES";
 /// `SHARDED_STATE_DICT` (each rank its own pieces) (Accelerate's `fsdp_state_dict_type`).
 pub const FSDP_STATE_DICT_TYPE: &str = "ACCELERATE_FSDP_STATE_DICT_TYPE";
 /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose forward runs: a
-/// number (0 for none; default 1), or `true`/`false` (Accelerate's `fsdp_forward_prefetch`).
+/// number (0 for none, the default), or `true`/`false` (Accelerate's `fsdp_forward_prefetch`).
 pub const FSDP_FORWARD_PREFETCH: &str = "ACCELERATE_FSDP_FORWARD_PREFETCH";
 /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose backward runs: a
 /// number (0 for none; default 1), or Accelerate's `fsdp_backward_prefetch` (`BACKWARD_PRE` or

@@ -151,7 +151,7 @@ impl AcceleratorBuilder {
     /// whatever this says.
     ///
     /// Default: `ACCELERATE_FSDP_FORWARD_PREFETCH` and `ACCELERATE_FSDP_BACKWARD_PREFETCH`, else
-    /// one unit ahead in both passes.
+    /// Accelerate's: none ahead in the forward pass, one in the backward pass.
     pub fn fsdp_prefetch(mut self, forward: usize, backward: usize) -> Self {
         self.fsdp_prefetch = Some(crate::fsdp::PrefetchDepth { forward, backward });
         self

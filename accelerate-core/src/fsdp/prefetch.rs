@@ -38,10 +38,11 @@ pub(crate) struct PrefetchDepth {
 }
 
 impl PrefetchDepth {
-    /// One unit ahead in both passes: the next unit's gather overlaps the current one's compute,
-    /// for one more unit's gathered parameters held.
+    /// Accelerate's defaults: one unit ahead in the backward pass (`BACKWARD_PRE`), none in the
+    /// forward pass (`fsdp_forward_prefetch: false`). Each unit ahead holds one more unit's
+    /// gathered parameters.
     pub const DEFAULT: Self = Self {
-        forward: 1,
+        forward: 0,
         backward: 1,
     };
 
