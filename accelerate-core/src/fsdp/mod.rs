@@ -14,6 +14,9 @@
 //!   reduce-scatter that sum (mean, in the reduce dtype) into this rank's block at once. Recompute
 //!   is how the gathered parameters get freed between forward and backward: candle cannot shrink
 //!   a tensor the graph holds.
+//! - **Prefetch.** A thread with a communicator of its own gathers the units expected next (in
+//!   the order they ran before) while the training thread computes (`prefetch`); the result is
+//!   the same with any depth.
 //! - **Accumulation.** Non-sync micro-steps make no gradient traffic: each unit's whole window sum
 //!   lives from the window's first backward through the unit until the sync (4 bytes per
 //!   parameter of that unit, as stage 2's buckets). Each micro-step gathers every unit twice.
