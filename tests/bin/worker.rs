@@ -494,9 +494,11 @@ fn dead_peer(args: &[String]) -> Result<()> {
 /// device (a GPU under `--num-gpus`): AdamW (lr 0.01, weight decay 0.1), K micro-batches of B
 /// samples per rank and optimizer step, two epochs of `tiny_data(samples, 2)` shuffled with seed 5.
 /// Rank 0 writes the parameters to `out` (safetensors, the `VarMap`'s names) for the test to
-/// compare with a one-process reference. Arguments: `out [k=2] [b=4] [samples=160]`.
+/// compare with a one-process reference. Arguments: `out [k=2] [b=4] [samples=160]`. At ZeRO
+/// stage 3 (`--zero-stage 3`) the model is built on the host and computes through its units.
 fn tiny_train(args: &[String]) -> Result<()> {
     use accelerate_core::optim::{AdamW, AdamWConfig};
+    use candle_nn::Module;
     let out = std::path::PathBuf::from(
         args.first()
             .ok_or_else(|| anyhow!("tiny_train needs an output path"))?,
@@ -506,9 +508,17 @@ fn tiny_train(args: &[String]) -> Result<()> {
         .gradient_accumulation_steps(k)
         .build()?;
     let device = acc.device().clone();
-    let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &device)?;
+    // At ZeRO stage 3 the model is built on the host and computes through its two units:
+    // `prepare` moves only this rank's pieces to the device.
+    let sharded = acc.zero_stage() == 3;
+    let build_on = if sharded { Device::Cpu } else { device.clone() };
+    let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &build_on)?;
     let (x, y) = accelerate_tests::tiny_data(samples, 2)?;
-    let params = acc.prepare(&varmap)?;
+    let prepared = acc.prepare_model(accelerate_core::Model::from_varmap(&varmap).units(vec![
+        accelerate_core::UnitSpec::new("l1", ["l1."]),
+        accelerate_core::UnitSpec::new("l2", ["l2."]),
+    ]))?;
+    let params = prepared.parameters().to_vec();
     let cfg = AdamWConfig {
         lr: 0.01,
         weight_decay: 0.1,
@@ -526,17 +536,37 @@ fn tiny_train(args: &[String]) -> Result<()> {
                 bail!("a batch arrived on {:?}", x.device().location());
             }
             let _step = acc.accumulate();
-            let logits = model.forward(&x)?;
+            let logits = if sharded {
+                let h = prepared.unit("l1")?.forward(&x, |x, p| {
+                    candle_nn::Linear::new(p.get("l1.weight")?, Some(p.get("l1.bias")?))
+                        .forward(x)?
+                        .tanh()
+                })?;
+                prepared.unit("l2")?.forward(&h, |h, p| {
+                    candle_nn::Linear::new(p.get("l2.weight")?, Some(p.get("l2.bias")?)).forward(h)
+                })?
+            } else {
+                model.forward(&x)?
+            };
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             acc.backward(&loss)?;
             opt.step()?;
             opt.zero_grad();
         }
     }
-    if acc.is_main_process() {
-        let host: std::collections::HashMap<String, Tensor> = params
+    // The whole parameters on the main process's host (a collective at stage 3).
+    let whole: Vec<(String, Tensor)> = if sharded {
+        prepared.whole_parameters_on_main()?
+    } else {
+        params
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.as_tensor().to_device(&Device::Cpu)?)))
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect()
+    };
+    if acc.is_main_process() {
+        let host: std::collections::HashMap<String, Tensor> = whole
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?)))
             .collect::<candle_core::Result<_>>()?;
         // Written whole, then renamed: the test never reads a partial file.
         let partial = out.with_extension("partial");

@@ -51,6 +51,7 @@ gpu_tests!(
     a_stalled_nccl_rank_is_ended_by_the_watchdog_naming_the_collective,
     prefetched_batches_are_complete_when_the_training_thread_reads_them,
     gpt_at_zero_stage_three_on_two_nccl_ranks_equals_stage_zero,
+    a_host_built_model_at_stage_three_on_two_nccl_ranks_equals_one_process,
 );
 
 #[cfg(feature = "nccl")]
@@ -355,6 +356,17 @@ mod on_gpu {
     }
 
     pub fn two_nccl_ranks_on_one_gpu_with_k2_equal_one_process_with_the_global_batch() {
+        tiny_train_on_two_nccl_ranks_equals_one_process("0");
+    }
+
+    /// As the test above at ZeRO stage 3, with the model built on the host: `prepare` moves only
+    /// each rank's pieces to the GPU (the way to a model larger than one GPU), and the two units'
+    /// gathers and reduce-scatters run over NCCL.
+    pub fn a_host_built_model_at_stage_three_on_two_nccl_ranks_equals_one_process() {
+        tiny_train_on_two_nccl_ranks_equals_one_process("3");
+    }
+
+    fn tiny_train_on_two_nccl_ranks_equals_one_process(zero_stage: &str) {
         if !have_a_gpu() {
             return;
         }
@@ -362,6 +374,7 @@ mod on_gpu {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("two_ranks.safetensors");
         let o = two_ranks_on_one_gpu(Job::worker())
+            .launcher_flags(["--zero-stage", zero_stage])
             .arg("tiny_train")
             .arg(&out)
             .args([k.to_string(), b.to_string(), samples.to_string()])
@@ -397,7 +410,7 @@ mod on_gpu {
         // GPU and CPU sum in different orders; AdamW's normalized steps keep that at rounding.
         assert!(
             d < 1e-4,
-            "max |Δθ| 2 NCCL ranks x K={k} vs one process = {d}"
+            "max |Δθ| 2 NCCL ranks x K={k} at ZeRO stage {zero_stage} vs one process = {d}"
         );
         assert!(
             max_abs_diff_flat(&initial, &reference) > 1e-2,

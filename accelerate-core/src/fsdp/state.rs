@@ -107,14 +107,14 @@ impl FsdpState {
     /// `prefetch` gathers units ahead of their use.
     pub fn new(
         layout: UnitLayout,
-        rank: usize,
+        (rank, device): (usize, &Device),
         whole: &[(String, Var)],
         (master_dtype, compute_dtype): (DType, Option<DType>),
         link: CommLink,
         (keep_gathered, prefetch): (bool, Option<Prefetcher>),
     ) -> Result<Self> {
-        let (own_dtype, device) = match whole.first() {
-            Some((_, v)) => (v.dtype(), v.device().clone()),
+        let own_dtype = match whole.first() {
+            Some((_, v)) => v.dtype(),
             None => {
                 return Err(Error::Parameters(
                     "a sharded model without parameters".into(),
@@ -136,7 +136,8 @@ impl FsdpState {
                 Some(range) => {
                     let flat = var.as_tensor().flatten_all()?;
                     let part = flat.narrow(0, range.start, range.len())?;
-                    Var::from_tensor(&part.to_dtype(master_dtype)?)?
+                    // Onto the device: the whole model may lie on the host (see `prepare`).
+                    Var::from_tensor(&part.to_dtype(master_dtype)?.to_device(device)?)?
                 }
                 // Empty, on the host: no zero-size allocation on a GPU; it never gets a gradient.
                 None => Var::zeros(0, master_dtype, &Device::Cpu)?,
@@ -154,17 +155,17 @@ impl FsdpState {
                     .iter()
                     .map(|&p| (whole[p].0.clone(), layout.shape(p).clone()))
                     .collect();
-                GradientBuffers::for_unit(&params, master_dtype, &device, layout.padded_len(u))
+                GradientBuffers::for_unit(&params, master_dtype, device, layout.padded_len(u))
             })
             .collect::<Result<Vec<_>>>()?;
         let anchors = (0..units)
-            .map(|_| Ok(Var::zeros(1, DType::F32, &device)?))
+            .map(|_| Ok(Var::zeros(1, DType::F32, device)?))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             rank,
             pieces,
             compute_dtype,
-            device,
+            device: device.clone(),
             anchors,
             whole_ids: whole
                 .iter()

@@ -110,11 +110,14 @@ pub(crate) fn prepare_model(
             )
         }));
     }
+    // At stage 3 a model may be built on the host: `prepare` moves only this rank's pieces to
+    // the device, so a model larger than one device trains if it fits the host.
+    let host_ok = p.models[0].zero_stage() == 3;
     for (name, var) in trained.iter().chain(&frozen) {
-        if !var.device().same_device(p.device) {
+        if !var.device().same_device(p.device) && !(host_ok && var.device().is_cpu()) {
             return Err(Error::Parameters(format!(
                 "parameter {name:?} is on {:?} but the accelerator computes on {:?}; build the \
-                 model with `accelerator.device()`",
+                 model with `accelerator.device()` (at ZeRO stage 3, or on the host)",
                 var.device().location(),
                 p.device.location()
             )));
@@ -165,7 +168,7 @@ pub(crate) fn prepare_model(
     };
     training.prepare_parameters(
         trained,
-        (units.as_deref(), prefetch),
+        (units.as_deref(), prefetch, p.device),
         p.bucket_cap_bytes,
         (p.rank, p.world_size),
         |var| {
@@ -304,7 +307,7 @@ impl TrainingState {
     pub fn prepare_parameters(
         &self,
         vars: Vec<(String, Var)>,
-        (units, prefetch): (Option<&[UnitSpec]>, Option<Prefetcher>),
+        (units, prefetch, device): (Option<&[UnitSpec]>, Option<Prefetcher>, &Device),
         bucket_cap_bytes: usize,
         (rank, world_size): (usize, usize),
         mut broadcast: impl FnMut(&Var) -> Result<()>,
@@ -333,7 +336,7 @@ impl TrainingState {
                 vars,
                 (layout, prefetch),
                 bucket_cap_bytes,
-                rank,
+                (rank, device),
                 broadcast,
             );
         }
@@ -399,7 +402,7 @@ impl TrainingState {
         vars: Vec<(String, Var)>,
         (layout, prefetch): (UnitLayout, Option<Prefetcher>),
         bucket_cap_bytes: usize,
-        rank: usize,
+        (rank, device): (usize, &Device),
         mut broadcast: impl FnMut(&Var) -> Result<()>,
     ) -> Result<Vec<(String, Var)>> {
         for (_, var) in &vars {
@@ -412,7 +415,7 @@ impl TrainingState {
         };
         let state = FsdpState::new(
             layout,
-            rank,
+            (rank, device),
             &vars,
             dtypes,
             self.zero_config.link.clone(),
