@@ -48,8 +48,8 @@ pub const FSDP_STATE_DICT_TYPE: &str = "ACCELERATE_FSDP_STATE_DICT_TYPE";
 /// number (0 for none, the default), or `true`/`false` (Accelerate's `fsdp_forward_prefetch`).
 pub const FSDP_FORWARD_PREFETCH: &str = "ACCELERATE_FSDP_FORWARD_PREFETCH";
 /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose backward runs: a
-/// number (0 for none; default 1), or Accelerate's `fsdp_backward_prefetch` (`BACKWARD_PRE` or
-/// `BACKWARD_POST`: one; `NO_PREFETCH`: none).
+/// number (0 for none, the default), or Accelerate's `fsdp_backward_prefetch` (`BACKWARD_PRE`
+/// or `BACKWARD_POST`: one; `NO_PREFETCH`: none).
 pub const FSDP_BACKWARD_PREFETCH: &str = "ACCELERATE_FSDP_BACKWARD_PREFETCH";
 /// Under ZeRO stage 3, an on/off switch: keep each unit gathered from its first gather in an
 /// accumulation window until the window's sync, instead of gathering it for every pass

@@ -150,8 +150,8 @@ impl AcceleratorBuilder {
     /// On the CPU communicators only: on NCCL the gathers run on the compute stream, in order,
     /// whatever this says.
     ///
-    /// Default: `ACCELERATE_FSDP_FORWARD_PREFETCH` and `ACCELERATE_FSDP_BACKWARD_PREFETCH`, else
-    /// Accelerate's: none ahead in the forward pass, one in the backward pass.
+    /// At most 64 units ahead in either pass. Default: `ACCELERATE_FSDP_FORWARD_PREFETCH` and
+    /// `ACCELERATE_FSDP_BACKWARD_PREFETCH`, else Accelerate's: none.
     pub fn fsdp_prefetch(mut self, forward: usize, backward: usize) -> Self {
         self.fsdp_prefetch = Some(crate::fsdp::PrefetchDepth { forward, backward });
         self
@@ -267,7 +267,7 @@ impl AcceleratorBuilder {
                 .unwrap_or(false),
         };
         let prefetch = match self.fsdp_prefetch {
-            Some(depth) => depth,
+            Some(depth) => depth.check()?,
             None => crate::fsdp::PrefetchDepth::from_env()?,
         };
         if zero_stage >= 2 && self.sync_each_batch {

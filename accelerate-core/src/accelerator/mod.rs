@@ -300,7 +300,9 @@ impl Accelerator {
         self.first.optimizer_steps()
     }
 
-    /// Traffic counters of the communicator (all-reduces issued, bytes sent).
+    /// Traffic counters of the communicator (all-reduces issued, bytes sent). ZeRO stage 3's
+    /// prefetched gathers run on a communicator of their own and are not in them;
+    /// [`gradient_sync_stats`](Self::gradient_sync_stats) counts every gather.
     pub fn comm_stats(&self) -> CommStats {
         self.comm.stats()
     }

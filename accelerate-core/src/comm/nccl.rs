@@ -800,13 +800,6 @@ impl Communicator for NcclCommunicator {
     fn transport_name(&self) -> &'static str {
         "nccl"
     }
-
-    fn connect_sibling(
-        &self,
-        _store: Option<&dyn crate::comm::store::Store>,
-    ) -> Result<Option<Box<dyn Communicator + Send>>> {
-        Ok(None)
-    }
 }
 
 impl NcclCommunicator {

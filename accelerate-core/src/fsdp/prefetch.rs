@@ -17,8 +17,9 @@
 //!   ([`release`](Prefetcher::release)).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use candle_core::Tensor;
@@ -38,13 +39,25 @@ pub(crate) struct PrefetchDepth {
 }
 
 impl PrefetchDepth {
-    /// Accelerate's defaults: one unit ahead in the backward pass (`BACKWARD_PRE`), none in the
-    /// forward pass (`fsdp_forward_prefetch: false`). Each unit ahead holds one more unit's
-    /// gathered parameters.
+    /// Accelerate's defaults: no prefetch (`fsdp_forward_prefetch: false`, and
+    /// `fsdp_backward_prefetch` unset, which Accelerate passes to FSDP as `None`).
     pub const DEFAULT: Self = Self {
         forward: 0,
-        backward: 1,
+        backward: 0,
     };
+
+    /// Refuses a depth beyond [`MAX_DEPTH`].
+    pub fn check(self) -> Result<Self> {
+        if self.forward.max(self.backward) > MAX_DEPTH {
+            return Err(Error::Config(format!(
+                "fsdp_prefetch({}, {}): at most {MAX_DEPTH} units can be gathered ahead (each \
+                 holds one more unit's parameters; one or two hide a gather behind a unit's \
+                 compute)",
+                self.forward, self.backward
+            )));
+        }
+        Ok(self)
+    }
 
     /// Whether any unit is gathered ahead.
     pub fn any(self) -> bool {
@@ -56,14 +69,15 @@ impl PrefetchDepth {
     pub fn from_env() -> Result<Self> {
         let forward = env::read(
             env::FSDP_FORWARD_PREFETCH,
-            "expected the number of units to gather ahead (0 for none), or true/false as \
-             Accelerate's fsdp_forward_prefetch (1/0)",
+            "expected the number of units to gather ahead (0 for none, at most 64), or \
+             true/false as Accelerate's fsdp_forward_prefetch (1/0)",
             forward_units,
         )?;
         let backward = env::read(
             env::FSDP_BACKWARD_PREFETCH,
-            "expected the number of units to gather ahead (0 for none), or Accelerate's \
-             fsdp_backward_prefetch: BACKWARD_PRE or BACKWARD_POST (1), NO_PREFETCH (0)",
+            "expected the number of units to gather ahead (0 for none, at most 64), or \
+             Accelerate's fsdp_backward_prefetch: BACKWARD_PRE or BACKWARD_POST (1), \
+             NO_PREFETCH (0)",
             backward_units,
         )?;
         Ok(Self {
@@ -74,7 +88,7 @@ impl PrefetchDepth {
 }
 
 /// A number of units ahead, at most this many (more only holds more memory to no use).
-const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
 
 fn units(value: &str) -> Option<usize> {
     value.parse::<usize>().ok().filter(|&n| n <= MAX_DEPTH)
@@ -126,18 +140,23 @@ impl Order {
         }
     }
 
-    /// Unit `u` runs in `pass`: it follows the last unit if that ran in the same pass.
+    /// Unit `u` runs in `pass`: it follows the last unit if that ran in the same pass. Where
+    /// the pass changes, the pass that ended had no unit after its last one, and the one that
+    /// begins none before `u`: links an evaluation loop made (its last unit, then its first)
+    /// would otherwise predict a gather into the other pass on every training step.
     fn record(&mut self, pass: Pass, u: usize) {
-        if let Some((last_pass, l)) = self.last {
-            if last_pass == pass {
-                match pass {
-                    Pass::Forward => {
-                        self.forward_next[l] = Some(u);
-                        self.forward_prev[u] = Some(l);
-                    }
-                    Pass::Backward => self.backward_next[l] = Some(u),
-                }
+        match (self.last, pass) {
+            (Some((Pass::Forward, l)), Pass::Forward) => {
+                self.forward_next[l] = Some(u);
+                self.forward_prev[u] = Some(l);
             }
+            (Some((Pass::Backward, l)), Pass::Backward) => self.backward_next[l] = Some(u),
+            (Some((Pass::Forward, l)), Pass::Backward) => self.forward_next[l] = None,
+            (Some((Pass::Backward, l)), Pass::Forward) => {
+                self.backward_next[l] = None;
+                self.forward_prev[u] = None;
+            }
+            (None, _) => {}
         }
         self.last = Some((pass, u));
     }
@@ -183,6 +202,8 @@ struct Lookahead {
     ready: Vec<Option<Tensor>>,
     requests: Sender<Request>,
     answers: Receiver<Answer>,
+    /// Gathers asked of the thread so far, which every rank's count must equal.
+    issued: u64,
 }
 
 impl Lookahead {
@@ -223,6 +244,9 @@ fn thread_gone() -> Error {
 pub(crate) struct Prefetcher {
     depth: PrefetchDepth,
     lookahead: Mutex<Lookahead>,
+    /// Set when the prefetcher is dropped: the thread starts no gather it was asked for before
+    /// (its peers may never issue theirs; the one under way ends by its communicator's timeout).
+    closing: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -249,10 +273,15 @@ impl Prefetcher {
     ) -> Result<Self> {
         let (requests, work) = channel::<Request>();
         let (answer, answers) = channel::<Answer>();
+        let closing = Arc::new(AtomicBool::new(false));
+        let closed = closing.clone();
         let thread = std::thread::Builder::new()
             .name("zero3-prefetch".into())
             .spawn(move || {
                 for Request { unit, send, len } in work {
+                    if closed.load(Ordering::Acquire) {
+                        break;
+                    }
                     let gathered = (|| {
                         let out = Tensor::zeros(len, send.dtype(), send.device())?;
                         comm.all_gather_into_agreed(&send, &out)?;
@@ -272,7 +301,9 @@ impl Prefetcher {
                 ready: vec![None; units],
                 requests,
                 answers,
+                issued: 0,
             }),
+            closing,
             thread: Some(thread),
         })
     }
@@ -311,6 +342,7 @@ impl Prefetcher {
                 .send(Request { unit: v, send, len })
                 .map_err(|_| thread_gone())?;
             ahead.in_flight.push_back(v);
+            ahead.issued += 1;
             asked.push(v);
         }
         if kept(u) {
@@ -337,6 +369,13 @@ impl Prefetcher {
         ahead.ready.iter_mut().for_each(|r| *r = None);
     }
 
+    /// Gathers asked of the thread so far: every rank must have asked as many (a rank that
+    /// dropped what it had gathered ahead after an error of its own is out of step with the
+    /// others from then on).
+    pub fn issued(&self) -> u64 {
+        lock(&self.lookahead).issued
+    }
+
     /// Units gathered ahead and not used yet (tests).
     #[cfg(test)]
     fn held(&self) -> usize {
@@ -346,7 +385,8 @@ impl Prefetcher {
 
 impl Drop for Prefetcher {
     fn drop(&mut self) {
-        // Closing the requests ends the thread once it has answered what it was asked.
+        // Closing the requests ends the thread after the gather under way, if any.
+        self.closing.store(true, Ordering::Release);
         let (requests, _) = channel();
         let lookahead = self.lookahead.get_mut().unwrap_or_else(|e| e.into_inner());
         drop(std::mem::replace(&mut lookahead.requests, requests));

@@ -206,8 +206,8 @@ impl FsdpState {
     }
 
     /// This rank's block of unit `u`'s flat buffer, in `dtype`: its pieces in layout order, then
-    /// zeros to the block's length. Always a buffer of its own (a gather on another thread reads
-    /// it while the pieces may be read or written here).
+    /// zeros to the block's length. With prefetch, always a buffer of its own (a gather on
+    /// another thread reads it).
     fn send_buffer(&self, u: usize, dtype: DType) -> Result<Tensor> {
         let block = self.layout.block(u);
         let mut parts = Vec::new();
@@ -225,8 +225,9 @@ impl FsdpState {
             parts.push(Tensor::zeros(block - filled, dtype, &self.device)?);
         }
         Ok(match parts.as_slice() {
-            // `cat` of one tensor (and a cast to its own dtype) shares the piece's storage.
-            [one] => one.copy()?,
+            // `cat` of one tensor (and a cast to its own dtype) shares the piece's storage,
+            // which the prefetch thread must not read while the pieces may change.
+            [one] if self.prefetch.is_some() => one.copy()?,
             _ => Tensor::cat(&parts, 0)?,
         })
     }
@@ -572,9 +573,15 @@ impl FsdpState {
         if comm.world_size() == 1 {
             return Ok(());
         }
+        // With prefetch, the gathers the prefetch thread was asked for so far too (modulo 2^20,
+        // exact in f32).
+        let issued = self
+            .prefetch
+            .as_ref()
+            .map(|p| (p.issued() % (1 << 20)) as f32);
         let runs: Vec<f32> = {
             let window = lock(&self.window);
-            let counts = window.runs.iter().map(|&r| r as f32);
+            let counts = window.runs.iter().map(|&r| r as f32).chain(issued);
             counts.clone().chain(counts.map(|r| -r)).collect()
         };
         let runs = Tensor::new(runs.as_slice(), &Device::Cpu)?;
@@ -586,7 +593,15 @@ impl FsdpState {
         }
         let runs = runs.to_vec1::<f32>()?;
         let units = self.layout.units();
-        let (most, fewest) = runs.split_at(units.len());
+        let (most, fewest) = runs.split_at(runs.len() / 2);
+        if issued.is_some() && most[units.len()] != -fewest[units.len()] {
+            return Err(Error::Config(
+                "the ranks' prefetch threads were asked for different numbers of gathers (a \
+                 rank dropped the units it had gathered ahead after an error of its own), so \
+                 their gathers no longer pair up; restart the job from its last checkpoint"
+                    .into(),
+            ));
+        }
         match (0..units.len()).find(|&u| most[u] != -fewest[u]) {
             None => Ok(()),
             Some(u) => Err(Error::Config(format!(

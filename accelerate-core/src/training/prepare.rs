@@ -68,7 +68,16 @@ fn prefetcher(
     }
     match p.comm.connect_sibling(p.store)? {
         Some(sibling) => Ok(Some(Prefetcher::start(sibling, units, depth)?)),
-        None => Ok(None),
+        None => {
+            if p.rank == 0 {
+                eprintln!(
+                    "accelerate: ZeRO stage 3 prefetch ({depth:?}) is not built for the {} \
+                     communicator; each unit is gathered when it runs",
+                    p.comm.transport_name()
+                );
+            }
+            Ok(None)
+        }
     }
 }
 

@@ -568,12 +568,20 @@ impl Communicator for CpuCommunicator {
         &self,
         store: Option<&dyn Store>,
     ) -> Result<Option<Box<dyn Communicator + Send>>> {
+        // No liveness monitor: it follows one collective at a time, the training thread's. The
+        // sibling's waits end at the silence limit, with errors that name its own collectives.
+        let options = CpuCommOptions {
+            liveness: None,
+            ..self.options.clone()
+        };
         let sibling = match store {
-            Some(store) => Self::connect(store, self.rank, self.world_size, self.options.clone())?,
-            None if self.world_size == 1 => Self::over(Link::Alone, 0, 1, self.options.clone()),
+            Some(store) => Self::connect(store, self.rank, self.world_size, options)?,
+            None if self.world_size == 1 => Self::over(Link::Alone, 0, 1, options),
             None => {
                 return Err(Error::Config(
-                    "a second communicator among several ranks needs the rendezvous store".into(),
+                    "a second communicator among several ranks needs the rendezvous store the \
+                     ranks joined through; pass the one the job's membership gives"
+                        .into(),
                 ))
             }
         };
