@@ -48,7 +48,7 @@ mod fsdp;
 mod prefetch;
 
 pub use fsdp::{layer_classes, StateDictType};
-pub use prefetch::{backward_prefetch_units, forward_prefetch_units, MAX_PREFETCH_UNITS};
+pub use prefetch::{backward_prefetch_units, forward_prefetch_units};
 
 /// Accelerate's `distributed_type`, the values we run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

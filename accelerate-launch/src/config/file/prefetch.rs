@@ -18,7 +18,7 @@ use serde_json::Value;
 use super::Reader;
 
 /// The most units gathered ahead: accelerate-core's bound (more only holds memory to no use).
-pub const MAX_PREFETCH_UNITS: usize = 64;
+const MAX_PREFETCH_UNITS: usize = 64;
 
 /// What `--fsdp-forward-prefetch` accepts, for messages.
 const FORWARD_UNITS: &str = "give the number of units all-gathered ahead in the forward pass, 0 \
