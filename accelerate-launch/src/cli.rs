@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use accelerate_core::MixedPrecision;
 use clap::Parser;
 
-use crate::config::file::{layer_classes, StateDictType};
+use crate::config::file::{
+    backward_prefetch_units, forward_prefetch_units, layer_classes, StateDictType,
+};
 
 /// Launch a training program as one process per GPU, or per `--num-processes` on the CPU.
 #[derive(Debug, Clone, Parser)]
@@ -88,6 +90,35 @@ pub struct Args {
     /// (each rank its own pieces); exported as ACCELERATE_FSDP_STATE_DICT_TYPE.
     #[arg(long, alias = "fsdp_state_dict_type", value_name = "TYPE")]
     pub fsdp_state_dict_type: Option<StateDictType>,
+
+    /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose forward runs:
+    /// 0 to 64, or true/false (1/0, Accelerate's fsdp_forward_prefetch); exported as
+    /// ACCELERATE_FSDP_FORWARD_PREFETCH (the workers' default: 0).
+    #[arg(
+        long,
+        alias = "fsdp_forward_prefetch",
+        value_name = "N|true|false",
+        value_parser = forward_prefetch_units
+    )]
+    pub fsdp_forward_prefetch: Option<usize>,
+
+    /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose backward runs:
+    /// 0 to 64, or Accelerate's fsdp_backward_prefetch, BACKWARD_PRE or BACKWARD_POST (1) or
+    /// NO_PREFETCH (0); a number is a count of units, not PyTorch's enum; exported as
+    /// ACCELERATE_FSDP_BACKWARD_PREFETCH (the workers' default: 1).
+    #[arg(
+        long,
+        alias = "fsdp_backward_prefetch",
+        value_name = "N|BACKWARD_PRE|BACKWARD_POST|NO_PREFETCH",
+        value_parser = backward_prefetch_units
+    )]
+    pub fsdp_backward_prefetch: Option<usize>,
+
+    /// Under ZeRO stage 3, keep each unit gathered from its first gather in an accumulation window
+    /// until the window's sync: one all-gather per unit per window instead of two per micro-step,
+    /// for the whole model held during the window; exported as ACCELERATE_FSDP_KEEP_GATHERED=1.
+    #[arg(long, alias = "fsdp_keep_gathered")]
+    pub fsdp_keep_gathered: bool,
 
     /// Restart the whole group up to N times when a rank fails (workers see
     /// ACCELERATE_RESTART_COUNT and resume from their latest checkpoint). On several machines,
@@ -330,6 +361,80 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn prefetch_flags_read_units_as_the_workers_do_and_refuse_typos() {
+        // A number is units ahead (0 to 64); forward also takes an on/off switch (1/0 units),
+        // backward PyTorch's BackwardPrefetch names (both timings: 1 unit; NO_PREFETCH: 0).
+        for (flag, value, units) in [
+            ("--fsdp-forward-prefetch", "true", 1),
+            ("--fsdp_forward_prefetch", "False", 0),
+            ("--fsdp-forward-prefetch", "on", 1),
+            ("--fsdp-forward-prefetch", "no", 0),
+            ("--fsdp-forward-prefetch", "0", 0),
+            ("--fsdp-forward-prefetch", "3", 3),
+            ("--fsdp-forward-prefetch", " 64", 64),
+            ("--fsdp-backward-prefetch", "BACKWARD_PRE", 1),
+            ("--fsdp_backward_prefetch", "backward_post", 1),
+            ("--fsdp-backward-prefetch", "NO_PREFETCH", 0),
+            ("--fsdp-backward-prefetch", "0", 0),
+            ("--fsdp-backward-prefetch", "2", 2),
+            ("--fsdp-backward-prefetch", "64", 64),
+        ] {
+            let a = Args::try_parse_from(["l", flag, value, "p"]).unwrap();
+            let got = if flag.contains("forward") {
+                (a.fsdp_forward_prefetch, a.fsdp_backward_prefetch)
+            } else {
+                (a.fsdp_backward_prefetch, a.fsdp_forward_prefetch)
+            };
+            assert_eq!(got, (Some(units), None), "{flag} {value}");
+        }
+        let a = Args::try_parse_from(["l", "p"]).unwrap();
+        assert_eq!(
+            (a.fsdp_forward_prefetch, a.fsdp_backward_prefetch),
+            (None, None)
+        );
+        assert!(!a.fsdp_keep_gathered);
+        for spelling in ["--fsdp-keep-gathered", "--fsdp_keep_gathered"] {
+            assert!(
+                Args::try_parse_from(["l", spelling, "p"])
+                    .unwrap()
+                    .fsdp_keep_gathered
+            );
+        }
+        for (flag, bad, want) in [
+            ("--fsdp-forward-prefetch", "65", "0 to 64, or true/false"),
+            (
+                "--fsdp-forward-prefetch",
+                "99999999999999999999999",
+                "0 to 64",
+            ),
+            ("--fsdp-forward-prefetch", "BACKWARD_PRE", "true/false"),
+            ("--fsdp-forward-prefetch", "maybe", "in the forward pass"),
+            ("--fsdp-backward-prefetch", "65", "0 to 64"),
+            (
+                "--fsdp-backward-prefetch",
+                "BACKWARD_PREE",
+                "BACKWARD_PRE or BACKWARD_POST",
+            ),
+            ("--fsdp-backward-prefetch", "true", "NO_PREFETCH"),
+            ("--fsdp-backward-prefetch", "1.5", "in the backward pass"),
+        ] {
+            let e = Args::try_parse_from(["l", flag, bad, "p"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(flag) && e.contains(&format!("'{bad}'")) && e.contains(want),
+                "{e}"
+            );
+        }
+        // A boolean flag takes no value: the next word is the program.
+        let a = Args::try_parse_from(["l", "--fsdp-keep-gathered", "prog", "1"]).unwrap();
+        assert_eq!(
+            (a.program, a.program_args),
+            (PathBuf::from("prog"), vec!["1".to_string()])
+        );
     }
 
     #[test]

@@ -254,6 +254,15 @@ pub fn plan(
     if let Some(kind) = args.fsdp_state_dict_type {
         env_vars.push((env::FSDP_STATE_DICT_TYPE.into(), kind.as_str().into()));
     }
+    if let Some(units) = args.fsdp_forward_prefetch {
+        env_vars.push((env::FSDP_FORWARD_PREFETCH.into(), units.to_string()));
+    }
+    if let Some(units) = args.fsdp_backward_prefetch {
+        env_vars.push((env::FSDP_BACKWARD_PREFETCH.into(), units.to_string()));
+    }
+    if args.fsdp_keep_gathered {
+        env_vars.push((env::FSDP_KEEP_GATHERED.into(), "1".into()));
+    }
     Ok(MpirunJob {
         hostfile: hostfile.to_path_buf(),
         num_processes,
@@ -486,6 +495,50 @@ mod tests {
             "ACCELERATE_ZERO_STAGE",
             "ACCELERATE_FSDP_LAYER_CLASSES",
             "ACCELERATE_FSDP_STATE_DICT_TYPE",
+        ] {
+            assert!(!names.contains(&absent), "{names:?}");
+        }
+    }
+
+    #[test]
+    fn prefetch_and_keep_gathered_are_forwarded_only_when_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = hostfile(dir.path(), "node1 slots=2\n");
+        let job = plan(
+            &args(&[
+                "--cpu",
+                "--zero-stage",
+                "3",
+                "--fsdp-forward-prefetch",
+                "true",
+                "--fsdp-backward-prefetch",
+                "NO_PREFETCH",
+                "--fsdp-keep-gathered",
+            ]),
+            &file,
+            0,
+            None,
+        )
+        .unwrap();
+        let exported: Vec<_> = job.exported().collect();
+        for pair in [
+            ("ACCELERATE_FSDP_FORWARD_PREFETCH", "1"),
+            ("ACCELERATE_FSDP_BACKWARD_PREFETCH", "0"),
+            ("ACCELERATE_FSDP_KEEP_GATHERED", "1"),
+        ] {
+            assert!(exported.contains(&pair), "{pair:?} not in {exported:?}");
+            assert!(
+                argv(&job).contains(&format!("-x {}", pair.0)),
+                "{}",
+                argv(&job)
+            );
+        }
+        let job = plan(&args(&["--cpu"]), &file, 0, None).unwrap();
+        let names: Vec<_> = job.exported().map(|(k, _)| k).collect();
+        for absent in [
+            "ACCELERATE_FSDP_FORWARD_PREFETCH",
+            "ACCELERATE_FSDP_BACKWARD_PREFETCH",
+            "ACCELERATE_FSDP_KEEP_GATHERED",
         ] {
             assert!(!names.contains(&absent), "{names:?}");
         }

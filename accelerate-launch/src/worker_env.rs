@@ -34,6 +34,13 @@ pub struct JobLayout {
     pub fsdp_layer_classes: Option<String>,
     /// Stage 3's state dict type to export, if given.
     pub fsdp_state_dict_type: Option<StateDictType>,
+    /// Stage 3's units gathered ahead in the forward pass to export, if given.
+    pub fsdp_forward_prefetch: Option<usize>,
+    /// Stage 3's units gathered ahead in the backward pass to export, if given.
+    pub fsdp_backward_prefetch: Option<usize>,
+    /// Whether to export stage 3's keeping of gathered units over an accumulation window (only
+    /// when on: off leaves the worker's own setting, or its default, off).
+    pub fsdp_keep_gathered: bool,
     /// Whether to train on the CPU.
     pub cpu: bool,
     /// Threads each worker may use for compute (cores shared among local workers).
@@ -97,6 +104,15 @@ impl JobLayout {
         if let Some(kind) = self.fsdp_state_dict_type {
             set(env::FSDP_STATE_DICT_TYPE, kind.as_str().into());
         }
+        if let Some(units) = self.fsdp_forward_prefetch {
+            set(env::FSDP_FORWARD_PREFETCH, units.to_string());
+        }
+        if let Some(units) = self.fsdp_backward_prefetch {
+            set(env::FSDP_BACKWARD_PREFETCH, units.to_string());
+        }
+        if self.fsdp_keep_gathered {
+            set(env::FSDP_KEEP_GATHERED, "1".into());
+        }
         if self.cpu {
             set(env::USE_CPU, "1".into());
         } else {
@@ -150,6 +166,9 @@ mod tests {
             zero_stage: Some(2),
             fsdp_layer_classes: None,
             fsdp_state_dict_type: None,
+            fsdp_forward_prefetch: None,
+            fsdp_backward_prefetch: None,
+            fsdp_keep_gathered: false,
             cpu: true,
             threads_per_worker: 3,
             ranks_per_gpu: 1,
@@ -294,6 +313,42 @@ mod tests {
         let env = full_only.worker_env(0, &|_| false);
         assert_eq!(env["ACCELERATE_FSDP_STATE_DICT_TYPE"], "FULL_STATE_DICT");
         assert!(!env.contains_key("ACCELERATE_FSDP_LAYER_CLASSES"));
+    }
+
+    #[test]
+    fn prefetch_and_keep_gathered_are_exported_to_every_worker_only_when_given() {
+        const NAMES: [&str; 3] = [
+            "ACCELERATE_FSDP_FORWARD_PREFETCH",
+            "ACCELERATE_FSDP_BACKWARD_PREFETCH",
+            "ACCELERATE_FSDP_KEEP_GATHERED",
+        ];
+        // Not given: nothing exported, the worker's own variables (or its defaults) apply.
+        for local in 0..2 {
+            let env = layout().worker_env(local, &|_| false);
+            for name in NAMES {
+                assert!(!env.contains_key(name), "{name}");
+            }
+        }
+        let given = JobLayout {
+            zero_stage: Some(3),
+            fsdp_forward_prefetch: Some(2),
+            fsdp_backward_prefetch: Some(0),
+            fsdp_keep_gathered: true,
+            ..layout()
+        };
+        for local in 0..2 {
+            let env = given.worker_env(local, &|_| false);
+            let values: Vec<_> = NAMES.iter().map(|n| env[*n].as_str()).collect();
+            assert_eq!(values, ["2", "0", "1"], "local rank {local}");
+        }
+        // Each without the others.
+        let backward_only = JobLayout {
+            fsdp_backward_prefetch: Some(1),
+            ..layout()
+        };
+        let env = backward_only.worker_env(1, &|_| false);
+        assert_eq!(env["ACCELERATE_FSDP_BACKWARD_PREFETCH"], "1");
+        assert!(!env.contains_key(NAMES[0]) && !env.contains_key(NAMES[2]));
     }
 
     #[test]

@@ -29,8 +29,10 @@
 //! | `fsdp_reshard_after_forward` (version 2) | `true` (default): stage 3, `false`: stage 2 |
 //! | `fsdp_auto_wrap_policy` | `TRANSFORMER_BASED_WRAP` with `fsdp_transformer_layer_cls_to_wrap`: `ACCELERATE_FSDP_LAYER_CLASSES`; at stage 3, no classes, `SIZE_BASED_WRAP` and `NO_WRAP` (the default) refused |
 //! | `fsdp_state_dict_type` | `FULL_STATE_DICT`, `SHARDED_STATE_DICT`: `ACCELERATE_FSDP_STATE_DICT_TYPE`; `LOCAL_STATE_DICT` refused |
+//! | `fsdp_forward_prefetch` | `true`/`false` (or what Accelerate's `str_to_bool` takes): `ACCELERATE_FSDP_FORWARD_PREFETCH` 1/0; absent or null: not set |
+//! | `fsdp_backward_prefetch` | `BACKWARD_PRE`, `BACKWARD_POST` (or PyTorch's 1, 2): `ACCELERATE_FSDP_BACKWARD_PREFETCH` 1; `NO_PREFETCH`: 0; absent or null: not set |
 //! | `fsdp_offload_params` | `false`; `true` refused |
-//! | `fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`, `fsdp_use_orig_params`, `fsdp_activation_checkpointing`, `fsdp_forward_prefetch`, `fsdp_backward_prefetch`, `fsdp_min_num_params` | quiet: no effect on what training computes here |
+//! | `fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`, `fsdp_use_orig_params`, `fsdp_activation_checkpointing`, `fsdp_min_num_params` | quiet: no effect on what training computes here |
 //! | any other | named in [`ConfigFile::ignored`] as `fsdp_config.KEY` (quiet when neutral) |
 //!
 //! Mixed precision, process counts and the rest come from the top-level keys, as for any type.
@@ -43,8 +45,10 @@ use serde_json::{Map, Value};
 use crate::cli::{MAX_ZERO_STAGE, ZERO_STAGES};
 
 mod fsdp;
+mod prefetch;
 
 pub use fsdp::{layer_classes, StateDictType};
+pub use prefetch::{backward_prefetch_units, forward_prefetch_units};
 
 /// Accelerate's `distributed_type`, the values we run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +132,14 @@ pub struct ConfigFile {
     /// `fsdp_config.fsdp_state_dict_type` under `distributed_type: FSDP`, or Accelerate's default
     /// for the FSDP version (`ACCELERATE_FSDP_STATE_DICT_TYPE`).
     pub fsdp_state_dict_type: Option<StateDictType>,
+    /// `fsdp_config.fsdp_forward_prefetch` under `distributed_type: FSDP`, as units all-gathered
+    /// ahead in the forward pass (true 1, false 0); `None` when absent or null, leaving the
+    /// workers' default (`ACCELERATE_FSDP_FORWARD_PREFETCH`).
+    pub fsdp_forward_prefetch: Option<usize>,
+    /// `fsdp_config.fsdp_backward_prefetch` under `distributed_type: FSDP`, as units all-gathered
+    /// ahead in the backward pass (`BACKWARD_PRE`/`BACKWARD_POST` 1, `NO_PREFETCH` 0); `None` when
+    /// absent or null, leaving the workers' default (`ACCELERATE_FSDP_BACKWARD_PREFETCH`).
+    pub fsdp_backward_prefetch: Option<usize>,
     /// `mpirun_config.mpirun_hostfile` of a CPU job (`--mpirun-hostfile`).
     pub mpirun_hostfile: Option<PathBuf>,
     /// Keys we do not support that ask for something (an enabled feature, an unknown key),
@@ -427,11 +439,14 @@ impl Reader<'_> {
         }
 
         let (mut fsdp_layer_classes, mut fsdp_state_dict_type) = (None, None);
+        let (mut fsdp_forward_prefetch, mut fsdp_backward_prefetch) = (None, None);
         if distributed_type == DistributedType::Fsdp {
             let fsdp = self.fsdp(get("fsdp_config"))?;
             zero_stage = Some(fsdp.zero_stage);
             fsdp_layer_classes = fsdp.layer_classes;
             fsdp_state_dict_type = Some(fsdp.state_dict_type);
+            fsdp_forward_prefetch = fsdp.forward_prefetch;
+            fsdp_backward_prefetch = fsdp.backward_prefetch;
         } else if get("fsdp_config").is_some_and(|c| !is_neutral("fsdp_config", c)) {
             // Accelerate reads it only under distributed_type FSDP.
             self.ignored.push("fsdp_config".into());
@@ -522,6 +537,8 @@ impl Reader<'_> {
             zero_stage,
             fsdp_layer_classes,
             fsdp_state_dict_type,
+            fsdp_forward_prefetch,
+            fsdp_backward_prefetch,
             mpirun_hostfile,
             ignored: self.ignored,
         })

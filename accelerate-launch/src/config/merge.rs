@@ -10,8 +10,9 @@ use crate::config::file::{ConfigFile, DistributedType};
 /// `distributed_type` decides the processes: `NO` one, `MULTI_CPU` `num_processes` on the CPU,
 /// `MULTI_GPU` (and `DEEPSPEED`, `FSDP`) `num_processes` (one per GPU when absent); `use_cpu: true`
 /// is `--cpu`. The ZeRO stage of `deepspeed_config` or `fsdp_config` is `--zero-stage`, and
-/// `fsdp_config`'s layer classes and state dict type are `--fsdp-transformer-layer-cls-to-wrap`
-/// and `--fsdp-state-dict-type`. `mpirun_config.mpirun_hostfile` is `--mpirun-hostfile`.
+/// `fsdp_config`'s layer classes, state dict type and prefetch are
+/// `--fsdp-transformer-layer-cls-to-wrap`, `--fsdp-state-dict-type`, `--fsdp-forward-prefetch` and
+/// `--fsdp-backward-prefetch`. `mpirun_config.mpirun_hostfile` is `--mpirun-hostfile`.
 /// `gpu_ids` is not a flag: the caller exports it as `CUDA_VISIBLE_DEVICES`.
 pub fn apply(file: &ConfigFile, args: &mut Args, given: &dyn Fn(&str) -> bool) {
     if !given("cpu") && (file.use_cpu || file.distributed_type == DistributedType::MultiCpu) {
@@ -59,6 +60,12 @@ pub fn apply(file: &ConfigFile, args: &mut Args, given: &dyn Fn(&str) -> bool) {
     }
     if let (false, Some(kind)) = (given("fsdp_state_dict_type"), file.fsdp_state_dict_type) {
         args.fsdp_state_dict_type = Some(kind);
+    }
+    if let (false, Some(units)) = (given("fsdp_forward_prefetch"), file.fsdp_forward_prefetch) {
+        args.fsdp_forward_prefetch = Some(units);
+    }
+    if let (false, Some(units)) = (given("fsdp_backward_prefetch"), file.fsdp_backward_prefetch) {
+        args.fsdp_backward_prefetch = Some(units);
     }
     if let (false, Some(n)) = (given("max_restarts"), file.max_restarts) {
         args.max_restarts = n;

@@ -342,6 +342,9 @@ fn worker_env(args: &Args) -> std::collections::BTreeMap<String, String> {
         zero_stage: args.zero_stage,
         fsdp_layer_classes: args.fsdp_transformer_layer_cls_to_wrap.clone(),
         fsdp_state_dict_type: args.fsdp_state_dict_type,
+        fsdp_forward_prefetch: args.fsdp_forward_prefetch,
+        fsdp_backward_prefetch: args.fsdp_backward_prefetch,
+        fsdp_keep_gathered: args.fsdp_keep_gathered,
         cpu: false,
         threads_per_worker: 1,
         ranks_per_gpu: 1,
@@ -556,6 +559,11 @@ fn other_fsdp_keys_are_quiet_when_neutral_and_named_otherwise() {
     .unwrap();
     assert_eq!(file.ignored, ["fsdp_config.fsdp_new_thing"]);
     assert_eq!(file.zero_stage, Some(3));
+    // The prefetch keys are read, not merely quiet.
+    assert_eq!(
+        (file.fsdp_forward_prefetch, file.fsdp_backward_prefetch),
+        (Some(1), Some(1))
+    );
     // Under another distributed type Accelerate does not read fsdp_config at all.
     let file = parse("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_version: 2\n").unwrap();
     assert_eq!(
@@ -783,4 +791,223 @@ fn fsdp_flags_on_the_command_line_override_the_file() {
     assert_eq!(env["ACCELERATE_FSDP_LAYER_CLASSES"], "GPT2Block,GPT2MLP");
     assert_eq!(env["ACCELERATE_FSDP_STATE_DICT_TYPE"], "FULL_STATE_DICT");
     assert_eq!(env["ACCELERATE_ZERO_STAGE"], "2");
+}
+
+/// `FSDP2_FILE` with `keys` (lines of `fsdp_config`) added.
+fn fsdp2_with(keys: &str) -> String {
+    FSDP2_FILE.replace("  fsdp_version: 2\n", &format!("  fsdp_version: 2\n{keys}"))
+}
+
+#[test]
+fn fsdp_prefetch_keys_are_units_ahead_in_every_spelling_accelerate_reads() {
+    // Accelerate's plugin: forward_prefetch through str_to_bool; backward_prefetch by name in any
+    // case, or the number of PyTorch's BackwardPrefetch (BACKWARD_PRE = 1, BACKWARD_POST = 2).
+    // Both of FSDP's backward timings gather the next unit during the current backward: 1 unit.
+    for (value, units) in [
+        ("true", 1),
+        ("false", 0),
+        ("'true'", 1),
+        ("\"False\"", 0),
+        ("yes", 1), // a YAML 1.2 string, which str_to_bool takes
+        ("'t'", 1),
+        ("off", 0),
+        ("1", 1),
+        ("0", 0),
+    ] {
+        let file = parse(&fsdp2_with(&format!("  fsdp_forward_prefetch: {value}\n"))).unwrap();
+        assert_eq!(
+            (file.fsdp_forward_prefetch, file.fsdp_backward_prefetch),
+            (Some(units), None),
+            "{value}"
+        );
+        assert!(file.ignored.is_empty(), "{value}: {:?}", file.ignored);
+    }
+    for (value, units) in [
+        ("BACKWARD_PRE", 1),
+        ("BACKWARD_POST", 1),
+        ("NO_PREFETCH", 0),
+        ("backward_post", 1),
+        ("' No_Prefetch '", 0),
+        ("1", 1),
+        ("2", 1),
+        ("'2'", 1),
+    ] {
+        let file = parse(&fsdp2_with(&format!("  fsdp_backward_prefetch: {value}\n"))).unwrap();
+        assert_eq!(
+            (file.fsdp_backward_prefetch, file.fsdp_forward_prefetch),
+            (Some(units), None),
+            "{value}"
+        );
+        assert!(file.ignored.is_empty(), "{value}: {:?}", file.ignored);
+    }
+    // Absent or null (Accelerate 1.x writes null for FSDP2): nothing, the workers' defaults.
+    for text in [
+        FSDP2_FILE.to_string(),
+        fsdp2_with("  fsdp_backward_prefetch: null\n  fsdp_forward_prefetch: null\n"),
+    ] {
+        let file = parse(&text).unwrap();
+        assert_eq!(
+            (file.fsdp_forward_prefetch, file.fsdp_backward_prefetch),
+            (None, None)
+        );
+        assert!(file.ignored.is_empty(), "{:?}", file.ignored);
+        let env = worker_env(&launch_args(&file, &["l", "p"]));
+        assert!(!env.contains_key("ACCELERATE_FSDP_FORWARD_PREFETCH"));
+        assert!(!env.contains_key("ACCELERATE_FSDP_BACKWARD_PREFETCH"));
+    }
+    // The FSDP1 file Accelerate's `accelerate config` writes asks both questions.
+    let file = parse(&fsdp1("FULL_SHARD")).unwrap();
+    assert_eq!(
+        (file.fsdp_forward_prefetch, file.fsdp_backward_prefetch),
+        (Some(0), Some(1))
+    );
+    let env = worker_env(&launch_args(&file, &["l", "p"]));
+    assert_eq!(env["ACCELERATE_FSDP_FORWARD_PREFETCH"], "0");
+    assert_eq!(env["ACCELERATE_FSDP_BACKWARD_PREFETCH"], "1");
+    assert!(!env.contains_key("ACCELERATE_FSDP_KEEP_GATHERED"));
+    // The oldest files' keys without the prefix read the same.
+    let file = parse(
+        "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: 2\n  \
+         backward_prefetch: NO_PREFETCH\n  forward_prefetch: true\n",
+    )
+    .unwrap();
+    assert_eq!(
+        (file.fsdp_forward_prefetch, file.fsdp_backward_prefetch),
+        (Some(1), Some(0))
+    );
+    // Accelerate before 0.26's spelling, which Accelerate 1.x no longer reads: named.
+    let file = parse(&fsdp2_with(
+        "  fsdp_backward_prefetch_policy: BACKWARD_PRE\n",
+    ))
+    .unwrap();
+    assert_eq!(file.fsdp_backward_prefetch, None);
+    assert_eq!(file.ignored, ["fsdp_config.fsdp_backward_prefetch_policy"]);
+    // Outside distributed_type FSDP, fsdp_config is not read (and named when not neutral).
+    let file = parse(
+        "distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_backward_prefetch: BACKWARD_PRE\n",
+    )
+    .unwrap();
+    assert_eq!(file.fsdp_backward_prefetch, None);
+    assert_eq!(file.ignored, ["fsdp_config"]);
+}
+
+#[test]
+fn fsdp_prefetch_below_stage_3_is_exported_and_changes_nothing_there() {
+    // As the state dict type: only stage 3 reads it, so the value is harmless elsewhere.
+    let file = parse(&FSDP2_FILE.replace(
+        "  fsdp_reshard_after_forward: true\n",
+        "  fsdp_reshard_after_forward: false\n  fsdp_forward_prefetch: true\n  \
+         fsdp_backward_prefetch: NO_PREFETCH\n",
+    ))
+    .unwrap();
+    assert_eq!(file.zero_stage, Some(2));
+    let env = worker_env(&launch_args(&file, &["l", "p"]));
+    assert_eq!(env["ACCELERATE_ZERO_STAGE"], "2");
+    assert_eq!(env["ACCELERATE_FSDP_FORWARD_PREFETCH"], "1");
+    assert_eq!(env["ACCELERATE_FSDP_BACKWARD_PREFETCH"], "0");
+}
+
+#[test]
+fn fsdp_prefetch_refusals_name_the_key_the_value_and_what_it_takes() {
+    for (keys, wants) in [
+        (
+            "  fsdp_forward_prefetch: 2\n",
+            &[
+                "fsdp_config.fsdp_forward_prefetch: 2:",
+                "give true",
+                "or false",
+                "--fsdp-forward-prefetch N",
+            ][..],
+        ),
+        (
+            "  fsdp_forward_prefetch: maybe\n",
+            &["fsdp_config.fsdp_forward_prefetch: \"maybe\"", "give true"],
+        ),
+        (
+            "  fsdp_forward_prefetch: [true]\n",
+            &["fsdp_config.fsdp_forward_prefetch: a list", "give true"],
+        ),
+        (
+            "  fsdp_backward_prefetch: BACKWARD_PREE\n",
+            &[
+                "fsdp_config.fsdp_backward_prefetch: \"BACKWARD_PREE\"",
+                "give BACKWARD_PRE or BACKWARD_POST",
+                "NO_PREFETCH",
+                "1 or 2",
+            ],
+        ),
+        (
+            // BackwardPrefetch(0) and (3) do not exist; a number is never a count of units here.
+            "  fsdp_backward_prefetch: 0\n",
+            &[
+                "fsdp_config.fsdp_backward_prefetch: 0:",
+                "not a count of units",
+                "--fsdp-backward-prefetch N",
+            ],
+        ),
+        (
+            "  fsdp_backward_prefetch: 3\n",
+            &["fsdp_config.fsdp_backward_prefetch: 3:", "NO_PREFETCH"],
+        ),
+        (
+            "  fsdp_backward_prefetch: true\n",
+            &["fsdp_config.fsdp_backward_prefetch: true:", "BACKWARD_PRE"],
+        ),
+        (
+            "  backward_prefetch: PRE\n",
+            &["fsdp_config.backward_prefetch: \"PRE\"", "BACKWARD_PRE"],
+        ),
+    ] {
+        let e = parse(&fsdp2_with(keys)).unwrap_err();
+        assert!(
+            e.starts_with("config file /cfg/default_config.yaml: "),
+            "{e}"
+        );
+        for want in wants {
+            assert!(e.contains(want), "{keys:?}:\n{e}\nlacks {want:?}");
+        }
+    }
+}
+
+#[test]
+fn prefetch_flags_on_the_command_line_override_the_file() {
+    let file = parse(&fsdp2_with(
+        "  fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: BACKWARD_POST\n",
+    ))
+    .unwrap();
+    // The file alone.
+    let env = worker_env(&launch_args(&file, &["l", "p"]));
+    assert_eq!(env["ACCELERATE_FSDP_FORWARD_PREFETCH"], "1");
+    assert_eq!(env["ACCELERATE_FSDP_BACKWARD_PREFETCH"], "1");
+    // Each flag wins over its key, the other key still applies.
+    let args = launch_args(&file, &["l", "--fsdp-backward-prefetch", "3", "p"]);
+    assert_eq!(
+        (args.fsdp_forward_prefetch, args.fsdp_backward_prefetch),
+        (Some(1), Some(3))
+    );
+    let args = launch_args(
+        &file,
+        &[
+            "l",
+            "--fsdp_forward_prefetch",
+            "false",
+            "--fsdp-backward-prefetch",
+            "NO_PREFETCH",
+            "--fsdp-keep-gathered",
+            "p",
+        ],
+    );
+    let env = worker_env(&args);
+    assert_eq!(env["ACCELERATE_FSDP_FORWARD_PREFETCH"], "0");
+    assert_eq!(env["ACCELERATE_FSDP_BACKWARD_PREFETCH"], "0");
+    assert_eq!(env["ACCELERATE_FSDP_KEEP_GATHERED"], "1");
+    // Flags without a file key fill in what the file leaves out.
+    let args = launch_args(
+        &parse(FSDP2_FILE).unwrap(),
+        &["l", "--fsdp-forward-prefetch", "4", "p"],
+    );
+    assert_eq!(
+        (args.fsdp_forward_prefetch, args.fsdp_backward_prefetch),
+        (Some(4), None)
+    );
 }

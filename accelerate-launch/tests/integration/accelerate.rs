@@ -261,18 +261,21 @@ fn an_fsdp_config_file_reaches_every_worker_as_zero_stage_3() {
          use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n  \
          fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
          fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  \
-         fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_offload_params: false\n",
+         fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_offload_params: false\n  \
+         fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: NO_PREFETCH\n",
     )
     .unwrap();
     let print = "echo \"worker $RANK $WORLD_SIZE stage=$ACCELERATE_ZERO_STAGE \
                  classes=$ACCELERATE_FSDP_LAYER_CLASSES sd=$ACCELERATE_FSDP_STATE_DICT_TYPE \
-                 mp=$ACCELERATE_MIXED_PRECISION\"";
+                 mp=$ACCELERATE_MIXED_PRECISION fwd=$ACCELERATE_FSDP_FORWARD_PREFETCH \
+                 bwd=$ACCELERATE_FSDP_BACKWARD_PREFETCH keep=$ACCELERATE_FSDP_KEEP_GATHERED\"";
     let o = accelerate(
         dir.path(),
         &[
             "launch",
             "--config-file",
             config.to_str().unwrap(),
+            "--fsdp-keep-gathered",
             "sh",
             "-c",
             print,
@@ -285,7 +288,10 @@ fn an_fsdp_config_file_reaches_every_worker_as_zero_stage_3() {
     assert_eq!(lines.len(), 2, "{}", o.stdout);
     for line in lines {
         assert!(
-            line.ends_with("2 stage=3 classes=LlamaDecoderLayer sd=SHARDED_STATE_DICT mp=bf16"),
+            line.ends_with(
+                "2 stage=3 classes=LlamaDecoderLayer sd=SHARDED_STATE_DICT mp=bf16 fwd=1 bwd=0 \
+                 keep=1"
+            ),
             "{line}"
         );
     }

@@ -15,6 +15,14 @@
 //! - `fsdp_state_dict_type`: `FULL_STATE_DICT` or `SHARDED_STATE_DICT` becomes
 //!   `ACCELERATE_FSDP_STATE_DICT_TYPE` (absent: Accelerate's default, `FULL_STATE_DICT` under
 //!   version 1 and `SHARDED_STATE_DICT` under version 2); `LOCAL_STATE_DICT` is refused.
+//! - The prefetch (stage 3 reads it; at other stages it is exported all the same and changes
+//!   nothing, as the state dict type): `fsdp_forward_prefetch` (a bool) becomes
+//!   `ACCELERATE_FSDP_FORWARD_PREFETCH` (true: the next unit gathered during the current one's
+//!   forward, 1; false 0), and `fsdp_backward_prefetch` becomes `ACCELERATE_FSDP_BACKWARD_PREFETCH`
+//!   (`BACKWARD_PRE` or `BACKWARD_POST`, or PyTorch's numbers 1 and 2 of older files: 1;
+//!   `NO_PREFETCH`: 0). Absent or null, nothing is exported and the workers' defaults apply (see
+//!   `prefetch.rs`). Read under both FSDP versions: Accelerate's FSDP2 ignores them, but a file
+//!   that gives one asks for it.
 //! - `fsdp_offload_params: true` is refused (no CPU offload of parameters).
 //!
 //! Keys without the `fsdp_` prefix (the oldest files: `sharding_strategy: 1`) are read with it,
@@ -22,6 +30,7 @@
 
 use serde_json::{Map, Value};
 
+use super::prefetch::accelerate_bool;
 use super::{is_neutral, Reader};
 
 /// What checkpoints and `save_model` write of the parameters under ZeRO stage 3 (Accelerate's
@@ -96,6 +105,10 @@ pub(super) struct Fsdp {
     pub zero_stage: u8,
     pub layer_classes: Option<String>,
     pub state_dict_type: StateDictType,
+    /// Units gathered ahead in the forward pass; `None`: not given.
+    pub forward_prefetch: Option<usize>,
+    /// Units gathered ahead in the backward pass; `None`: not given.
+    pub backward_prefetch: Option<usize>,
 }
 
 /// `fsdp_auto_wrap_policy`.
@@ -115,6 +128,8 @@ const READ: &[&str] = &[
     "fsdp_auto_wrap_policy",
     "fsdp_transformer_layer_cls_to_wrap",
     "fsdp_state_dict_type",
+    "fsdp_forward_prefetch",
+    "fsdp_backward_prefetch",
 ];
 
 /// Keys accepted quietly whatever they hold, as none changes what training computes here:
@@ -124,7 +139,6 @@ const READ: &[&str] = &[
 /// - `fsdp_use_orig_params`: our units always keep the original parameters (FSDP2 always does);
 /// - `fsdp_activation_checkpointing`: stage 3 recomputes each unit's forward in its backward
 ///   anyway;
-/// - `fsdp_forward_prefetch`, `fsdp_backward_prefetch`: performance hints;
 /// - `fsdp_min_num_params`: read only by `SIZE_BASED_WRAP`, refused at stage 3 by its own key,
 ///   and meaningless below it (Accelerate's launcher exports a default whatever the policy).
 const QUIET: &[&str] = &[
@@ -132,8 +146,6 @@ const QUIET: &[&str] = &[
     "fsdp_sync_module_states",
     "fsdp_use_orig_params",
     "fsdp_activation_checkpointing",
-    "fsdp_forward_prefetch",
-    "fsdp_backward_prefetch",
     "fsdp_min_num_params",
 ];
 
@@ -338,6 +350,13 @@ impl Reader<'_> {
             }
         };
 
+        let forward_prefetch = get("fsdp_forward_prefetch")
+            .map(|(key, value)| self.forward_prefetch(&key, value))
+            .transpose()?;
+        let backward_prefetch = get("fsdp_backward_prefetch")
+            .map(|(key, value)| self.backward_prefetch(&key, value))
+            .transpose()?;
+
         for (name, key, value) in &keys {
             let quiet = READ.contains(&name.as_str())
                 || QUIET.contains(&name.as_str())
@@ -350,6 +369,8 @@ impl Reader<'_> {
             zero_stage,
             layer_classes,
             state_dict_type,
+            forward_prefetch,
+            backward_prefetch,
         })
     }
 
@@ -382,22 +403,14 @@ impl Reader<'_> {
 
     /// A version 2 `reshard_after_forward`: a bool, or a string Accelerate's `str_to_bool` takes.
     fn reshard_after_forward(&self, key: &str, value: &Value) -> Result<bool, String> {
-        let text = match value {
-            Value::Bool(b) => return Ok(*b),
-            Value::Number(n) => n.to_string(),
-            Value::String(s) => s.trim().to_ascii_lowercase(),
-            _ => String::new(),
-        };
-        match text.as_str() {
-            "y" | "yes" | "t" | "true" | "on" | "1" => Ok(true),
-            "n" | "no" | "f" | "false" | "off" | "0" => Ok(false),
-            _ => Err(self.bad(
+        accelerate_bool(value).ok_or_else(|| {
+            self.bad(
                 key,
                 value,
                 "fsdp_version 2 takes true (parameters freed after each unit's forward: ZeRO \
                  stage 3) or false (kept to the backward: stage 2); sharding strategies such as \
                  FULL_SHARD are fsdp_version 1's spelling",
-            )),
-        }
+            )
+        })
     }
 }
