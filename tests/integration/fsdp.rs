@@ -342,6 +342,22 @@ fn kept_gathered_units_train_alike_with_one_gather_per_window() {
         "with prefetch too"
     );
     assert_eq!(kept_ahead[0].1, regather[0].1);
+    // Evaluations between the steps link their last unit to the next window's first; where the
+    // pass changes the links are cleared, so at most the first backward pass after each
+    // evaluation gathers one unit ahead that the window may not use.
+    let ahead = run(false, 1);
+    assert_eq!(
+        bits(&ahead[0].0),
+        bits(&regather[0].0),
+        "prefetch trains alike"
+    );
+    assert_eq!(ahead[0].1, regather[0].1, "and evaluates alike");
+    let extra = ahead[0].2.all_gathers - regather[0].2.all_gathers;
+    assert!(
+        extra < STEPS as u64,
+        "{extra} gathers more than without prefetch"
+    );
+    assert!(ahead[0].2.gathers_ahead > 0);
     assert_eq!(
         kept[0].1, regather[0].1,
         "evaluations see the updated weights"
