@@ -13,6 +13,7 @@ ratios, consistency checks).
     report.py table --results R --status STATUS_TSV --machine MACHINE_TXT --out results.md
         writes the markdown report
     report.py check --results R --status STATUS_TSV --expect-runs N --expect-statuses S,S,...
+            [--expect-launches L] [--expect-loss-agreements A]
         the self-test's assertions over a finished report (see run.sh selftest)
     report.py compare --results R
         interleaved rounds of ours and PyTorch (run names NAME-roundK, see cpu_rounds.sh):
@@ -546,6 +547,12 @@ def check(a):
     assert ncu and all("error" not in r for r in ncu), ncu
     if a.expect_launches is not None:
         assert all(r["launches_per_step"] == a.expect_launches for r in ncu), ncu
+    if a.expect_loss_agreements is not None:
+        # Every sharded row compared with its stage-0 row (a missing one would pass silently).
+        agree = [ln for ln in loss_lines(steps) if " agree, gap " in ln]
+        assert len(agree) == a.expect_loss_agreements and len(agree) == len(loss_lines(steps)), (
+            f"{len(agree)} sharded rows agree with stage 0, expected {a.expect_loss_agreements}: "
+            f"{loss_lines(steps)}")
     print(f"report check: {len(steps)} runs with every field, statuses {','.join(got)}, "
           f"launches/step {[r['launches_per_step'] for r in ncu]}: ok")
 
@@ -765,6 +772,8 @@ def main():
     c.add_argument("--expect-runs", type=int, required=True)
     c.add_argument("--expect-statuses", required=True)
     c.add_argument("--expect-launches", type=float)
+    c.add_argument("--expect-loss-agreements", type=int,
+                   help="how many sharded rows must agree on the loss with their stage-0 row")
     m = sub.add_parser("compare")
     m.add_argument("--results", required=True)
     sub.add_parser("self-test")
