@@ -27,6 +27,12 @@
 //! With `--profile-steps K`, K more steps follow the timed ones between `cuProfilerStart` and
 //! `cuProfilerStop`, so that `ncu --profile-from-start off` records exactly those.
 //!
+//! `--zero-stage N` trains at ZeRO stage N (default: `ACCELERATE_ZERO_STAGE`, else 0; the JSON
+//! line's `zero_stage` says which ran). GPT-2 computes through its units (`gpt::GptUnits`, the
+//! `gpt` example's code) at every stage: at stages 0 to 2 a unit is a plain call on the prepared
+//! parameters, at stage 3 it is gathered for each pass, so the stages differ in nothing else.
+//! SmolLM runs at stages 0 to 2 only (its whole-model code path).
+//!
 //! `bench_step --model gpt2 --mixed-precision bf16` (a `--features cuda` or `nccl` build on a
 //! GPU); `bench_step --device cpu --layers 4 --width 256 --heads 4 --context 256` on the CPU.
 
@@ -38,11 +44,12 @@ use accelerate_benchmarks::json_float::{float, floats, optional};
 use accelerate_benchmarks::{median, mfu, peak_resident_kib, synthetic};
 use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::optim::{AdamW, AdamWConfig};
-use accelerate_core::{Accelerator, MixedPrecision, PreparedOptimizer};
-use accelerate_examples::gpt::{self, GptConfig, TextWindows};
+use accelerate_core::{Accelerator, MixedPrecision, Model, PreparedOptimizer};
+use accelerate_examples::gpt::{self, GptConfig, GptUnits, TextWindows};
 use accelerate_examples::llama::{self, default_intermediate, LlamaConfig, TokenRows};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
 use clap::{Parser, ValueEnum};
 use serde_json::{json, Value};
 
@@ -120,6 +127,10 @@ struct Args {
     /// 1024 on the CPU).
     #[arg(long)]
     peak_size: Option<usize>,
+    /// ZeRO stage: 0 (plain data parallel), 1, 2 or 3 (fully sharded; --model gpt2 only).
+    /// Default: ACCELERATE_ZERO_STAGE (accelerate-launch --zero-stage sets it), else 0.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero_stage: Option<u8>,
 }
 
 /// The optimizer of every run, mirrored in torch_step.py: GPT-2's (llm.c's) AdamW settings.
@@ -269,6 +280,9 @@ fn run(args: Args) -> Result<()> {
         .seed(args.seed)
         .mixed_precision(args.mixed_precision)
         .gradient_accumulation_steps(1);
+    if let Some(stage) = args.zero_stage {
+        builder = builder.zero_stage(stage);
+    }
     match args.device {
         DeviceKind::Cpu => builder = builder.device(Device::Cpu),
         // The runtime picks the GPU (the launcher's assignment, else GPU 0); asking for one
@@ -280,6 +294,14 @@ fn run(args: Args) -> Result<()> {
         }
     }
     let mut acc = builder.build()?;
+    let zero_stage = acc.zero_stage();
+    if zero_stage == 3 && args.model == ModelKind::Smollm {
+        bail!(
+            "ZeRO stage 3 (from --zero-stage or ACCELERATE_ZERO_STAGE) is wired for --model gpt2 \
+             only: SmolLM's rows run its whole-model code, which stage 3 cannot shard; use \
+             --model gpt2, or stage 0, 1 or 2"
+        );
+    }
     let device = acc.device().clone();
     let world = acc.num_processes();
     let memory = MemoryWatch::start(&device)?;
@@ -307,9 +329,16 @@ fn run(args: Args) -> Result<()> {
     let dtype = acc.compute_dtype();
     let (params, timings) = match shape {
         Shape::Gpt2(config) => {
-            let (varmap, model) = gpt::build_in(config, args.seed, &device, dtype)?;
-            let params = acc.prepare(&varmap)?;
-            let counts = count_params(&params, &shape);
+            // The `gpt` example's path: the model computes through its units at every stage
+            // (at stage 3 `prepare_model` keeps only this rank's pieces, and the whole
+            // parameters built here are dropped).
+            let (varmap, _) = gpt::build_in(config, args.seed, &device, dtype)?;
+            let counts = count_params(&varmap, &shape);
+            let prepared =
+                acc.prepare_model(Model::from_varmap(&varmap).units(gpt::unit_specs(&config)))?;
+            drop(varmap);
+            let params = prepared.parameters().to_vec();
+            let model = GptUnits::new(config, prepared, false);
             let opt = acc.prepare(AdamW::new(params, adamw())?)?;
             // Windows of exactly `context` inputs, one per row of context + 1 tokens.
             let data = TextWindows::new(tokens, args.context, args.context, row_len, args.seed)?;
@@ -321,8 +350,8 @@ fn run(args: Args) -> Result<()> {
         }
         Shape::Smollm(config) => {
             let (varmap, model) = llama::build_in(config, args.seed, &device, dtype)?;
+            let counts = count_params(&varmap, &shape);
             let params = acc.prepare(&varmap)?;
-            let counts = count_params(&params, &shape);
             let opt = acc.prepare(AdamW::new(params, adamw())?)?;
             let data = TokenRows::new(tokens, row_len)?;
             let items_of = |batch: &llama::RowBatch| batch.predicted;
@@ -377,6 +406,7 @@ fn run(args: Args) -> Result<()> {
         ),
         ("gpu", json!(gpu)),
         ("world_size", json!(world)),
+        ("zero_stage", json!(zero_stage)),
         ("batch_size", json!(args.batch_size)),
         ("context", json!(args.context)),
         ("layers", json!(shape.layers())),
@@ -427,7 +457,8 @@ fn run(args: Args) -> Result<()> {
         ),
     };
     println!(
-        "bench_step: {} {} ours, {world} rank(s) x batch {} x context {}: step {step_median:.2} \
+        "bench_step: {} {} ours, ZeRO stage {zero_stage}, {world} rank(s) x batch {} x context {}: \
+         step {step_median:.2} \
          ms median ({step_mean:.2} mean), {tokens_per_s:.0} tokens/s, MFU {:.2} % of {} \
          TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, loss {:.4}",
         model_name,
@@ -446,10 +477,12 @@ fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// All parameters, and those that multiply (all but the embedding tables).
-fn count_params(params: &[(String, candle_core::Var)], shape: &Shape) -> (usize, usize) {
-    let total = params.iter().map(|(_, v)| v.elem_count()).sum();
-    let matmul = params
+/// All parameters of the whole model, and those that multiply (all but the embedding tables):
+/// counted before `prepare`, which at ZeRO stage 3 leaves each rank its pieces only.
+fn count_params(varmap: &VarMap, shape: &Shape) -> (usize, usize) {
+    let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+    let total = data.values().map(|v| v.elem_count()).sum();
+    let matmul = data
         .iter()
         .filter(|(n, _)| !shape.is_embedding_table(n))
         .map(|(_, v)| v.elem_count())

@@ -30,6 +30,15 @@ Several ranks on one GPU (torchrun --nproc-per-node 2 on a one-GPU machine): NCC
 ranks of one host on one GPU, so each rank gets a host id of its own (NCCL_HOSTID) before the
 process group starts, and DDP is told not to pin a device index (Accelerate would pass
 LOCAL_RANK, which does not exist).
+
+Several ranks are data parallel through Accelerate (DDP) by default. `--fsdp2` (gpt2, eager,
+under torchrun) shards the model instead, as bench_step's `--zero-stage 3`: PyTorch's FSDP2,
+`fully_shard` on each transformer block and then on the root (which takes the embeddings, the
+final LayerNorm and the head, left over), with `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)` under bf16 in place of Accelerate's autocast (parameters gathered in bf16,
+gradients reduce-scattered in f32 into the f32 shards); Accelerate still starts the process
+group and prepares the optimizer and the data loader, but not the model. The JSON line's
+"sharding" says which ran: "none" (one process), "ddp" or "fsdp2".
 """
 
 import argparse
@@ -263,12 +272,18 @@ def main():
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs)")
     ap.add_argument("--fused-adamw", action="store_true",
                     help="torch.optim.AdamW(fused=True) instead of the default (foreach)")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="shard the model with FSDP2's fully_shard (each block, then the root) "
+                         "instead of DDP; gpt2 and --mode eager, under torchrun")
     for flag in ("layers", "width", "heads", "kv-heads", "intermediate", "vocab", "peak-size"):
         ap.add_argument(f"--{flag}", type=int)
     args = ap.parse_args()
     if min(args.batch_size, args.context, args.steps) < 1 or min(args.warmup, args.profile_steps) < 0:
         sys.exit("error: --batch-size, --context and --steps must be at least 1")
     shape = shape_of(args)
+    if args.fsdp2 and (args.model != "gpt2" or args.mode != "eager"):
+        sys.exit("error: --fsdp2 is wired for --model gpt2 --mode eager only (bench_step's "
+                 "--zero-stage 3 rows); drop --fsdp2 or use those")
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,6 +300,10 @@ def main():
     acc = Accelerator(cpu=not cuda, mixed_precision=args.mixed_precision,
                       dynamo_backend="inductor" if args.mode == "compile" else "no")
     device, world = acc.device, acc.num_processes
+    if args.fsdp2 and not torch.distributed.is_initialized():
+        sys.exit("error: --fsdp2 needs a process group: run under torchrun "
+                 "(python -m torch.distributed.run --nproc-per-node N ...)")
+    sharding = "fsdp2" if args.fsdp2 else ("ddp" if world > 1 else "none")
     torch.manual_seed(args.seed)
 
     memory = MemoryWatch(device) if cuda else None
@@ -309,8 +328,14 @@ def main():
     # What AdamW runs: the fused kernel when asked; by default foreach on a GPU, a loop over the
     # parameters on the CPU (torch's own choice).
     optimizer = "fused" if args.fused_adamw else ("foreach" if cuda else "for-loop")
+    if args.fsdp2:
+        model = fully_shard_gpt(model, device, args.mixed_precision)
     opt = torch.optim.AdamW(model.parameters(), **adamw, **({"fused": True} if args.fused_adamw else {}))
-    model, opt, loader = acc.prepare(model, opt, loader)
+    if args.fsdp2:
+        # The model is FSDP2's; Accelerate would wrap it in DDP and autocast its forward.
+        opt, loader = acc.prepare(opt, loader)
+    else:
+        model, opt, loader = acc.prepare(model, opt, loader)
     if len(loader) != total_steps:
         sys.exit(f"error: the prepared loader holds {len(loader)} batches, not {total_steps}")
 
@@ -365,7 +390,8 @@ def main():
         "bench": "step", "impl": "torch", "mode": args.mode, "model": args.model,
         "mixed_precision": args.mixed_precision, "device": args.device,
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
-        "world_size": world, "batch_size": args.batch_size, "context": args.context,
+        "world_size": world, "sharding": sharding, "batch_size": args.batch_size,
+        "context": args.context,
         "layers": shape["layers"], "width": shape["width"], "heads": shape["heads"],
         "vocab": shape["vocab"], "n_params": n_params, "n_params_matmul": n_matmul,
         "flops_per_token": flops_per_token, "warmup": args.warmup, "steps": args.steps,
@@ -388,12 +414,37 @@ def main():
     print(json.dumps(json_safe(line), allow_nan=False), flush=True)
     memory_text = (f"peak device memory {mib(mem_peak):.0f} MiB (torch allocated "
                    f"{mib(framework_peak):.0f})" if cuda else f"peak RSS {line['rss_peak_mib']:.0f} MiB")
-    print(f"torch_step: {args.model} {args.mixed_precision} torch {args.mode}, {world} rank(s) x "
+    print(f"torch_step: {args.model} {args.mixed_precision} torch {args.mode} ({sharding}), "
+          f"{world} rank(s) x "
           f"batch {args.batch_size} x context {args.context}: step {step_median:.2f} ms median "
           f"({step_mean:.2f} mean), {tokens_per_s:.0f} tokens/s, MFU {mfu * 100:.2f} % of "
           f"{peak_tflops:.{3 if peak_tflops < 10 else 1}f} TFLOP/s ({peak_dtype} {peak_size}^3), {memory_text}, "
           f"loss {final_loss:.4f}", flush=True)
     finish(acc)
+
+
+def fully_shard_gpt(model, device, mixed_precision):
+    """`model` (GptLoss, on the CPU) moved to `device`, given rank 0's weights, and sharded over
+    every rank with FSDP2: `fully_shard` on each block, then on the root, which takes the
+    parameters left over (the embeddings, ln_f, the head). Under bf16, parameters are gathered
+    in bf16 and gradients reduce-scattered in f32 (as bench_step's stage 3: the compute dtype
+    for the gather, f32 for the reduction); in f32 no policy is needed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model.to(device)
+    # Rank 0's initial weights everywhere, as DDP broadcasts them: the ranks' random streams
+    # differ by now (the main process alone drew the peak's matrices), and each rank keeps its
+    # own shard of what it built.
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.distributed.broadcast(p, src=0)
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision == "bf16" else MixedPrecisionPolicy())
+    for block in model.gpt.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
 
 
 def json_safe(x):

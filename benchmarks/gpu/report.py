@@ -13,6 +13,7 @@ ratios, consistency checks).
     report.py table --results R --status STATUS_TSV --machine MACHINE_TXT --out results.md
         writes the markdown report
     report.py check --results R --status STATUS_TSV --expect-runs N --expect-statuses S,S,...
+            [--expect-launches L] [--expect-loss-agreements A]
         the self-test's assertions over a finished report (see run.sh selftest)
     report.py compare --results R
         interleaved rounds of ours and PyTorch (run names NAME-roundK, see cpu_rounds.sh):
@@ -175,6 +176,47 @@ def config_key(r):
             r.get("context"), r.get("layers"), r.get("width"))
 
 
+def zero_stage(r):
+    """The ZeRO stage a row ran at: ours' own `zero_stage` (0 in lines from before the field);
+    PyTorch's FSDP2 (`fully_shard`, parameters sharded) counts as stage 3, its DDP and a single
+    process as stage 0."""
+    if r.get("impl") == "ours":
+        return r.get("zero_stage") or 0
+    return 3 if r.get("sharding") == "fsdp2" else 0
+
+
+def sharding_name(r):
+    """How a row's ranks share the model: "ZeRO N" (ours), "DDP" or "FSDP2" (PyTorch), "–" for
+    one process."""
+    if r.get("impl") == "ours":
+        return f"ZeRO {zero_stage(r)}" if r.get("world_size", 1) > 1 or zero_stage(r) else "–"
+    return {"fsdp2": "FSDP2", "ddp": "DDP"}.get(r.get("sharding"),
+                                                 "DDP" if r.get("world_size", 1) > 1 else "–")
+
+
+def impl_name(r):
+    """A row's implementation as the tables show it."""
+    if r["impl"] == "ours":
+        name = "ours" + (f", ZeRO {zero_stage(r)}" if zero_stage(r) else "")
+    else:
+        name = f"torch {r['mode']}" + (", FSDP2" if r.get("sharding") == "fsdp2" else "")
+    if r.get("optimizer") == "fused":
+        name += ", fused AdamW"
+    return name
+
+
+def in_ratios(r):
+    """Whether a row is a reference of the ours/theirs ratios: PyTorch's default AdamW, and
+    stage 0 (DDP); the sharded rows have their own section, the fused AdamW its own row."""
+    return r.get("optimizer") != "fused" and zero_stage(r) == 0
+
+
+# Losses of the same configuration at another stage (or FSDP2 against DDP) further apart than
+# this fraction of the loss are flagged: the stages compute the same steps, up to float
+# rounding (bf16's on a GPU) and nondeterministic kernels.
+LOSS_GAP = 1e-3
+
+
 def label(r):
     precision = "f32" if r["mixed_precision"] == "no" else r["mixed_precision"]
     return (f"{r['model']} ({r['layers']}x{r['width']}) {precision}, "
@@ -301,14 +343,12 @@ def table(a):
         if "error" not in r and r.get("config"):
             ours_launches[tuple(r["config"])] = r.get("launches_per_step")
     for r in sorted(steps, key=lambda r: (config_key(r), r["impl"] != "ours", r["mode"],
-                                          r.get("optimizer") == "fused")):
+                                          zero_stage(r), r.get("optimizer") == "fused")):
         smi = (r["smi_peak_mib"] - r["smi_before_mib"]) if "smi_peak_mib" in r else None
         launches = r.get("launches_per_step")
         if r["impl"] == "ours":
             launches = ours_launches.get(tuple(config_key(r)))
-        impl = "ours" if r["impl"] == "ours" else f"torch {r['mode']}"
-        if r.get("optimizer") == "fused":
-            impl += ", fused AdamW"
+        impl = impl_name(r)
         if r.get("rc") not in (0, None):
             impl += f" (exit {r['rc']} after its result)"
         device = r.get("device")
@@ -333,8 +373,9 @@ def table(a):
             "| vs compile: memory |", "|---|---:|---:|---:|---:|"]
     by_config = {}
     for r in steps:
-        # The ratios compare with PyTorch's default AdamW; the fused one's row is in the table.
-        if r.get("optimizer") != "fused":
+        # The ratios compare with PyTorch's default AdamW at stage 0 (DDP); the fused one's row
+        # is in the table, the sharded rows in their own section.
+        if in_ratios(r):
             by_config.setdefault(config_key(r), {})[(r["impl"], r["mode"])] = r
     for key, runs in sorted(by_config.items(), key=lambda kv: str(kv[0])):
         ours = runs.get(("ours", "candle"))
@@ -354,6 +395,7 @@ def table(a):
                 cells += ["–", "–"]
         out.append(f"| {label(ours)} | " + " | ".join(cells) + " |")
 
+    out += sharded_section(steps)
     out += ["", "## Checks", ""] + [f"- {c}" for c in checks(steps) + peak_lines(peaks)]
     out += ["", "## Notes", ""] + [f"- {n}" for n in NOTES]
     for r in ncu:
@@ -361,6 +403,90 @@ def table(a):
                    f"{r['launches']} launches over {r['profiled_steps']} steps = "
                    f"{r['launches_per_step']:.1f} per step, {r['gpu_ms_per_step']:.2f} GPU ms per step"))
     Path(a.out).write_text("\n".join(out) + "\n")
+
+
+def sharded_section(steps):
+    """The sharded rows beside their stage-0 ones, for each configuration that has any: ours at
+    ZeRO stages 0, 2 and 3, PyTorch's DDP and FSDP2 (eager, default AdamW), each stage's step
+    time against its own side's stage 0, and ours / theirs at stage 0 (DDP) and 3 (FSDP2)."""
+    groups = {}
+    for r in steps:
+        if r.get("optimizer") != "fused" and r["mode"] != "compile":
+            groups.setdefault(config_key(r), []).append(r)
+    groups = {k: rows for k, rows in groups.items() if any(zero_stage(r) for r in rows)}
+    if not groups:
+        return []
+    out = ["", "## Sharded: ZeRO stages and FSDP2", "",
+           "Ours at ZeRO stages 0, 2 and 3 (bench_step --zero-stage; the GPT computes through "
+           "its units at every stage) and PyTorch eager with DDP and with FSDP2 (fully_shard per "
+           "block and on the root; bf16: MixedPrecisionPolicy(param_dtype=bf16, "
+           "reduce_dtype=fp32), which also runs the LayerNorms in bf16 where DDP's autocast "
+           "runs them in f32), the same data and steps. With several ranks on one GPU the "
+           "memory columns are the whole GPU's, every rank's together. \"vs stage 0\": this "
+           "row's step time over its own side's stage-0 (DDP) row.", "",
+           "| configuration | impl | sharding | step ms | tokens/s | mem MiB (driver) "
+           "| mem MiB (nvidia-smi) | loss | vs stage 0: step time |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    pairs = []
+    for key, rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        rows.sort(key=lambda r: (r["impl"] != "ours", zero_stage(r)))
+        base = {side: next((r for r in rows if (r["impl"] == "ours") == (side == "ours")
+                            and zero_stage(r) == 0), None) for side in ("ours", "torch")}
+        for r in rows:
+            b = base["ours" if r["impl"] == "ours" else "torch"]
+            smi = (r["smi_peak_mib"] - r["smi_before_mib"]) if "smi_peak_mib" in r else None
+            mem = r.get("mem_used_peak_mib") if r.get("device") == "cuda" else r.get("rss_peak_mib")
+            out.append(
+                f"| {label(r)} | {'ours' if r['impl'] == 'ours' else 'torch ' + r['mode']} "
+                f"| {sharding_name(r)} "
+                f"| {fmt(r.get('step_ms_median'), '.1f')} | {fmt(r.get('tokens_per_s'), ',.0f')} "
+                f"| {fmt(mem, ',.0f')}{'' if r.get('device') == 'cuda' else ' (RSS)'} "
+                f"| {fmt(smi, ',.0f')} | {fmt(r.get('final_loss'), '.4f')} "
+                f"| {fmt(ratio(r.get('step_ms_median'), b['step_ms_median']) if b else None, '.2f')} |")
+        for stage in (0, 3):
+            ours = next((r for r in rows if r["impl"] == "ours" and zero_stage(r) == stage), None)
+            theirs = next((r for r in rows if r["impl"] == "torch" and zero_stage(r) == stage),
+                          None)
+            if ours and theirs:
+                pairs.append((label(ours), stage, ours, theirs))
+    if pairs:
+        out += ["", "| configuration | ours / torch at | tokens/s | memory (driver) |",
+                "|---|---|---:|---:|"]
+        for lab, stage, ours, theirs in pairs:
+            mo, mt = ours.get("mem_used_peak_mib"), theirs.get("mem_used_peak_mib")
+            if mo is None or mt is None:
+                mo, mt = ours.get("rss_peak_mib"), theirs.get("rss_peak_mib")
+            what = "ZeRO 3 / FSDP2" if stage == 3 else "ZeRO 0 / DDP"
+            out.append(f"| {lab} | {what} | "
+                       f"{fmt(ratio(ours.get('tokens_per_s'), theirs.get('tokens_per_s')), '.2f')} "
+                       f"| {fmt(ratio(mo, mt), '.2f')} |")
+    return out
+
+
+def loss_lines(steps):
+    """Each sharded row's final loss against its side's stage-0 (DDP) row of the same
+    configuration: the same training up to rounding, so a gap above LOSS_GAP is flagged."""
+    lines = []
+    for r in steps:
+        if not zero_stage(r) or r.get("optimizer") == "fused" or r["mode"] == "compile":
+            continue
+        base = next((b for b in steps if config_key(b) == config_key(r)
+                     and b["impl"] == r["impl"] and b["mode"] == r["mode"]
+                     and zero_stage(b) == 0 and b.get("optimizer") != "fused"), None)
+        if base is None:
+            lines.append(f"{r['run']}: no stage-0 row of its configuration to compare its loss "
+                         "with")
+            continue
+        a, b = r.get("final_loss"), base.get("final_loss")
+        if not (finite(a) and finite(b)):
+            continue  # listed as NON-FINITE
+        gap = abs(a - b)
+        verdict = ("agree" if gap <= LOSS_GAP * abs(b)
+                   else f"DIFFER (above {LOSS_GAP:g} of the loss)")
+        lines.append(f"{r['run']} ({sharding_name(r)}) against {base['run']} "
+                     f"({sharding_name(base)}): final losses {a:.5f} and {b:.5f} {verdict}, "
+                     f"gap {gap:.2e}")
+    return lines
 
 
 def checks(steps):
@@ -397,7 +523,7 @@ def checks(steps):
                          f"{ln_v:.3f}")
     lines.append("final losses within 1.0 of ln(vocab) (uniform random tokens) unless listed above"
                  " (a non-finite one is listed above, flagged)")
-    return lines
+    return lines + loss_lines(steps)
 
 
 def check(a):
@@ -421,6 +547,12 @@ def check(a):
     assert ncu and all("error" not in r for r in ncu), ncu
     if a.expect_launches is not None:
         assert all(r["launches_per_step"] == a.expect_launches for r in ncu), ncu
+    if a.expect_loss_agreements is not None:
+        # Every sharded row compared with its stage-0 row (a missing one would pass silently).
+        agree = [ln for ln in loss_lines(steps) if " agree, gap " in ln]
+        assert len(agree) == a.expect_loss_agreements and len(agree) == len(loss_lines(steps)), (
+            f"{len(agree)} sharded rows agree with stage 0, expected {a.expect_loss_agreements}: "
+            f"{loss_lines(steps)}")
     print(f"report check: {len(steps)} runs with every field, statuses {','.join(got)}, "
           f"launches/step {[r['launches_per_step'] for r in ncu]}: ok")
 
@@ -507,6 +639,24 @@ def self_test(_a=None):
         {"bench": "step", "error": "no result line", "tail": [], "run": "torch-eager-gpt2-bf16-2ranks",
          "rc": 1, "run_wall_s": 3},
     ]
+    # Four ranks: ours at ZeRO stages 0, 2 and 3, PyTorch's DDP and FSDP2. Stage 3 and FSDP2 take
+    # 1.5 times their side's stage-0 step; stage 3's loss is 0.05 off stage 0's (flagged), stage
+    # 2's 0.001 (within 1e-3 of the loss).
+    four = dict(world_size=4, tokens_per_s=4 * 81920.0)
+    rows += [
+        _self_test_row(**dict(four, run="ours-4ranks", zero_stage=0, mem_used_peak_mib=30000.0)),
+        _self_test_row(**dict(four, run="ours-4ranks-zero2", zero_stage=2, step_ms_median=110.0,
+                              final_loss=10.901)),
+        _self_test_row(**dict(four, run="ours-4ranks-zero3", zero_stage=3, step_ms_median=150.0,
+                              tokens_per_s=4 * 81920.0 / 1.5, mem_used_peak_mib=15000.0,
+                              final_loss=10.95)),
+        _self_test_row(**dict(torch_row, world_size=4, run="torch-ddp-4ranks", sharding="ddp",
+                              step_ms_median=80.0, tokens_per_s=4 * 81920.0 / 0.8,
+                              mem_used_peak_mib=50000.0)),
+        _self_test_row(**dict(torch_row, world_size=4, run="torch-fsdp2-4ranks", sharding="fsdp2",
+                              step_ms_median=120.0, tokens_per_s=4 * 81920.0 / 1.2,
+                              mem_used_peak_mib=20000.0)),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         results, status, out = (Path(tmp) / n for n in ("r.jsonl", "s.tsv", "r.md"))
         results.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -561,9 +711,39 @@ def self_test(_a=None):
                for ln in lines), "the teardown failure is listed in the checks"
     assert any(ln.startswith("| torch-eager-gpt2-bf16-2ranks | failed (exit 1, no result line)")
                for ln in lines), "a run without a result line is a failure"
+    # The sharded section: each row's step time over its side's stage 0, ours / theirs at
+    # stage 0 (DDP) and 3 (FSDP2), and the losses against stage 0.
+    cfg4 = "gpt2 (12x768) bf16, 4 rank(s), batch 8 x 1024"
+    start = lines.index("## Sharded: ZeRO stages and FSDP2")
+    section = lines[start:lines.index("## Checks")]
+
+    def sharded_row(impl, sharding):
+        found = [ln for ln in section if ln.startswith(f"| {cfg4} | {impl} | {sharding} |")]
+        assert len(found) == 1, (impl, sharding, section)
+        return [c.strip() for c in found[0].split("|")]
+
+    assert sharded_row("ours", "ZeRO 0")[9] == "1.00"
+    assert sharded_row("ours", "ZeRO 2")[9] == "1.10"
+    assert sharded_row("ours", "ZeRO 3")[9] == "1.50"
+    assert sharded_row("torch eager", "DDP")[9] == "1.00"
+    assert sharded_row("torch eager", "FSDP2")[9] == "1.50"
+    assert sharded_row("ours", "ZeRO 3")[8] == "10.9500"
+    # ours 327,680 / 1.5 against 327,680 / 1.2 tokens/s: 0.80; memory 15,000 / 20,000.
+    assert f"| {cfg4} | ZeRO 3 / FSDP2 | 0.80 | 0.75 |" in section, section
+    # 327,680 against 409,600 tokens/s; memory 30,000 / 50,000.
+    assert f"| {cfg4} | ZeRO 0 / DDP | 0.80 | 0.60 |" in section, section
+    # The ours/theirs ratios of that configuration take DDP, not FSDP2, and stage 0, not 3.
+    four_ratio = [ln for ln in lines if ln.startswith(f"| {cfg4} | ") and ln.count("|") == 6]
+    assert len(four_ratio) == 1 and four_ratio[0].split("|")[2].strip() == "0.80", four_ratio
+    assert four_ratio[0].split("|")[3].strip() == "0.60", four_ratio
+    loss = {ln.split(" ")[1]: ln for ln in lines if " against " in ln and "final losses" in ln}
+    assert "DIFFER" in loss["ours-4ranks-zero3"] and "5.00e-02" in loss["ours-4ranks-zero3"], loss
+    assert "agree" in loss["ours-4ranks-zero2"] and "agree" in loss["torch-fsdp2-4ranks"], loss
+    assert "against torch-ddp-4ranks" in loss["torch-fsdp2-4ranks"], loss
     print("report self-test: non-finite fields shown and flagged, a result before a failed "
           "teardown kept and marked, MFU against one peak with the gap flagged, the pack's "
-          "provenance at the top, PyTorch's fused AdamW apart, the notes: ok")
+          "provenance at the top, PyTorch's fused AdamW apart, the sharded rows (ZeRO stages, "
+          "FSDP2) in their own section with their losses checked, the notes: ok")
 
 
 def main():
@@ -592,6 +772,8 @@ def main():
     c.add_argument("--expect-runs", type=int, required=True)
     c.add_argument("--expect-statuses", required=True)
     c.add_argument("--expect-launches", type=float)
+    c.add_argument("--expect-loss-agreements", type=int,
+                   help="how many sharded rows must agree on the loss with their stage-0 row")
     m = sub.add_parser("compare")
     m.add_argument("--results", required=True)
     sub.add_parser("self-test")

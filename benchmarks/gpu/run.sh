@@ -378,8 +378,10 @@ device() {
   # Two ranks on the one GPU (NCCL; on the CPU, two CPU processes).
   local launch=("${ours_env[@]}" "$BIN/accelerate-launch" --num-gpus 1 --ranks-per-gpu 2)
   [ "$DEV" = cpu ] && launch=("${ours_env[@]}" "$BIN/accelerate-launch" --cpu --num-processes 2)
+  # Stage 0 named, so that no ACCELERATE_ZERO_STAGE in the environment changes it: this row and
+  # the next (DDP) are also the stage-0 rows of the sharded comparison in (6).
   bench ours-gpt2-bf16-2ranks 120 30 "${launch[@]}" "$BIN/bench_step" "${gpt[@]}" \
-    "${common[@]}" "${bf16[@]}"
+    "${common[@]}" "${bf16[@]}" --zero-stage 0
   bench torch-eager-gpt2-bf16-2ranks 150 40 "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node 2 benchmarks/torch_step.py "${torch_cpu[@]}" "${gpt[@]}" "${common[@]}" \
     "${bf16[@]}" --mode eager
@@ -396,6 +398,19 @@ device() {
     --mode compile --profile-steps 2 --profile-out "$p-compile-gpt2-bf16.txt"
   bench torch-compile-smollm-bf16 240 90 "${torch[@]}" "${smol[@]}" "${common[@]}" "${bf16[@]}" \
     --mode compile --profile-steps 2 --profile-out "$p-compile-smollm-bf16.txt"
+
+  # (6) Sharded, after every required step above so that a short budget gets those first (the
+  # optional ones below take what is left): ours at ZeRO stages 3 and 2 and PyTorch's FSDP2 on
+  # the 2 ranks of (3), with its arguments; ours-gpt2-bf16-2ranks (stage 0) and
+  # torch-eager-gpt2-bf16-2ranks (DDP) are their stage-0 rows. Stage 3 and FSDP2 first.
+  bench ours-gpt2-bf16-2ranks-zero3 150 40 "${launch[@]}" "$BIN/bench_step" "${gpt[@]}" \
+    "${common[@]}" "${bf16[@]}" --zero-stage 3
+  bench torch-fsdp2-gpt2-bf16-2ranks 150 40 "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 2 benchmarks/torch_step.py "${torch_cpu[@]}" "${gpt[@]}" "${common[@]}" \
+    "${bf16[@]}" --mode eager --fsdp2
+  bench ours-gpt2-bf16-2ranks-zero2 120 30 "${launch[@]}" "$BIN/bench_step" "${gpt[@]}" \
+    "${common[@]}" "${bf16[@]}" --zero-stage 2
+
   bench torch-compile-gpt2-f32 200 "$OPTIONAL_MIN_S" "${torch[@]}" "${gpt[@]}" "${common[@]}" \
     "${f32[@]}" --mode compile
   bench torch-compile-smollm-f32 200 "$OPTIONAL_MIN_S" "${torch[@]}" "${smol[@]}" \
@@ -533,7 +548,9 @@ selftest_provenance() {
 selftest() {
   selftest_core_cuda && selftest_provenance || return 1
   local target=${CARGO_TARGET_DIR:-$ROOT/target}
-  cargo build --release -p accelerate-benchmarks --bin bench_step -p accelerate-launch || return 1
+  # Both binaries named: `--bin bench_step` alone would leave the launcher's unbuilt.
+  cargo build --release -p accelerate-benchmarks -p accelerate-launch --bin bench_step \
+    --bin accelerate-launch || return 1
   local venv=$ROOT/target/torch-venv
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch, accelerate, transformers' 2>/dev/null; then
     log "selftest: installing torch 2.11, accelerate 1.15, transformers 5.17 into $venv (the GPU machine's versions)"
@@ -594,10 +611,11 @@ EOF
     WARMUP_BF16=1 STEPS_BF16=3 WARMUP_F32=1 STEPS_F32=3 device || return 1
   local expect="passed,passed,passed,failed,timeout"
   expect+=",passed,passed,passed,passed,passed,passed,passed,passed,passed,passed,passed"
-  expect+=",passed,passed,passed,skipped,skipped,skipped"
+  expect+=",passed,passed,passed,passed,passed,passed,skipped,skipped,skipped"
+  # 16 runs; the sharded ones (stages 3 and 2, FSDP2) each agree on the loss with stage 0 (DDP).
   "$venv/bin/python" benchmarks/gpu/report.py check --results "$tmp/out/results.jsonl" \
-    --status "$tmp/out/status.tsv" --expect-runs 13 --expect-statuses "$expect" \
-    --expect-launches 7 || return 1
+    --status "$tmp/out/status.tsv" --expect-runs 16 --expect-statuses "$expect" \
+    --expect-launches 7 --expect-loss-agreements 3 || return 1
   "$venv/bin/python" benchmarks/gpu/ncu_summary.py --self-test || return 1
   # The report's awkward rows (a non-finite loss, ...), which the tiny runs above do not produce.
   "$venv/bin/python" benchmarks/gpu/report.py self-test || return 1
@@ -619,7 +637,13 @@ EOF
     "smollm (2x64) f32, 1 rank(s), batch 4 x 32 | torch eager" \
     "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours" \
     "smollm (2x64) bf16, 1 rank(s), batch 4 x 32 | torch compile" \
-    "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | torch eager, fused AdamW"; do
+    "gpt2 (2x64) bf16, 1 rank(s), batch 4 x 32 | torch eager, fused AdamW" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours, ZeRO 3" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | torch eager, FSDP2" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours | ZeRO 0" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ours | ZeRO 2" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | torch eager | DDP" \
+    "gpt2 (2x64) bf16, 2 rank(s), batch 4 x 32 | ZeRO 3 / FSDP2"; do
     grep -qF "| $row |" "$tmp/out/results.md" || {
       log "selftest: results.md lacks the row '$row'"
       return 1
