@@ -123,7 +123,8 @@ pub(crate) fn prepare_model(
     // the device, so a model larger than one device trains if it fits the host.
     let host_ok = p.models[0].zero_stage() == 3;
     for (name, var) in trained.iter().chain(&frozen) {
-        if !var.device().same_device(p.device) && !(host_ok && var.device().is_cpu()) {
+        let placed = var.device().same_device(p.device) || (host_ok && var.device().is_cpu());
+        if !placed {
             return Err(Error::Parameters(format!(
                 "parameter {name:?} is on {:?} but the accelerator computes on {:?}; build the \
                  model with `accelerator.device()` (at ZeRO stage 3, or on the host)",
