@@ -34,7 +34,7 @@ pub struct AcceleratorBuilder {
     overlap_gradient_reduction: Option<bool>,
     sync_each_batch: bool,
     keep_gathered_in_window: Option<bool>,
-    fsdp_prefetch: Option<crate::fsdp::PrefetchDepth>,
+    fsdp_prefetch: Option<crate::zero::PrefetchDepth>,
     zero_stage: Option<u8>,
     report_to: Vec<TrackerKind>,
     logging_dir: Option<std::path::PathBuf>,
@@ -153,7 +153,7 @@ impl AcceleratorBuilder {
     /// At most 64 units ahead in either pass. Default: `ACCELERATE_FSDP_FORWARD_PREFETCH` and
     /// `ACCELERATE_FSDP_BACKWARD_PREFETCH`, else Accelerate's: none.
     pub fn fsdp_prefetch(mut self, forward: usize, backward: usize) -> Self {
-        self.fsdp_prefetch = Some(crate::fsdp::PrefetchDepth { forward, backward });
+        self.fsdp_prefetch = Some(crate::zero::PrefetchDepth { forward, backward });
         self
     }
 
@@ -268,7 +268,7 @@ impl AcceleratorBuilder {
         };
         let prefetch = match self.fsdp_prefetch {
             Some(depth) => depth.check()?,
-            None => crate::fsdp::PrefetchDepth::from_env()?,
+            None => crate::zero::PrefetchDepth::from_env()?,
         };
         if zero_stage >= 2 && self.sync_each_batch {
             return Err(crate::Error::Config(format!(

@@ -44,7 +44,7 @@ use candle_core::Var;
 pub(crate) use layout::UnitLayout;
 pub use layout::UnitSpec;
 pub use params::UnitParams;
-pub(crate) use prefetch::{PrefetchDepth, Prefetcher};
+pub(crate) use prefetch::Prefetcher;
 pub(crate) use state::FsdpState;
 pub use unit::ShardedUnit;
 

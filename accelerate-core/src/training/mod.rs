@@ -260,7 +260,7 @@ impl TrainingState {
     }
 
     /// Under ZeRO stage 3: how many units are gathered ahead.
-    pub fn fsdp_prefetch(&self) -> crate::fsdp::PrefetchDepth {
+    pub fn fsdp_prefetch(&self) -> crate::zero::PrefetchDepth {
         self.zero_config.prefetch
     }
 

@@ -10,12 +10,12 @@ use super::{lock, SharedOptimizer, SharedScheduler, TrainingState};
 use crate::comm::store::Store;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::fsdp::{FsdpState, ModelUnits, PrefetchDepth, Prefetcher, UnitLayout, UnitSpec};
+use crate::fsdp::{FsdpState, ModelUnits, Prefetcher, UnitLayout, UnitSpec};
 use crate::grads::{sorted_named_vars, GradientBuffers};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
 use crate::optim::{LrScheduler, Optimizer};
 use crate::window::Accumulation;
-use crate::zero::{ShardPlan, ZeroState};
+use crate::zero::{PrefetchDepth, ShardPlan, ZeroState};
 
 /// What preparing a model needs of the accelerator: where it computes, who this rank is, how it
 /// reaches the other ranks, and the models prepared before.

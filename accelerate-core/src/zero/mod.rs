@@ -12,6 +12,7 @@
 mod grad_shard;
 mod link;
 mod plan;
+mod prefetch_depth;
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use candle_core::{Tensor, Var};
 pub(crate) use grad_shard::GradientShard;
 pub(crate) use link::CommLink;
 pub(crate) use plan::ShardPlan;
+pub(crate) use prefetch_depth::PrefetchDepth;
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
@@ -50,7 +52,7 @@ pub(crate) struct ZeroConfig {
     /// (see `AcceleratorBuilder::keep_gathered_in_window`).
     pub keep_gathered: bool,
     /// Stage 3: how many units are gathered ahead (see `AcceleratorBuilder::fsdp_prefetch`).
-    pub prefetch: crate::fsdp::PrefetchDepth,
+    pub prefetch: PrefetchDepth,
 }
 
 impl ZeroConfig {
@@ -60,7 +62,7 @@ impl ZeroConfig {
             stage,
             link: CommLink::new(comm),
             keep_gathered: false,
-            prefetch: crate::fsdp::PrefetchDepth::DEFAULT,
+            prefetch: PrefetchDepth::DEFAULT,
         }
     }
 }
