@@ -576,7 +576,11 @@ fn tiny_train(args: &[String]) -> Result<()> {
     acc.wait_for_everyone()?;
     acc.print(format!(
         "result: {}",
-        serde_json::json!({"optimizer_steps": acc.optimizer_steps(), "device": format!("{:?}", device.location())})
+        serde_json::json!({
+            "optimizer_steps": acc.optimizer_steps(),
+            "device": format!("{:?}", device.location()),
+            "gathers_ahead": acc.gradient_sync_stats().gathers_ahead,
+        })
     ));
     Ok(())
 }

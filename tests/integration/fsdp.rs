@@ -734,33 +734,55 @@ fn bf16_at_stage_three_trains_as_stage_two() {
 /// The worker's `tiny_train` at stage 3 builds its model on the host and prepares it with units
 /// (on a GPU, `prepare` then moves only each rank's pieces to the device: the GPU test
 /// `a_host_built_model_at_stage_three_on_two_nccl_ranks_equals_one_process` runs this program
-/// over NCCL). Under the launcher on 2 CPU ranks it saves stage 0's weights bit for bit.
+/// over NCCL). Under the launcher on 2 CPU ranks it saves stage 0's weights bit for bit, with
+/// and without prefetch (asked through the launcher's flags, over a TCP ring: the prefetch
+/// thread's communicator is a second ring between the processes).
 #[test]
 fn the_workers_stage_three_path_saves_stage_zeros_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let saved: Vec<_> = ["0", "3"]
+    let prefetch = [
+        "--fsdp-forward-prefetch",
+        "1",
+        "--fsdp-backward-prefetch",
+        "BACKWARD_PRE",
+    ];
+    let runs: [(&str, &[&str]); 3] = [("0", &[]), ("3", &[]), ("3", &prefetch)];
+    let saved: Vec<_> = runs
         .iter()
-        .map(|stage| {
-            let out = dir.path().join(format!("tiny-{stage}.safetensors"));
+        .enumerate()
+        .map(|(i, (stage, flags))| {
+            let out = dir.path().join(format!("tiny-{i}.safetensors"));
             let o = accelerate_tests::Job::worker()
                 .ranks(2)
                 .launcher_flags(["--zero-stage", stage])
+                .launcher_flags(*flags)
+                .env("ACCELERATE_CPU_TRANSPORT", "tcp")
                 .arg("tiny_train")
                 .arg(&out)
                 .args(["2", "4", "160"])
                 .limit(std::time::Duration::from_secs(300))
                 .run();
-            assert!(o.status.success(), "{}", accelerate_tests::output_text(&o));
+            let text = accelerate_tests::output_text(&o);
+            assert!(o.status.success(), "{text}");
+            // Only the run that asked for prefetch gathered units ahead.
+            let none_ahead = text.contains("\"gathers_ahead\":0");
+            assert_eq!(none_ahead, flags.is_empty(), "{text}");
             accelerate_tests::load_flat(&out)
         })
         .collect();
     assert_eq!(saved[0].len(), 4);
-    for (name, plain) in &saved[0] {
-        let sharded = &saved[1][name];
-        let same = plain
-            .iter()
-            .zip(sharded)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{name}: stage 3 differs from stage 0");
+    for run in 1..3 {
+        for (name, plain) in &saved[0] {
+            let sharded = &saved[run][name];
+            let same = plain
+                .iter()
+                .zip(sharded)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{name}: stage 3 ({:?}) differs from stage 0",
+                runs[run].1
+            );
+        }
     }
 }
