@@ -227,8 +227,8 @@ fn a_model_too_large_for_one_rank_trains_fully_sharded_on_two_and_three() {
 
 /// The `mlp` example's arguments for the stage comparison, writing the model to `out` and the
 /// per-step losses to `metrics`.
-fn mlp_args(batch: usize, k: usize, out: &Path, metrics: &Path) -> Vec<String> {
-    let mut args = small_mlp_args(240, batch, "adamw", 11, out);
+fn mlp_args(batch: usize, k: usize, optimizer: &str, out: &Path, metrics: &Path) -> Vec<String> {
+    let mut args = small_mlp_args(240, batch, optimizer, 11, out);
     args.extend(
         [
             "--grad-accum",
@@ -245,13 +245,20 @@ fn mlp_args(batch: usize, k: usize, out: &Path, metrics: &Path) -> Vec<String> {
     args
 }
 
-/// The `mlp` example, one unit per layer, on 2 and 3 ranks under the launcher: at
-/// `--zero-stage 3` every step's global loss, the evaluations and the saved model are stage 0's
-/// within 1e-6 (on two ranks a mean of two is the same sum either way: bit for bit).
+/// The `mlp` example, one unit per layer, on 2 and 3 ranks × K = 1, 2 under the launcher, with
+/// AdamW and with SGD: at `--zero-stage 3` every step's global loss, the evaluations and the
+/// saved model are stage 0's within 1e-6 (on two ranks a mean of two is the same sum either way:
+/// bit for bit).
 #[test]
 fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
     let dir = tempfile::tempdir().unwrap();
-    for (n, k) in [(2, 1), (2, 2), (3, 1)] {
+    let grid = [
+        (2, 1, "adamw"),
+        (2, 2, "sgd"),
+        (3, 1, "sgd"),
+        (3, 2, "adamw"),
+    ];
+    for (n, k, optimizer) in grid {
         let mut runs = Vec::new();
         for stage in [0u8, 3] {
             let out = dir
@@ -260,7 +267,7 @@ fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
             let metrics = dir.path().join(format!("metrics_{n}_{k}_{stage}.jsonl"));
             let o = Job::example("mlp")
                 .ranks(n)
-                .args(mlp_args(4, k, &out, &metrics))
+                .args(mlp_args(4, k, optimizer, &out, &metrics))
                 .args(["--zero-stage", &stage.to_string()])
                 .limit(LIMIT)
                 .run();
@@ -274,7 +281,7 @@ fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
         let d_loss = max_diff(&stage3.1, &stage0.1);
         let d_eval = (stage3.2 - stage0.2).abs();
         eprintln!(
-            "mlp, {n} ranks, K={k}: stage 3 against stage 0: max |Δθ| {d_model:e}, max |Δ loss| \
+            "mlp, {n} ranks, K={k}, {optimizer}: stage 3 against stage 0: max |Δθ| {d_model:e}, max |Δ loss| \
              {d_loss:e}, |Δ eval_loss| {d_eval:e}"
         );
         assert_eq!(stage0.1.len(), stage3.1.len());
@@ -295,7 +302,7 @@ fn the_mlp_example_at_stage_three_trains_as_at_stage_zero() {
         // Stage 3 moved the weights: the comparison could have failed.
         let initial = dir.path().join("initial.safetensors");
         let init_metrics = dir.path().join("initial.jsonl");
-        let mut a = mlp_args(4, k, &initial, &init_metrics);
+        let mut a = mlp_args(4, k, optimizer, &initial, &init_metrics);
         a.extend(["--max-steps".into(), "0".into()]);
         let o = Job::mlp(1).limit(LIMIT).args(a).run();
         assert!(o.status.success(), "{}", output_text(&o));
