@@ -105,7 +105,7 @@ pub struct Args {
     /// Under ZeRO stage 3, how many units are all-gathered ahead of the one whose backward runs:
     /// 0 to 64, or Accelerate's fsdp_backward_prefetch, BACKWARD_PRE or BACKWARD_POST (1) or
     /// NO_PREFETCH (0); a number is a count of units, not PyTorch's enum; exported as
-    /// ACCELERATE_FSDP_BACKWARD_PREFETCH (the workers' default: 1).
+    /// ACCELERATE_FSDP_BACKWARD_PREFETCH (the workers' default: 0).
     #[arg(
         long,
         alias = "fsdp_backward_prefetch",
