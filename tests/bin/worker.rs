@@ -514,10 +514,17 @@ fn tiny_train(args: &[String]) -> Result<()> {
     let build_on = if sharded { Device::Cpu } else { device.clone() };
     let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &build_on)?;
     let (x, y) = accelerate_tests::tiny_data(samples, 2)?;
-    let prepared = acc.prepare_model(accelerate_core::Model::from_varmap(&varmap).units(vec![
-        accelerate_core::UnitSpec::new("l1", ["l1."]),
-        accelerate_core::UnitSpec::new("l2", ["l2."]),
-    ]))?;
+    let prepared = if sharded {
+        let model = accelerate_core::Model::from_varmap(&varmap).units(vec![
+            accelerate_core::UnitSpec::new("l1", ["l1."]),
+            accelerate_core::UnitSpec::new("l2", ["l2."]),
+        ]);
+        acc.prepare_model(model)?
+    } else {
+        // The plain way below stage 3.
+        acc.prepare(&varmap)?;
+        acc.model().clone()
+    };
     let params = prepared.parameters().to_vec();
     let cfg = AdamWConfig {
         lr: 0.01,

@@ -136,8 +136,11 @@ impl FsdpState {
                 Some(range) => {
                     let flat = var.as_tensor().flatten_all()?;
                     let part = flat.narrow(0, range.start, range.len())?;
-                    // Onto the device: the whole model may lie on the host (see `prepare`).
-                    Var::from_tensor(&part.to_dtype(master_dtype)?.to_device(device)?)?
+                    // Onto the device: the whole model may lie on the host (see `prepare`); a
+                    // compact copy, as `to_device` of a view moves the whole storage behind it.
+                    let part =
+                        crate::comm::staging::compact_copy(&part.to_dtype(master_dtype)?, device)?;
+                    Var::from_tensor(&part)?
                 }
                 // Empty, on the host: no zero-size allocation on a GPU; it never gets a gradient.
                 None => Var::zeros(0, master_dtype, &Device::Cpu)?,

@@ -568,12 +568,10 @@ impl Communicator for CpuCommunicator {
         &self,
         store: Option<&dyn Store>,
     ) -> Result<Option<Box<dyn Communicator + Send>>> {
-        // No liveness monitor: it follows one collective at a time, the training thread's. The
-        // sibling's waits end at the silence limit, with errors that name its own collectives.
-        let options = CpuCommOptions {
-            liveness: None,
-            ..self.options.clone()
-        };
+        // The same liveness monitor, so that a live peer busy elsewhere is waited for up to the
+        // busy limit here too. It reports one collective at a time: a timeout's message may
+        // name the other communicator's collective as what this rank was doing.
+        let options = self.options.clone();
         let sibling = match store {
             Some(store) => Self::connect(store, self.rank, self.world_size, options)?,
             None if self.world_size == 1 => Self::over(Link::Alone, 0, 1, options),
