@@ -13,12 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use accelerate_core::data::{DataLoader, Dataset};
-use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::Model;
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, GptUnits, TextWindows, TokenBatch};
 use accelerate_examples::run::{
-    self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, RunArgs, SummaryFields,
-    TrainLoop,
+    self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, OptimizerKind, RunArgs,
+    SummaryFields, TrainLoop,
 };
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -52,10 +51,16 @@ struct Args {
     /// Passes over the windows (each pass covers the text about twice).
     #[arg(long, default_value_t = 3)]
     epochs: usize,
-    /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = 3e-3)]
-    lr: f64,
-    /// Decoupled weight decay.
+    /// Peak learning rate (default 3e-3 for AdamW, 0.1 for SGD).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    optimizer: OptimizerKind,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Weight decay (decoupled for AdamW).
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
     /// Dropout probability (GPT-2's places: embeddings, attention probabilities, residual
@@ -141,8 +146,9 @@ fn check_flags(args: &Args) -> Result<()> {
             args.dropout
         );
     }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        bail!("--lr must be a positive number, got {}", args.lr);
+    let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
+    if !(lr.is_finite() && lr > 0.0) {
+        bail!("--lr must be a positive number, got {lr}");
     }
     Ok(())
 }
@@ -259,14 +265,10 @@ fn run(args: &Args) -> Result<()> {
         "windows",
         Some("tokens"),
     )?;
-    let opt = AdamW::new(
-        params,
-        AdamWConfig {
-            lr: args.lr,
-            weight_decay: args.weight_decay,
-            ..AdamWConfig::default()
-        },
-    )?;
+    let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
+    let opt = args
+        .optimizer
+        .build(params, lr, args.momentum, args.weight_decay)?;
     let mut train = TrainLoop::new(
         &args.run,
         args.epochs,
@@ -295,7 +297,7 @@ fn run(args: &Args) -> Result<()> {
         memory: true,
         ..SummaryFields::default()
     };
-    train.run(&mut acc, loader, evaluator, Box::new(opt))
+    train.run(&mut acc, loader, evaluator, opt)
 }
 
 /// One evaluation row per window of `batch`: the summed cross-entropy of its real target tokens

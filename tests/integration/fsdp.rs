@@ -479,32 +479,38 @@ fn example_job(name: &str, n: usize, stage: u8) -> accelerate_tests::Job {
         .limit(std::time::Duration::from_secs(300))
 }
 
-/// The `gpt` example at stage 3 on 2 and 3 ranks, K = 1 and 2: the model it saves is stage 0's,
-/// byte for byte (the units are recomputed bitwise on the CPU, and the means are the same).
+/// The `gpt` example at stage 3 on 2 and 3 ranks, K = 1 and 2, with AdamW and with SGD: the model
+/// it saves is stage 0's, byte for byte (the units are recomputed bitwise on the CPU, and the
+/// means are the same).
 #[test]
 fn the_gpt_example_at_stage_three_saves_stage_zeros_model() {
     let dir = tempfile::tempdir().unwrap();
     for n in [2, 3] {
         for k in [1, 2] {
-            let saved: Vec<Vec<u8>> = [0u8, 3]
-                .iter()
-                .map(|&stage| {
-                    let path = dir.path().join(format!("gpt-{n}-{k}-{stage}.safetensors"));
-                    let o = example_job("gpt", n, stage)
-                        .args(["--max-steps", "4", "--batch-size", "4", "--width", "32"])
-                        .args(["--context", "32", "--grad-accum", &k.to_string()])
-                        .arg("--save-model")
-                        .arg(&path)
-                        .run();
-                    assert!(o.status.success(), "{}", o.text());
-                    assert_eq!(o.summary::<u8>("zero_stage"), stage);
-                    bytes(&path)
-                })
-                .collect();
-            assert!(
-                saved[0] == saved[1],
-                "n={n} k={k}: stage 3 saved another model than stage 0"
-            );
+            for optimizer in ["adamw", "sgd"] {
+                let saved: Vec<Vec<u8>> = [0u8, 3]
+                    .iter()
+                    .map(|&stage| {
+                        let path = dir
+                            .path()
+                            .join(format!("gpt-{n}-{k}-{optimizer}-{stage}.safetensors"));
+                        let o = example_job("gpt", n, stage)
+                            .args(["--max-steps", "4", "--batch-size", "4", "--width", "32"])
+                            .args(["--context", "32", "--grad-accum", &k.to_string()])
+                            .args(["--optimizer", optimizer])
+                            .arg("--save-model")
+                            .arg(&path)
+                            .run();
+                        assert!(o.status.success(), "{}", o.text());
+                        assert_eq!(o.summary::<u8>("zero_stage"), stage);
+                        bytes(&path)
+                    })
+                    .collect();
+                assert!(
+                    saved[0] == saved[1],
+                    "n={n} k={k} {optimizer}: stage 3 saved another model than stage 0"
+                );
+            }
         }
     }
 }
