@@ -16,7 +16,7 @@ use accelerate_core::data::{DataLoader, Dataset};
 use accelerate_core::Model;
 use accelerate_examples::gpt::{self, CharVocab, GptConfig, GptUnits, TextWindows, TokenBatch};
 use accelerate_examples::run::{
-    self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, OptimizerKind, RunArgs,
+    self, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator, OptimizerArgs, RunArgs,
     SummaryFields, TrainLoop,
 };
 use anyhow::{bail, Context, Result};
@@ -51,18 +51,8 @@ struct Args {
     /// Passes over the windows (each pass covers the text about twice).
     #[arg(long, default_value_t = 3)]
     epochs: usize,
-    /// Peak learning rate (default 3e-3 for AdamW, 0.1 for SGD).
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
-    optimizer: OptimizerKind,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Weight decay (decoupled for AdamW).
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
+    #[command(flatten)]
+    optimizer: OptimizerArgs,
     /// Dropout probability (GPT-2's places: embeddings, attention probabilities, residual
     /// branches); 0 is off. Masks come from each rank's checkpointed generator.
     #[arg(long, default_value_t = 0.0)]
@@ -88,6 +78,9 @@ struct Args {
     #[command(flatten)]
     run: RunArgs,
 }
+
+/// AdamW's and SGD's peak learning rates without --lr.
+const LR_DEFAULTS: (f64, f64) = (3e-3, 0.1);
 
 fn main() {
     run::exit_on_error(run(&Args::parse()));
@@ -146,10 +139,7 @@ fn check_flags(args: &Args) -> Result<()> {
             args.dropout
         );
     }
-    let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
-    if !(lr.is_finite() && lr > 0.0) {
-        bail!("--lr must be a positive number, got {lr}");
-    }
+    args.optimizer.lr(LR_DEFAULTS)?;
     Ok(())
 }
 
@@ -265,10 +255,7 @@ fn run(args: &Args) -> Result<()> {
         "windows",
         Some("tokens"),
     )?;
-    let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
-    let opt = args
-        .optimizer
-        .build(params, lr, args.momentum, args.weight_decay)?;
+    let opt = args.optimizer.build(params, LR_DEFAULTS)?;
     let mut train = TrainLoop::new(
         &args.run,
         args.epochs,

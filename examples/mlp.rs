@@ -11,7 +11,7 @@ use accelerate_core::data::{DataLoader, Dataset, TensorDataset};
 use accelerate_core::{MixedPrecision, Model, PreparedModel};
 use accelerate_examples::run::{
     self, correct_predictions, per_row_cross_entropy, sample_rows, BatchCounts, Evaluator,
-    OptimizerKind, RunArgs, SummaryFields, TrainLoop,
+    OptimizerArgs, RunArgs, SummaryFields, TrainLoop,
 };
 use accelerate_examples::{layers, mlp};
 use anyhow::{bail, Context, Result};
@@ -38,18 +38,8 @@ struct Args {
     /// Passes over the data.
     #[arg(long, default_value_t = 1)]
     epochs: usize,
-    /// Peak learning rate (default 1e-3 for AdamW, 0.05 for SGD).
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
-    optimizer: OptimizerKind,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Weight decay (decoupled for AdamW).
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
+    #[command(flatten)]
+    optimizer: OptimizerArgs,
     /// Seed of the data, the shuffle and the initial weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -196,10 +186,8 @@ fn run(args: &Args) -> Result<()> {
         memory: true,
         ..SummaryFields::default()
     };
-    let lr = args.optimizer.lr_or(args.lr, 1e-3, 0.05);
-    let opt = args
-        .optimizer
-        .build(params, lr, args.momentum, args.weight_decay)?;
+    // AdamW's and SGD's peak learning rates without --lr.
+    let opt = args.optimizer.build(params, (1e-3, 0.05))?;
     train.run(&mut acc, loader, evaluator, opt)?;
     run::save_model(&acc, args.save_model.as_deref())
 }

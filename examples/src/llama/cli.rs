@@ -12,7 +12,10 @@ use super::data::TokenRows;
 use super::model_dir::{parse_size, DEFAULT_MAX_SHARD_SIZE};
 use super::text::TextArgs;
 use crate::gpt::{self, CharVocab};
-use crate::run::{OptimizerKind, RunArgs};
+use crate::run::{OptimizerArgs, RunArgs};
+
+/// AdamW's and SGD's peak learning rates without --lr.
+pub(crate) const LR_DEFAULTS: (f64, f64) = (3e-3, 0.1);
 
 /// The flags of a run of the llama workload, shared by the `llama` and `lora` examples; use with
 /// `#[command(flatten)]`.
@@ -78,18 +81,8 @@ pub struct LlamaArgs {
     /// Passes over the rows (--max-steps overrides it: as many as its steps take).
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
-    /// Peak learning rate (default 3e-3 for AdamW, 0.1 for SGD).
-    #[arg(long)]
-    pub lr: Option<f64>,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
-    pub optimizer: OptimizerKind,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f64,
-    /// Weight decay (decoupled for AdamW).
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f64,
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
     /// Seed of the shuffle and the initial weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -159,11 +152,7 @@ pub fn check_flags(args: &LlamaArgs) -> Result<()> {
         );
     }
     args.run.check()?;
-    if let Some(lr) = args.lr {
-        if !(lr.is_finite() && lr > 0.0) {
-            bail!("--lr must be a positive number, got {lr}");
-        }
-    }
+    args.optimizer.lr(LR_DEFAULTS)?;
     Ok(())
 }
 

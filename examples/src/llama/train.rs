@@ -216,10 +216,7 @@ impl<'a> LlamaRun<'a> {
             ..SummaryFields::default()
         };
         train.after_resume = after_resume.map(|AfterResume(check)| check);
-        let lr = args.optimizer.lr_or(args.lr, 3e-3, 0.1);
-        let opt = args
-            .optimizer
-            .build(params, lr, args.momentum, args.weight_decay)?;
+        let opt = args.optimizer.build(params, super::cli::LR_DEFAULTS)?;
         train.run(&mut acc, loader, evaluator, opt)?;
         Ok(acc)
     }

@@ -24,7 +24,7 @@ pub use evaluate::{
 pub use flags::{ReportTo, RunArgs, ScheduleKind, DEFAULT_EVAL_FRACTION};
 pub use model_file::{parameter_tensors, save_model};
 pub use monitor::{peak_resident_mib, RunMonitor, RunTotals, StepCounts};
-pub use optimizer::OptimizerKind;
+pub use optimizer::{OptimizerArgs, OptimizerKind};
 pub use split::{hold_out, split_indices, Subset};
 pub use train::{AfterResumeFn, BatchCounts, SummaryFields, TrainLoop};
 pub use units::check_wrap_classes;

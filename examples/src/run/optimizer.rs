@@ -14,6 +14,48 @@ pub enum OptimizerKind {
     Adamw,
 }
 
+/// `--lr`, `--optimizer`, `--momentum` and `--weight-decay`: how a run's optimizer is picked and
+/// set (`#[command(flatten)]` into an example's flags).
+#[derive(Debug, Clone, clap::Args)]
+pub struct OptimizerArgs {
+    /// Peak learning rate (default: the example's for the optimizer: mlp 1e-3 for AdamW and 0.05
+    /// for SGD, gpt and llama 3e-3 and 0.1).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Weight decay (decoupled for AdamW).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+}
+
+impl OptimizerArgs {
+    /// The run's peak learning rate: `--lr` when given, else the example's default for the
+    /// optimizer, `(adamw, sgd)`; a rate that is not a positive number is refused.
+    pub fn lr(&self, (adamw, sgd): (f64, f64)) -> Result<f64> {
+        let lr = self.optimizer.lr_or(self.lr, adamw, sgd);
+        if !(lr.is_finite() && lr > 0.0) {
+            anyhow::bail!("--lr must be a positive number, got {lr}");
+        }
+        Ok(lr)
+    }
+
+    /// The optimizer over `params`, at [`lr`](Self::lr) with the example's `defaults`.
+    pub fn build(
+        &self,
+        params: Vec<(String, Var)>,
+        defaults: (f64, f64),
+    ) -> Result<Box<dyn Optimizer + Send>> {
+        let lr = self.lr(defaults)?;
+        self.optimizer
+            .build(params, lr, self.momentum, self.weight_decay)
+    }
+}
+
 impl OptimizerKind {
     /// The learning rate of the run: `lr` (--lr) when given, else this optimizer's default for
     /// the workload, `adamw` or `sgd`.
