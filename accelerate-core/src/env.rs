@@ -122,12 +122,56 @@ pub(crate) fn switch(value: &str) -> Option<bool> {
     }
 }
 
+/// The most units ZeRO stage 3 gathers ahead in a pass (more only holds memory to no use).
+pub const MAX_PREFETCH_UNITS: usize = 64;
+
+/// A number of units gathered ahead, 0 to [`MAX_PREFETCH_UNITS`].
+fn prefetch_units(value: &str) -> Option<usize> {
+    value
+        .trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n <= MAX_PREFETCH_UNITS)
+}
+
+/// A value of [`FSDP_FORWARD_PREFETCH`] as the units gathered ahead in the forward pass: a number
+/// 0 to [`MAX_PREFETCH_UNITS`], or an on/off switch (1 or 0, as Accelerate's
+/// `fsdp_forward_prefetch`); `None` for anything else. The launcher checks its flag with it.
+pub fn fsdp_forward_prefetch_units(value: &str) -> Option<usize> {
+    prefetch_units(value).or_else(|| switch(value).map(usize::from))
+}
+
+/// A value of [`FSDP_BACKWARD_PREFETCH`] as the units gathered ahead in the backward pass: a
+/// number 0 to [`MAX_PREFETCH_UNITS`], or PyTorch's `BackwardPrefetch` name in any case
+/// (`BACKWARD_PRE` and `BACKWARD_POST` both gather the next unit while the current one's
+/// backward runs: 1; `NO_PREFETCH` or `NONE`: 0); `None` for anything else.
+pub fn fsdp_backward_prefetch_units(value: &str) -> Option<usize> {
+    prefetch_units(value).or_else(|| match value.trim().to_ascii_uppercase().as_str() {
+        "BACKWARD_PRE" | "BACKWARD_POST" => Some(1),
+        "NO_PREFETCH" | "NONE" => Some(0),
+        _ => None,
+    })
+}
+
 /// What [`switch`] accepts, for error messages.
 pub(crate) const SWITCH_VALUES: &str = "expected 1 or 0 (also true/false, on/off, yes/no)";
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_depths_read_numbers_and_accelerates_names() {
+        assert_eq!(fsdp_forward_prefetch_units("2"), Some(2));
+        assert_eq!(fsdp_forward_prefetch_units("true"), Some(1));
+        assert_eq!(fsdp_forward_prefetch_units("false"), Some(0));
+        assert_eq!(fsdp_forward_prefetch_units("65"), None);
+        assert_eq!(fsdp_backward_prefetch_units("BACKWARD_PRE"), Some(1));
+        assert_eq!(fsdp_backward_prefetch_units("backward_post"), Some(1));
+        assert_eq!(fsdp_backward_prefetch_units("NO_PREFETCH"), Some(0));
+        assert_eq!(fsdp_backward_prefetch_units("3"), Some(3));
+        assert_eq!(fsdp_backward_prefetch_units("sometimes"), None);
+    }
 
     #[test]
     fn on_off_switches_read_the_usual_spellings_and_refuse_others() {

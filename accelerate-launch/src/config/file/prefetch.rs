@@ -4,7 +4,8 @@
 //!
 //! Two readings, one per source, because a number means different things in each:
 //! - **Flags** (`--fsdp-forward-prefetch`, `--fsdp-backward-prefetch`) take what the workers'
-//!   variables take (accelerate-core's `fsdp/prefetch.rs`), so that a typo fails before any worker
+//!   variables take (`accelerate_core::env::fsdp_forward_prefetch_units` and its backward twin,
+//!   the very parsers the workers use), so that a typo fails before any worker
 //!   starts: a number of units 0 to 64; or, forward, an on/off switch (1 unit or none); backward,
 //!   one of PyTorch's `BackwardPrefetch` names (`BACKWARD_PRE` and `BACKWARD_POST`: 1 unit;
 //!   `NO_PREFETCH`: none).
@@ -17,9 +18,6 @@ use serde_json::Value;
 
 use super::Reader;
 
-/// The most units gathered ahead: accelerate-core's bound (more only holds memory to no use).
-const MAX_PREFETCH_UNITS: usize = 64;
-
 /// What `--fsdp-forward-prefetch` accepts, for messages.
 const FORWARD_UNITS: &str = "give the number of units all-gathered ahead in the forward pass, 0 \
                              to 64, or true/false (1/0; also on/off, yes/no)";
@@ -29,31 +27,10 @@ const BACKWARD_UNITS: &str = "give the number of units all-gathered ahead in the
                               0 to 64, or BACKWARD_PRE or BACKWARD_POST (1 unit), NO_PREFETCH \
                               (none)";
 
-/// A number of units, 0 to [`MAX_PREFETCH_UNITS`].
-fn units(value: &str) -> Option<usize> {
-    value
-        .parse::<usize>()
-        .ok()
-        .filter(|&n| n <= MAX_PREFETCH_UNITS)
-}
-
-/// An on/off switch as accelerate-core reads one: `1`/`0`, `true`/`false`, `on`/`off`,
-/// `yes`/`no`, in any case.
-fn switch(value: &str) -> Option<bool> {
-    match value.to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Some(true),
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => None,
-    }
-}
-
 /// Parses `--fsdp-forward-prefetch`: the units gathered ahead in the forward pass, as the workers
 /// read `ACCELERATE_FSDP_FORWARD_PREFETCH` (a number 0 to 64, or true/false for 1/0).
 pub fn forward_prefetch_units(value: &str) -> Result<usize, String> {
-    let value = value.trim();
-    units(value)
-        .or_else(|| switch(value).map(usize::from))
-        .ok_or_else(|| FORWARD_UNITS.to_string())
+    accelerate_core::env::fsdp_forward_prefetch_units(value).ok_or_else(|| FORWARD_UNITS.into())
 }
 
 /// Parses `--fsdp-backward-prefetch`: the units gathered ahead in the backward pass, as the
@@ -61,14 +38,7 @@ pub fn forward_prefetch_units(value: &str) -> Result<usize, String> {
 /// name: both of FSDP's timings gather the next unit while the current one's backward runs, which
 /// is one unit ahead).
 pub fn backward_prefetch_units(value: &str) -> Result<usize, String> {
-    let value = value.trim();
-    units(value)
-        .or_else(|| match value.to_ascii_uppercase().as_str() {
-            "BACKWARD_PRE" | "BACKWARD_POST" => Some(1),
-            "NO_PREFETCH" | "NONE" => Some(0),
-            _ => None,
-        })
-        .ok_or_else(|| BACKWARD_UNITS.to_string())
+    accelerate_core::env::fsdp_backward_prefetch_units(value).ok_or_else(|| BACKWARD_UNITS.into())
 }
 
 impl Reader<'_> {
