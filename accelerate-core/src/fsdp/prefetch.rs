@@ -100,11 +100,10 @@ impl Order {
     }
 }
 
-/// A gather for the thread: this rank's block of unit `unit`, gathered into `len` elements.
+/// A gather for the thread: this rank's block of unit `unit`.
 struct Request {
     unit: usize,
     send: Tensor,
-    len: usize,
 }
 
 /// The thread's answer: the unit and its gathered buffer (or why not).
@@ -196,11 +195,13 @@ impl Prefetcher {
         let thread = std::thread::Builder::new()
             .name("zero3-prefetch".into())
             .spawn(move || {
-                for Request { unit, send, len } in work {
+                for Request { unit, send } in work {
                     if closed.load(Ordering::Acquire) {
                         break;
                     }
                     let gathered = (|| {
+                        // Every rank's block, in rank order.
+                        let len = send.elem_count() * comm.world_size();
                         let out = Tensor::zeros(len, send.dtype(), send.device())?;
                         comm.all_gather_into_agreed(&send, &out)?;
                         Ok(out)
@@ -229,15 +230,14 @@ impl Prefetcher {
     /// Unit `u` is about to run in `pass`: asks the thread for it (unless it was asked before
     /// or is `kept` gathered for the window) and for the units expected next, up to the depth,
     /// then waits for `u`'s buffer. `send_buffer(v)` gives this rank's block of unit `v` in a
-    /// buffer of its own (the thread reads it while the training thread goes on) and the
-    /// gathered length. Returns `u`'s buffer (`None` when it is kept) and the units asked now,
-    /// whose traffic the caller counts.
+    /// buffer of its own (the thread reads it while the training thread goes on). Returns `u`'s
+    /// buffer (`None` when it is kept) and the units asked now, whose traffic the caller counts.
     pub fn take(
         &self,
         u: usize,
         pass: Pass,
         kept: &dyn Fn(usize) -> bool,
-        send_buffer: &dyn Fn(usize) -> Result<(Tensor, usize)>,
+        send_buffer: &dyn Fn(usize) -> Result<Tensor>,
     ) -> Result<(Option<Tensor>, Vec<usize>)> {
         let mut ahead = lock(&self.lookahead);
         ahead.order.record(pass, u);
@@ -254,10 +254,10 @@ impl Prefetcher {
             if v != u && ahead.held_besides(u) >= depth {
                 break;
             }
-            let (send, len) = send_buffer(v)?;
+            let send = send_buffer(v)?;
             ahead
                 .requests
-                .send(Request { unit: v, send, len })
+                .send(Request { unit: v, send })
                 .map_err(|_| thread_gone())?;
             ahead.in_flight.push_back(v);
             ahead.issued += 1;
@@ -367,7 +367,7 @@ mod tests {
             },
         )
         .unwrap();
-        let send = |v: usize| Ok((Tensor::full(v as f32, 3, &Device::Cpu)?, 3));
+        let send = |v: usize| Ok(Tensor::full(v as f32, 3, &Device::Cpu)?);
         let (mut asked, mut most) = (Vec::new(), 0);
         for _ in 0..passes {
             for u in 0..units {
@@ -418,7 +418,7 @@ mod tests {
             },
         )
         .unwrap();
-        let send = |v: usize| Ok((Tensor::full(v as f32, 2, &Device::Cpu)?, 2));
+        let send = |v: usize| Ok(Tensor::full(v as f32, 2, &Device::Cpu)?);
         for u in 0..3 {
             prefetch.take(u, Pass::Forward, &|_| false, &send).unwrap();
         }
@@ -449,8 +449,8 @@ mod tests {
             PrefetchDepth::DEFAULT,
         )
         .unwrap();
-        // An output of another dtype than the input is refused by the communicator.
-        let send = |_| Ok((Tensor::zeros(2, DType::U32, &Device::Cpu)?, 3));
+        // A dtype no communicator carries is refused by the gather.
+        let send = |_| Ok(Tensor::zeros(2, DType::I32, &Device::Cpu)?);
         let err = prefetch
             .take(0, Pass::Forward, &|_| false, &send)
             .unwrap_err();

@@ -265,10 +265,7 @@ impl FsdpState {
         };
         let gathered = match &self.prefetch {
             Some(prefetch) => {
-                let send = |v: usize| {
-                    let send = self.send_buffer(v, self.compute_dtype)?;
-                    Ok((send, self.layout.padded_len(v)))
-                };
+                let send = |v: usize| self.send_buffer(v, self.compute_dtype);
                 let (gathered, asked) = prefetch.take(u, pass, &kept, &send)?;
                 count(&asked);
                 gathered

@@ -99,7 +99,8 @@ pub(crate) fn prepare_model(
     } = parts;
     let trained = sorted_named_vars(trained)?;
     let frozen = sorted_named_vars(frozen)?;
-    if p.models[0].zero_stage() == 3 && !frozen.is_empty() {
+    let sharded = p.models[0].zero_stage() == 3;
+    if sharded && !frozen.is_empty() {
         return Err(Error::Config(format!(
             "ZeRO stage 3 does not shard frozen parameters ({} here, e.g. {:?}); train with \
              every parameter unfrozen, or use zero_stage(2) for a model with frozen parts \
@@ -121,9 +122,8 @@ pub(crate) fn prepare_model(
     }
     // At stage 3 a model may be built on the host: `prepare` moves only this rank's pieces to
     // the device, so a model larger than one device trains if it fits the host.
-    let host_ok = p.models[0].zero_stage() == 3;
     for (name, var) in trained.iter().chain(&frozen) {
-        let placed = var.device().same_device(p.device) || (host_ok && var.device().is_cpu());
+        let placed = var.device().same_device(p.device) || (sharded && var.device().is_cpu());
         if !placed {
             return Err(Error::Parameters(format!(
                 "parameter {name:?} is on {:?} but the accelerator computes on {:?}; build the \
@@ -171,7 +171,7 @@ pub(crate) fn prepare_model(
         }
     }
     let prefetch = match &units {
-        Some(specs) if several_ranks && p.models[0].zero_stage() == 3 => {
+        Some(specs) if several_ranks && sharded => {
             prefetcher(p, specs.len(), p.models[0].fsdp_prefetch())?
         }
         _ => None,
