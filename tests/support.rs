@@ -21,6 +21,37 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// The tiny MLP's units (see [`tiny_mlp`]): `l1` and `l2`, one per layer.
+pub fn tiny_units() -> Vec<accelerate_core::UnitSpec> {
+    vec![
+        accelerate_core::UnitSpec::new("l1", ["l1."]),
+        accelerate_core::UnitSpec::new("l2", ["l2."]),
+    ]
+}
+
+/// The tiny MLP's `Linear` layer `name` (`l1` or `l2`) over a unit's parameters.
+pub fn tiny_layer(p: &accelerate_core::UnitParams, name: &str) -> Result<candle_nn::Linear> {
+    Ok(candle_nn::Linear::new(
+        p.get(&format!("{name}.weight"))?,
+        Some(p.get(&format!("{name}.bias"))?),
+    ))
+}
+
+/// The tiny MLP's logits through the units of a model prepared with [`tiny_units`]: what
+/// `TinyMlp::forward` computes, unit by unit.
+pub fn tiny_forward_units(
+    model: &accelerate_core::PreparedModel,
+    x: &Tensor,
+) -> accelerate_core::Result<Tensor> {
+    use candle_nn::Module;
+    let h = model
+        .unit("l1")?
+        .forward(x, |x, p| tiny_layer(p, "l1")?.forward(x)?.tanh())?;
+    model
+        .unit("l2")?
+        .forward(&h, |h, p| tiny_layer(p, "l2")?.forward(h))
+}
+
 /// Seeded classification data: x `[n, 6]`, y `[n]` (u32, in 0..3).
 pub fn tiny_data(n: usize, seed: u64) -> Result<(Tensor, Tensor)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);

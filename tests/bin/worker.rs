@@ -498,7 +498,6 @@ fn dead_peer(args: &[String]) -> Result<()> {
 /// stage 3 (`--zero-stage 3`) the model is built on the host and computes through its units.
 fn tiny_train(args: &[String]) -> Result<()> {
     use accelerate_core::optim::{AdamW, AdamWConfig};
-    use candle_nn::Module;
     let out = std::path::PathBuf::from(
         args.first()
             .ok_or_else(|| anyhow!("tiny_train needs an output path"))?,
@@ -515,11 +514,9 @@ fn tiny_train(args: &[String]) -> Result<()> {
     let (varmap, model) = accelerate_tests::tiny_mlp_on(1, &build_on)?;
     let (x, y) = accelerate_tests::tiny_data(samples, 2)?;
     let prepared = if sharded {
-        let model = accelerate_core::Model::from_varmap(&varmap).units(vec![
-            accelerate_core::UnitSpec::new("l1", ["l1."]),
-            accelerate_core::UnitSpec::new("l2", ["l2."]),
-        ]);
-        acc.prepare_model(model)?
+        acc.prepare_model(
+            accelerate_core::Model::from_varmap(&varmap).units(accelerate_tests::tiny_units()),
+        )?
     } else {
         // The plain way below stage 3.
         acc.prepare(&varmap)?;
@@ -544,14 +541,7 @@ fn tiny_train(args: &[String]) -> Result<()> {
             }
             let _step = acc.accumulate();
             let logits = if sharded {
-                let h = prepared.unit("l1")?.forward(&x, |x, p| {
-                    candle_nn::Linear::new(p.get("l1.weight")?, Some(p.get("l1.bias")?))
-                        .forward(x)?
-                        .tanh()
-                })?;
-                prepared.unit("l2")?.forward(&h, |h, p| {
-                    candle_nn::Linear::new(p.get("l2.weight")?, Some(p.get("l2.bias")?)).forward(h)
-                })?
+                accelerate_tests::tiny_forward_units(&prepared, &x)?
             } else {
                 model.forward(&x)?
             };

@@ -11,10 +11,10 @@ use accelerate_core::optim::{AdamW, AdamWConfig};
 use accelerate_core::{Accelerator, GradientSyncStats, Model, PreparedModel, UnitSpec};
 use accelerate_tests::{
     bits, global_batch_reference, load_flat, max_abs_diff_flat, max_diff, named_vars,
-    prepared_step, ranks_as_threads, snapshot, tiny_data, tiny_mlp, Opt,
+    prepared_step, ranks_as_threads, snapshot, tiny_data, tiny_forward_units as forward_units,
+    tiny_mlp, tiny_units as units, Opt,
 };
-use candle_core::{Module, Tensor};
-use candle_nn::Linear;
+use candle_core::Tensor;
 
 const BATCH: usize = 3;
 const STEPS: usize = 4;
@@ -33,22 +33,6 @@ enum Path {
 /// One rank's outcome: the whole parameters after training (sorted by name), the norms
 /// `clip_grad_norm` reported, and the gradient traffic.
 type RankResult = (Vec<Vec<f32>>, Vec<f64>, GradientSyncStats);
-
-fn units() -> Vec<UnitSpec> {
-    vec![UnitSpec::new("l1", ["l1."]), UnitSpec::new("l2", ["l2."])]
-}
-
-/// The tiny MLP's forward through its units.
-fn forward_units(model: &PreparedModel, x: &Tensor) -> accelerate_core::Result<Tensor> {
-    let h = model.unit("l1")?.forward(x, |x, p| {
-        Linear::new(p.get("l1.weight")?, Some(p.get("l1.bias")?))
-            .forward(x)?
-            .tanh()
-    })?;
-    model.unit("l2")?.forward(&h, |h, p| {
-        Linear::new(p.get("l2.weight")?, Some(p.get("l2.bias")?)).forward(h)
-    })
-}
 
 /// Trains the tiny MLP for `STEPS` optimizer steps on `n` ranks, K micro-batches of `BATCH`, under
 /// `stage`; rank r's micro-step j of step s takes samples `s·G + (j·n + r)·BATCH ..` of the global

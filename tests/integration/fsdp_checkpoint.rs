@@ -18,10 +18,10 @@ use std::path::{Path, PathBuf};
 use accelerate_core::optim::{AdamW, AdamWConfig, OptimizerState};
 use accelerate_core::{Accelerator, Model, PreparedModel, StateDictType, UnitSpec};
 use accelerate_tests::{
-    bits, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data, tiny_mlp,
+    bits, max_diff, named_vars, ranks_as_threads, snapshot, tiny_data, tiny_forward_units,
+    tiny_layer, tiny_mlp, tiny_units,
 };
 use candle_core::{Module, Tensor};
-use candle_nn::Linear;
 
 /// Samples per micro-step over all ranks.
 const GLOBAL: usize = 6;
@@ -38,31 +38,17 @@ enum Units {
 
 fn unit_specs(units: Units) -> Vec<UnitSpec> {
     match units {
-        Units::Two => vec![UnitSpec::new("l1", ["l1."]), UnitSpec::new("l2", ["l2."])],
+        Units::Two => tiny_units(),
         Units::One => vec![UnitSpec::new("mlp", ["l1.", "l2."])],
     }
-}
-
-fn layer(p: &accelerate_core::UnitParams, name: &str) -> candle_core::Result<Linear> {
-    Ok(Linear::new(
-        p.get(&format!("{name}.weight"))?,
-        Some(p.get(&format!("{name}.bias"))?),
-    ))
 }
 
 /// The tiny MLP's forward through its units.
 fn forward(model: &PreparedModel, units: Units, x: &Tensor) -> accelerate_core::Result<Tensor> {
     match units {
-        Units::Two => {
-            let h = model
-                .unit("l1")?
-                .forward(x, |x, p| layer(p, "l1")?.forward(x)?.tanh())?;
-            model
-                .unit("l2")?
-                .forward(&h, |h, p| layer(p, "l2")?.forward(h))
-        }
+        Units::Two => tiny_forward_units(model, x),
         Units::One => model.unit("mlp")?.forward(x, |x, p| {
-            layer(p, "l2")?.forward(&layer(p, "l1")?.forward(x)?.tanh()?)
+            tiny_layer(p, "l2")?.forward(&tiny_layer(p, "l1")?.forward(x)?.tanh()?)
         }),
     }
 }
